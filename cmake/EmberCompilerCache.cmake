@@ -1,0 +1,8 @@
+# Use ccache when it is installed. The sloppiness settings let it cache compiles that use the
+# precompiled LibTorch header.
+find_program(EMBER_CCACHE ccache)
+if(EMBER_CCACHE AND NOT CMAKE_CXX_COMPILER_LAUNCHER)
+  set(CMAKE_CXX_COMPILER_LAUNCHER
+      ${CMAKE_COMMAND} -E env CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
+      ${EMBER_CCACHE})
+endif()

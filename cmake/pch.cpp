@@ -1,0 +1,1 @@
+// Compiles the shared precompiled header (see the top-level CMakeLists.txt).

@@ -1,0 +1,73 @@
+// The engine's data loader: turns an IDataModule split into batches. Owns sampling (shuffle seeded
+// by seed and epoch, so an epoch's order never depends on what ran before it), distributed
+// sharding (equal batches on every rank), drop_last, and worker threads that prefetch batches
+// in order.
+#pragma once
+#include <ember/data.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ember::engine {
+
+struct LoaderOptions {
+  int64_t batch_size = 32;
+  bool shuffle = false;
+  bool drop_last = false;
+  int64_t num_workers = 0;
+  int64_t prefetch_factor = 2;
+  uint64_t seed = 0;
+  int64_t rank = 0;
+  int64_t world_size = 1;
+};
+
+// Sample indices of one rank for one epoch (exposed for tests).
+std::vector<int64_t> epoch_indices(int64_t dataset_size, const LoaderOptions& options, int64_t epoch);
+
+class DataLoader {
+ public:
+  DataLoader(const IDataModule& data, Split split, LoaderOptions options);
+  int64_t num_batches() const;  // batches per epoch on this rank
+  int64_t dataset_size() const { return size_; }
+
+  // One pass over batches [first, first + count) of `epoch`.
+  class Pass {
+   public:
+    Pass(const DataLoader& loader, int64_t epoch, int64_t first, int64_t count);
+    ~Pass();
+    Pass(const Pass&) = delete;
+    Pass& operator=(const Pass&) = delete;
+    // Returns false at the end of the pass. Rethrows an error raised by get_batch in a worker.
+    bool next(Batch& out);
+
+   private:
+    Batch load(int64_t batch) const;
+    void worker();
+    const DataLoader& loader_;
+    std::vector<int64_t> indices_;
+    int64_t next_ = 0, end_ = 0;       // next batch to hand out, one past the last
+    int64_t next_to_load_ = 0;         // next batch a worker will take
+    std::map<int64_t, Batch> ready_;
+    std::exception_ptr error_;
+    bool stopping_ = false;
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    std::vector<std::thread> threads_;
+  };
+
+  std::unique_ptr<Pass> pass(int64_t epoch, int64_t first, int64_t count) const;
+
+ private:
+  const IDataModule& data_;
+  Split split_;
+  LoaderOptions options_;
+  int64_t size_;
+};
+
+}  // namespace ember::engine

@@ -1,0 +1,164 @@
+#include "engine_schema.h"
+
+#include <ember/plugin.h>
+
+#include <map>
+#include <set>
+
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+namespace ember::engine {
+namespace {
+using namespace ember::key;
+
+constexpr EmberConfigKey kTrainerKeys[] = {
+    Int("max_epochs", nullptr, "Stop after this many epochs; -1 = no limit. Unset: 1000 unless max_steps is set (Lightning).").at_least(-1),
+    Int("max_steps", "-1", "Stop after this many optimizer steps; -1 = no limit.").at_least(-1),
+    Number("limit_train_batches", "1.0", "Batches per training epoch: a float is a fraction of the epoch, an int a count.").at_least(0),
+    Number("limit_val_batches", "1.0", "Validation batches per run: fraction (float) or count (int); 0 disables validation.").at_least(0),
+    Number("limit_test_batches", "1.0", "Test batches: fraction (float) or count (int).").at_least(0),
+    Number("val_check_interval", "1.0", "Validate every this fraction of an epoch (float) or every this many training batches (int).").above(0),
+    Int("check_val_every_n_epoch", "1", "Validate every n epochs; 0 = count val_check_interval batches across epochs (Lightning's None).").at_least(0),
+    Int("num_sanity_val_steps", "2", "Validation batches run before training to catch bugs early; -1 = all, 0 = none.").at_least(-1),
+    Int("accumulate_grad_batches", "1", "Accumulate gradients over k batches before each optimizer step.").at_least(1),
+    Float("gradient_clip_val", nullptr, "Clip gradients to this norm or value; unset or 0 = no clipping.").at_least(0),
+    String("gradient_clip_algorithm", "\"norm\"", "How to clip: by total 2-norm or by value.").choices("norm|value"),
+    Int("log_every_n_steps", "50", "Send per-step metrics to loggers every n optimizer steps.").at_least(1),
+    Int("seed", "0", "Seed for parameters, dropout, shuffling and splits.").at_least(0),
+    Bool("deterministic", "false", "Use deterministic algorithms only (torch.use_deterministic_algorithms)."),
+    String("accelerator", "\"auto\"", "Device type: cuda when available, else cpu (auto), or force one.").choices("auto|cpu|cuda"),
+    Int("devices", "1", "Devices (processes for ddp) per node.").at_least(1),
+    Int("num_nodes", "1", "Machines taking part in the run.").at_least(1),
+    String("strategy", "\"single_device\"", "Strategy plugin: single_device, or another installed strategy."),
+    String("precision", "\"32-true\"", "Precision: 64-true, 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true (or 64, 32, 16, bf16), or a precision plugin name."),
+    String("default_root_dir", "\"runs\"", "Folder under which runs are written: <default_root_dir>/<name>/version_<n>."),
+    String("name", nullptr, "Experiment name; unset = the config file's name without extension."),
+    Int("version", nullptr, "Run version folder to use; unset = the next free version_<n>.").at_least(0),
+    Bool("logger", "true", "Add the default logger (csv) when no logger plugin is named."),
+    Bool("enable_checkpointing", "true", "Add the default checkpoint callback when none is named."),
+    Bool("enable_progress_bar", "true", "Show progress (in place on a terminal, periodic lines otherwise)."),
+    Bool("enable_model_summary", "true", "Print parameter counts per layer before training."),
+    Bool("test_after_fit", "false", "Run the test split after fit, on the checkpoint named by test_ckpt."),
+    String("test_ckpt", "\"best\"", "Weights to test after fit: best or last checkpoint, or the weights in memory (current).").choices("best|last|current"),
+    Int("num_threads", "0", "CPU threads for LibTorch's intra-op parallelism; 0 = LibTorch's default.").at_least(0),
+};
+
+constexpr EmberConfigKey kOptimizerKeys[] = {
+    String("name", "\"adam\"", "Optimizer: sgd, adam, adamw, rmsprop or adagrad (unless the model builds its own).").choices("sgd|adam|adamw|rmsprop|adagrad"),
+    Float("lr", "0.001", "Learning rate.").above(0),
+    Float("weight_decay", nullptr, "L2 penalty (decoupled for adamw); unset = the optimizer's default (0, or 0.01 for adamw).").at_least(0),
+    Float("momentum", nullptr, "Momentum (sgd, rmsprop); unset = 0.").at_least(0),
+    Float("dampening", nullptr, "Dampening of momentum (sgd); unset = 0.").at_least(0),
+    Bool("nesterov", nullptr, "Nesterov momentum (sgd); unset = false."),
+    FloatList("betas", nullptr, "Adam betas [beta1, beta2] (adam, adamw); unset = [0.9, 0.999].").at_least(0).at_most(1),
+    Float("eps", nullptr, "Term added for numerical stability (adam, adamw, rmsprop, adagrad); unset = the optimizer's default.").above(0),
+    Bool("amsgrad", nullptr, "AMSGrad variant (adam, adamw); unset = false."),
+    Float("alpha", nullptr, "Smoothing constant (rmsprop); unset = 0.99.").at_least(0),
+    Bool("centered", nullptr, "Centered RMSprop; unset = false."),
+    Float("lr_decay", nullptr, "Learning-rate decay (adagrad); unset = 0.").at_least(0),
+};
+
+constexpr EmberConfigKey kModelBaseKeys[] = {
+    String("name", nullptr, "Model plugin to train (e.g. cnn, mlp)."),
+};
+
+constexpr EmberConfigKey kDataBaseKeys[] = {
+    String("name", nullptr, "Data plugin to read (e.g. fashion_mnist, synthetic)."),
+    Int("batch_size", "32", "Samples per training batch (per process).").at_least(1),
+    Int("eval_batch_size", nullptr, "Samples per validation/test batch; unset = batch_size.").at_least(1),
+    Bool("shuffle", "true", "Shuffle the training split every epoch (seeded by trainer.seed and the epoch)."),
+    Bool("drop_last", "false", "Drop the last incomplete training batch."),
+    Int("num_workers", "0", "Threads that prepare batches ahead of the training loop; 0 = on the loop's thread.").at_least(0),
+    Int("prefetch_factor", "2", "Batches each worker prepares ahead.").at_least(1),
+};
+
+SectionSchema make(const char* name, const char* description, const EmberConfigKey* keys, size_t n) {
+  SectionSchema s;
+  s.name = name;
+  s.description = description;
+  s.keys = keys_from_descriptor(keys, static_cast<uint32_t>(n));
+  return s;
+}
+
+}  // namespace
+
+SectionSchema trainer_schema() {
+  return make("trainer", "the loop (Lightning's Trainer flags)", kTrainerKeys, std::size(kTrainerKeys));
+}
+SectionSchema optimizer_schema() {
+  return make("optimizer", "the optimizer the engine builds", kOptimizerKeys, std::size(kOptimizerKeys));
+}
+std::vector<KeySchema> model_base_keys() { return keys_from_descriptor(kModelBaseKeys, std::size(kModelBaseKeys)); }
+std::vector<KeySchema> data_base_keys() { return keys_from_descriptor(kDataBaseKeys, std::size(kDataBaseKeys)); }
+
+std::string precision_plugin_for(const std::string& p) {
+  static const std::map<std::string, std::string> table = {
+      {"64-true", "fp64"},       {"64", "fp64"},           {"32-true", "fp32"},  {"32", "fp32"},
+      {"16-mixed", "amp16"},     {"16", "amp16"},          {"bf16-mixed", "bf16"}, {"bf16", "bf16"},
+      {"16-true", "fp16_true"},  {"bf16-true", "bf16_true"}};
+  auto it = table.find(p);
+  return it == table.end() ? p : it->second;
+}
+
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const std::vector<at::Tensor>& params) {
+  const std::string name = s.get_string("name");
+  static const std::map<std::string, std::set<std::string>> uses = {
+      {"sgd", {"weight_decay", "momentum", "dampening", "nesterov"}},
+      {"adam", {"weight_decay", "betas", "eps", "amsgrad"}},
+      {"adamw", {"weight_decay", "betas", "eps", "amsgrad"}},
+      {"rmsprop", {"weight_decay", "momentum", "eps", "alpha", "centered"}},
+      {"adagrad", {"weight_decay", "eps", "lr_decay"}}};
+  for (const auto& k : s.schema().keys) {
+    if (k.key == "name" || k.key == "lr" || !s.has(k.key)) continue;
+    if (!uses.at(name).count(k.key))
+      throw UsageError(s.where(k.key) + ": optimizer." + k.key + " does not apply to " + name +
+                       " (remove it, or choose an optimizer that uses it)");
+  }
+  const double lr = s.get_float("lr");
+  auto betas = [&] {
+    auto b = s.has("betas") ? s.get_float_list("betas") : std::vector<double>{0.9, 0.999};
+    if (b.size() != 2) throw UsageError(s.where("betas") + ": optimizer.betas must have two values, e.g. [0.9, 0.999]");
+    return std::make_tuple(b[0], b[1]);
+  };
+  if (name == "sgd") {
+    torch::optim::SGDOptions o(lr);
+    if (s.has("momentum")) o.momentum(s.get_float("momentum"));
+    if (s.has("dampening")) o.dampening(s.get_float("dampening"));
+    if (s.has("nesterov")) o.nesterov(s.get_bool("nesterov"));
+    if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
+    if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0))
+      throw UsageError(s.where("nesterov") + ": optimizer.nesterov needs momentum > 0 and dampening = 0");
+    return std::make_shared<torch::optim::SGD>(params, o);
+  }
+  if (name == "adam" || name == "adamw") {
+    auto fill = [&](auto o) {
+      o.betas(betas());
+      if (s.has("eps")) o.eps(s.get_float("eps"));
+      if (s.has("amsgrad")) o.amsgrad(s.get_bool("amsgrad"));
+      if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
+      return o;
+    };
+    if (name == "adam") return std::make_shared<torch::optim::Adam>(params, fill(torch::optim::AdamOptions(lr)));
+    return std::make_shared<torch::optim::AdamW>(params, fill(torch::optim::AdamWOptions(lr)));
+  }
+  if (name == "rmsprop") {
+    torch::optim::RMSpropOptions o(lr);
+    if (s.has("momentum")) o.momentum(s.get_float("momentum"));
+    if (s.has("eps")) o.eps(s.get_float("eps"));
+    if (s.has("alpha")) o.alpha(s.get_float("alpha"));
+    if (s.has("centered")) o.centered(s.get_bool("centered"));
+    if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
+    return std::make_shared<torch::optim::RMSprop>(params, o);
+  }
+  torch::optim::AdagradOptions o(lr);
+  if (s.has("eps")) o.eps(s.get_float("eps"));
+  if (s.has("lr_decay")) o.lr_decay(s.get_float("lr_decay"));
+  if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
+  return std::make_shared<torch::optim::Adagrad>(params, o);
+}
+
+}  // namespace ember::engine

@@ -1,0 +1,414 @@
+#include "run.h"
+
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <torch/cuda.h>
+#include <torch/utils.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <set>
+#include <sstream>
+
+#include "config.h"
+#include "engine_schema.h"
+#include "log.h"
+#include "plugin_registry.h"
+#include "trainer.h"
+#include "version.h"
+
+namespace fs = std::filesystem;
+
+namespace ember::engine {
+namespace {
+
+class EngineHost final : public IHost {
+ public:
+  void log(LogLevel level, std::string_view message) override {
+    switch (level) {
+      case LogLevel::debug: log::debug(message); break;
+      case LogLevel::info: log::info(message); break;
+      case LogLevel::warn: log::warn(message); break;
+      case LogLevel::error: log::error(message); break;
+    }
+  }
+  std::string engine_version() const override { return kEmberVersion; }
+  int sdk_abi_minor() const override { return EMBER_SDK_ABI_MINOR; }
+};
+
+const std::set<std::string> kEngineSections = {"trainer", "model", "data", "optimizer", "plugins"};
+
+// Everything decided before any plugin object exists: which plugins, and the validated config.
+struct Plan {
+  RawConfig raw;
+  std::unique_ptr<PluginRegistry> registry;
+  const PluginInfo* strategy = nullptr;
+  const PluginInfo* precision = nullptr;
+  const PluginInfo* model = nullptr;
+  const PluginInfo* data = nullptr;
+  std::vector<const PluginInfo*> callbacks, loggers;
+  ResolvedConfig config;
+};
+
+std::optional<bool> peek_bool(const RawConfig& raw, std::string_view section, std::string_view key) {
+  for (auto it = raw.overrides.rbegin(); it != raw.overrides.rend(); ++it)
+    if (it->section == section && it->key == key && it->value->is_boolean()) return it->value->as_boolean()->get();
+  if (auto* tbl = raw.file.get_as<toml::table>(section))
+    if (auto* v = tbl->get_as<bool>(key)) return v->get();
+  return std::nullopt;
+}
+
+std::string set_where(const RawConfig& raw, std::string_view section, std::string_view key) {
+  for (auto it = raw.overrides.rbegin(); it != raw.overrides.rend(); ++it)
+    if (it->section == section && it->key == key) return "--set " + it->text;
+  if (auto* tbl = raw.file.get_as<toml::table>(section))
+    if (auto* n = tbl->get(key)) {
+      const auto& b = n->source().begin;
+      return raw.path + ":" + std::to_string(b.line) + ":" + std::to_string(b.column);
+    }
+  return "";
+}
+
+Plan make_plan(const RunRequest& req) {
+  Plan plan;
+  plan.raw = req.config_path.empty() ? RawConfig{} : RawConfig::load(req.config_path);
+  for (const auto& s : req.sets) plan.raw.add_override(s);
+  plan.registry = std::make_unique<PluginRegistry>(PluginRegistry::default_search_paths(req.plugin_paths));
+  auto& reg = *plan.registry;
+
+  std::vector<std::string> requested;
+  auto add = [&](const std::string& n) {
+    if (!n.empty() && std::find(requested.begin(), requested.end(), n) == requested.end()) requested.push_back(n);
+  };
+  for (const auto& p : req.plugins) add(p);
+  for (const auto& p : plan.raw.plugin_list()) add(p);
+
+  std::vector<const PluginInfo*> strategies, precisions, models, datas;
+  for (const auto& name : requested) {
+    if (kEngineSections.count(name))
+      throw UsageError("'" + name + "' is an engine section, not a plugin name");
+    const auto& info = reg.load(name);
+    switch (info.descriptor->kind) {
+      case EMBER_KIND_STRATEGY: strategies.push_back(&info); break;
+      case EMBER_KIND_PRECISION: precisions.push_back(&info); break;
+      case EMBER_KIND_MODEL: models.push_back(&info); break;
+      case EMBER_KIND_DATA: datas.push_back(&info); break;
+      case EMBER_KIND_CALLBACK: plan.callbacks.push_back(&info); break;
+      case EMBER_KIND_LOGGER: plan.loggers.push_back(&info); break;
+      default: break;
+    }
+  }
+
+  // Exclusive kinds: one plugin, from --plugins/plugins or from its trainer/model/data key.
+  auto choose = [&](const char* kind, std::vector<const PluginInfo*>& named, const char* section, const char* key,
+                    std::optional<std::string> configured, const std::string& fallback) -> const PluginInfo* {
+    if (named.size() > 1)
+      throw UsageError("two " + std::string(kind) + " plugins given: '" + named[0]->name + "' and '" + named[1]->name +
+                       "'; a run has exactly one " + kind);
+    std::string where = set_where(plan.raw, section, key);
+    if (!named.empty()) {
+      if (configured && *configured != named[0]->name)
+        throw UsageError(where + ": " + section + "." + key + " = \"" + *configured + "\" conflicts with the " + kind +
+                         " plugin '" + named[0]->name + "' named in plugins; a run has exactly one " + kind +
+                         " (drop one of them)");
+      return named[0];
+    }
+    std::string name = configured ? *configured : fallback;
+    if (name.empty())
+      throw UsageError(std::string(plan.raw.path.empty() ? "config" : plan.raw.path) + ": [" + section + "] " + key +
+                       " is required: name the " + kind + " plugin to use (`engine plugins list` shows them)");
+    const PluginInfo* info = nullptr;
+    try {
+      info = &reg.load(name);
+    } catch (const UsageError& e) {
+      throw UsageError((where.empty() ? std::string("default ") + section + "." + key : where) + ": " + e.what());
+    }
+    if (info->descriptor->kind != static_cast<uint32_t>(std::string(kind) == "strategy" ? EMBER_KIND_STRATEGY
+                                                        : std::string(kind) == "precision" ? EMBER_KIND_PRECISION
+                                                        : std::string(kind) == "model" ? EMBER_KIND_MODEL
+                                                                                           : EMBER_KIND_DATA))
+      throw UsageError(where + ": " + section + "." + key + ": '" + name + "' is a " + kind_name(info->descriptor->kind) +
+                       " plugin, not a " + kind + " plugin");
+    return info;
+  };
+  auto strategy_cfg = plan.raw.peek_string("trainer", "strategy");
+  auto precision_cfg = plan.raw.peek_string("trainer", "precision");
+  if (precision_cfg) precision_cfg = precision_plugin_for(*precision_cfg);
+  plan.strategy = choose("strategy", strategies, "trainer", "strategy", strategy_cfg, "single_device");
+  plan.precision = choose("precision", precisions, "trainer", "precision", precision_cfg, "fp32");
+  plan.model = choose("model", models, "model", "name", plan.raw.peek_string("model", "name"), "");
+  plan.data = choose("data", datas, "data", "name", plan.raw.peek_string("data", "name"), "");
+
+  // Defaults, as Lightning's logger=True / enable_checkpointing=True.
+  if (plan.loggers.empty() && peek_bool(plan.raw, "trainer", "logger").value_or(true)) plan.loggers.push_back(&reg.load("csv"));
+  bool has_checkpoint = std::any_of(plan.callbacks.begin(), plan.callbacks.end(), [](auto* p) { return p->name == "checkpoint"; });
+  if (!has_checkpoint && peek_bool(plan.raw, "trainer", "enable_checkpointing").value_or(true))
+    plan.callbacks.push_back(&reg.load("checkpoint"));
+
+  // Schemas, in the order `engine config` prints them.
+  std::vector<SectionSchema> schemas;
+  schemas.push_back(trainer_schema());
+  auto with_base = [&](const char* name, std::vector<KeySchema> base, const PluginInfo& p) {
+    SectionSchema s;
+    s.name = name;
+    s.description = std::string(name) + " plugin '" + p.name + "'";
+    s.keys = std::move(base);
+    for (auto& k : keys_from_descriptor(p.descriptor->config_keys, p.descriptor->num_config_keys)) {
+      if (s.find(k.key))
+        throw PluginError("plugin '" + p.name + "' (" + p.file.string() + ") declares the key '" + k.key +
+                          "', which the engine already defines in [" + name + "] (rename it in the plugin)");
+      s.keys.push_back(std::move(k));
+    }
+    return s;
+  };
+  schemas.push_back(with_base("model", model_base_keys(), *plan.model));
+  schemas.push_back(with_base("data", data_base_keys(), *plan.data));
+  schemas.push_back(optimizer_schema());
+  std::vector<const PluginInfo*> own_sections = {plan.strategy, plan.precision};
+  own_sections.insert(own_sections.end(), plan.callbacks.begin(), plan.callbacks.end());
+  own_sections.insert(own_sections.end(), plan.loggers.begin(), plan.loggers.end());
+  std::vector<std::string> printed_plugins;
+  for (const auto* p : own_sections) {
+    SectionSchema s;
+    s.name = p->name;
+    s.description = std::string(kind_name(p->descriptor->kind)) + " plugin " + p->name + " " + p->descriptor->version;
+    s.keys = keys_from_descriptor(p->descriptor->config_keys, p->descriptor->num_config_keys);
+    schemas.push_back(std::move(s));
+    if (p->descriptor->kind == EMBER_KIND_CALLBACK || p->descriptor->kind == EMBER_KIND_LOGGER) printed_plugins.push_back(p->name);
+  }
+  plan.config = ResolvedConfig::resolve(plan.raw, std::move(schemas), printed_plugins);
+  // The resolved config names the strategy and precision that were actually chosen.
+  return plan;
+}
+
+fs::path next_version_dir(const fs::path& base, std::optional<int64_t> version) {
+  if (version) return base / ("version_" + std::to_string(*version));
+  int64_t next = 0;
+  std::error_code ec;
+  if (fs::is_directory(base, ec))
+    for (const auto& e : fs::directory_iterator(base, ec)) {
+      auto n = e.path().filename().string();
+      if (n.starts_with("version_")) {
+        try {
+          next = std::max<int64_t>(next, std::stoll(n.substr(8)) + 1);
+        } catch (...) {
+        }
+      }
+    }
+  return base / ("version_" + std::to_string(next));
+}
+
+std::vector<fs::path> versions_newest_first(const fs::path& base) {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  std::error_code ec;
+  if (fs::is_directory(base, ec))
+    for (const auto& e : fs::directory_iterator(base, ec)) {
+      auto n = e.path().filename().string();
+      if (!n.starts_with("version_")) continue;
+      try {
+        found.emplace_back(std::stoll(n.substr(8)), e.path());
+      } catch (...) {
+      }
+    }
+  std::sort(found.begin(), found.end(), [](auto& a, auto& b) { return a.first > b.first; });
+  std::vector<fs::path> out;
+  for (auto& f : found) out.push_back(f.second);
+  return out;
+}
+
+void print_results(const std::vector<std::pair<std::string, double>>& results) {
+  if (results.empty()) return;
+  size_t w = 6;
+  for (const auto& r : results) w = std::max(w, r.first.size());
+  std::ostringstream out;
+  out << std::left << std::setw(static_cast<int>(w)) << "metric" << "  value\n";
+  for (const auto& r : results) out << std::left << std::setw(static_cast<int>(w)) << r.first << "  " << std::setprecision(6) << r.second << "\n";
+  std::fputs(out.str().c_str(), stdout);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int print_config(const RunRequest& req, std::ostream& out) {
+  auto plan = make_plan(req);
+  out << plan.config.to_toml();
+  return 0;
+}
+
+int run_training(const RunRequest& req) {
+  auto plan = make_plan(req);
+  if (!req.resume.empty() && req.resume != "last" && req.resume != "best") {
+    std::error_code ec;
+    if (!fs::is_regular_file(req.resume, ec))
+      throw UsageError("--resume " + req.resume + ": no such checkpoint file (give a .ckpt path, or last / best)");
+  }
+  const auto& cfg = plan.config;
+  const auto& trainer_cfg = cfg.section("trainer");
+  EngineHost host;
+
+  RunPlugins plugins;
+  auto make = [&](auto& slot, const PluginInfo* info, const IConfig& section) {
+    using T = typename std::decay_t<decltype(slot.object)>::element_type;
+    slot.name = info->name;
+    slot.version = info->descriptor->version ? info->descriptor->version : "";
+    slot.object = create_plugin_object<T>(*info, host, section);
+  };
+  make(plugins.strategy, plan.strategy, cfg.section(plan.strategy->name));
+  LaunchRequest launch;
+  launch.argv = req.argv;
+  launch.devices = trainer_cfg.get_int("devices");
+  launch.num_nodes = trainer_cfg.get_int("num_nodes");
+  launch.accelerator = trainer_cfg.get_string("accelerator");
+  int exit_code = 0;
+  if (!plugins.strategy.object->launch(launch, &exit_code)) return exit_code;
+  const int64_t rank = plugins.strategy.object->rank();
+  log::init(static_cast<int>(rank), log::Level::info);
+
+  // Global numerics before any plugin builds tensors.
+  const auto seed = static_cast<uint64_t>(trainer_cfg.get_int("seed"));
+  torch::manual_seed(seed);
+  if (torch::cuda::is_available()) torch::cuda::manual_seed_all(seed);
+  if (trainer_cfg.get_int("num_threads") > 0) at::set_num_threads(static_cast<int>(trainer_cfg.get_int("num_threads")));
+  if (trainer_cfg.get_bool("deterministic")) at::globalContext().setDeterministicAlgorithms(true, false);
+
+  make(plugins.data, plan.data, cfg.section("data"));
+  plugins.data.object->setup(DataSetup{seed, rank, plugins.strategy.object->world_size()});
+  make(plugins.model, plan.model, cfg.section("model"));
+  make(plugins.precision, plan.precision, cfg.section(plan.precision->name));
+  for (const auto* c : plan.callbacks) {
+    Named<ICallback> n;
+    make(n, c, cfg.section(c->name));
+    plugins.callbacks.push_back(std::move(n));
+  }
+  if (rank == 0)
+    for (const auto* l : plan.loggers) {
+      Named<ILogger> n;
+      make(n, l, cfg.section(l->name));
+      plugins.loggers.push_back(std::move(n));
+    }
+
+  // Run folder: <root>/<name>/version_<n>. `--resume last|best` continues the newest run that
+  // has such a checkpoint, in its own folder.
+  std::string name = trainer_cfg.has("name") ? trainer_cfg.get_string("name")
+                     : req.config_path.empty() ? "default" : fs::path(req.config_path).stem().string();
+  fs::path base = fs::path(trainer_cfg.get_string("default_root_dir")) / name;
+  std::optional<int64_t> version;
+  if (trainer_cfg.has("version")) version = trainer_cfg.get_int("version");
+  fs::path run_dir;
+  fs::path checkpoint;
+  bool resume_in_place = false;
+  const bool wants_locator = !req.resume.empty() && (req.resume == "last" || req.resume == "best");
+  auto has_locator = [&] {
+    return std::any_of(plugins.callbacks.begin(), plugins.callbacks.end(),
+                       [](auto& c) { return c.object->query_interface(kCheckpointLocatorIid) != nullptr; });
+  };
+  const std::string test_ckpt = trainer_cfg.get_string("test_ckpt");
+  if ((wants_locator || (trainer_cfg.get_bool("test_after_fit") && test_ckpt != "current")) && !has_locator())
+    throw UsageError(wants_locator ? "--resume " + req.resume + " needs a checkpoint callback (enable trainer.enable_checkpointing or add one), or give a checkpoint file"
+                                   : trainer_cfg.where("test_ckpt") + ": trainer.test_ckpt = \"" + test_ckpt +
+                                         "\" needs a checkpoint callback (enable checkpointing, or set test_ckpt = \"current\")");
+
+  Trainer* trainer_ptr = nullptr;
+  std::unique_ptr<Trainer> trainer;
+  if (wants_locator) {
+    auto candidates = version ? std::vector<fs::path>{base / ("version_" + std::to_string(*version))} : versions_newest_first(base);
+    for (const auto& dir : candidates) {
+      Trainer probe(host, cfg, plugins, dir);
+      auto found = probe.locate_checkpoint(req.resume);
+      if (!found.empty()) {
+        run_dir = dir;
+        checkpoint = found;
+        break;
+      }
+    }
+    if (checkpoint.empty())
+      throw UsageError("--resume " + req.resume + ": no '" + req.resume + "' checkpoint found under " + base.string() +
+                       " (train first, or give the checkpoint's path)");
+    resume_in_place = true;
+  } else {
+    if (!req.resume.empty()) checkpoint = req.resume;
+    run_dir = next_version_dir(base, version);
+  }
+  if (rank == 0) fs::create_directories(run_dir);
+  trainer = std::make_unique<Trainer>(host, cfg, std::move(plugins), run_dir);
+  trainer_ptr = trainer.get();
+  try {
+    trainer->setup();
+    if (!checkpoint.empty()) trainer->restore(checkpoint, /*weights_only=*/false);
+    if (rank == 0) {
+      std::ofstream(run_dir / "config.toml") << cfg.to_toml();
+      log::info("run folder " + run_dir.string());
+    }
+    // Loggers of a run resumed in its own folder continue its files; fresh folders (including a
+    // resume from an explicit path) start new ones.
+    trainer->setup_loggers(resume_in_place);
+    trainer_ptr->fit();
+    if (trainer_cfg.get_bool("test_after_fit")) {
+      if (test_ckpt != "current") {
+        auto path = trainer->locate_checkpoint(test_ckpt);
+        if (path.empty()) throw RunError("test_after_fit: no '" + test_ckpt + "' checkpoint was saved in " + run_dir.string());
+        log::info("testing " + test_ckpt + " checkpoint " + path);
+        trainer->restore(path, /*weights_only=*/true);
+      }
+      auto results = trainer->test();
+      if (rank == 0) print_results(results);
+    }
+    trainer->finalize("success");
+  } catch (...) {
+    trainer->finalize("failed");
+    throw;
+  }
+  return 0;
+}
+
+int list_plugins(const std::vector<std::string>& plugin_paths, std::ostream& out) {
+  PluginRegistry reg(PluginRegistry::default_search_paths(plugin_paths));
+  auto loaded = reg.load_all([](const std::string& w) { log::warn(w); });
+  std::sort(loaded.begin(), loaded.end(), [](auto* a, auto* b) {
+    return std::make_pair(a->descriptor->kind, a->name) < std::make_pair(b->descriptor->kind, b->name);
+  });
+  out << std::left << std::setw(18) << "NAME" << std::setw(11) << "KIND" << std::setw(9) << "VERSION" << "DESCRIPTION\n";
+  for (const auto* p : loaded)
+    out << std::left << std::setw(18) << p->name << std::setw(11) << kind_name(p->descriptor->kind) << std::setw(9)
+        << p->descriptor->version << p->descriptor->description << "\n";
+  if (loaded.empty()) {
+    out << "(no plugins found; searched:";
+    for (const auto& d : reg.search_paths()) out << " " << d.string();
+    out << ")\n";
+  }
+  return 0;
+}
+
+int plugin_info(const std::string& name, const std::vector<std::string>& plugin_paths, std::ostream& out) {
+  PluginRegistry reg(PluginRegistry::default_search_paths(plugin_paths));
+  const auto& p = reg.load(name);
+  const auto* d = p.descriptor;
+  const auto& f = d->fingerprint;
+  out << "name:        " << d->name << "\n"
+      << "kind:        " << kind_name(d->kind) << "\n"
+      << "version:     " << d->version << "\n"
+      << "license:     " << d->license << "\n"
+      << "file:        " << p.file.string() << "\n"
+      << "sdk abi:     " << d->sdk_abi_major << "." << d->sdk_abi_minor << "\n"
+      << "built for:   libtorch " << f.torch_major << "." << f.torch_minor << "." << f.torch_patch << ", cxx11 abi "
+      << f.cxx11_abi << ", cuda " << f.cuda_version << ", libstdc++ " << f.glibcxx_release << "\n"
+      << "description: " << d->description << "\n";
+  std::string section = d->kind == EMBER_KIND_MODEL ? "model" : d->kind == EMBER_KIND_DATA ? "data" : d->name;
+  out << "config [" << section << "]:" << (d->num_config_keys == 0 ? " (no keys)" : "") << "\n";
+  for (const auto& k : keys_from_descriptor(d->config_keys, d->num_config_keys)) {
+    out << "  " << k.key << " (" << type_name(k.type) << ") = " << (k.default_toml ? *k.default_toml : "(unset)");
+    if (!k.choices.empty()) out << "  [" << k.choices << "]";
+    if (k.flags & (EMBER_KEY_HAS_MIN | EMBER_KEY_HAS_MAX)) {
+      out << "  range " << ((k.flags & EMBER_KEY_HAS_MIN) ? ((k.flags & EMBER_KEY_MIN_EXCLUSIVE) ? "(" : "[") : "(");
+      if (k.flags & EMBER_KEY_HAS_MIN) out << k.min_value; else out << "-inf";
+      out << ", ";
+      if (k.flags & EMBER_KEY_HAS_MAX) out << k.max_value << ((k.flags & EMBER_KEY_MAX_EXCLUSIVE) ? ")" : "]"); else out << "inf)";
+    }
+    out << "\n      " << k.help << "\n";
+  }
+  return 0;
+}
+
+}  // namespace ember::engine

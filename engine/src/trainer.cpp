@@ -1,0 +1,634 @@
+#include "trainer.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <torch/cuda.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize.h>
+
+#include <sstream>
+
+#include "checkpoint_io.h"
+#include "engine_schema.h"
+#include "log.h"
+#include "version.h"
+
+namespace ember::engine {
+
+// ---------------------------------------------------------------------------------------------
+// What a model's step sees: self.log(...) goes to the metric store, tagged with the stage.
+class StepContextImpl final : public IStepContext {
+ public:
+  StepContextImpl(Trainer& t, Stage stage, int64_t batch_idx, int64_t batch_size)
+      : t_(t), stage_(stage), batch_idx_(batch_idx), batch_size_(batch_size) {}
+  void log(std::string_view name, const at::Tensor& value, const LogOptions& o) override {
+    t_.metrics_.log(std::string(name), value, o, stage_, batch_size_);
+  }
+  void log(std::string_view name, double value, const LogOptions& o) override {
+    t_.metrics_.log(std::string(name), at::scalar_tensor(value, at::kDouble), o, stage_, batch_size_);
+  }
+  Stage stage() const override { return stage_; }
+  int64_t batch_idx() const override { return batch_idx_; }
+
+ private:
+  Trainer& t_;
+  Stage stage_;
+  int64_t batch_idx_, batch_size_;
+};
+
+// The optimizer step the strategy and precision handler drive (docs/step.md).
+class OptimizerStepImpl final : public IOptimizerStep {
+ public:
+  OptimizerStepImpl(Trainer& t, const Batch& batch, bool first_in_window)
+      : t_(t), batch_(batch), first_(first_in_window) {}
+  at::Tensor closure() override {
+    t_.closure_ran_ = true;
+    return t_.run_micro_batch(batch_, first_, /*sync=*/true);
+  }
+  void before_step() override {
+    t_.call_hook(Hook::on_before_optimizer_step);
+    if (t_.settings_.gradient_clip_val > 0)
+      t_.plugins_.strategy.object->clip_gradients(*t_.optimizer_, t_.settings_.gradient_clip_val,
+                                                  t_.settings_.gradient_clip_algorithm);
+  }
+  void step() override { t_.optimizer_->step(); }
+  torch::optim::Optimizer& optimizer() override { return *t_.optimizer_; }
+
+ private:
+  Trainer& t_;
+  const Batch& batch_;
+  bool first_;
+};
+
+namespace {
+// Calls precision.forward_end() even when the step throws.
+struct ForwardRegion {
+  IPrecision& p;
+  explicit ForwardRegion(IPrecision& precision) : p(precision) { p.forward_begin(); }
+  ~ForwardRegion() { p.forward_end(); }
+};
+
+std::string epoch_label(int64_t epoch, int64_t max_epochs) {
+  return "Epoch " + std::to_string(epoch) + (max_epochs >= 0 ? "/" + std::to_string(max_epochs - 1) : "");
+}
+}  // namespace
+
+TrainerSettings TrainerSettings::from(const Section& t) {
+  TrainerSettings s;
+  s.max_steps = t.get_int("max_steps");
+  s.max_epochs = t.has("max_epochs") ? t.get_int("max_epochs") : (s.max_steps == -1 ? 1000 : -1);
+  s.limit_train = t.get_float("limit_train_batches");
+  s.limit_train_is_count = t.is_integer("limit_train_batches");
+  s.limit_val = t.get_float("limit_val_batches");
+  s.limit_val_is_count = t.is_integer("limit_val_batches");
+  s.limit_test = t.get_float("limit_test_batches");
+  s.limit_test_is_count = t.is_integer("limit_test_batches");
+  auto fraction_ok = [&](const char* key, double v, bool count) {
+    if (!count && v > 1.0)
+      throw UsageError(t.where(key) + ": trainer." + key + ": a float is a fraction and must be <= 1.0, got " +
+                       std::to_string(v) + " (write an integer for a number of batches)");
+  };
+  fraction_ok("limit_train_batches", s.limit_train, s.limit_train_is_count);
+  fraction_ok("limit_val_batches", s.limit_val, s.limit_val_is_count);
+  fraction_ok("limit_test_batches", s.limit_test, s.limit_test_is_count);
+  s.val_check_interval = t.get_float("val_check_interval");
+  s.val_check_is_count = t.is_integer("val_check_interval");
+  fraction_ok("val_check_interval", s.val_check_interval, s.val_check_is_count);
+  s.check_val_every_n_epoch = t.get_int("check_val_every_n_epoch");
+  if (s.check_val_every_n_epoch == 0 && !s.val_check_is_count)
+    throw UsageError(t.where("check_val_every_n_epoch") +
+                     ": trainer.check_val_every_n_epoch = 0 needs an integer val_check_interval (validate every n batches)");
+  s.num_sanity_val_steps = t.get_int("num_sanity_val_steps");
+  s.accumulate_grad_batches = t.get_int("accumulate_grad_batches");
+  s.gradient_clip_val = t.has("gradient_clip_val") ? t.get_float("gradient_clip_val") : 0.0;
+  s.gradient_clip_algorithm = t.get_string("gradient_clip_algorithm") == "value" ? ClipAlgorithm::value : ClipAlgorithm::norm;
+  s.log_every_n_steps = t.get_int("log_every_n_steps");
+  s.seed = static_cast<uint64_t>(t.get_int("seed"));
+  s.enable_progress_bar = t.get_bool("enable_progress_bar");
+  s.enable_model_summary = t.get_bool("enable_model_summary");
+  return s;
+}
+
+Trainer::Trainer(IHost& host, const ResolvedConfig& config, RunPlugins plugins, std::filesystem::path run_dir)
+    : host_(host),
+      config_(config),
+      plugins_(std::move(plugins)),
+      run_dir_(std::move(run_dir)),
+      settings_(TrainerSettings::from(config.section("trainer"))),
+      progress_(settings_.enable_progress_bar && plugins_.strategy.object->rank() == 0, Progress::stderr_is_tty()) {}
+
+Trainer::~Trainer() = default;
+
+int64_t Trainer::limit_batches(int64_t available, double limit, bool is_count) const {
+  if (is_count) return std::min<int64_t>(available, static_cast<int64_t>(limit));
+  return static_cast<int64_t>(static_cast<double>(available) * limit);
+}
+
+void Trainer::setup() {
+  auto& strategy = *plugins_.strategy.object;
+  auto& data = *plugins_.data.object;
+  const auto& d = config_.section("data");
+  LoaderOptions train_opts;
+  train_opts.batch_size = d.get_int("batch_size");
+  train_opts.shuffle = d.get_bool("shuffle");
+  train_opts.drop_last = d.get_bool("drop_last");
+  train_opts.num_workers = d.get_int("num_workers");
+  train_opts.prefetch_factor = d.get_int("prefetch_factor");
+  train_opts.seed = settings_.seed;
+  train_opts.rank = strategy.rank();
+  train_opts.world_size = strategy.world_size();
+  LoaderOptions eval_opts = train_opts;
+  eval_opts.shuffle = false;
+  eval_opts.drop_last = false;
+  if (d.has("eval_batch_size")) eval_opts.batch_size = d.get_int("eval_batch_size");
+
+  if (data.size(Split::train) > 0) train_loader_ = std::make_unique<DataLoader>(data, Split::train, train_opts);
+  if (data.size(Split::val) > 0) val_loader_ = std::make_unique<DataLoader>(data, Split::val, eval_opts);
+  if (data.size(Split::test) > 0) test_loader_ = std::make_unique<DataLoader>(data, Split::test, eval_opts);
+  num_train_batches_ = train_loader_ ? limit_batches(train_loader_->num_batches(), settings_.limit_train, settings_.limit_train_is_count) : 0;
+  num_val_batches_ = val_loader_ ? limit_batches(val_loader_->num_batches(), settings_.limit_val, settings_.limit_val_is_count) : 0;
+  num_test_batches_ = test_loader_ ? limit_batches(test_loader_->num_batches(), settings_.limit_test, settings_.limit_test_is_count) : 0;
+  if (settings_.val_check_is_count && settings_.check_val_every_n_epoch > 0 && validation_enabled() &&
+      static_cast<int64_t>(settings_.val_check_interval) > num_train_batches_)
+    throw UsageError(config_.section("trainer").where("val_check_interval") + ": trainer.val_check_interval (" +
+                     std::to_string(static_cast<int64_t>(settings_.val_check_interval)) +
+                     ") is more than the training batches per epoch (" + std::to_string(num_train_batches_) +
+                     "); lower it, or set check_val_every_n_epoch = 0 to count batches across epochs");
+
+  auto& module = plugins_.model.object->module();
+  optimizer_ = plugins_.model.object->configure_optimizers();
+  if (!optimizer_) optimizer_ = make_optimizer(config_.section("optimizer"), module.parameters());
+  // The strategy places the module (and may shard or replace the optimizer), then the precision
+  // handler converts parameter dtypes on that device. Optimizer state is created lazily on the
+  // first step, so it follows the parameters.
+  strategy.setup(module, optimizer_);
+  plugins_.precision.object->setup(module, strategy.root_device());
+  if (settings_.enable_model_summary && is_global_zero()) print_model_summary();
+}
+
+void Trainer::print_model_summary() const {
+  auto& module = plugins_.model.object->module();
+  log::info("model '" + plugins_.model.name + "':");
+  int64_t total = 0, trainable = 0;
+  for (const auto& child : module.named_children()) {
+    int64_t n = 0;
+    for (const auto& p : child.value()->parameters()) n += p.numel();
+    std::ostringstream line;
+    line << "  " << child.key() << " (" << child.value()->name() << "): " << n << " parameters";
+    log::info(line.str());
+  }
+  for (const auto& p : module.parameters()) {
+    total += p.numel();
+    if (p.requires_grad()) trainable += p.numel();
+  }
+  log::info("  total " + std::to_string(total) + " parameters, " + std::to_string(trainable) + " trainable, " +
+            std::to_string(total - trainable) + " frozen");
+}
+
+bool Trainer::metric(std::string_view name, double* value) const {
+  auto v = metrics_.get(std::string(name));
+  if (!v) return false;
+  if (value) *value = *v;
+  return true;
+}
+
+void Trainer::request_stop(std::string_view reason) {
+  if (!stop_requested_) log::info("stopping: " + std::string(reason));
+  stop_requested_ = true;
+  stop_reason_ = reason;
+}
+
+void Trainer::log_metric(std::string_view name, double value) {
+  metrics_.set(std::string(name), value);
+  publish({{std::string(name), value}});
+}
+
+void Trainer::publish(const std::vector<std::pair<std::string, double>>& values) {
+  if (values.empty() || plugins_.loggers.empty()) return;
+  auto row = values;
+  row.emplace_back("epoch", static_cast<double>(epoch_));
+  // Lightning logs at the index of the last finished step.
+  int64_t step = std::max<int64_t>(global_step_ - 1, 0);
+  for (auto& l : plugins_.loggers) l.object->log_metrics(row, step);
+}
+
+// Lightning's order: callbacks (non-monitoring, then monitoring), then the model; except in
+// on_train_epoch_end, where the model runs between the two groups (docs/hooks.md).
+void Trainer::call_hook(Hook hook) {
+  for (auto& c : plugins_.callbacks)
+    if (!c.object->monitors_metrics()) c.object->on_hook(hook, *this);
+  if (hook == Hook::on_train_epoch_end) plugins_.model.object->on_hook(hook, *this);
+  for (auto& c : plugins_.callbacks)
+    if (c.object->monitors_metrics()) c.object->on_hook(hook, *this);
+  if (hook != Hook::on_train_epoch_end) plugins_.model.object->on_hook(hook, *this);
+}
+
+bool Trainer::validation_enabled() const { return val_loader_ && num_val_batches_ > 0; }
+
+bool Trainer::epoch_validates() const {
+  return settings_.check_val_every_n_epoch == 0 || (epoch_ + 1) % settings_.check_val_every_n_epoch == 0;
+}
+
+at::Tensor Trainer::run_micro_batch(const Batch& batch, bool first_in_window, bool sync) {
+  auto& precision = *plugins_.precision.object;
+  at::Tensor loss;
+  {
+    StepContextImpl ctx(*this, Stage::fit, batch_idx_, batch.size);
+    ForwardRegion region(precision);
+    loss = plugins_.model.object->training_step(batch, ctx);
+  }
+  if (!loss.defined() || loss.numel() != 1)
+    throw RunError("model '" + plugins_.model.name + "': training_step must return a scalar loss");
+  if (!loss.requires_grad())
+    throw RunError("model '" + plugins_.model.name + "': the loss does not require grad (was it computed under no_grad, or detached?)");
+  if (first_in_window) {
+    call_hook(Hook::on_before_zero_grad);
+    optimizer_->zero_grad(/*set_to_none=*/true);
+  }
+  current_loss_ = loss.detach();
+  at::Tensor to_backward = settings_.accumulate_grad_batches > 1 ? loss / static_cast<double>(settings_.accumulate_grad_batches) : loss;
+  call_hook(Hook::on_before_backward);
+  plugins_.strategy.object->backward(to_backward, precision, sync);
+  call_hook(Hook::on_after_backward);
+  return current_loss_;
+}
+
+void Trainer::train_epoch() {
+  auto& strategy = *plugins_.strategy.object;
+  auto& precision = *plugins_.precision.object;
+  const int64_t n = num_train_batches_;
+  const int64_t start = std::min(resume_batch_, n);
+  resume_batch_ = 0;
+  const int64_t accum = settings_.accumulate_grad_batches;
+  int64_t val_every = settings_.val_check_is_count
+                          ? static_cast<int64_t>(settings_.val_check_interval)
+                          : std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(n) * settings_.val_check_interval));
+  stage_ = Stage::fit;
+  batches_done_ = start;
+  epoch_finished_ = false;
+  module().train();
+  progress_.start(epoch_label(epoch_, settings_.max_epochs), n);
+  call_hook(Hook::on_train_epoch_start);
+  bool validated_last = false;
+  auto pass = train_loader_->pass(epoch_, start, n - start);
+  Batch batch;
+  for (int64_t b = start; b < n; ++b) {
+    if (!pass->next(batch)) break;
+    batch_idx_ = b;
+    current_batch_ = precision.convert_input(strategy.batch_to_device(std::move(batch)));
+    call_hook(Hook::on_train_batch_start);
+    const bool is_last = b + 1 == n;
+    const bool do_step = (b + 1) % accum == 0 || is_last;
+    const bool first_in_window = b % accum == 0 || b == start;
+    if (do_step) {
+      OptimizerStepImpl step(*this, current_batch_, first_in_window);
+      closure_ran_ = false;
+      strategy.optimizer_step(step, precision);
+      if (!closure_ran_)
+        throw RunError("strategy '" + plugins_.strategy.name + "' / precision '" + plugins_.precision.name +
+                       "' did not run the step's closure (a plugin bug)");
+      ++global_step_;
+    } else {
+      run_micro_batch(current_batch_, first_in_window, /*sync=*/false);
+    }
+    batches_done_ = b + 1;
+    ++total_batch_idx_;
+    call_hook(Hook::on_train_batch_end);
+    if (do_step && global_step_ % settings_.log_every_n_steps == 0) publish(metrics_.take_step_values());
+    progress_.update(b + 1, [&] { return metrics_.progress_values(); });
+    validated_last = false;
+    const int64_t counter = settings_.check_val_every_n_epoch == 0 ? total_batch_idx_ : b + 1;
+    if (validation_enabled() && epoch_validates() && counter % val_every == 0) {
+      evaluate(Split::val, Stage::validate, num_val_batches_);
+      validated_last = true;
+      stage_ = Stage::fit;
+    }
+    const bool max_steps_hit = settings_.max_steps >= 0 && global_step_ >= settings_.max_steps;
+    if (max_steps_hit || stop_requested_) {
+      // Stopping early: validate once more so monitors see the state being stopped at.
+      if (!validated_last && max_steps_hit && validation_enabled() && epoch_validates()) {
+        evaluate(Split::val, Stage::validate, num_val_batches_);
+        stage_ = Stage::fit;
+      }
+      break;
+    }
+  }
+  auto reducer = [&](const at::Tensor& t, ReduceOp op) { return strategy.reduce(t, op); };
+  auto epoch_values = metrics_.finish_epoch(Stage::fit, reducer);
+  publish(epoch_values);
+  // A stop in mid-epoch (max_steps, early stop) leaves the epoch unfinished: a resume continues
+  // it at the next batch.
+  epoch_finished_ = batches_done_ >= n;
+  call_hook(Hook::on_train_epoch_end);
+  for (auto& l : plugins_.loggers) l.object->flush();
+  std::vector<std::pair<std::string, double>> summary;
+  for (const auto& [k, v] : metrics_.callback_metrics())
+    if (k.ends_with("_epoch") || k.starts_with("val_")) summary.emplace_back(k, v);
+  progress_.finish(format_metrics(summary));
+}
+
+void Trainer::evaluate(Split split, Stage stage, int64_t max_batches) {
+  auto& strategy = *plugins_.strategy.object;
+  auto& precision = *plugins_.precision.object;
+  auto& model = *plugins_.model.object;
+  const bool test = split == Split::test;
+  const bool sanity = stage == Stage::sanity_check;
+  auto* loader = test ? test_loader_.get() : val_loader_.get();
+  if (!loader || max_batches <= 0) return;
+  const Stage previous = stage_;
+  stage_ = stage;
+  const bool was_training = module().is_training();
+  call_hook(test ? Hook::on_test_start : Hook::on_validation_start);
+  module().eval();
+  Progress progress(settings_.enable_progress_bar && is_global_zero() && !sanity && progress_.tty(), progress_.tty());
+  progress.start(test ? "Testing" : "Validation", max_batches);
+  call_hook(test ? Hook::on_test_epoch_start : Hook::on_validation_epoch_start);
+  {
+    torch::NoGradGuard no_grad;
+    auto pass = loader->pass(0, 0, max_batches);
+    Batch batch;
+    int64_t b = 0;
+    while (pass->next(batch)) {
+      batch_idx_ = b;
+      current_batch_ = precision.convert_input(strategy.batch_to_device(std::move(batch)));
+      call_hook(test ? Hook::on_test_batch_start : Hook::on_validation_batch_start);
+      {
+        StepContextImpl ctx(*this, stage, b, current_batch_.size);
+        ForwardRegion region(precision);
+        if (test) model.test_step(current_batch_, ctx);
+        else model.validation_step(current_batch_, ctx);
+      }
+      call_hook(test ? Hook::on_test_batch_end : Hook::on_validation_batch_end);
+      progress.update(++b, [] { return Progress::Values{}; });
+    }
+  }
+  call_hook(test ? Hook::on_test_epoch_end : Hook::on_validation_epoch_end);
+  if (sanity) {
+    metrics_.discard_epoch(stage);
+  } else {
+    auto values = metrics_.finish_epoch(stage, [&](const at::Tensor& t, ReduceOp op) { return strategy.reduce(t, op); });
+    publish(values);
+    progress.finish(format_metrics(values));
+  }
+  call_hook(test ? Hook::on_test_end : Hook::on_validation_end);
+  if (was_training) module().train();
+  stage_ = previous;
+}
+
+void Trainer::fit() {
+  if (!train_loader_ || num_train_batches_ == 0)
+    throw RunError("data '" + plugins_.data.name + "' has no training batches (train split empty, or limit_train_batches = 0)");
+  stage_ = Stage::fit;
+  call_hook(Hook::setup);
+  call_hook(Hook::on_fit_start);
+  if (validation_enabled() && settings_.num_sanity_val_steps != 0) {
+    int64_t n = settings_.num_sanity_val_steps < 0 ? num_val_batches_ : std::min(settings_.num_sanity_val_steps, num_val_batches_);
+    call_hook(Hook::on_sanity_check_start);
+    evaluate(Split::val, Stage::sanity_check, n);
+    call_hook(Hook::on_sanity_check_end);
+    stage_ = Stage::fit;
+  }
+  call_hook(Hook::on_train_start);
+  if (epoch_finished_) {  // resumed from the end of an epoch: go on with the next one
+    ++epoch_;
+    epoch_finished_ = false;
+  }
+  while (!stop_requested_) {
+    if (settings_.max_epochs >= 0 && epoch_ >= settings_.max_epochs) break;
+    if (settings_.max_steps >= 0 && global_step_ >= settings_.max_steps) break;
+    train_epoch();
+    // Every rank stops together, on rank 0's decision.
+    stop_requested_ = plugins_.strategy.object->broadcast_flag(stop_requested_);
+    if (settings_.max_steps >= 0 && global_step_ >= settings_.max_steps) break;
+    if (stop_requested_) break;
+    ++epoch_;
+    epoch_finished_ = false;
+  }
+  stage_ = Stage::fit;
+  call_hook(Hook::on_train_end);
+  call_hook(Hook::on_fit_end);
+  call_hook(Hook::teardown);
+  stage_ = Stage::none;
+}
+
+std::vector<std::pair<std::string, double>> Trainer::test() {
+  if (!test_loader_ || num_test_batches_ == 0)
+    throw RunError("data '" + plugins_.data.name + "' has no test batches (test split empty, or limit_test_batches = 0)");
+  evaluate(Split::test, Stage::test, num_test_batches_);
+  std::vector<std::pair<std::string, double>> out;
+  for (const auto& [k, v] : metrics_.callback_metrics())
+    if (k.starts_with("test")) out.emplace_back(k, v);
+  return out;
+}
+
+std::string Trainer::locate_checkpoint(const std::string& alias) const {
+  for (const auto& c : plugins_.callbacks) {
+    auto* locator = static_cast<ICheckpointLocator*>(c.object->query_interface(kCheckpointLocatorIid));
+    if (!locator) continue;
+    auto path = locator->resolve_checkpoint(alias, run_dir_.string());
+    if (!path.empty()) return path;
+  }
+  return "";
+}
+
+void Trainer::setup_loggers(bool resuming) {
+  const std::string toml = config_.to_toml();
+  for (auto& l : plugins_.loggers) {
+    l.object->setup(*this, resuming, global_step_);
+    l.object->log_hyperparams(toml);
+  }
+}
+
+void Trainer::finalize(const std::string& status) {
+  for (auto& l : plugins_.loggers) {
+    try {
+      l.object->finalize(status);
+    } catch (const std::exception& e) {
+      log::warn("logger '" + l.name + "' failed to finalize: " + e.what());
+    }
+  }
+  try {
+    plugins_.strategy.object->teardown();
+  } catch (const std::exception& e) {
+    log::warn("strategy teardown failed: " + std::string(e.what()));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoints (docs/checkpoint.md has the layout).
+namespace {
+c10::Dict<std::string, at::Tensor> module_state(torch::nn::Module& m) {
+  c10::Dict<std::string, at::Tensor> out;
+  for (const auto& p : m.named_parameters()) out.insert(p.key(), p.value().detach().to(at::kCPU).clone());
+  for (const auto& b : m.named_buffers()) out.insert(b.key(), b.value().detach().to(at::kCPU).clone());
+  return out;
+}
+
+at::Tensor bytes_tensor(const std::string& s) {
+  auto t = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), s.data(), s.size());
+  return t;
+}
+
+std::string tensor_bytes(const at::Tensor& t) {
+  auto c = t.contiguous().to(at::kCPU);
+  return std::string(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel()));
+}
+}  // namespace
+
+c10::IValue Trainer::plugin_states() const {
+  c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
+  auto put = [&](const std::string& key, const IPluginObject& o) {
+    auto s = o.state_dict();
+    if (!s.isNone()) out.insert(key, s);
+  };
+  put("strategy", *plugins_.strategy.object);
+  put("precision", *plugins_.precision.object);
+  put("model", *plugins_.model.object);
+  put("data", *plugins_.data.object);
+  return out;
+}
+
+void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
+  call_hook(Hook::on_save_checkpoint);
+  c10::impl::GenericDict ck(c10::StringType::get(), c10::AnyType::get());
+  ck.insert("format", std::string(kCheckpointFormat));
+  ck.insert("format_version", kCheckpointFormatVersion);
+  ck.insert("ember_version", std::string(kEmberVersion));
+  ck.insert("torch_version", std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+                                 std::to_string(TORCH_VERSION_PATCH));
+  ck.insert("sdk_abi", std::to_string(EMBER_SDK_ABI_MAJOR) + "." + std::to_string(EMBER_SDK_ABI_MINOR));
+  ck.insert("epoch", epoch_);
+  ck.insert("global_step", global_step_);
+  ck.insert("weights_only", weights_only);
+  ck.insert("state_dict", module_state(module()));
+  ck.insert("config", config_.to_toml());
+  c10::Dict<std::string, std::string> versions;
+  auto add_version = [&](const std::string& n, const std::string& v) { versions.insert(n, v); };
+  add_version(plugins_.strategy.name, plugins_.strategy.version);
+  add_version(plugins_.precision.name, plugins_.precision.version);
+  add_version(plugins_.model.name, plugins_.model.version);
+  add_version(plugins_.data.name, plugins_.data.version);
+  for (const auto& c : plugins_.callbacks) add_version(c.name, c.version);
+  for (const auto& l : plugins_.loggers) add_version(l.name, l.version);
+  ck.insert("plugin_versions", versions);
+  if (!weights_only) {
+    c10::impl::GenericDict loops(c10::StringType::get(), c10::AnyType::get());
+    loops.insert("epoch", epoch_);
+    loops.insert("batches_done", batches_done_);
+    loops.insert("epoch_finished", epoch_finished_);
+    loops.insert("global_step", global_step_);
+    loops.insert("total_batch_idx", total_batch_idx_);
+    ck.insert("loops", loops);
+    std::ostringstream opt;
+    torch::save(*optimizer_, opt);
+    ck.insert("optimizer", bytes_tensor(opt.str()));
+    c10::impl::GenericDict rng(c10::StringType::get(), c10::AnyType::get());
+    rng.insert("cpu", at::detail::getDefaultCPUGenerator().get_state());
+    c10::List<at::Tensor> cuda_states;
+    if (torch::cuda::is_available())
+      for (int64_t i = 0; i < static_cast<int64_t>(torch::cuda::device_count()); ++i)
+        cuda_states.push_back(at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i))).get_state());
+    rng.insert("cuda", cuda_states);
+    ck.insert("rng", rng);
+    ck.insert("plugins", plugin_states());
+    c10::impl::GenericDict callbacks(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& c : plugins_.callbacks) {
+      auto s = c.object->state_dict();
+      if (!s.isNone()) callbacks.insert(c.name, s);
+    }
+    ck.insert("callbacks", callbacks);
+    c10::impl::GenericDict loggers(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& l : plugins_.loggers) {
+      auto s = l.object->state_dict();
+      if (!s.isNone()) loggers.insert(l.name, s);
+    }
+    ck.insert("loggers", loggers);
+  }
+  std::exception_ptr error;
+  if (is_global_zero()) {
+    try {
+      save_checkpoint_file(path, ck);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  plugins_.strategy.object->barrier("save_checkpoint");
+  if (error) std::rethrow_exception(error);
+}
+
+void Trainer::restore(const std::filesystem::path& file, bool weights_only) {
+  auto ck = load_checkpoint_file(file);
+  const std::string where = "checkpoint " + file.string();
+  auto& m = module();
+  if (!ck.contains("state_dict")) throw RunError(where + " has no state_dict");
+  auto sd = c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict());
+  {
+    torch::NoGradGuard no_grad;
+    std::vector<std::string> missing;
+    auto load_one = [&](const std::string& name, at::Tensor& target) {
+      auto it = sd.find(name);
+      if (it == sd.end()) {
+        missing.push_back(name);
+        return;
+      }
+      const at::Tensor& src = it->value();
+      if (src.sizes() != target.sizes())
+        throw RunError(where + ": '" + name + "' has shape " + c10::str(src.sizes()) + " but the model's is " +
+                       c10::str(target.sizes()) + " (was it saved from a model with other settings?)");
+      target.copy_(src);
+    };
+    for (auto& p : m.named_parameters()) load_one(p.key(), p.value());
+    for (auto& b : m.named_buffers()) load_one(b.key(), b.value());
+    if (!missing.empty())
+      throw RunError(where + " lacks " + std::to_string(missing.size()) + " of the model's tensors, e.g. '" + missing.front() +
+                     "' (was it saved from another model?)");
+  }
+  if (weights_only) return;
+  if (!ck.contains("loops") || !ck.contains("optimizer"))
+    throw RunError(where + " holds weights only (save_weights_only); it can be tested but not resumed");
+  auto loops = ck.at("loops").toGenericDict();
+  epoch_ = loops.at("epoch").toInt();
+  batches_done_ = loops.at("batches_done").toInt();
+  epoch_finished_ = loops.at("epoch_finished").toBool();
+  global_step_ = loops.at("global_step").toInt();
+  total_batch_idx_ = loops.at("total_batch_idx").toInt();
+  resume_batch_ = epoch_finished_ ? 0 : batches_done_;
+  try {
+    std::istringstream opt(tensor_bytes(ck.at("optimizer").toTensor()));
+    torch::load(*optimizer_, opt);
+  } catch (const c10::Error& e) {
+    throw RunError(where + ": optimizer state does not fit this optimizer (" + std::string(e.what_without_backtrace()).substr(0, 160) +
+                   "); resume with the same [optimizer] settings");
+  }
+  auto rng = ck.at("rng").toGenericDict();
+  at::Generator cpu_gen = at::detail::getDefaultCPUGenerator();  // a handle on the global generator
+  cpu_gen.set_state(rng.at("cpu").toTensor());
+  auto cuda = rng.at("cuda").toTensorList();
+  if (torch::cuda::is_available())
+    for (size_t i = 0; i < cuda.size() && i < torch::cuda::device_count(); ++i)
+    {
+      at::Generator gen = at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i)));
+      gen.set_state(cuda.get(i));
+    }
+  auto plugin_state = ck.at("plugins").toGenericDict();
+  auto restore_one = [&](const std::string& key, IPluginObject& o) {
+    if (plugin_state.contains(key)) o.load_state_dict(plugin_state.at(key));
+  };
+  restore_one("strategy", *plugins_.strategy.object);
+  restore_one("precision", *plugins_.precision.object);
+  restore_one("model", *plugins_.model.object);
+  restore_one("data", *plugins_.data.object);
+  auto callbacks = ck.at("callbacks").toGenericDict();
+  for (auto& c : plugins_.callbacks)
+    if (callbacks.contains(c.name)) c.object->load_state_dict(callbacks.at(c.name));
+  auto loggers = ck.at("loggers").toGenericDict();
+  for (auto& l : plugins_.loggers)
+    if (loggers.contains(l.name)) l.object->load_state_dict(loggers.at(l.name));
+  call_hook(Hook::on_load_checkpoint);
+  log::info("resumed from " + file.string() + " at epoch " + std::to_string(epoch_) + ", step " + std::to_string(global_step_) +
+            (epoch_finished_ ? " (end of epoch)" : " (batch " + std::to_string(batches_done_) + " of the epoch)"));
+}
+
+}  // namespace ember::engine

@@ -1,0 +1,144 @@
+// The fit / validate / test loops (Lightning's semantics and hook order; docs/hooks.md) and the
+// ITrainer view plugins see.
+#pragma once
+#include <ember/callback.h>
+#include <ember/data.h>
+#include <ember/host.h>
+#include <ember/logger.h>
+#include <ember/model.h>
+#include <ember/precision.h>
+#include <ember/strategy.h>
+#include <ember/trainer.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "config.h"
+#include "data_loader.h"
+#include "metrics.h"
+#include "progress.h"
+
+namespace ember::engine {
+
+template <class T>
+struct Named {
+  std::string name;
+  std::string version;
+  std::shared_ptr<T> object;
+};
+
+struct RunPlugins {
+  Named<IStrategy> strategy;
+  Named<IPrecision> precision;
+  Named<IModel> model;
+  Named<IDataModule> data;
+  std::vector<Named<ICallback>> callbacks;
+  std::vector<Named<ILogger>> loggers;
+};
+
+// [trainer] values the loop reads, with Lightning's derived defaults applied.
+struct TrainerSettings {
+  int64_t max_epochs = 1000, max_steps = -1;
+  double limit_train = 1.0, limit_val = 1.0, limit_test = 1.0;
+  bool limit_train_is_count = false, limit_val_is_count = false, limit_test_is_count = false;
+  double val_check_interval = 1.0;
+  bool val_check_is_count = false;
+  int64_t check_val_every_n_epoch = 1, num_sanity_val_steps = 2, accumulate_grad_batches = 1;
+  double gradient_clip_val = 0;
+  ClipAlgorithm gradient_clip_algorithm = ClipAlgorithm::norm;
+  int64_t log_every_n_steps = 50;
+  uint64_t seed = 0;
+  bool enable_progress_bar = true, enable_model_summary = true;
+
+  static TrainerSettings from(const Section& trainer);
+};
+
+class Trainer final : public ITrainer {
+ public:
+  Trainer(IHost& host, const ResolvedConfig& config, RunPlugins plugins, std::filesystem::path run_dir);
+  ~Trainer() override;
+
+  // Builds loaders and the optimizer, places the model; call once before fit/test.
+  void setup();
+  // Restores a checkpoint written by save_checkpoint (weights, optimizer, loops, RNG, plugin states).
+  void restore(const std::filesystem::path& checkpoint, bool weights_only);
+  void fit();
+  // Runs the test split; returns the test metrics.
+  std::vector<std::pair<std::string, double>> test();
+  // Resolves "best"/"last" through the callbacks that store checkpoints ("" when none has one).
+  std::string locate_checkpoint(const std::string& alias) const;
+  void finalize(const std::string& status);
+  // Starts the loggers (after restore, so they know the step a resumed run continues from).
+  void setup_loggers(bool resuming);
+
+  // ITrainer
+  Stage stage() const override { return stage_; }
+  int64_t current_epoch() const override { return epoch_; }
+  int64_t global_step() const override { return global_step_; }
+  int64_t batch_idx() const override { return batch_idx_; }
+  int64_t max_epochs() const override { return settings_.max_epochs; }
+  int64_t max_steps() const override { return settings_.max_steps; }
+  int64_t num_training_batches() const override { return num_train_batches_; }
+  bool sanity_checking() const override { return stage_ == Stage::sanity_check; }
+  bool metric(std::string_view name, double* value) const override;
+  std::vector<std::string> metric_names() const override { return metrics_.names(); }
+  void request_stop(std::string_view reason) override;
+  bool stop_requested() const override { return stop_requested_; }
+  torch::nn::Module& module() override { return plugins_.model.object->module(); }
+  IModel& model() override { return *plugins_.model.object; }
+  torch::optim::Optimizer& optimizer() override { return *optimizer_; }
+  const Batch& current_batch() const override { return current_batch_; }
+  at::Tensor current_loss() const override { return current_loss_; }
+  int64_t rank() const override { return plugins_.strategy.object->rank(); }
+  int64_t world_size() const override { return plugins_.strategy.object->world_size(); }
+  bool is_global_zero() const override { return rank() == 0; }
+  std::string run_dir() const override { return run_dir_.string(); }
+  std::string resolved_config() const override { return config_.to_toml(); }
+  void save_checkpoint(const std::string& path, bool weights_only) override;
+  void log_metric(std::string_view name, double value) override;
+
+  const MetricStore& metrics() const { return metrics_; }
+
+ private:
+  friend class StepContextImpl;
+  friend class OptimizerStepImpl;
+  void call_hook(Hook hook);
+  void train_epoch();
+  void evaluate(Split split, Stage stage, int64_t max_batches);
+  at::Tensor run_micro_batch(const Batch& batch, bool first_in_window, bool sync);
+  void publish(const std::vector<std::pair<std::string, double>>& values);
+  int64_t limit_batches(int64_t available, double limit, bool is_count) const;
+  bool validation_enabled() const;
+  bool epoch_validates() const;
+  void print_model_summary() const;
+  c10::IValue plugin_states() const;
+
+  IHost& host_;
+  const ResolvedConfig& config_;
+  RunPlugins plugins_;
+  std::filesystem::path run_dir_;
+  TrainerSettings settings_;
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<DataLoader> train_loader_, val_loader_, test_loader_;
+  MetricStore metrics_;
+  Progress progress_;
+
+  Stage stage_ = Stage::none;
+  int64_t epoch_ = 0, global_step_ = 0, batch_idx_ = 0, total_batch_idx_ = 0;
+  int64_t batches_done_ = 0;      // training batches finished in the current epoch
+  bool epoch_finished_ = false;   // all batches and epoch-end validation of epoch_ are done
+  int64_t resume_batch_ = 0;      // batches of epoch_ to skip after a mid-epoch resume
+  int64_t num_train_batches_ = 0, num_val_batches_ = 0, num_test_batches_ = 0;
+  bool stop_requested_ = false;
+  std::string stop_reason_;
+  Batch current_batch_;
+  at::Tensor current_loss_;
+  bool closure_ran_ = false;
+};
+
+}  // namespace ember::engine

@@ -1,0 +1,135 @@
+// cnn: the classic MNIST-tutorial convolutional network (PyTorch's examples/mnist), with
+// configurable widths, for small square images such as MNIST or Fashion-MNIST.
+//
+//   conv3x3(in, c1) -> relu -> maxpool2 -> conv3x3(c1, c2) -> relu -> maxpool2 -> dropout
+//   -> flatten -> linear(c2 * (size/4)^2, hidden) -> relu -> dropout -> linear(hidden, classes)
+//
+// Batch: tensors[0] = images float [N, C, H, W], tensors[1] = labels int64 [N].
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <c10/util/StringUtil.h>
+#include <torch/nn.h>
+#include <torch/types.h>
+
+#include <ember/config.h>
+#include <ember/error.h>
+#include <ember/host.h>
+#include <ember/model.h>
+#include <ember/plugin.h>
+
+#include "../common/classification.h"
+
+namespace {
+
+using ember_models::Phase;
+
+constexpr EmberConfigKey kKeys[] = {
+    ember::key::Int("in_channels", "1", "Channels of the input images (1 for grayscale, 3 for RGB).").at_least(1),
+    ember::key::Int("image_size", "28", "Height and width of the square input images, in pixels.").at_least(4),
+    ember::key::Int("conv1_channels", "32", "Output channels of the first 3x3 convolution.").at_least(1),
+    ember::key::Int("conv2_channels", "64", "Output channels of the second 3x3 convolution.").at_least(1),
+    ember::key::Int("hidden", "128", "Width of the fully connected hidden layer.").at_least(1),
+    ember::key::Float("dropout_conv", "0.25", "Dropout probability after the convolutions, in [0, 1).").at_least(0.0).below(1.0),
+    ember::key::Float("dropout_fc", "0.5", "Dropout probability after the hidden layer, in [0, 1).").at_least(0.0).below(1.0),
+    ember::key::Int("num_classes", "10", "Number of classes: the width of the output layer.").at_least(2),
+};
+
+struct CnnOptions {
+  int64_t in_channels, image_size, conv1_channels, conv2_channels, hidden, num_classes;
+  double dropout_conv, dropout_fc;
+};
+
+class CnnNet : public torch::nn::Module {
+ public:
+  // Submodules are registered in forward order under fixed names, so named_parameters() reads
+  // conv1.weight, conv1.bias, conv2.*, fc1.*, fc2.* and checkpoints stay loadable.
+  explicit CnnNet(const CnnOptions& o)
+      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in_channels, o.conv1_channels, 3).padding(1)))),
+        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.conv1_channels, o.conv2_channels, 3).padding(1)))),
+        dropout_conv(register_module("dropout_conv", torch::nn::Dropout(o.dropout_conv))),
+        // Padded 3x3 convolutions keep the size; each 2x2 max-pool halves it (rounding down).
+        fc1(register_module("fc1", torch::nn::Linear(o.conv2_channels * (o.image_size / 4) * (o.image_size / 4), o.hidden))),
+        dropout_fc(register_module("dropout_fc", torch::nn::Dropout(o.dropout_fc))),
+        fc2(register_module("fc2", torch::nn::Linear(o.hidden, o.num_classes))) {}
+
+  at::Tensor forward(at::Tensor x) {
+    x = torch::max_pool2d(torch::relu(conv1(x)), 2);
+    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
+    x = dropout_conv(x).flatten(1);
+    x = dropout_fc(torch::relu(fc1(x)));
+    return fc2(x);
+  }
+
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::Dropout dropout_conv;
+  torch::nn::Linear fc1;
+  torch::nn::Dropout dropout_fc;
+  torch::nn::Linear fc2;
+};
+
+CnnOptions read_options(const ember::IConfig& cfg) {
+  CnnOptions o{};
+  o.in_channels = cfg.get_int("in_channels");
+  o.image_size = cfg.get_int("image_size");
+  o.conv1_channels = cfg.get_int("conv1_channels");
+  o.conv2_channels = cfg.get_int("conv2_channels");
+  o.hidden = cfg.get_int("hidden");
+  o.num_classes = cfg.get_int("num_classes");
+  o.dropout_conv = ember_models::read_dropout(cfg, "dropout_conv");
+  o.dropout_fc = ember_models::read_dropout(cfg, "dropout_fc");
+  return o;
+}
+
+class Cnn final : public ember::IModel {
+ public:
+  explicit Cnn(const ember::IConfig& cfg)
+      : opts_(read_options(cfg)), section_(cfg.section()), net_(std::make_shared<CnnNet>(opts_)) {}
+
+  torch::nn::Module& module() override { return *net_; }
+
+  at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
+    return step(batch, ctx, Phase::train);
+  }
+  void validation_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
+    step(batch, ctx, Phase::val);
+  }
+  void test_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
+    step(batch, ctx, Phase::test);
+  }
+
+ private:
+  at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
+    ember_models::require_inputs_and_targets(batch, "cnn");
+    const at::Tensor& images = batch[0];
+    check_images(images);
+    // Follow the parameters' dtype, so a module converted to reduced precision accepts the
+    // float32 images a data module produces (a no-op otherwise).
+    at::Tensor logits = net_->forward(images.to(net_->conv1->weight.scalar_type()));
+    return ember_models::classification_step(logits, batch[1], phase, ctx, "cnn");
+  }
+
+  // The first linear layer's width is fixed by in_channels and image_size; a mismatch would
+  // otherwise surface as an opaque matmul shape error deep inside the forward.
+  void check_images(const at::Tensor& images) const {
+    if (images.dim() != 4 || images.size(1) != opts_.in_channels || images.size(2) != opts_.image_size ||
+        images.size(3) != opts_.image_size) {
+      throw ember::RunError(c10::str("cnn: got images of shape ", images.sizes(), ", expected [N, ",
+                                     opts_.in_channels, ", ", opts_.image_size, ", ", opts_.image_size,
+                                     "]: set [", section_, "] in_channels and image_size to match the data"));
+    }
+  }
+
+  CnnOptions opts_;
+  std::string section_;
+  std::shared_ptr<CnnNet> net_;
+};
+
+ember::IModel* make(ember::IHost& /*host*/, const ember::IConfig& cfg) { return new Cnn(cfg); }
+
+}  // namespace
+
+EMBER_PLUGIN(ember::IModel, "cnn", "0.1.0", "Apache-2.0",
+             "The MNIST-tutorial CNN (two 3x3 convolutions, two linear layers) for small square images.",
+             EMBER_CONFIG_KEYS(kKeys), make)

@@ -1,0 +1,98 @@
+// Shared by the cnn and mlp models: the cross-entropy step and the metrics it logs, so both
+// models log the same names with the same options (what callbacks and the progress bar look for).
+// Header-only: each plugin .so compiles its own copy, nothing is shared at run time.
+#pragma once
+#include <string>
+
+#include <c10/util/StringUtil.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/types.h>
+
+#include <ember/config.h>
+#include <ember/error.h>
+#include <ember/trainer.h>
+#include <ember/types.h>
+
+namespace ember_models {
+
+// Which step is running; it decides the metric prefix and how the metric is reduced.
+enum class Phase { train, val, test };
+
+inline const char* phase_name(Phase phase) {
+  switch (phase) {
+    case Phase::train: return "train";
+    case Phase::val: return "val";
+    case Phase::test: return "test";
+  }
+  return "unknown";
+}
+
+// The loss is shown per step and as an epoch mean while training (Lightning's on_step + on_epoch,
+// which the engine logs as train_loss_step / train_loss_epoch); evaluation losses only per epoch.
+inline ember::LogOptions loss_log_options(Phase phase) {
+  ember::LogOptions o;
+  o.on_step = phase == Phase::train ? 1 : 0;
+  o.on_epoch = 1;
+  o.prog_bar = phase == Phase::train;
+  return o;
+}
+
+// Accuracy of a single batch is noisy: only its epoch mean is worth logging. The validation
+// accuracy is what a user watches, so it goes on the progress bar.
+inline ember::LogOptions accuracy_log_options(Phase phase) {
+  ember::LogOptions o;
+  o.on_step = 0;
+  o.on_epoch = 1;
+  o.prog_bar = phase == Phase::val;
+  return o;
+}
+
+// Every step reads tensors[0] (inputs) and tensors[1] (targets); a clear message beats the
+// std::out_of_range that Batch::operator[] would throw.
+inline void require_inputs_and_targets(const ember::Batch& batch, const char* model) {
+  if (batch.tensors.size() < 2) {
+    throw ember::RunError(c10::str(model, ": expected a batch of (inputs, targets), got ",
+                                   batch.tensors.size(),
+                                   " tensor(s): use a data module that yields inputs and targets"));
+  }
+}
+
+// Reads a dropout probability. The schema bounds it to [0, 1] (it has no exclusive maximum);
+// p = 1 would zero every activation, so it is refused here with the fix.
+inline double read_dropout(const ember::IConfig& cfg, const char* key) {
+  const double p = cfg.get_float(key);
+  if (p >= 1.0) {
+    throw ember::ConfigError(c10::str("[", cfg.section(), "] ", key, " = ", p, " (", cfg.where(key),
+                                      ") must be below 1, which would drop every activation: use a "
+                                      "value in [0, 1), 0 for no dropout"));
+  }
+  return p;
+}
+
+// Cross-entropy of `logits` [N, C] against class indices `labels` [N]; logs <phase>_loss and
+// <phase>_acc and returns the loss (still attached to the graph when training).
+// Logs tensors, never .item(): the values may live on the GPU and the engine reads them back
+// only when it actually reports, so a step never waits for the device.
+inline at::Tensor classification_step(const at::Tensor& logits, const at::Tensor& labels,
+                                      Phase phase, ember::IStepContext& ctx, const char* model) {
+  // Shapes and dtypes are host-side metadata: checking them costs no device sync.
+  if (labels.dim() != 1 || labels.size(0) != logits.size(0) ||
+      !at::isIntegralType(labels.scalar_type(), /*includeBool=*/false)) {
+    throw ember::RunError(c10::str(model, ": classification needs int64 labels of shape [", logits.size(0),
+                                   "], got ", labels.scalar_type(), " ", labels.sizes(),
+                                   ": use a data module whose targets are class indices (float targets need a regression model)"));
+  }
+  // The loss is computed in float32 even when the forward ran in reduced precision: the
+  // log-softmax is where half precision loses the most.
+  at::Tensor loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat), labels.to(torch::kLong));
+  // A metric, not part of the graph.
+  at::Tensor acc = (logits.detach().argmax(1) == labels).to(torch::kFloat).mean();
+
+  const std::string prefix = phase_name(phase);
+  // Detached: a logged value must not keep this step's graph alive until the engine reads it.
+  ctx.log(prefix + "_loss", loss.detach(), loss_log_options(phase));
+  ctx.log(prefix + "_acc", acc, accuracy_log_options(phase));
+  return loss;
+}
+
+}  // namespace ember_models

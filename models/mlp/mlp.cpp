@@ -1,0 +1,183 @@
+// mlp: a multi-layer perceptron on flattened inputs, for classification (cross-entropy on class
+// indices) or regression (mean squared error on float targets).
+//
+//   flatten -> [linear -> activation -> dropout] per hidden width -> linear(num_classes)
+//
+// Batch: tensors[0] = inputs [N, ...] (flattened to [N, input_size]); tensors[1] = labels int64
+// [N] for classification, float targets [N, num_classes] for regression.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <c10/util/StringUtil.h>
+#include <torch/nn.h>
+#include <torch/types.h>
+
+#include <ember/config.h>
+#include <ember/error.h>
+#include <ember/host.h>
+#include <ember/model.h>
+#include <ember/plugin.h>
+
+#include "../common/classification.h"
+
+namespace {
+
+using ember_models::Phase;
+
+constexpr EmberConfigKey kKeys[] = {
+    ember::key::Int("input_size", "784", "Features per sample after flattening (784 for 28x28 images).").at_least(1),
+    ember::key::IntList("hidden", "[256, 128]", "Widths of the hidden layers in order; [] makes a linear model.").at_least(1),
+    ember::key::String("activation", "\"relu\"", "Nonlinearity after each hidden layer.").choices("relu|gelu|tanh"),
+    ember::key::Float("dropout", "0.0", "Dropout probability after each hidden activation, in [0, 1); 0 adds no dropout.").at_least(0.0).below(1.0),
+    ember::key::Int("num_classes", "10", "Output width: the number of classes, or of regression targets.").at_least(1),
+    ember::key::String("task", "\"classification\"", "Cross-entropy on class labels, or mean squared error on float targets.").choices("classification|regression"),
+};
+
+enum class Activation { relu, gelu, tanh };
+enum class Task { classification, regression };
+
+struct MlpOptions {
+  int64_t input_size = 0;
+  std::vector<int64_t> hidden;
+  Activation activation = Activation::relu;
+  double dropout = 0.0;
+  int64_t num_classes = 0;
+  Task task = Task::classification;
+};
+
+class MlpNet : public torch::nn::Module {
+ public:
+  // Fixed names (fc1, fc2, ..., head) keep named_parameters() and checkpoints stable.
+  explicit MlpNet(const MlpOptions& o) : activation_(o.activation) {
+    int64_t width = o.input_size;
+    for (size_t i = 0; i < o.hidden.size(); ++i) {
+      layers_.push_back(register_module("fc" + std::to_string(i + 1), torch::nn::Linear(width, o.hidden[i])));
+      width = o.hidden[i];
+    }
+    head_ = register_module("head", torch::nn::Linear(width, o.num_classes));
+    // No module at all for dropout 0: the forward is then exactly deterministic, which the
+    // gradient-accumulation tests rely on. One module serves every layer (it holds no state).
+    if (o.dropout > 0.0) dropout_ = register_module("dropout", torch::nn::Dropout(o.dropout));
+  }
+
+  at::Tensor forward(at::Tensor x) {
+    x = x.flatten(1);
+    for (auto& layer : layers_) {
+      x = activate(layer(x));
+      if (dropout_) x = dropout_(x);
+    }
+    return head_(x);
+  }
+
+  const at::Tensor& head_weight() const { return head_->weight; }
+
+ private:
+  at::Tensor activate(const at::Tensor& x) const {
+    switch (activation_) {
+      case Activation::gelu: return torch::gelu(x);
+      case Activation::tanh: return torch::tanh(x);
+      case Activation::relu: break;
+    }
+    return torch::relu(x);
+  }
+
+  Activation activation_;
+  std::vector<torch::nn::Linear> layers_;
+  torch::nn::Linear head_{nullptr};
+  torch::nn::Dropout dropout_{nullptr};
+};
+
+MlpOptions read_options(const ember::IConfig& cfg) {
+  MlpOptions o;
+  o.input_size = cfg.get_int("input_size");
+  o.hidden = cfg.get_int_list("hidden");
+  const std::string activation = cfg.get_string("activation");
+  o.activation = activation == "gelu" ? Activation::gelu : activation == "tanh" ? Activation::tanh : Activation::relu;
+  o.dropout = ember_models::read_dropout(cfg, "dropout");
+  o.num_classes = cfg.get_int("num_classes");
+  o.task = cfg.get_string("task") == "regression" ? Task::regression : Task::classification;
+
+  // Constraints between keys, which the schema cannot express.
+  const std::string s = c10::str("[", cfg.section(), "] ");
+  if (o.dropout > 0.0 && o.hidden.empty()) {
+    throw ember::ConfigError(c10::str(s, "dropout = ", o.dropout, " (", cfg.where("dropout"),
+                                      ") has nothing to act on with hidden = [] (", cfg.where("hidden"),
+                                      "): add hidden layers or set dropout = 0"));
+  }
+  if (o.task == Task::classification && o.num_classes < 2) {
+    throw ember::ConfigError(c10::str(s, "num_classes = ", o.num_classes, " (", cfg.where("num_classes"),
+                                      ") is too few for task = \"classification\": use at least 2 classes, "
+                                      "or task = \"regression\" for a single output"));
+  }
+  return o;
+}
+
+class Mlp final : public ember::IModel {
+ public:
+  explicit Mlp(const ember::IConfig& cfg)
+      : opts_(read_options(cfg)), section_(cfg.section()), net_(std::make_shared<MlpNet>(opts_)) {}
+
+  torch::nn::Module& module() override { return *net_; }
+
+  at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
+    return step(batch, ctx, Phase::train);
+  }
+  void validation_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
+    step(batch, ctx, Phase::val);
+  }
+  void test_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
+    step(batch, ctx, Phase::test);
+  }
+
+ private:
+  at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
+    ember_models::require_inputs_and_targets(batch, "mlp");
+    const at::Tensor& inputs = batch[0];
+    // Compare the flattened width with input_size here: the mismatch would otherwise be an
+    // opaque matmul shape error.
+    const int64_t features = inputs.dim() > 0 && inputs.size(0) > 0 ? inputs.numel() / inputs.size(0) : 0;
+    if (inputs.dim() < 2 || features != opts_.input_size) {
+      throw ember::RunError(c10::str("mlp: got inputs of shape ", inputs.sizes(), " (", features,
+                                     " features per sample), expected ", opts_.input_size,
+                                     ": set [", section_, "] input_size = ", features));
+    }
+    // Follow the parameters' dtype, so a module converted to reduced precision accepts float32
+    // inputs (a no-op otherwise).
+    at::Tensor out = net_->forward(inputs.to(net_->head_weight().scalar_type()));
+    if (opts_.task == Task::classification) {
+      return ember_models::classification_step(out, batch[1], phase, ctx, "mlp");
+    }
+    return regression_step(out, batch[1], phase, ctx);
+  }
+
+  // Mean squared error against float targets [N, num_classes]; logs only <phase>_loss (there is
+  // no accuracy for a regression).
+  at::Tensor regression_step(const at::Tensor& out, const at::Tensor& targets, Phase phase,
+                             ember::IStepContext& ctx) const {
+    if (!targets.is_floating_point() || targets.dim() != 2 || targets.size(0) != out.size(0) ||
+        targets.size(1) != opts_.num_classes) {
+      throw ember::RunError(c10::str("mlp: regression needs float targets of shape [", out.size(0), ", ",
+                                     opts_.num_classes, "], got ", targets.scalar_type(), " ", targets.sizes(),
+                                     ": set [", section_, "] num_classes to the target width, or task = \"classification\" for class labels"));
+    }
+    // In float32 even after a reduced-precision forward, so small errors do not round to zero.
+    at::Tensor loss = torch::mse_loss(out.to(torch::kFloat), targets.to(torch::kFloat));
+    ctx.log(std::string(ember_models::phase_name(phase)) + "_loss", loss.detach(),
+            ember_models::loss_log_options(phase));
+    return loss;
+  }
+
+  MlpOptions opts_;
+  std::string section_;
+  std::shared_ptr<MlpNet> net_;
+};
+
+ember::IModel* make(ember::IHost& /*host*/, const ember::IConfig& cfg) { return new Mlp(cfg); }
+
+}  // namespace
+
+EMBER_PLUGIN(ember::IModel, "mlp", "0.1.0", "Apache-2.0",
+             "A multi-layer perceptron on flattened inputs, for classification or regression.",
+             EMBER_CONFIG_KEYS(kKeys), make)

@@ -1,0 +1,592 @@
+// Plugin "checkpoint": Lightning's ModelCheckpoint. Saves the k best checkpoints by a monitored
+// metric (or the latest ones without a monitor) plus last.ckpt, and resolves `--resume last|best`.
+//
+// The pieces that need no trainer live beside this file: filename_template.h (file names),
+// topk.h (the top-k bookkeeping) and suggest.h ("did you mean"). This file is the glue: when to
+// save, the file work, the state_dict and the checkpoint locator.
+#include <ember/callback.h>
+#include <ember/callback_base.h>
+#include <ember/config.h>
+#include <ember/error.h>
+#include <ember/host.h>
+#include <ember/plugin.h>
+#include <ember/trainer.h>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <torch/serialize.h>  // torch::pickle_load
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "filename_template.h"
+#include "suggest.h"
+#include "topk.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace ck = ember_checkpoint;
+
+constexpr const char* kPluginName = "checkpoint";
+
+// clang-format off
+constexpr EmberConfigKey kKeys[] = {
+    ember::key::String("dirpath", "\"\"",
+        "Folder for the checkpoint files; empty = <run_dir>/checkpoints."),
+    ember::key::String("filename", "\"{epoch}-{step}\"",
+        "File name template without .ckpt: {name} or {name:FORMAT} (.Nf, 0Nd, .Ne, .Ng) of epoch, step or a logged metric."),
+    ember::key::String("monitor", "\"\"",
+        "Logged metric that ranks checkpoints (e.g. \"val_loss\"); empty = keep the latest ones."),
+    ember::key::String("mode", "\"min\"",
+        "Whether a lower (min) or higher (max) monitored value is better.").choices("min|max"),
+    ember::key::Int("save_top_k", "1",
+        "How many of the best checkpoints to keep: -1 = all, 0 = none (last.ckpt is still written).").at_least(-1),
+    ember::key::Bool("save_last", "true",
+        "Also write last.ckpt at every save; true by default (Lightning: off) so `--resume last` works out of the box."),
+    ember::key::Int("every_n_epochs", "1",
+        "Save top-k every N training epochs (0 = never by epoch); unless set explicitly, 0 when every_n_train_steps > 0.").at_least(0),
+    ember::key::Int("every_n_train_steps", "0",
+        "Save top-k every N optimizer steps (0 = off); excludes an explicitly set every_n_epochs, like Lightning.").at_least(0),
+    ember::key::Bool("save_weights_only", "false",
+        "Write only the model weights (no optimizer, loop or callback state: such a file cannot resume a run)."),
+    ember::key::Bool("auto_insert_metric_name", "true",
+        "Write {val_loss} as val_loss=0.25 in file names; turn off for metric names that contain '/'."),
+    ember::key::Bool("verbose", "false",
+        "Log every save, deletion and top-k decision."),
+};
+// clang-format on
+
+[[noreturn]] void config_error(const ember::IConfig& cfg, std::string_view key,
+                               const std::string& problem, const std::string& fix) {
+  throw ember::ConfigError(cfg.section() + "." + std::string(key) + " (" + cfg.where(key) +
+                           "): " + problem + "; " + fix);
+}
+
+// "~/x" -> "$HOME/x", then absolute and normalized without a trailing '/' (Lightning resolves
+// dirpath with realpath(expanduser(...)); symlinks are kept here).
+std::string absolute_dir(std::string p) {
+  if (!p.empty() && p[0] == '~' && (p.size() == 1 || p[1] == '/')) {
+    if (const char* home = std::getenv("HOME")) p = std::string(home) + p.substr(1);
+  }
+  fs::path out = fs::absolute(fs::path(p)).lexically_normal();
+  if (!out.has_filename() && out.has_parent_path() && out != out.root_path()) out = out.parent_path();
+  return out.string();
+}
+
+bool file_exists(const std::string& path) {
+  std::error_code ec;
+  return fs::exists(path, ec);
+}
+
+ck::FilenameTemplate parse_filename(const ember::IConfig& cfg) {
+  std::string text = cfg.get_string("filename");
+  if (text.empty()) text = std::string("{epoch}") + ck::kJoinChar + "{step}";  // Lightning's default
+  if (text.size() >= 5 && text.compare(text.size() - 5, 5, ck::kExtension) == 0) {
+    config_error(cfg, "filename", "'" + text + "' would be saved as '" + text + ck::kExtension + "'",
+                 "leave out the .ckpt extension");
+  }
+  try {
+    return ck::FilenameTemplate(text);
+  } catch (const std::invalid_argument& e) {
+    config_error(cfg, "filename", "bad template '" + text + "': " + e.what(),
+                 "write fields as {name}, {name:.4f} or {name:03d}");
+  }
+}
+
+ck::Mode parse_mode(const ember::IConfig& cfg) {
+  const std::string m = cfg.get_string("mode");
+  if (m == "min") return ck::Mode::min;
+  if (m == "max") return ck::Mode::max;
+  config_error(cfg, "mode", "'" + m + "' is not a mode", "use \"min\" or \"max\"");
+}
+
+// A number stored in a checkpoint state: a float, an int or a one-element tensor (Lightning
+// stores tensors).
+std::optional<double> as_number(const c10::IValue& v) {
+  if (v.isDouble()) return v.toDouble();
+  if (v.isInt()) return static_cast<double>(v.toInt());
+  if (v.isTensor() && v.toTensor().numel() == 1) return v.toTensor().item<double>();
+  return std::nullopt;
+}
+
+// The callback's state after it was read from a checkpoint and checked.
+struct SavedState {
+  std::string dirpath, monitor, mode;
+  ck::TopKState topk;
+};
+
+[[noreturn]] void malformed(const std::string& what) {
+  throw ember::RunError("checkpoint: malformed state in the checkpoint: " + what +
+                        " (was it written by another plugin named 'checkpoint'?)");
+}
+
+// Checks the layout that state_dict() writes (see there) and converts it.
+SavedState parse_state(const c10::IValue& state, ck::Mode default_mode) {
+  if (!state.isGenericDict()) malformed(std::string("expected a dict, got ") + state.tagKind());
+  const auto dict = state.toGenericDict();
+  for (const auto& entry : dict) {
+    if (!entry.key().isString()) malformed("a key is a " + entry.key().tagKind() + ", not a string");
+  }
+  auto get = [&](const char* key) -> std::optional<c10::IValue> {
+    auto it = dict.find(c10::IValue(std::string(key)));
+    if (it == dict.end()) return std::nullopt;
+    return it->value();
+  };
+  auto get_string = [&](const char* key, bool required) -> std::string {
+    auto v = get(key);
+    if (!v) {
+      if (required) malformed(std::string("'") + key + "' is missing");
+      return "";
+    }
+    if (!v->isString()) malformed(std::string("'") + key + "' is a " + v->tagKind() + ", not a string");
+    return v->toStringRef();
+  };
+
+  SavedState out;
+  out.dirpath = get_string("dirpath", false);
+  out.monitor = get_string("monitor", false);
+  out.mode = get_string("mode", false);
+  if (out.mode.empty()) out.mode = ck::mode_name(default_mode);
+  if (out.mode != "min" && out.mode != "max") malformed("'mode' is '" + out.mode + "'");
+  auto& t = out.topk;
+  t.best_model_path = get_string("best_model_path", true);
+  t.kth_best_model_path = get_string("kth_best_model_path", false);
+  t.last_model_path = get_string("last_model_path", false);
+
+  if (auto v = get("best_model_score"); v && !v->isNone()) {
+    auto n = as_number(*v);
+    if (!n) malformed("'best_model_score' is a " + v->tagKind() + ", not a number");
+    t.best_model_score = *n;
+  }
+  const double inf = std::numeric_limits<double>::infinity();
+  t.kth_value = out.mode == "min" ? inf : -inf;
+  if (auto v = get("kth_value"); v && !v->isNone()) {
+    auto n = as_number(*v);
+    if (!n) malformed("'kth_value' is a " + v->tagKind() + ", not a number");
+    t.kth_value = *n;
+  }
+  if (auto v = get("best_k_models"); v && !v->isNone()) {
+    if (!v->isGenericDict()) malformed("'best_k_models' is a " + v->tagKind() + ", not a dict");
+    for (const auto& e : v->toGenericDict()) {
+      auto score = as_number(e.value());
+      if (!e.key().isString() || !score) malformed("'best_k_models' must map file paths to numbers");
+      t.best_k_models.emplace_back(e.key().toStringRef(), *score);
+    }
+  }
+  if (!t.kth_best_model_path.empty() && t.find(t.kth_best_model_path) == nullptr) {
+    malformed("'kth_best_model_path' is not one of 'best_k_models'");
+  }
+  return out;
+}
+
+// A *.ckpt file of a checkpoint folder.
+struct CkptFile {
+  std::string path;
+  fs::file_time_type mtime;
+};
+
+// Regular *.ckpt files in `dir`, newest first.
+std::vector<CkptFile> list_checkpoints(const fs::path& dir) {
+  std::vector<CkptFile> out;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return out;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code e2;
+    if (!it->is_regular_file(e2) || it->path().extension() != ck::kExtension) continue;
+    const auto t = it->last_write_time(e2);
+    if (!e2) out.push_back({it->path().string(), t});
+  }
+  std::stable_sort(out.begin(), out.end(), [](const CkptFile& a, const CkptFile& b) {
+    return a.mtime != b.mtime ? a.mtime > b.mtime : a.path > b.path;
+  });
+  return out;
+}
+
+// "last.ckpt", or "last-v<N>.ckpt" that the version counter makes when last.ckpt was someone
+// else's.
+bool is_last_name(const fs::path& p) {
+  const std::string stem = p.stem().string();
+  const std::string base = ck::kNameLast;
+  if (stem == base) return true;
+  const std::string prefix = base + ck::kJoinChar + "v";
+  if (stem.size() <= prefix.size() || stem.compare(0, prefix.size(), prefix) != 0) return false;
+  return std::all_of(stem.begin() + static_cast<std::ptrdiff_t>(prefix.size()), stem.end(),
+                     [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// This plugin's state inside an engine checkpoint: the file is a pickled dict whose "callbacks"
+// entry maps plugin names to their state_dict. nullopt when the file has none (weights only).
+std::optional<c10::IValue> read_plugin_state(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ember::RunError("cannot open " + path);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const c10::IValue root = torch::pickle_load(bytes);
+  if (!root.isGenericDict()) return std::nullopt;
+  const auto top = root.toGenericDict();
+  auto cbs = top.find(c10::IValue(std::string("callbacks")));
+  if (cbs == top.end() || !cbs->value().isGenericDict()) return std::nullopt;
+  const auto callbacks = cbs->value().toGenericDict();
+  auto mine = callbacks.find(c10::IValue(std::string(kPluginName)));
+  if (mine == callbacks.end() || mine->value().isNone()) return std::nullopt;
+  return mine->value();
+}
+
+class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointLocator {
+ public:
+  ModelCheckpoint(ember::IHost& host, const ember::IConfig& cfg)
+      : host_(host),
+        filename_(parse_filename(cfg)),
+        monitor_(cfg.get_string("monitor")),
+        save_top_k_(cfg.get_int("save_top_k")),
+        save_last_(cfg.get_bool("save_last")),
+        every_n_epochs_(cfg.get_int("every_n_epochs")),
+        every_n_train_steps_(cfg.get_int("every_n_train_steps")),
+        save_weights_only_(cfg.get_bool("save_weights_only")),
+        auto_insert_metric_name_(cfg.get_bool("auto_insert_metric_name")),
+        verbose_(cfg.get_bool("verbose")),
+        topk_(parse_mode(cfg), save_top_k_) {
+    const std::string dir = cfg.get_string("dirpath");
+    if (!dir.empty()) dirpath_cfg_ = absolute_dir(dir);
+
+    // Without a monitor there is nothing to rank: only "all", "none" or "the latest" make sense.
+    if (monitor_.empty() && save_top_k_ != -1 && save_top_k_ != 0 && save_top_k_ != 1) {
+      config_error(cfg, "save_top_k",
+                   "save_top_k = " + std::to_string(save_top_k_) + " needs a monitor to rank checkpoints",
+                   "set " + cfg.section() + ".monitor (e.g. \"val_loss\") or use save_top_k = -1 (all), 0 or 1 (the latest)");
+    }
+    // Lightning: the step and epoch triggers are mutually exclusive; giving only the step trigger
+    // turns the epoch trigger off (its default of 1 applies only when it is alone).
+    if (every_n_train_steps_ > 0) {
+      if (cfg.where("every_n_epochs") != "default" && every_n_epochs_ > 0) {
+        config_error(cfg, "every_n_epochs",
+                     "every_n_epochs = " + std::to_string(every_n_epochs_) + " and every_n_train_steps = " +
+                         std::to_string(every_n_train_steps_) + " are mutually exclusive",
+                     "remove one of them (every_n_train_steps alone turns saving by epoch off)");
+      }
+      every_n_epochs_ = 0;
+    }
+  }
+
+  bool monitors_metrics() const override { return true; }
+
+  void* query_interface(const char* iid) override {
+    if (iid != nullptr && std::strcmp(iid, ember::kCheckpointLocatorIid) == 0) {
+      return static_cast<ember::ICheckpointLocator*>(this);
+    }
+    return ember::Callback::query_interface(iid);
+  }
+
+  // Layout (a dict str -> value, like Lightning's ModelCheckpoint.state_dict):
+  //   dirpath, monitor, mode ("min"|"max"), best_model_path, kth_best_model_path,
+  //   last_model_path: str;  best_model_score: float or None;  kth_value: float;
+  //   best_k_models: Dict[str, float] (path -> score, in insertion order).
+  c10::IValue state_dict() const override {
+    const ck::TopKState& s = topk_.state();
+    c10::Dict<std::string, double> best_k;
+    for (const auto& [path, score] : s.best_k_models) best_k.insert(path, score);
+    // A dict str -> Any. (c10::Dict<std::string, IValue> has no usable constructor in LibTorch
+    // 2.11: both static_assert; GenericDict with the key and value types is the way.)
+    c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+    d.insert(std::string("dirpath"), dirpath_);
+    d.insert(std::string("monitor"), monitor_);
+    d.insert(std::string("mode"), std::string(ck::mode_name(topk_.mode())));
+    d.insert(std::string("best_model_path"), s.best_model_path);
+    d.insert(std::string("best_model_score"), s.best_model_score ? c10::IValue(*s.best_model_score) : c10::IValue());
+    d.insert(std::string("kth_best_model_path"), s.kth_best_model_path);
+    d.insert(std::string("kth_value"), s.kth_value);
+    d.insert(std::string("last_model_path"), s.last_model_path);
+    d.insert(std::string("best_k_models"), c10::IValue(best_k));
+    return c10::IValue(d);
+  }
+
+  void load_state_dict(const c10::IValue& state) override {
+    if (state.isNone()) return;  // nothing was saved (e.g. a checkpoint from before this plugin)
+    SavedState saved = parse_state(state, topk_.mode());  // throws on a malformed state
+    if (dirpath_.empty()) {
+      pending_ = std::move(saved);  // setup() resolves the folder and applies it
+    } else {
+      apply(std::move(saved));
+    }
+  }
+
+  std::string resolve_checkpoint(const std::string& alias, const std::string& run_dir) override {
+    const fs::path dir = dirpath_cfg_.empty() ? fs::path(run_dir) / "checkpoints" : fs::path(dirpath_cfg_);
+    const std::vector<CkptFile> files = list_checkpoints(dir);
+    if (alias == "last") {
+      for (const auto& f : files) {
+        if (is_last_name(f.path)) return f.path;
+      }
+      return files.empty() ? "" : files.front().path;
+    }
+    if (alias != "best") return "";
+    // The newest checkpoint that carries this plugin's state knows the best one.
+    for (const auto& f : files) {
+      std::string best;
+      try {
+        const std::optional<c10::IValue> state = read_plugin_state(f.path);
+        if (!state) continue;
+        best = parse_state(*state, topk_.mode()).topk.best_model_path;
+      } catch (const std::exception& e) {
+        host_.log(ember::LogLevel::warn, "checkpoint: skipping unreadable " + f.path + ": " + e.what());
+        continue;
+      }
+      if (best.empty()) return "";
+      if (file_exists(best)) return best;
+      // The run folder was moved: the same file name in the folder being searched.
+      const fs::path moved = dir / fs::path(best).filename();
+      return file_exists(moved.string()) ? moved.string() : "";
+    }
+    return "";
+  }
+
+  void setup(ember::ITrainer& trainer) override {
+    dirpath_ = dirpath_cfg_.empty() ? absolute_dir((fs::path(trainer.run_dir()) / "checkpoints").string())
+                                    : dirpath_cfg_;
+    if (pending_) {
+      apply(std::move(*pending_));
+      pending_.reset();
+    }
+  }
+
+  void on_fit_start(ember::ITrainer& trainer) override {
+    // Lightning warns here: files from another run may be mistaken for this run's (or deleted).
+    std::error_code ec;
+    if (!restored_ && save_top_k_ != 0 && trainer.is_global_zero() && fs::is_directory(dirpath_, ec) &&
+        !fs::is_empty(dirpath_, ec)) {
+      host_.log(ember::LogLevel::warn, "checkpoint: folder " + dirpath_ + " exists and is not empty");
+    }
+  }
+
+  void on_train_start(ember::ITrainer& trainer) override {
+    // Nothing to save before the first step; after a resume the current step is already on disk.
+    last_global_step_saved_ = trainer.global_step();
+    validation_has_run_ = false;
+    warned_missing_monitor_ = false;
+  }
+
+  void on_validation_end(ember::ITrainer& trainer) override {
+    if (!trainer.sanity_checking()) validation_has_run_ = true;
+  }
+
+  void on_train_batch_end(ember::ITrainer& trainer) override {
+    if (skip(trainer)) return;
+    if (every_n_train_steps_ < 1 || trainer.global_step() % every_n_train_steps_ != 0) return;
+    save_topk(trainer);
+    save_last(trainer);
+  }
+
+  void on_train_epoch_end(ember::ITrainer& trainer) override {
+    // Runs after the model's on_train_epoch_end, with this epoch's validation metrics in place.
+    if (skip(trainer)) return;
+    if (every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_topk(trainer);
+    save_last(trainer);  // Lightning: every_n_epochs does not throttle last.ckpt
+  }
+
+ private:
+  // Never while sanity checking, and never twice for the same optimizer step (the epoch end
+  // right after a step-triggered save, or micro-batches of one accumulated step).
+  bool skip(const ember::ITrainer& trainer) const {
+    return trainer.sanity_checking() || last_global_step_saved_ == trainer.global_step();
+  }
+
+  // epoch and step come from the loop; everything else from the logged metrics.
+  static std::optional<double> lookup(const ember::ITrainer& trainer, const std::string& name) {
+    if (name == "epoch") return static_cast<double>(trainer.current_epoch());
+    if (name == "step") return static_cast<double>(trainer.global_step());
+    double v = 0;
+    if (trainer.metric(name, &v)) return v;
+    return std::nullopt;
+  }
+  static std::vector<std::string> candidate_names(const ember::ITrainer& trainer) {
+    std::vector<std::string> names = trainer.metric_names();
+    for (const char* n : {"epoch", "step"}) {
+      if (std::find(names.begin(), names.end(), n) == names.end()) names.emplace_back(n);
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  std::string format_stem(const ember::ITrainer& trainer) const {
+    try {
+      return filename_.format([&](const std::string& n) { return lookup(trainer, n); },
+                              auto_insert_metric_name_);
+    } catch (const ck::UnknownName& e) {
+      throw ember::RunError("checkpoint: filename '" + filename_.text() + "' uses '" + e.name() +
+                            "', which is not a logged metric" +
+                            ck::suggestion_suffix(e.name(), candidate_names(trainer)));
+    }
+  }
+
+  std::string versioned(const std::string& stem, const std::string& replacing) const {
+    return ck::versioned_checkpoint_path(dirpath_, stem, file_exists, replacing);
+  }
+
+  void info(const std::string& message) {
+    if (verbose_) host_.log(ember::LogLevel::info, "checkpoint: " + message);
+  }
+  static std::string where(const ember::ITrainer& trainer) {
+    return "Epoch " + std::to_string(trainer.current_epoch()) + ", global step " +
+           std::to_string(trainer.global_step());
+  }
+
+  void save_topk(ember::ITrainer& trainer) {
+    if (save_top_k_ == 0) return;
+    if (monitor_.empty()) return save_none_monitor(trainer);
+    const std::optional<double> current = lookup(trainer, monitor_);
+    if (!current) {
+      const std::string msg = "checkpoint: monitor '" + monitor_ + "' not found in logged metrics" +
+                              ck::suggestion_suffix(monitor_, candidate_names(trainer));
+      // Lightning: an error once validation has run (the name is wrong); before that only a
+      // warning, as a validation metric cannot exist yet (step-based saves in the first epoch,
+      // validation every few epochs).
+      if (validation_has_run_) throw ember::RunError(msg);
+      if (!warned_missing_monitor_) {
+        host_.log(ember::LogLevel::warn, msg + "; no top-k checkpoint until it is logged");
+        warned_missing_monitor_ = true;
+      }
+      return;
+    }
+    save_monitor(trainer, *current);
+  }
+
+  void save_monitor(ember::ITrainer& trainer, double current) {
+    const double score = topk_.score_of(current);
+    if (!topk_.should_save(score)) {
+      info(where(trainer) + ": '" + monitor_ + "' was not in top " + std::to_string(save_top_k_));
+      return;
+    }
+    const std::string stem = format_stem(trainer);  // may throw: before anything changes
+    const ck::TopKState before = topk_.state();
+    const auto added = topk_.add(score, [&](const std::string& dropped) { return versioned(stem, dropped); });
+    write(trainer, added.path, before);
+    if (verbose_) {
+      const auto& s = topk_.state();
+      char line[96];
+      std::snprintf(line, sizeof line, "reached %.5f (best %.5f)", current,
+                    s.best_model_score ? *s.best_model_score : std::nan(""));
+      info(where(trainer) + ": '" + monitor_ + "' " + line + ", saved '" + added.path + "' as top " +
+           (save_top_k_ == -1 ? std::string("all") : std::to_string(save_top_k_)));
+    }
+    remove_if_unused(trainer, added.dropped, added.path);
+  }
+
+  // No monitor: the newest checkpoint is "the best"; with save_top_k = 1 the previous one goes.
+  void save_none_monitor(ember::ITrainer& trainer) {
+    const std::string stem = format_stem(trainer);
+    const ck::TopKState before = topk_.state();
+    const std::string previous = before.best_model_path;
+    // Only with save_top_k = 1 is the previous file being replaced (it goes anyway); when all
+    // are kept, a repeated name gets a version suffix instead of overwriting a kept file.
+    const std::string path = versioned(stem, save_top_k_ == 1 ? previous : std::string());
+    topk_.state().best_model_path = path;
+    write(trainer, path, before);
+    info(where(trainer) + ": saved '" + path + "'");
+    if (save_top_k_ == 1) remove_if_unused(trainer, previous, path);
+  }
+
+  void save_last(ember::ITrainer& trainer) {
+    if (!save_last_) return;
+    const ck::TopKState before = topk_.state();
+    const std::string previous = before.last_model_path;
+    const std::string path = versioned(ck::kNameLast, previous);
+    topk_.state().last_model_path = path;
+    write(trainer, path, before);
+    info(where(trainer) + ": saved '" + path + "'");
+    remove_if_unused(trainer, previous, path);
+  }
+
+  // The bookkeeping for `path` is already in place (the file must hold the state that includes
+  // itself); if writing fails it goes back to `before`, so the previous best is never lost.
+  void write(ember::ITrainer& trainer, const std::string& path, const ck::TopKState& before) {
+    try {
+      if (trainer.is_global_zero()) {
+        std::error_code ec;
+        fs::create_directories(fs::path(path).parent_path(), ec);
+        if (ec) throw ember::RunError("checkpoint: cannot create the folder of " + path + ": " + ec.message());
+      }
+      trainer.save_checkpoint(path, save_weights_only_);
+    } catch (...) {
+      topk_.state() = before;
+      throw;
+    }
+    last_global_step_saved_ = trainer.global_step();
+  }
+
+  // Deletes a file that left the top k (or an older last/latest one). Rank 0 only, and only
+  // after the new file was written.
+  void remove_if_unused(const ember::ITrainer& trainer, const std::string& previous, const std::string& current) {
+    if (!trainer.is_global_zero() || !ck::should_remove_checkpoint(topk_.state(), previous, current, dirpath_)) {
+      return;
+    }
+    std::error_code ec;
+    fs::remove(previous, ec);
+    if (ec) {
+      host_.log(ember::LogLevel::warn, "checkpoint: could not delete " + previous + ": " + ec.message());
+    } else {
+      info("deleted '" + previous + "'");
+    }
+  }
+
+  // Lightning's load_state_dict: everything when the folder is the same, else only
+  // best_model_path; nothing when the ranking changed (Lightning keys the state by monitor and
+  // mode, so a different ranking finds no state).
+  void apply(SavedState saved) {
+    restored_ = true;
+    if (saved.monitor != monitor_ || saved.mode != ck::mode_name(topk_.mode())) {
+      host_.log(ember::LogLevel::warn,
+                "checkpoint: the checkpoint ranked by monitor '" + saved.monitor + "' (" + saved.mode +
+                    "), this run by '" + monitor_ + "' (" + ck::mode_name(topk_.mode()) +
+                    "): top-k bookkeeping starts afresh");
+      return;
+    }
+    if (saved.dirpath == dirpath_) {
+      topk_.state() = std::move(saved.topk);
+      return;
+    }
+    host_.log(ember::LogLevel::warn, "checkpoint: dirpath changed from '" + saved.dirpath + "' to '" + dirpath_ +
+                                         "': only best_model_path is restored");
+    topk_.state().best_model_path = saved.topk.best_model_path;
+  }
+
+  ember::IHost& host_;
+  ck::FilenameTemplate filename_;
+  std::string monitor_;
+  int64_t save_top_k_;
+  bool save_last_;
+  int64_t every_n_epochs_;
+  int64_t every_n_train_steps_;
+  bool save_weights_only_;
+  bool auto_insert_metric_name_;
+  bool verbose_;
+  std::string dirpath_cfg_;  // the configured folder, absolute; "" = <run_dir>/checkpoints
+
+  std::string dirpath_;  // the folder in use, known from setup() on
+  ck::TopK topk_;
+  int64_t last_global_step_saved_ = 0;
+  bool validation_has_run_ = false;
+  bool warned_missing_monitor_ = false;
+  bool restored_ = false;
+  std::optional<SavedState> pending_;  // state loaded before setup()
+};
+
+ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return new ModelCheckpoint(host, cfg); }
+
+}  // namespace
+
+EMBER_PLUGIN(ember::ICallback, "checkpoint", "0.1.0", "Apache-2.0",
+             "Saves the best checkpoints by a monitored metric and last.ckpt (Lightning's ModelCheckpoint).",
+             EMBER_CONFIG_KEYS(kKeys), make)

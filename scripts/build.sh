@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Sets up what is missing (scripts/setup.sh), then configures and builds Ember in ./build.
+# Extra CMake arguments: CMAKE_ARGS="-DEMBER_BUILD_TESTS=OFF" scripts/build.sh
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+torch_prefix=$(bash scripts/setup.sh | tail -n 1)
+build=${EMBER_BUILD_DIR:-build}
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+if [ ! -f "$build/CMakeCache.txt" ]; then
+  cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" ${CMAKE_ARGS:-} >/dev/null
+fi
+cmake --build "$build" -j"$(nproc)"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up what is missing, builds, and trains the Fashion-MNIST example (configs/fashion_mnist.toml).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+bash scripts/build.sh
+exec ./build/engine/engine "$@" configs/fashion_mnist.toml

@@ -1,0 +1,35 @@
+// Gradient helpers for strategies and precision handlers. Header-only, no device-to-host sync.
+#pragma once
+#include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
+
+#include <vector>
+
+#include "ember/types.h"
+
+namespace ember {
+
+// Every parameter of the optimizer that has a gradient.
+inline std::vector<at::Tensor> grads_of(torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> grads;
+  for (auto& group : optimizer.param_groups())
+    for (auto& p : group.params())
+      if (p.grad().defined()) grads.push_back(p.grad());
+  return grads;
+}
+
+// clip_grad_norm_ / clip_grad_value_ without reading the norm back to the host (LibTorch's
+// clip_grad_norm_ returns a double and so syncs on every step).
+inline void clip_gradients_in_place(const std::vector<at::Tensor>& grads, double max, ClipAlgorithm algorithm) {
+  if (grads.empty()) return;
+  if (algorithm == ClipAlgorithm::value) {
+    for (const auto& g : grads) g.clamp_(-max, max);
+    return;
+  }
+  auto norms = at::_foreach_norm(grads, 2);
+  auto total = at::linalg_vector_norm(at::stack(norms).to(at::kFloat), 2);
+  auto coef = (max / (total + 1e-6)).clamp_max(1.0);
+  for (const auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+}
+
+}  // namespace ember

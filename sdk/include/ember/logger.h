@@ -1,0 +1,26 @@
+// ember::ILogger: where metrics go (Lightning's Logger). Implemented by logger plugins. Called on
+// global rank 0 only.
+#pragma once
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ember/trainer.h"
+#include "ember/types.h"
+
+namespace ember {
+
+class EMBER_SDK_API ILogger : public IPluginObject {
+ public:
+  // Called once before anything is logged, with the run folder ready. `resuming` is true when
+  // the run continues an earlier one in the same folder from `resume_step`.
+  virtual void setup(ITrainer& trainer, bool resuming, int64_t resume_step) = 0;
+  virtual void log_hyperparams(const std::string& resolved_config_toml) = 0;
+  // One row of metrics at a step. Names are unique within the call.
+  virtual void log_metrics(const std::vector<std::pair<std::string, double>>& metrics, int64_t step) = 0;
+  virtual void flush() = 0;
+  // "success", "failed" or "interrupted".
+  virtual void finalize(const std::string& status) = 0;
+};
+
+}  // namespace ember

@@ -1,0 +1,102 @@
+// Interfaces the ENGINE implements and hands to plugins while a run is going on.
+// Host-implemented interfaces may grow by appending virtual functions at the end (minor bump);
+// a plugin built against minor m only calls what minor m declared.
+#pragma once
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ember/types.h"
+
+namespace torch::nn { class Module; }
+namespace torch::optim { class Optimizer; }
+
+namespace ember {
+
+class IConfig;
+class IModel;
+
+// Where `self.log(...)` goes: handed to a model's training/validation/test step.
+class EMBER_SDK_API IStepContext {
+ public:
+  virtual ~IStepContext() = default;
+  // Records a metric. `value` may live on the device: the engine reads it back only when it logs
+  // (every trainer.log_every_n_steps steps, at progress refresh and at epoch end), never per step.
+  virtual void log(std::string_view name, const at::Tensor& value, const LogOptions& options = {}) = 0;
+  virtual void log(std::string_view name, double value, const LogOptions& options = {}) = 0;
+  virtual Stage stage() const = 0;
+  virtual int64_t batch_idx() const = 0;
+};
+
+// The trainer as callbacks, loggers and model hooks see it.
+class EMBER_SDK_API ITrainer {
+ public:
+  virtual ~ITrainer() = default;
+
+  // Loop position. global_step counts optimizer steps (Lightning's meaning).
+  virtual Stage stage() const = 0;
+  virtual int64_t current_epoch() const = 0;
+  virtual int64_t global_step() const = 0;
+  virtual int64_t batch_idx() const = 0;
+  virtual int64_t max_epochs() const = 0;      // -1: unlimited
+  virtual int64_t max_steps() const = 0;       // -1: unlimited
+  virtual int64_t num_training_batches() const = 0;  // per epoch, after limits
+  virtual bool sanity_checking() const = 0;
+
+  // The last reduced value of a metric ("val_loss", "train_loss_epoch", ...). Returns false
+  // when the metric has not been logged yet. Reading never forces a device sync by itself:
+  // values here were already read back at the end of a step window or epoch.
+  virtual bool metric(std::string_view name, double* value) const = 0;
+  virtual std::vector<std::string> metric_names() const = 0;
+
+  // Asks the loop to stop after the current step (early stopping, timers). Rank-consistent.
+  virtual void request_stop(std::string_view reason) = 0;
+  virtual bool stop_requested() const = 0;
+
+  virtual torch::nn::Module& module() = 0;
+  virtual IModel& model() = 0;
+  virtual torch::optim::Optimizer& optimizer() = 0;
+
+  // The batch and loss of the current training step (valid inside batch hooks).
+  virtual const Batch& current_batch() const = 0;
+  virtual at::Tensor current_loss() const = 0;
+
+  // Distributed position; a single-process run is rank 0 of 1.
+  virtual int64_t rank() const = 0;
+  virtual int64_t world_size() const = 0;
+  virtual bool is_global_zero() const = 0;
+
+  // Folder of this run (logs, checkpoints): <default_root_dir>/<name>/version_<n>.
+  virtual std::string run_dir() const = 0;
+  // The whole resolved configuration as TOML (the same text `engine config` prints).
+  virtual std::string resolved_config() const = 0;
+
+  // Writes a full checkpoint (weights, optimizer, loop counters, RNG states, every plugin's
+  // state_dict, the resolved config and versions) to `path` atomically: a crash or error leaves
+  // any earlier file at `path` intact. Only global rank 0 writes; other ranks just take part.
+  virtual void save_checkpoint(const std::string& path, bool weights_only = false) = 0;
+
+  // Logs a value from a callback (learning-rate monitors, timers): reaches loggers at the
+  // current step.
+  virtual void log_metric(std::string_view name, double value) = 0;
+};
+
+// One optimizer step, as the engine prepared it. The strategy and the precision handler call
+// into it (Lightning's nesting): strategy.optimizer_step -> precision.optimizer_step ->
+// closure() -> before_step() -> step(). A strategy may wrap it to add its own part.
+class EMBER_SDK_API IOptimizerStep {
+ public:
+  virtual ~IOptimizerStep() = default;
+  // Runs the last micro-batch of the step: forward, loss, on_before_backward, backward (through
+  // strategy.backward and precision.backward, with gradient sync), on_after_backward.
+  // Returns the (unscaled, detached) loss.
+  virtual at::Tensor closure() = 0;
+  // Fires on_before_optimizer_step and clips gradients by the trainer's settings. Gradients must
+  // be unscaled when this is called.
+  virtual void before_step() = 0;
+  // Runs the optimizer's update.
+  virtual void step() = 0;
+  virtual torch::optim::Optimizer& optimizer() = 0;
+};
+
+}  // namespace ember

@@ -1,0 +1,75 @@
+// The engine refuses plugins built against another SDK ABI or another LibTorch, with one line
+// that names the file, the field, both values and the fix; a scan skips them with a warning.
+#include <gtest/gtest.h>
+
+#include "plugin_registry.h"
+#include "support.h"
+
+using namespace ember::engine;
+using namespace ember::test;
+
+namespace {
+std::string refusal(const std::string& name) {
+  auto file = test_plugin_dir("bad") / ("lib" + name + ".so");
+  try {
+    load_descriptor(file, name);
+  } catch (const PluginError& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find(file.string()), std::string::npos) << msg;  // names the file
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;           // one line
+    return msg;
+  }
+  ADD_FAILURE() << name << " was accepted";
+  return "";
+}
+}  // namespace
+
+TEST(Abi, GoodPluginLoads) {
+  auto* d = load_descriptor(test_plugin_dir("good") / "libhook_recorder.so", "hook_recorder");
+  EXPECT_EQ(d->kind, static_cast<uint32_t>(EMBER_KIND_CALLBACK));
+  EXPECT_EQ(d->sdk_abi_major, static_cast<uint32_t>(EMBER_SDK_ABI_MAJOR));
+}
+
+TEST(Abi, RefusesOtherSdkMajor) {
+  auto msg = refusal("bad_abi_major");
+  EXPECT_NE(msg.find("SDK ABI major 99 != engine 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rebuild the plugin against Ember SDK"), std::string::npos) << msg;
+}
+
+TEST(Abi, RefusesNewerSdkMinor) {
+  auto msg = refusal("bad_abi_minor");
+  EXPECT_NE(msg.find("SDK ABI minor 99 > engine 0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("upgrade the engine"), std::string::npos) << msg;
+}
+
+TEST(Abi, RefusesOtherLibTorchFingerprint) {
+  auto msg = refusal("bad_torch_minor");
+  EXPECT_NE(msg.find("LibTorch 2.99.0 != engine 2.11.0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rebuild the plugin against this engine's LibTorch 2.11.0"), std::string::npos) << msg;
+}
+
+TEST(Abi, RefusesNameThatDoesNotMatchFile) {
+  auto msg = refusal("bad_misnamed");
+  EXPECT_NE(msg.find("descriptor name 'someone_else' does not match the file name"), std::string::npos) << msg;
+}
+
+TEST(Abi, RefusesAFileThatIsNotAPlugin) {
+  TempDir dir("abi");
+  write_file(dir / "libjunk.so", "not an ELF file");
+  EXPECT_THROW(load_descriptor(dir / "libjunk.so", "junk"), PluginError);
+}
+
+TEST(Abi, NamedBadPluginIsAnErrorScannedOneAWarning) {
+  TempDir dir("abi");
+  auto bad = test_plugin_dir("bad").string();
+  auto named = run_engine({"--plugin-path", bad, "plugins", "info", "bad_abi_major"}, dir.path());
+  EXPECT_EQ(named.exit_code, 2) << named.err;
+  EXPECT_NE(named.err.find("SDK ABI major 99 != engine 1"), std::string::npos) << named.err;
+
+  auto listed = run_engine({"--plugin-path", bad, "plugins", "list"}, dir.path());
+  EXPECT_EQ(listed.exit_code, 0) << listed.err;
+  EXPECT_NE(listed.err.find("bad_torch_minor"), std::string::npos) << listed.err;
+  EXPECT_NE(listed.err.find("skipped"), std::string::npos) << listed.err;
+  EXPECT_EQ(listed.out.find("bad_torch_minor"), std::string::npos) << listed.out;  // not listed as usable
+  EXPECT_NE(listed.out.find("single_device"), std::string::npos) << listed.out;    // the good ones still are
+}

@@ -1,0 +1,159 @@
+// Checkpoints: top-k bookkeeping (unit and through real runs), file names, and atomic writes that
+// never leave a half-written file behind, even when the writer is killed mid-write.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
+#include "checkpoint_io.h"
+#include "filename_template.h"
+#include "support.h"
+#include "topk.h"
+
+using namespace ember::test;
+namespace fs = std::filesystem;
+namespace ck = ember_checkpoint;
+
+TEST(CheckpointTopK, KeepsTheKBestAndDropsTheKth) {
+  ck::TopK topk(ck::Mode::min, 2);
+  std::vector<std::string> dropped;
+  int n = 0;
+  for (double score : {0.5, 0.3, 0.4, 0.1, 0.2}) {
+    ++n;
+    if (!topk.should_save(score)) continue;
+    auto added = topk.add(score, [&](const std::string&) { return "e" + std::to_string(n); });
+    if (!added.dropped.empty()) dropped.push_back(added.dropped);
+  }
+  const auto& s = topk.state();
+  ASSERT_EQ(s.best_k_models.size(), 2u);
+  EXPECT_EQ(s.best_model_path, "e4");
+  EXPECT_DOUBLE_EQ(*s.best_model_score, 0.1);
+  EXPECT_EQ(s.kth_best_model_path, "e5");
+  EXPECT_EQ(dropped, (std::vector<std::string>{"e1", "e3", "e2"}));
+}
+
+TEST(CheckpointTopK, NonFiniteNeverBecomesBest) {
+  ck::TopK topk(ck::Mode::max, 3);
+  topk.add(topk.score_of(std::nan("")), [](const std::string&) { return "nan"; });
+  EXPECT_TRUE(topk.state().best_model_path.empty());
+  topk.add(topk.score_of(0.7), [](const std::string&) { return "ok"; });
+  EXPECT_EQ(topk.state().best_model_path, "ok");
+}
+
+TEST(CheckpointFilename, LightningTemplate) {
+  ck::FilenameTemplate t("{epoch}-{val_loss:.2f}");
+  auto lookup = [](const std::string& n) -> std::optional<double> {
+    if (n == "epoch") return 3;
+    if (n == "val_loss") return 0.2549;
+    return std::nullopt;
+  };
+  EXPECT_EQ(t.format(lookup, true), "epoch=3-val_loss=0.25");
+  EXPECT_EQ(t.format(lookup, false), "3-0.25");
+  EXPECT_THROW(ck::FilenameTemplate("{epoch").names(), std::invalid_argument);
+  EXPECT_THROW(ck::FilenameTemplate("{nope}").format(lookup, true), ck::UnknownName);
+}
+
+TEST(CheckpointRun, TopKFilesOnDiskFollowTheMonitoredMetric) {
+  TempDir dir("ckpt");
+  write_file(dir / "run.toml", R"(
+[trainer]
+max_epochs = 5
+limit_train_batches = 2
+num_sanity_val_steps = 0
+enable_progress_bar = false
+[model]
+name = "mlp"
+input_size = 8
+hidden = [4]
+[data]
+name = "synthetic"
+shape = [8]
+num_train = 64
+batch_size = 16
+[hook_recorder]
+scripted_values = [0.5, 0.3, 0.4, 0.1, 0.2]
+[checkpoint]
+monitor = "score"
+save_top_k = 2
+filename = "{epoch}-{score:.1f}"
+)");
+  for (const char* mode : {"min", "max"}) {
+    auto r = run_engine({"run.toml", "--plugin-path", test_plugin_dir("good").string(), "--plugins", "hook_recorder",
+                         "--set", std::string("checkpoint.mode=") + mode},
+                        dir.path());
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+  }
+  auto files = [&](const char* version) {
+    std::set<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir / "runs/run" / version / "checkpoints")) names.insert(e.path().filename());
+    return names;
+  };
+  EXPECT_EQ(files("version_0"), (std::set<std::string>{"epoch=3-score=0.1.ckpt", "epoch=4-score=0.2.ckpt", "last.ckpt"}));
+  EXPECT_EQ(files("version_1"), (std::set<std::string>{"epoch=0-score=0.5.ckpt", "epoch=2-score=0.4.ckpt", "last.ckpt"}));
+  // The saved state names the best file, so `--resume best` finds it.
+  auto last = ember::engine::load_checkpoint_file(dir / "runs/run/version_0/checkpoints/last.ckpt");
+  auto state = last.at("callbacks").toGenericDict().at("checkpoint").toGenericDict();
+  EXPECT_NE(state.at("best_model_path").toStringRef().find("epoch=3-score=0.1.ckpt"), std::string::npos);
+}
+
+TEST(CheckpointRun, MissingMonitorIsAnErrorWithSuggestion) {
+  TempDir dir("ckpt");
+  write_file(dir / "run.toml", R"(
+[trainer]
+max_epochs = 1
+enable_progress_bar = false
+[model]
+name = "mlp"
+input_size = 8
+hidden = [4]
+[data]
+name = "synthetic"
+shape = [8]
+num_train = 32
+[checkpoint]
+monitor = "val_los"
+)");
+  auto r = run_engine({"run.toml"}, dir.path());
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("did you mean 'val_loss'"), std::string::npos) << r.err;
+}
+
+TEST(CheckpointFile, AtomicWriteSurvivesAKilledWriter) {
+  TempDir dir("ckpt");
+  const auto path = dir / "model.ckpt";
+  const std::string old_content(1 << 20, 'o');
+  ember::engine::atomic_write(path, old_content.data(), old_content.size());
+  const std::string new_content(256 << 20, 'n');
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      ember::engine::atomic_write(path, new_content.data(), new_content.size());
+      _exit(0);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5 + 15 * attempt));
+    kill(pid, SIGKILL);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    auto now = read_file(path);
+    // Either the old file or the complete new one: never a mixture or a truncated file.
+    EXPECT_TRUE(now == old_content || now == new_content) << "size " << now.size();
+    if (now == new_content) ember::engine::atomic_write(path, old_content.data(), old_content.size());
+  }
+}
+
+TEST(CheckpointFile, CorruptOrForeignFilesGiveAClearError) {
+  TempDir dir("ckpt");
+  write_file(dir / "junk.ckpt", "this is not a checkpoint");
+  try {
+    ember::engine::load_checkpoint_file(dir / "junk.ckpt");
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("junk.ckpt is corrupt or not a checkpoint"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(ember::engine::load_checkpoint_file(dir / "missing.ckpt"), std::runtime_error);
+}

@@ -1,0 +1,127 @@
+// The command line: discovery, plugin listing and info, config printing, and the exit codes and
+// one-line errors of bad input.
+#include <gtest/gtest.h>
+
+#include "support.h"
+
+using namespace ember::test;
+
+namespace {
+const char* kQuick = R"(
+[trainer]
+max_epochs = 1
+enable_progress_bar = false
+[model]
+name = "mlp"
+input_size = 16
+hidden = [8]
+[data]
+name = "synthetic"
+shape = [16]
+num_train = 64
+num_val = 16
+num_test = 16
+batch_size = 16
+)";
+}  // namespace
+
+TEST(Cli, PluginsListShowsEveryBuiltPlugin) {
+  TempDir dir("cli");
+  auto r = run_engine({"plugins", "list"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* name : {"single_device", "fp32", "csv", "checkpoint", "cnn", "mlp", "fashion_mnist", "synthetic"})
+    EXPECT_NE(r.out.find(name), std::string::npos) << name << "\n" << r.out;
+}
+
+TEST(Cli, PluginInfoShowsKindVersionFileAndEveryKey) {
+  TempDir dir("cli");
+  auto r = run_engine({"plugins", "info", "checkpoint"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* s : {"kind:        callback", "version:", "libcheckpoint.so", "monitor (string)", "save_top_k (int) = 1",
+                        "mode (string) = \"min\"  [min|max]"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
+  auto unknown = run_engine({"plugins", "info", "chekpoint"}, dir.path());
+  EXPECT_EQ(unknown.exit_code, 2);
+  EXPECT_NE(unknown.err.find("did you mean 'checkpoint'"), std::string::npos) << unknown.err;
+}
+
+TEST(Cli, DiscoveryFollowsPluginPathAndEnvironment) {
+  TempDir dir("cli");
+  auto good = test_plugin_dir("good").string();
+  EXPECT_EQ(run_engine({"plugins", "info", "hook_recorder"}, dir.path()).exit_code, 2);  // not on the default path
+  EXPECT_EQ(run_engine({"--plugin-path", good, "plugins", "info", "hook_recorder"}, dir.path()).exit_code, 0);
+  EXPECT_EQ(run_engine({"plugins", "info", "hook_recorder"}, dir.path(), {{"EMBER_PLUGIN_PATH", "/nonexistent:" + good}}).exit_code, 0);
+}
+
+TEST(Cli, ConfigPrintsResolvedTomlThatFeedsBack) {
+  TempDir dir("cli");
+  write_file(dir / "run.toml", kQuick);
+  auto first = run_engine({"config", "--set", "optimizer.lr=0.05", "run.toml"}, dir.path());
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  EXPECT_NE(first.out.find("lr = 0.05"), std::string::npos) << first.out;
+  EXPECT_NE(first.out.find("[checkpoint]"), std::string::npos) << first.out;  // default plugins appear
+  EXPECT_NE(first.out.find("max_steps = -1"), std::string::npos) << first.out;  // defaults appear
+  write_file(dir / "resolved.toml", first.out);
+  auto second = run_engine({"config", "resolved.toml"}, dir.path());
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  EXPECT_EQ(first.out, second.out);
+}
+
+TEST(Cli, BadInputExitsTwoWithOneLine) {
+  TempDir dir("cli");
+  write_file(dir / "run.toml", kQuick);
+  struct Case {
+    std::vector<std::string> args;
+    std::string expect;
+  } cases[] = {
+      {{"run.toml", "--set", "trainer.max_epoch=2"}, "did you mean 'max_epochs'"},
+      {{"run.toml", "--set", "model.name=mpl"}, "unknown plugin 'mpl' (did you mean 'mlp'?)"},
+      {{"run.toml", "--plugins", "chekpoint"}, "did you mean 'checkpoint'"},
+      {{"run.toml", "--set", "optimizer.lr=0"}, "optimizer.lr: must be > 0"},
+      {{"missing.toml"}, "missing.toml"},
+      {{"run.toml", "--set", "model.name=synthetic"}, "is a data plugin, not a model plugin"},
+      {{"run.toml", "--set", "trainer.precision=16-true"}, "unknown plugin 'fp16_true'"},
+      {{"run.toml", "--resume", "nope.ckpt"}, "no such checkpoint file"},
+      {{"run.toml", "--set", "trainer.devices=2"}, "single_device runs one process on one device"},
+      {{"run.toml", "--bogus"}, "unrecognised option '--bogus'"},
+  };
+  for (const auto& c : cases) {
+    auto r = run_engine(c.args, dir.path());
+    EXPECT_EQ(r.exit_code, 2) << c.expect << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.expect), std::string::npos) << c.expect << "\n" << r.err;
+    // Exactly one error line, and it is a single line.
+    size_t errors = 0;
+    for (size_t pos = r.err.find("] error "); pos != std::string::npos; pos = r.err.find("] error ", pos + 1)) ++errors;
+    EXPECT_EQ(errors, 1u) << r.err;
+  }
+}
+
+TEST(Cli, MissingDataFileNamesPathAndPackage) {
+  TempDir dir("cli");
+  write_file(dir / "run.toml", "[model]\nname = \"cnn\"\n[data]\nname = \"fashion_mnist\"\nroot = \"/nonexistent/fm\"\n");
+  auto r = run_engine({"run.toml"}, dir.path());
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("/nonexistent/fm/"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("dataset-fashion-mnist"), std::string::npos) << r.err;
+}
+
+TEST(Cli, EndToEndRunWritesLogsCheckpointsAndTestsBest) {
+  TempDir dir("cli");
+  write_file(dir / "run.toml", std::string(kQuick) + "\n[checkpoint]\nmonitor = \"val_loss\"\n");
+  auto r = run_engine({"run.toml", "--set", "trainer.max_epochs=3", "--set", "trainer.test_after_fit=true", "--set",
+                       "trainer.log_every_n_steps=2"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto run = dir / "runs/run/version_0";
+  EXPECT_TRUE(std::filesystem::exists(run / "checkpoints/last.ckpt"));
+  EXPECT_TRUE(std::filesystem::exists(run / "config.toml"));
+  EXPECT_TRUE(std::filesystem::exists(run / "hparams.toml"));
+  auto rows = read_csv(run / "metrics.csv");
+  ASSERT_FALSE(rows.empty());
+  for (const char* col : {"epoch", "step", "train_loss_step", "train_loss_epoch", "val_loss", "val_acc", "test_acc"})
+    EXPECT_TRUE(rows.front().count(col)) << col;
+  EXPECT_NE(r.out.find("test_acc"), std::string::npos) << r.out;
+  // A second run gets the next version folder.
+  auto again = run_engine({"run.toml"}, dir.path());
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_TRUE(std::filesystem::exists(dir / "runs/run/version_1/metrics.csv"));
+}

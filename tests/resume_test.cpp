@@ -1,0 +1,113 @@
+// Resume: a run stopped after epoch k (or mid-epoch) and resumed ends with exactly the same
+// weights as an uninterrupted run (CPU, deterministic), with dropout, shuffling and Adam state.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include "checkpoint_io.h"
+#include "support.h"
+
+using namespace ember::test;
+namespace fs = std::filesystem;
+
+namespace {
+const char* kCnn = R"(
+[trainer]
+deterministic = true
+num_sanity_val_steps = 1
+enable_progress_bar = false
+enable_model_summary = false
+[model]
+name = "cnn"
+conv1_channels = 4
+conv2_channels = 8
+hidden = 16
+[data]
+name = "synthetic"
+shape = [1, 28, 28]
+num_train = 192
+num_val = 32
+num_test = 32
+batch_size = 32
+shuffle = true
+[optimizer]
+name = "adam"
+lr = 0.003
+[checkpoint]
+monitor = "val_loss"
+)";
+
+std::map<std::string, at::Tensor> weights(const fs::path& ckpt) {
+  auto ck = ember::engine::load_checkpoint_file(ckpt);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& e : ck.at("state_dict").toGenericDict()) out[e.key().toStringRef()] = e.value().toTensor();
+  return out;
+}
+
+void expect_identical(const fs::path& a, const fs::path& b) {
+  auto wa = weights(a), wb = weights(b);
+  ASSERT_EQ(wa.size(), wb.size());
+  for (const auto& [name, t] : wa) EXPECT_TRUE(at::equal(t, wb.at(name))) << name << " differs";
+}
+
+ProcessResult engine_in(const TempDir& dir, std::vector<std::string> args) {
+  auto r = run_engine(args, dir.path());
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return r;
+}
+}  // namespace
+
+TEST(Resume, AfterEpochKMatchesAnUninterruptedRunExactly) {
+  TempDir full("resume"), split("resume");
+  write_file(full / "run.toml", kCnn);
+  write_file(split / "run.toml", kCnn);
+  engine_in(full, {"run.toml", "--set", "trainer.max_epochs=4"});
+  engine_in(split, {"run.toml", "--set", "trainer.max_epochs=2"});
+  auto r = engine_in(split, {"run.toml", "--set", "trainer.max_epochs=4", "--resume", "last"});
+  EXPECT_NE(r.err.find("resumed from"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(split / "runs/run/version_1"));  // continued in its own folder
+  expect_identical(full / "runs/run/version_0/checkpoints/last.ckpt", split / "runs/run/version_0/checkpoints/last.ckpt");
+  EXPECT_EQ(ember::engine::load_checkpoint_file(split / "runs/run/version_0/checkpoints/last.ckpt").at("global_step").toInt(), 24);
+  // metrics.csv continues: rows of every epoch, none duplicated.
+  std::map<std::string, int> val_rows_per_epoch;
+  for (const auto& row : read_csv(split / "runs/run/version_0/metrics.csv"))
+    if (!row.at("val_loss").empty()) ++val_rows_per_epoch[row.at("epoch")];
+  EXPECT_EQ(val_rows_per_epoch, (std::map<std::string, int>{{"0", 1}, {"1", 1}, {"2", 1}, {"3", 1}}));
+}
+
+TEST(Resume, MidEpochMatchesAnUninterruptedRunExactly) {
+  TempDir full("resume"), split("resume");
+  write_file(full / "run.toml", kCnn);
+  write_file(split / "run.toml", kCnn);
+  engine_in(full, {"run.toml", "--set", "trainer.max_steps=15", "--set", "trainer.max_epochs=-1"});
+  // Stops at step 8, in the middle of epoch 1 (6 batches per epoch), then goes on to 15.
+  engine_in(split, {"run.toml", "--set", "trainer.max_steps=8", "--set", "trainer.max_epochs=-1"});
+  auto r = engine_in(split, {"run.toml", "--set", "trainer.max_steps=15", "--set", "trainer.max_epochs=-1", "--resume", "last"});
+  EXPECT_NE(r.err.find("(batch 2 of the epoch)"), std::string::npos) << r.err;
+  expect_identical(full / "runs/run/version_0/checkpoints/last.ckpt", split / "runs/run/version_0/checkpoints/last.ckpt");
+}
+
+TEST(Resume, BestAndExplicitPath) {
+  TempDir dir("resume");
+  write_file(dir / "run.toml", kCnn);
+  engine_in(dir, {"run.toml", "--set", "trainer.max_epochs=2"});
+  auto best = engine_in(dir, {"run.toml", "--set", "trainer.max_epochs=3", "--resume", "best"});
+  EXPECT_NE(best.err.find("epoch="), std::string::npos) << best.err;
+  // An explicit file starts a new version folder.
+  auto path = (dir / "runs/run/version_0/checkpoints/last.ckpt").string();
+  engine_in(dir, {"run.toml", "--set", "trainer.max_epochs=4", "--resume", path});
+  EXPECT_TRUE(fs::exists(dir / "runs/run/version_1/checkpoints/last.ckpt"));
+}
+
+TEST(Resume, FailedRunNeverCorruptsAnEarlierCheckpoint) {
+  TempDir dir("resume");
+  write_file(dir / "run.toml", kCnn);
+  engine_in(dir, {"run.toml", "--set", "trainer.max_epochs=1"});
+  auto last = dir / "runs/run/version_0/checkpoints/last.ckpt";
+  auto before = read_file(last);
+  // Resuming with an optimizer the state does not fit fails, and leaves the file as it was.
+  auto r = run_engine({"run.toml", "--set", "trainer.max_epochs=2", "--set", "optimizer.name=\"sgd\"", "--resume", "last"}, dir.path());
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("resume with the same [optimizer] settings"), std::string::npos) << r.err;
+  EXPECT_EQ(read_file(last), before);
+}

@@ -1,0 +1,135 @@
+#include "support.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+namespace fs = std::filesystem;
+
+namespace ember::test {
+
+ProcessResult run_process(const std::vector<std::string>& argv, const fs::path& cwd,
+                          const std::map<std::string, std::string>& env, int timeout_s) {
+  fs::path out_file = cwd / ".stdout.txt", err_file = cwd / ".stderr.txt";
+  pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    setpgid(0, 0);  // own process group, so a timeout kills everything it started
+    if (chdir(cwd.c_str()) != 0) _exit(127);
+    int o = open(out_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int e = open(err_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(o, 1);
+    dup2(e, 2);
+    for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  setpgid(pid, pid);
+  ProcessResult r;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+  int status = 0;
+  while (true) {
+    pid_t w = waitpid(pid, &status, WNOHANG);
+    if (w == pid) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(-pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      r.timed_out = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  r.exit_code = (!r.timed_out && WIFEXITED(status)) ? WEXITSTATUS(status) : -1;
+  r.out = read_file(out_file);
+  r.err = read_file(err_file);
+  fs::remove(out_file);
+  fs::remove(err_file);
+  return r;
+}
+
+fs::path engine_path() { return EMBER_TEST_ENGINE; }
+fs::path test_plugin_dir(const std::string& which) { return fs::path(EMBER_TEST_PLUGIN_ROOT) / which; }
+fs::path source_dir() { return EMBER_TEST_SOURCE_DIR; }
+
+ProcessResult run_engine(const std::vector<std::string>& args, const fs::path& cwd,
+                         const std::map<std::string, std::string>& env, int timeout_s) {
+  std::vector<std::string> argv = {engine_path().string()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto e = env;
+  e.emplace("OMP_NUM_THREADS", "1");  // tests run in parallel on a 2-core machine
+  return run_process(argv, cwd, e, timeout_s);
+}
+
+// LibTorch 2.11's wheel exports its own std::filesystem symbols, and its remove_all crashes with
+// this libstdc++: remove trees by hand.
+static void remove_tree(const fs::path& p) {
+  std::error_code ec;
+  if (fs::is_directory(p, ec) && !fs::is_symlink(p, ec)) {
+    std::vector<fs::path> children;
+    for (const auto& e : fs::directory_iterator(p, ec)) children.push_back(e.path());
+    for (const auto& c : children) remove_tree(c);
+  }
+  fs::remove(p, ec);
+}
+
+TempDir::TempDir(const std::string& name) {
+  std::random_device rd;
+  path_ = fs::path(EMBER_TEST_TMP) / (name + "-" + std::to_string(getpid()) + "-" + std::to_string(rd() % 100000));
+  remove_tree(path_);
+  fs::create_directories(path_);
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  (void)ec;
+  if (!std::getenv("EMBER_KEEP_TEST_DIRS")) remove_tree(path_);
+}
+
+void write_file(const fs::path& p, const std::string& text) {
+  fs::create_directories(p.parent_path());
+  std::ofstream(p) << text;
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::vector<std::map<std::string, std::string>> read_csv(const fs::path& p) {
+  std::vector<std::map<std::string, std::string>> rows;
+  std::ifstream in(p);
+  std::string line;
+  std::vector<std::string> header;
+  auto split = [](const std::string& l) {
+    std::vector<std::string> cells;
+    std::stringstream ss(l);
+    std::string c;
+    while (std::getline(ss, c, ',')) cells.push_back(c);
+    if (!l.empty() && l.back() == ',') cells.emplace_back();
+    return cells;
+  };
+  if (!std::getline(in, line)) return rows;
+  header = split(line);
+  while (std::getline(in, line)) {
+    auto cells = split(line);
+    std::map<std::string, std::string> row;
+    for (size_t i = 0; i < header.size(); ++i) row[header[i]] = i < cells.size() ? cells[i] : "";
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+}  // namespace ember::test

@@ -1,0 +1,46 @@
+// Helpers shared by the tests: running the real `engine` binary with a hard time limit, temp
+// folders, and reading the files a run leaves behind.
+#pragma once
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace ember::test {
+
+struct ProcessResult {
+  int exit_code = -1;   // -1 when killed by the time limit or a signal
+  std::string out, err;
+  bool timed_out = false;
+};
+
+// Runs `argv` (argv[0] is the program) in `cwd` with extra environment variables; kills the
+// whole process group after `timeout_s` seconds.
+ProcessResult run_process(const std::vector<std::string>& argv, const std::filesystem::path& cwd,
+                          const std::map<std::string, std::string>& env = {}, int timeout_s = 300);
+
+// `engine` from this build, with the build's plugin folder.
+ProcessResult run_engine(const std::vector<std::string>& args, const std::filesystem::path& cwd,
+                         const std::map<std::string, std::string>& env = {}, int timeout_s = 300);
+
+std::filesystem::path engine_path();
+std::filesystem::path test_plugin_dir(const std::string& which);  // "good" or "bad"
+std::filesystem::path source_dir();
+
+// A fresh, empty folder under the build tree, removed when the object dies.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& name);
+  ~TempDir();
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& p) const { return path_ / p; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+void write_file(const std::filesystem::path& p, const std::string& text);
+std::string read_file(const std::filesystem::path& p);
+std::vector<std::map<std::string, std::string>> read_csv(const std::filesystem::path& p);
+
+}  // namespace ember::test
