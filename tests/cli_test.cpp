@@ -125,3 +125,48 @@ TEST(Cli, EndToEndRunWritesLogsCheckpointsAndTestsBest) {
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_TRUE(std::filesystem::exists(dir / "runs/run/version_1/metrics.csv"));
 }
+
+TEST(Cli, TrainsOnTheRealFashionMnistFiles) {
+  TempDir dir("cli");
+  write_file(dir / "run.toml", R"(
+[trainer]
+max_epochs = 1
+limit_val_batches = 10
+test_after_fit = true
+test_ckpt = "current"
+limit_test_batches = 20
+[model]
+name = "mlp"
+hidden = [64]
+[data]
+name = "fashion_mnist"
+limit_train_samples = 6000
+batch_size = 64
+num_workers = 2
+)");
+  auto r = run_engine({"run.toml"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("fashion_mnist: 6000 train, 6000 val, 10000 test images"), std::string::npos) << r.err;
+  // One epoch on 6,000 real images gets well above chance (0.1).
+  auto pos = r.out.find("test_acc");
+  ASSERT_NE(pos, std::string::npos) << r.out;
+  EXPECT_GT(std::stod(r.out.substr(pos + 8)), 0.6) << r.out;
+}
+
+TEST(Cli, ProgressDoesNotFloodLogsWhenNotATerminal) {
+  TempDir dir("cli");
+  write_file(dir / "run.toml", std::string(kQuick) + "\n");
+  // 2 epochs x 64 batches: in a file, only a few lines per epoch (never one per batch).
+  auto r = run_engine({"run.toml", "--set", "trainer.max_epochs=2", "--set", "data.batch_size=1", "--set",
+                       "trainer.enable_progress_bar=true"},
+                      dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto count = [&](const std::string& needle) {
+    size_t n = 0;
+    for (size_t p = r.err.find(needle); p != std::string::npos; p = r.err.find(needle, p + 1)) ++n;
+    return n;
+  };
+  EXPECT_EQ(count("Epoch 0/1 train_loss_epoch="), 1u) << r.err;  // the epoch summary line
+  EXPECT_LE(count("Epoch 0/1"), 11u) << r.err;
+  EXPECT_EQ(r.err.find('\r'), std::string::npos);  // no in-place redraws in a file
+}
