@@ -2,7 +2,7 @@
 loop and by PyTorch Lightning's Trainer (its parity-benchmark settings: no checkpointing, logger,
 progress bar or summary). Prints one line per epoch: "epoch <i> <seconds>".
 
-    python overhead.py {torch|lightning} <samples> <batch_size> <epochs> <threads>
+    python overhead.py {torch|lightning} {cnn|mlp} <samples> <batch_size> <epochs> <threads>
 """
 import sys
 import time
@@ -30,6 +30,20 @@ class Net(nn.Module):
         return self.fc2(x)
 
 
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(F.relu(self.fc1(x)))
+
+
+MODEL = Net
+SHAPE = (1, 28, 28)
+
+
 class BatchDataset(torch.utils.data.Dataset):
     """Whole batches by index_select, as Ember's and the C++ loop's data path do."""
 
@@ -46,13 +60,13 @@ class BatchDataset(torch.utils.data.Dataset):
 
 def loader(n, bs):
     torch.manual_seed(0)
-    x, y = torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))
+    x, y = torch.randn(n, *SHAPE), torch.randint(0, 10, (n,))
     sampler = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(range(n)), bs, drop_last=False)
     return torch.utils.data.DataLoader(BatchDataset(x, y), sampler=sampler, batch_size=None)
 
 
 def plain(n, bs, epochs):
-    net = Net()
+    net = MODEL()
     opt = torch.optim.Adam(net.parameters(), lr=2e-3)
     data = loader(n, bs)
     net.train()
@@ -72,7 +86,7 @@ def lightning(n, bs, epochs):
     class Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = Net()
+            self.net = MODEL()
 
         def training_step(self, batch, _):
             xb, yb = batch
@@ -97,6 +111,8 @@ def lightning(n, bs, epochs):
 
 
 if __name__ == "__main__":
-    which, n, bs, epochs, threads = sys.argv[1], *map(int, sys.argv[2:6])
+    which, model, n, bs, epochs, threads = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+    if model == "mlp":
+        MODEL, SHAPE = Mlp, (32,)
     torch.set_num_threads(threads)
     {"torch": plain, "lightning": lightning}[which](n, bs, epochs)

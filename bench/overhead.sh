@@ -1,29 +1,46 @@
 #!/usr/bin/env bash
-# Training-loop overhead: the same CNN (models/cnn's default widths), data sizes, optimizer and
+# Training-loop overhead, side by side in one run. The same model, data sizes, optimizer and
 # threads, trained by
 #   - a hand-written LibTorch loop (bench/handwritten_loop.cpp): the baseline,
-#   - Ember (engine + plugins) with its defaults (csv logger, progress lines) and barebones,
-#   - a plain PyTorch loop and PyTorch Lightning (bench/overhead.py), from the same LibTorch wheel.
+#   - Ember (engine + plugins) with its defaults (csv logger, progress lines) and with the logger off,
+#   - a plain PyTorch loop and PyTorch Lightning (bench/overhead.py), on the same LibTorch wheel.
+# Two models: `cnn` (models/cnn's default widths: compute-bound, ~100 ms/step on one core) and
+# `mlp` (32 -> 32 -> 10, batch 32: so small that per-step framework overhead is what is measured).
 # Variants run interleaved, `rounds` times each, so a noisy neighbour slows them alike. Every
-# variant trains on data it cannot learn (random labels; for Ember, synthetic data with noise
-# 30): learnable data drives gradients towards denormal floats, which are slow on x86 and would
-# make the comparison about the data rather than the loop. Reports the median epoch time (each
-# run's first epoch dropped as warm-up) and the ratio to the baseline.
-#   bash bench/overhead.sh [samples] [batch_size] [epochs] [threads] [rounds]
+# variant trains on data it cannot learn (random labels; for Ember, synthetic data with noise 30):
+# learnable data drives gradients towards denormal floats, which are slow on x86 and would make the
+# comparison about the data rather than the loop. Each run's first epoch is warm-up and dropped.
+# Reported: the best epoch (least disturbed by other load) and the median, and their ratio to the
+# baseline's.
+#   bash bench/overhead.sh [rounds] [threads]        (BENCH_MODELS="mlp" runs one model only)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-n=${1:-6400}; bs=${2:-128}; epochs=${3:-3}; threads=${4:-1}; rounds=${5:-3}
+rounds=${1:-3}; threads=${2:-1}
 build=${EMBER_BUILD_DIR:-build}
 torch_prefix=$(bash scripts/setup.sh | tail -n 1)
-cmake --build "$build" --target engine bench_handwritten_loop ember_plugin_cnn ember_plugin_synthetic \
+cmake --build "$build" --target engine bench_handwritten_loop ember_plugin_cnn ember_plugin_mlp ember_plugin_synthetic \
   ember_plugin_single_device ember_plugin_fp32 ember_plugin_csv >/dev/null
 python=$(cd "$torch_prefix/../../../../../.." && pwd)/bin/python   # the venv that holds the torch wheel
 [ -x "$python" ] || python=python3
 "$python" -c "import lightning" 2>/dev/null || "$python" -m pip install -q "lightning==2.6.*" >/dev/null
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cat > "$work/bench.toml" <<TOML
+export OMP_NUM_THREADS=$threads
+
+epoch_times() {  # "epoch <i> <seconds>" lines without epoch 0 -> one number per line
+  awk '$1 == "epoch" && $2 > 0 { print $3 }'
+}
+ember_epochs() {  # the engine's epoch summary lines: "Epoch i/M ... (12.34s)"
+  sed -n 's/^Epoch \([0-9]*\)\/[0-9]* .*(\([0-9.]*\)s)$/epoch \1 \2/p'
+}
+stats() {  # file -> "min median"
+  sort -n "$1" | awk '{ v[NR] = $1 } END { m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2; print v[1], m }'
+}
+
+bench_model() {
+  local model=$1 n=$2 bs=$3 epochs=$4 model_toml=$5 shape=$6
+  cat > "$work/bench.toml" <<TOML
 [trainer]
 max_epochs = $epochs
 limit_val_batches = 0
@@ -32,11 +49,11 @@ enable_checkpointing = false
 enable_model_summary = false
 num_threads = $threads
 [model]
-name = "cnn"
+$model_toml
 [data]
 name = "synthetic"
 noise = 30.0
-shape = [1, 28, 28]
+shape = $shape
 num_train = $n
 num_val = 0
 num_test = 0
@@ -45,35 +62,35 @@ batch_size = $bs
 name = "adam"
 lr = 0.002
 TOML
-
-median_of_epochs() {  # reads "epoch <i> <seconds>" lines, drops epoch 0, prints the median
-  awk '$1 == "epoch" && $2 > 0 { print $3 }' | sort -n | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+  local v
+  for v in base ember bare torch light; do : > "$work/$v"; done
+  for _ in $(seq "$rounds"); do
+    "$build/bench/bench_handwritten_loop" "$model" "$n" "$bs" "$epochs" "$threads" | epoch_times >> "$work/base"
+    (cd "$work" && "$root/$build/engine/engine" bench.toml 2>&1 | ember_epochs | epoch_times) >> "$work/ember"
+    (cd "$work" && "$root/$build/engine/engine" bench.toml --set trainer.logger=false 2>&1 | ember_epochs | epoch_times) >> "$work/bare"
+    "$python" bench/overhead.py torch "$model" "$n" "$bs" "$epochs" "$threads" | epoch_times >> "$work/torch"
+    "$python" bench/overhead.py lightning "$model" "$n" "$bs" "$epochs" "$threads" 2>/dev/null | epoch_times >> "$work/light"
+  done
+  local steps=$(( (n + bs - 1) / bs ))
+  read -r bmin bmed < <(stats "$work/base")
+  echo "### $model: $n samples, batch $bs, Adam, $threads thread(s), $steps steps/epoch, $rounds rounds x $((epochs - 1)) timed epochs"
+  echo
+  echo "| variant | best ms/step | median ms/step | best vs hand-written | median vs hand-written |"
+  echo "|---|---|---|---|---|"
+  local name file
+  for pair in "hand-written LibTorch loop (C++):base" "Ember (csv logger, progress lines):ember" "Ember (logger off):bare" \
+              "plain PyTorch loop (Python):torch" "PyTorch Lightning 2.6 Trainer:light"; do
+    name=${pair%%:*}; file=${pair##*:}
+    read -r tmin tmed < <(stats "$work/$file")
+    awk -v name="$name" -v a="$tmin" -v m="$tmed" -v ba="$bmin" -v bm="$bmed" -v s="$steps" \
+      'BEGIN { printf "| %s | %.3f | %.3f | %.3f | %.3f |\n", name, 1000 * a / s, 1000 * m / s, a / ba, m / bm }'
+  done
+  echo
 }
-ember_epochs() {  # the engine's epoch summary lines: "Epoch i/M ... (12.34s)"
-  sed -n 's/^Epoch \([0-9]*\)\/[0-9]* .*(\([0-9.]*\)s)$/epoch \1 \2/p'
-}
 
-export OMP_NUM_THREADS=$threads
-: > "$work/base"; : > "$work/ember"; : > "$work/bare"; : > "$work/torch"; : > "$work/light"
-for round in $(seq "$rounds"); do
-  "$build/bench/bench_handwritten_loop" "$n" "$bs" "$epochs" "$threads" >> "$work/base"
-  (cd "$work" && "$root/$build/engine/engine" bench.toml 2>&1 | ember_epochs) >> "$work/ember"
-  (cd "$work" && "$root/$build/engine/engine" bench.toml --set trainer.logger=false 2>&1 | ember_epochs) >> "$work/bare"
-  "$python" bench/overhead.py torch "$n" "$bs" "$epochs" "$threads" >> "$work/torch"
-  "$python" bench/overhead.py lightning "$n" "$bs" "$epochs" "$threads" 2>/dev/null >> "$work/light"
+for model in ${BENCH_MODELS:-mlp cnn}; do
+  case $model in
+    mlp) bench_model mlp 32000 32 3 $'name = "mlp"\ninput_size = 32\nhidden = [32]\nnum_classes = 10' "[32]" ;;
+    cnn) bench_model cnn 6400 128 3 $'name = "cnn"' "[1, 28, 28]" ;;
+  esac
 done
-base=$(median_of_epochs < "$work/base"); ember=$(median_of_epochs < "$work/ember"); bare=$(median_of_epochs < "$work/bare")
-torch_t=$(median_of_epochs < "$work/torch"); light=$(median_of_epochs < "$work/light")
-
-steps=$(( (n + bs - 1) / bs ))
-echo "CNN (conv 32/64, fc 128), $n samples of 1x28x28, batch $bs, Adam, $threads thread(s), $steps steps/epoch;"
-echo "median over $rounds interleaved rounds of epochs 1..$((epochs - 1)) (epoch 0 is warm-up)"
-echo
-echo "| variant | s/epoch | ms/step | vs hand-written LibTorch |"
-echo "|---|---|---|---|"
-row() { awk -v name="$1" -v t="$2" -v b="$base" -v s="$steps" 'BEGIN { printf "| %s | %.3f | %.2f | %.3f |\n", name, t, 1000 * t / s, t / b }'; }
-row "hand-written LibTorch loop (C++)" "$base"
-row "Ember (csv logger, progress lines)" "$ember"
-row "Ember (logger off)" "$bare"
-row "plain PyTorch loop (Python)" "$torch_t"
-row "PyTorch Lightning 2.6 Trainer" "$light"

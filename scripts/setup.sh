@@ -9,7 +9,7 @@ set -euo pipefail
 
 log() { echo "[setup] $*" >&2; }
 
-debs=(build-essential cmake ninja-build ccache pkg-config python3-venv
+debs=(build-essential cmake ninja-build ccache pkg-config python3-venv zlib1g-dev
       libboost1.81-dev libboost-program-options1.81-dev
       libtomlplusplus-dev libspdlog-dev libfmt-dev libgtest-dev
       dataset-fashion-mnist)
@@ -17,8 +17,9 @@ missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-# python3-venv is only needed when the interpreter cannot make a venv on its own (pyenv can).
-if [ ${#missing[@]} -gt 0 ] && [[ " ${missing[*]} " == *" python3-venv "* ]] && python3 -m venv --help >/dev/null 2>&1; then
+# python3-venv is only needed when the interpreter cannot make a venv on its own (pyenv's can;
+# Debian's python3 lacks ensurepip without the package).
+if [ ${#missing[@]} -gt 0 ] && [[ " ${missing[*]} " == *" python3-venv "* ]] && python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
   missing=("${missing[@]/python3-venv}")
   read -r -a missing <<<"${missing[*]}"
 fi

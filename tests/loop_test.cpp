@@ -159,3 +159,13 @@ TEST(Loop, HookOrderFollowsLightning) {
   expected.insert(expected.end(), {"on_train_epoch_end", "on_train_end", "on_fit_end", "teardown"});
   EXPECT_EQ(lines(dir / "hooks.txt"), expected);
 }
+
+TEST(Loop, FailedRunCallsOnException) {
+  TempDir dir("loop");
+  write_file(dir / "fail.toml", std::string(kRegression) + "\n[checkpoint]\nmonitor = \"no_such_metric\"\n[hook_recorder]\n");
+  auto r = run_engine({"fail.toml", "--plugin-path", test_plugin_dir("good").string(), "--plugins", "hook_recorder"}, dir.path());
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  auto hooks = lines(dir / "hooks.txt");
+  ASSERT_FALSE(hooks.empty());
+  EXPECT_EQ(hooks.back(), "on_exception");
+}

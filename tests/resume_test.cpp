@@ -4,6 +4,11 @@
 
 #include <ATen/ATen.h>
 
+#include <signal.h>
+
+#include <chrono>
+#include <thread>
+
 #include "checkpoint_io.h"
 #include "support.h"
 
@@ -110,4 +115,24 @@ TEST(Resume, FailedRunNeverCorruptsAnEarlierCheckpoint) {
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("resume with the same [optimizer] settings"), std::string::npos) << r.err;
   EXPECT_EQ(read_file(last), before);
+}
+
+TEST(Resume, SigtermStopsGracefullyAndResumeContinues) {
+  TempDir dir("resume");
+  write_file(dir / "run.toml", kCnn);
+  auto running = start_engine({"run.toml", "--set", "trainer.max_epochs=1000"}, dir.path());
+  // Wait until training is under way (the first epoch's checkpoint exists), then interrupt.
+  const auto ckpt = dir / "runs/run/version_0/checkpoints/last.ckpt";
+  for (int i = 0; i < 3000 && !fs::exists(ckpt); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(fs::exists(ckpt)) << "training did not start";
+  kill(running.pid, SIGTERM);
+  auto r = wait_process(running, 120);
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.err;
+  EXPECT_NE(r.err.find("SIGTERM received"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("continue with --resume last"), std::string::npos) << r.err;
+  const int64_t stopped_at = ember::engine::load_checkpoint_file(ckpt).at("global_step").toInt();
+  EXPECT_GT(stopped_at, 0);
+  auto resumed = run_engine({"run.toml", "--set", "trainer.max_steps=" + std::to_string(stopped_at + 3), "--resume", "last"}, dir.path());
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_EQ(ember::engine::load_checkpoint_file(ckpt).at("global_step").toInt(), stopped_at + 3);
 }

@@ -16,8 +16,8 @@ namespace fs = std::filesystem;
 
 namespace ember::test {
 
-ProcessResult run_process(const std::vector<std::string>& argv, const fs::path& cwd,
-                          const std::map<std::string, std::string>& env, int timeout_s) {
+Running start_process(const std::vector<std::string>& argv, const fs::path& cwd,
+                      const std::map<std::string, std::string>& env) {
   fs::path out_file = cwd / ".stdout.txt", err_file = cwd / ".stderr.txt";
   pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork failed");
@@ -36,6 +36,11 @@ ProcessResult run_process(const std::vector<std::string>& argv, const fs::path& 
     _exit(127);
   }
   setpgid(pid, pid);
+  return Running{pid, cwd};
+}
+
+ProcessResult wait_process(const Running& running, int timeout_s) {
+  const pid_t pid = running.pid;
   ProcessResult r;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
   int status = 0;
@@ -51,6 +56,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, const fs::path& 
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   r.exit_code = (!r.timed_out && WIFEXITED(status)) ? WEXITSTATUS(status) : -1;
+  fs::path out_file = running.cwd / ".stdout.txt", err_file = running.cwd / ".stderr.txt";
   r.out = read_file(out_file);
   r.err = read_file(err_file);
   fs::remove(out_file);
@@ -58,9 +64,20 @@ ProcessResult run_process(const std::vector<std::string>& argv, const fs::path& 
   return r;
 }
 
+ProcessResult run_process(const std::vector<std::string>& argv, const fs::path& cwd,
+                          const std::map<std::string, std::string>& env, int timeout_s) {
+  return wait_process(start_process(argv, cwd, env), timeout_s);
+}
+
 fs::path engine_path() { return EMBER_TEST_ENGINE; }
 fs::path test_plugin_dir(const std::string& which) { return fs::path(EMBER_TEST_PLUGIN_ROOT) / which; }
 fs::path source_dir() { return EMBER_TEST_SOURCE_DIR; }
+
+Running start_engine(const std::vector<std::string>& args, const fs::path& cwd) {
+  std::vector<std::string> argv = {engine_path().string()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return start_process(argv, cwd, {{"OMP_NUM_THREADS", "1"}});
+}
 
 ProcessResult run_engine(const std::vector<std::string>& args, const fs::path& cwd,
                          const std::map<std::string, std::string>& env, int timeout_s) {

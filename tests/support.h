@@ -19,6 +19,16 @@ struct ProcessResult {
 ProcessResult run_process(const std::vector<std::string>& argv, const std::filesystem::path& cwd,
                           const std::map<std::string, std::string>& env = {}, int timeout_s = 300);
 
+// The same in two halves, for tests that act on a running process.
+struct Running {
+  int pid = -1;
+  std::filesystem::path cwd;
+};
+Running start_process(const std::vector<std::string>& argv, const std::filesystem::path& cwd,
+                      const std::map<std::string, std::string>& env = {});
+Running start_engine(const std::vector<std::string>& args, const std::filesystem::path& cwd);
+ProcessResult wait_process(const Running& running, int timeout_s);
+
 // `engine` from this build, with the build's plugin folder.
 ProcessResult run_engine(const std::vector<std::string>& args, const std::filesystem::path& cwd,
                          const std::map<std::string, std::string>& env = {}, int timeout_s = 300);

@@ -22,7 +22,6 @@ void MetricStore::log(const std::string& name, const at::Tensor& raw, const LogO
   if (on_epoch) {
     auto& acc = epoch_[static_cast<int>(stage)][name];
     const double w = static_cast<double>(o.batch_size > 0 ? o.batch_size : std::max<int64_t>(batch_size, 1));
-    at::Tensor v = value.to(at::kDouble);
     if (!acc.sum.defined()) {
       acc.reduce = o.reduce;
       acc.prog_bar = o.prog_bar;
@@ -30,15 +29,16 @@ void MetricStore::log(const std::string& name, const at::Tensor& raw, const LogO
       acc.sync_dist = o.sync_dist;
       acc.key = on_step ? name + "_epoch" : name;
       acc.plain = name;
-      acc.sum = (o.reduce == Reduce::mean) ? v * w : v.clone();
+      // Accumulated in double on the value's device; one fused op per logged value afterwards.
+      acc.sum = value.to(at::kDouble) * (o.reduce == Reduce::mean ? w : 1.0);
       acc.weight = w;
       return;
     }
     switch (acc.reduce) {
-      case Reduce::mean: acc.sum.add_(v * w); break;
-      case Reduce::sum: acc.sum.add_(v); break;
-      case Reduce::max: acc.sum = at::maximum(acc.sum, v); break;
-      case Reduce::min: acc.sum = at::minimum(acc.sum, v); break;
+      case Reduce::mean: acc.sum.add_(value, w); break;
+      case Reduce::sum: acc.sum.add_(value); break;
+      case Reduce::max: acc.sum = at::maximum(acc.sum, value); break;
+      case Reduce::min: acc.sum = at::minimum(acc.sum, value); break;
     }
     acc.weight += w;
   }

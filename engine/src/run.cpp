@@ -344,7 +344,13 @@ int run_training(const RunRequest& req) {
     // Loggers of a run resumed in its own folder continue its files; fresh folders (including a
     // resume from an explicit path) start new ones.
     trainer->setup_loggers(resume_in_place);
+    install_stop_signal_handlers();
     trainer_ptr->fit();
+    if (const int sig = stop_signal()) {
+      trainer->finalize("interrupted");
+      log::warn("interrupted; continue with --resume last");
+      return 128 + sig;
+    }
     if (trainer_cfg.get_bool("test_after_fit")) {
       if (test_ckpt != "current") {
         auto path = trainer->locate_checkpoint(test_ckpt);
@@ -357,6 +363,7 @@ int run_training(const RunRequest& req) {
     }
     trainer->finalize("success");
   } catch (...) {
+    trainer->notify_exception();
     trainer->finalize("failed");
     throw;
   }

@@ -7,6 +7,8 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize.h>
 
+#include <atomic>
+#include <csignal>
 #include <sstream>
 
 #include "checkpoint_io.h"
@@ -60,6 +62,24 @@ class OptimizerStepImpl final : public IOptimizerStep {
   const Batch& batch_;
   bool first_;
 };
+
+namespace {
+// Set by SIGINT/SIGTERM (see install_stop_signal_handlers); read after every training batch.
+std::atomic<int> g_stop_signal{0};
+
+void on_stop_signal(int sig) {
+  g_stop_signal.store(sig);
+  // A second signal ends the process at once.
+  std::signal(sig, SIG_DFL);
+}
+}  // namespace
+
+void install_stop_signal_handlers() {
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
+}
+
+int stop_signal() { return g_stop_signal.load(); }
 
 namespace {
 // Calls precision.forward_end() even when the step throws.
@@ -304,6 +324,9 @@ void Trainer::train_epoch() {
       validated_last = true;
       stage_ = Stage::fit;
     }
+    if (const int sig = g_stop_signal.load(); sig != 0 && !stop_requested_)
+      request_stop(std::string(sig == SIGINT ? "SIGINT" : "SIGTERM") +
+                   " received: finishing this batch, saving, then exiting (send it again to quit at once)");
     const bool max_steps_hit = settings_.max_steps >= 0 && global_step_ >= settings_.max_steps;
     if (max_steps_hit || stop_requested_) {
       // Stopping early: validate once more so monitors see the state being stopped at.
@@ -437,6 +460,14 @@ void Trainer::setup_loggers(bool resuming) {
   for (auto& l : plugins_.loggers) {
     l.object->setup(*this, resuming, global_step_);
     l.object->log_hyperparams(toml);
+  }
+}
+
+void Trainer::notify_exception() {
+  try {
+    call_hook(Hook::on_exception);
+  } catch (const std::exception& e) {
+    log::warn(std::string("a plugin failed in on_exception: ") + e.what());
   }
 }
 

@@ -58,6 +58,12 @@ struct TrainerSettings {
   static TrainerSettings from(const Section& trainer);
 };
 
+// SIGINT/SIGTERM make the loop stop after the current batch, with the usual epoch-end work (the
+// checkpoint callback saves last.ckpt, mid-epoch position included), so `--resume last` goes on
+// exactly where the run was interrupted. stop_signal() is the signal received, 0 if none.
+void install_stop_signal_handlers();
+int stop_signal();
+
 class Trainer final : public ITrainer {
  public:
   Trainer(IHost& host, const ResolvedConfig& config, RunPlugins plugins, std::filesystem::path run_dir);
@@ -73,6 +79,8 @@ class Trainer final : public ITrainer {
   // Resolves "best"/"last" through the callbacks that store checkpoints ("" when none has one).
   std::string locate_checkpoint(const std::string& alias) const;
   void finalize(const std::string& status);
+  // Tells callbacks and the model that the run failed (on_exception); never throws.
+  void notify_exception();
   // Starts the loggers (after restore, so they know the step a resumed run continues from).
   void setup_loggers(bool resuming);
 
