@@ -70,7 +70,7 @@ void Progress::finish(const std::string& summary) {
   if (!active_) return;
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   if (tty_) std::fprintf(stderr, "\r\033[K");
-  std::fprintf(stderr, "%s %s (%.2fs)\n", label_.c_str(), summary.c_str(), secs);
+  std::fprintf(stderr, "%s %s (%.3fs)\n", label_.c_str(), summary.c_str(), secs);
   std::fflush(stderr);
   active_ = false;
 }
