@@ -84,6 +84,8 @@ TEST(Cli, BadInputExitsTwoWithOneLine) {
       {{"run.toml", "--resume", "nope.ckpt"}, "no such checkpoint file"},
       {{"run.toml", "--set", "trainer.devices=2"}, "single_device runs one process on one device"},
       {{"run.toml", "--bogus"}, "unrecognised option '--bogus'"},
+      {{"run.toml", "--plugins", "fp32", "--set", "trainer.precision=\"64-true\""}, "conflicts with the precision plugin 'fp32'"},
+      {{"run.toml", "--set", "trainer.limit_train_batches=1.5"}, "a float is a fraction and must be <= 1.0"},
   };
   for (const auto& c : cases) {
     auto r = run_engine(c.args, dir.path());
@@ -127,6 +129,8 @@ TEST(Cli, EndToEndRunWritesLogsCheckpointsAndTestsBest) {
 }
 
 TEST(Cli, TrainsOnTheRealFashionMnistFiles) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"))
+    GTEST_SKIP() << "Debian package dataset-fashion-mnist is not installed (scripts/setup.sh installs it)";
   TempDir dir("cli");
   write_file(dir / "run.toml", R"(
 [trainer]
@@ -169,4 +173,16 @@ TEST(Cli, ProgressDoesNotFloodLogsWhenNotATerminal) {
   EXPECT_EQ(count("Epoch 0/1 train_loss_epoch="), 1u) << r.err;  // the epoch summary line
   EXPECT_LE(count("Epoch 0/1"), 11u) << r.err;
   EXPECT_EQ(r.err.find('\r'), std::string::npos);  // no in-place redraws in a file
+}
+
+TEST(Cli, ProgressUpdatesInPlaceOnATerminal) {
+  if (!std::filesystem::exists("/usr/bin/script")) GTEST_SKIP() << "util-linux `script` is needed to fake a terminal";
+  TempDir dir("cli");
+  write_file(dir / "run.toml", std::string(kQuick) + "\n");
+  // `script` runs the engine on a pseudo-terminal and copies what it printed.
+  const std::string cmd = engine_path().string() + " run.toml --set trainer.enable_progress_bar=true --set data.batch_size=1";
+  auto r = run_process({"/usr/bin/script", "-qec", cmd, "/dev/null"}, dir.path(), {{"OMP_NUM_THREADS", "1"}});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("\r\033[K"), std::string::npos) << r.out;  // redrawn in place
+  EXPECT_NE(r.out.find("[####"), std::string::npos) << r.out;      // with a bar
 }

@@ -8,6 +8,7 @@
 // use: [+][0][width][.precision][type], type one of d f F e E g G (or none). Header-only and free
 // of Ember and LibTorch types so unit tests can compile it directly.
 #pragma once
+#include <ember/number_text.h>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -28,26 +29,8 @@ inline constexpr const char* kNameLast = "last";    // CHECKPOINT_NAME_LAST
 inline constexpr const char* kExtension = ".ckpt";  // FILE_EXTENSION
 inline constexpr int kStartingVersion = 1;          // STARTING_VERSION
 
-// The shortest text that reads back as the same number. Values that came from float32 tensors
-// (exactly representable as float) print in float32's shortest form ("0.1", not
-// "0.10000000149011612"); integral values print as integers ("3", "1000000").
-inline std::string shortest_number(double v) {
-  if (std::isnan(v)) return "nan";
-  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  char buf[64];
-  if (v == std::trunc(v) && std::fabs(v) < 1e15) {
-    std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(v));
-    return buf;
-  }
-  std::to_chars_result r;
-  const auto f = static_cast<float>(v);
-  if (std::isfinite(f) && static_cast<double>(f) == v) {
-    r = std::to_chars(buf, buf + sizeof buf, f);
-  } else {
-    r = std::to_chars(buf, buf + sizeof buf, v);
-  }
-  return std::string(buf, r.ptr);
-}
+// The shortest text that reads back as the same number (see <ember/number_text.h>).
+inline std::string shortest_number(double v) { return ember::shortest_number(v); }
 
 // The parsed form of one SPEC.
 struct FormatSpec {

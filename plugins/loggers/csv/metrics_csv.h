@@ -1,6 +1,7 @@
 // The pieces of the csv logger that need no trainer: number cells, RFC 4180 quoting and parsing,
 // and atomic file replacement. Header-only and free of Ember types so unit tests can include it.
 #pragma once
+#include <ember/number_text.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -25,27 +26,8 @@ namespace fs = std::filesystem;
 // One row of metrics.csv: column name -> cell text. Columns a row lacks are empty cells.
 using Row = std::map<std::string, std::string>;
 
-// The shortest text that reads back as the same number: integral values as integers ("12", not
-// "1.2e+01"), float32 values (exactly representable as float, as most tensor metrics are) in
-// float32's shortest form ("0.1", not "0.10000000149011612"), other doubles in double's.
-// Non-finite values print as Python does: nan, inf, -inf.
-inline std::string format_number(double v) {
-  if (std::isnan(v)) return "nan";
-  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  char buf[64];
-  if (v == std::trunc(v) && std::fabs(v) < 1e15) {
-    std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(v));
-    return buf;
-  }
-  std::to_chars_result r;
-  const auto f = static_cast<float>(v);
-  if (std::isfinite(f) && static_cast<double>(f) == v) {
-    r = std::to_chars(buf, buf + sizeof buf, f);
-  } else {
-    r = std::to_chars(buf, buf + sizeof buf, v);
-  }
-  return std::string(buf, r.ptr);
-}
+// The shortest text that reads back as the same number (see <ember/number_text.h>).
+inline std::string format_number(double v) { return ember::shortest_number(v); }
 
 // RFC 4180: a field with a comma, quote or line break is quoted, quotes doubled.
 inline std::string escape(const std::string& field) {
