@@ -24,7 +24,11 @@ void atomic_write(const fs::path& path, const char* data, size_t size) {
   fs::path dir = path.parent_path().empty() ? fs::path(".") : path.parent_path();
   std::error_code ec;
   fs::create_directories(dir, ec);
-  fs::path tmp = dir / ("." + path.filename().string() + ".tmp." + std::to_string(getpid()));
+  std::string tmp_name = ".";  // (built step by step: GCC 12 warns falsely on "lit" + string&&)
+  tmp_name += path.filename().string();
+  tmp_name += ".tmp.";
+  tmp_name += std::to_string(getpid());
+  fs::path tmp = dir / tmp_name;
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail(path, "cannot create " + tmp.string());
   size_t written = 0;

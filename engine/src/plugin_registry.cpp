@@ -202,7 +202,10 @@ const PluginInfo& PluginRegistry::load(const std::string& name) {
   auto file = find_file(name);
   if (!file) {
     std::string searched;
-    for (const auto& p : paths_) searched += (searched.empty() ? "" : ":") + p.string();
+    for (const auto& p : paths_) {
+      if (!searched.empty()) searched += ':';
+      searched += p.string();
+    }
     throw UsageError("unknown plugin '" + name + "'" + did_you_mean(name, available()) +
                      "; searched " + (searched.empty() ? "nothing" : searched) +
                      " (`engine plugins list` shows what is installed; add folders with --plugin-path or EMBER_PLUGIN_PATH)");
