@@ -186,3 +186,17 @@ TEST(Cli, ProgressUpdatesInPlaceOnATerminal) {
   EXPECT_NE(r.out.find("\r\033[K"), std::string::npos) << r.out;  // redrawn in place
   EXPECT_NE(r.out.find("[####"), std::string::npos) << r.out;      // with a bar
 }
+
+TEST(Cli, ResolvedConfigNamesThePluginsActuallyChosen) {
+  TempDir dir("cli");
+  write_file(dir / "run.toml", kQuick);
+  auto good = test_plugin_dir("good").string();
+  auto r = run_engine({"--plugin-path", good, "config", "--plugins", "traced_precision", "run.toml"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("precision = 'traced_precision'"), std::string::npos) << r.out;
+  // Fed back without --plugins, it still picks traced_precision.
+  write_file(dir / "resolved.toml", r.out);
+  auto again = run_engine({"--plugin-path", good, "config", "resolved.toml"}, dir.path());
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(again.out, r.out);
+}

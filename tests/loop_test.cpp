@@ -169,3 +169,25 @@ TEST(Loop, FailedRunCallsOnException) {
   ASSERT_FALSE(hooks.empty());
   EXPECT_EQ(hooks.back(), "on_exception");
 }
+
+TEST(Loop, StrategyPrecisionAndHooksNestAsDocumented) {
+  TempDir dir("loop");
+  // docs/step.md: the precision handler runs the loop's closure inside its optimizer step, and
+  // clipping hooks come after the closure's backward.
+  train(dir, "nest",
+        {"trainer.limit_train_batches=2", "trainer.limit_val_batches=0", "trainer.enable_checkpointing=false",
+         "trainer.accumulate_grad_batches=2", "trainer.max_epochs=1"},
+        "\n[hook_recorder]\n[traced_precision]\n",
+        {"--plugin-path", test_plugin_dir("good").string(), "--plugins", "hook_recorder,traced_precision"});
+  auto all = lines(dir / "hooks.txt");
+  auto first = std::find(all.begin(), all.end(), "on_train_batch_start");
+  auto last = std::find(all.rbegin(), all.rend(), "on_train_batch_end").base();
+  ASSERT_TRUE(first != all.end() && last != all.begin());
+  std::vector<std::string> step(first, last);
+  EXPECT_EQ(step, (std::vector<std::string>{
+                      "on_train_batch_start", "precision.forward_begin", "precision.forward_end", "on_before_zero_grad",
+                      "on_before_backward", "precision.backward", "on_after_backward", "on_train_batch_end",
+                      "on_train_batch_start", "precision.optimizer_step", "precision.forward_begin",
+                      "precision.forward_end", "on_before_backward", "precision.backward", "on_after_backward",
+                      "on_before_optimizer_step", "precision.step", "on_train_batch_end"}));
+}

@@ -390,6 +390,15 @@ const Section& ResolvedConfig::section(std::string_view name) const {
   throw std::logic_error("no config section [" + std::string(name) + "]");
 }
 
+void ResolvedConfig::set(std::string_view section, std::string_view key, const std::string& value, const std::string& where) {
+  for (auto& s : sections_)
+    if (s->section() == section) {
+      s->entries()[std::string(key)] = Section::Entry{std::make_shared<toml::value<std::string>>(value), where};
+      return;
+    }
+  throw std::logic_error("no config section [" + std::string(section) + "]");
+}
+
 bool ResolvedConfig::has_section(std::string_view name) const {
   for (const auto& s : sections_)
     if (s->section() == name) return true;

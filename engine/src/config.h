@@ -94,6 +94,8 @@ class ResolvedConfig {
                                 std::vector<std::string> plugins);
   const Section& section(std::string_view name) const;
   bool has_section(std::string_view name) const;
+  // Replaces a value after validation (used to record the plugins actually chosen).
+  void set(std::string_view section, std::string_view key, const std::string& value, const std::string& where);
   // The whole configuration as TOML that can be fed back to the engine.
   std::string to_toml() const;
   const std::vector<std::string>& plugins() const { return plugins_; }

@@ -102,10 +102,11 @@ Plan make_plan(const RunRequest& req) {
   }
 
   // Exclusive kinds: one plugin, from --plugins/plugins or from its trainer/model/data key.
-  auto choose = [&](const char* kind, std::vector<const PluginInfo*>& named, const char* section, const char* key,
+  auto choose = [&](uint32_t kind_id, std::vector<const PluginInfo*>& named, const char* section, const char* key,
                     std::optional<std::string> configured, const std::string& fallback) -> const PluginInfo* {
+    const std::string kind = kind_name(kind_id);
     if (named.size() > 1)
-      throw UsageError("two " + std::string(kind) + " plugins given: '" + named[0]->name + "' and '" + named[1]->name +
+      throw UsageError("two " + kind + " plugins given: '" + named[0]->name + "' and '" + named[1]->name +
                        "'; a run has exactly one " + kind);
     std::string where = set_where(plan.raw, section, key);
     if (!named.empty()) {
@@ -125,10 +126,7 @@ Plan make_plan(const RunRequest& req) {
     } catch (const UsageError& e) {
       throw UsageError((where.empty() ? std::string("default ") + section + "." + key : where) + ": " + e.what());
     }
-    if (info->descriptor->kind != static_cast<uint32_t>(std::string(kind) == "strategy" ? EMBER_KIND_STRATEGY
-                                                        : std::string(kind) == "precision" ? EMBER_KIND_PRECISION
-                                                        : std::string(kind) == "model" ? EMBER_KIND_MODEL
-                                                                                           : EMBER_KIND_DATA))
+    if (info->descriptor->kind != kind_id)
       throw UsageError(where + ": " + section + "." + key + ": '" + name + "' is a " + kind_name(info->descriptor->kind) +
                        " plugin, not a " + kind + " plugin");
     return info;
@@ -136,10 +134,10 @@ Plan make_plan(const RunRequest& req) {
   auto strategy_cfg = plan.raw.peek_string("trainer", "strategy");
   auto precision_cfg = plan.raw.peek_string("trainer", "precision");
   if (precision_cfg) precision_cfg = precision_plugin_for(*precision_cfg);
-  plan.strategy = choose("strategy", strategies, "trainer", "strategy", strategy_cfg, "single_device");
-  plan.precision = choose("precision", precisions, "trainer", "precision", precision_cfg, "fp32");
-  plan.model = choose("model", models, "model", "name", plan.raw.peek_string("model", "name"), "");
-  plan.data = choose("data", datas, "data", "name", plan.raw.peek_string("data", "name"), "");
+  plan.strategy = choose(EMBER_KIND_STRATEGY, strategies, "trainer", "strategy", strategy_cfg, "single_device");
+  plan.precision = choose(EMBER_KIND_PRECISION, precisions, "trainer", "precision", precision_cfg, "fp32");
+  plan.model = choose(EMBER_KIND_MODEL, models, "model", "name", plan.raw.peek_string("model", "name"), "");
+  plan.data = choose(EMBER_KIND_DATA, datas, "data", "name", plan.raw.peek_string("data", "name"), "");
 
   // Defaults, as Lightning's logger=True / enable_checkpointing=True.
   if (plan.loggers.empty() && peek_bool(plan.raw, "trainer", "logger").value_or(true)) plan.loggers.push_back(&reg.load("csv"));
@@ -179,7 +177,12 @@ Plan make_plan(const RunRequest& req) {
     if (p->descriptor->kind == EMBER_KIND_CALLBACK || p->descriptor->kind == EMBER_KIND_LOGGER) printed_plugins.push_back(p->name);
   }
   plan.config = ResolvedConfig::resolve(plan.raw, std::move(schemas), printed_plugins);
-  // The resolved config names the strategy and precision that were actually chosen.
+  // The resolved config names the strategy and precision actually chosen, so that feeding it
+  // back (without --plugins) runs the same plugins.
+  const auto& t = plan.config.section("trainer");
+  if (t.get_string("strategy") != plan.strategy->name) plan.config.set("trainer", "strategy", plan.strategy->name, "--plugins");
+  if (precision_plugin_for(t.get_string("precision")) != plan.precision->name)
+    plan.config.set("trainer", "precision", plan.precision->name, "--plugins");
   return plan;
 }
 
@@ -310,8 +313,6 @@ int run_training(const RunRequest& req) {
                                    : trainer_cfg.where("test_ckpt") + ": trainer.test_ckpt = \"" + test_ckpt +
                                          "\" needs a checkpoint callback (enable checkpointing, or set test_ckpt = \"current\")");
 
-  Trainer* trainer_ptr = nullptr;
-  std::unique_ptr<Trainer> trainer;
   if (wants_locator) {
     auto candidates = version ? std::vector<fs::path>{base / ("version_" + std::to_string(*version))} : versions_newest_first(base);
     for (const auto& dir : candidates) {
@@ -332,8 +333,7 @@ int run_training(const RunRequest& req) {
     run_dir = next_version_dir(base, version);
   }
   if (rank == 0) fs::create_directories(run_dir);
-  trainer = std::make_unique<Trainer>(host, cfg, std::move(plugins), run_dir);
-  trainer_ptr = trainer.get();
+  auto trainer = std::make_unique<Trainer>(host, cfg, std::move(plugins), run_dir);
   try {
     trainer->setup();
     if (!checkpoint.empty()) trainer->restore(checkpoint, /*weights_only=*/false);
@@ -345,7 +345,7 @@ int run_training(const RunRequest& req) {
     // resume from an explicit path) start new ones.
     trainer->setup_loggers(resume_in_place);
     install_stop_signal_handlers();
-    trainer_ptr->fit();
+    trainer->fit();
     if (const int sig = stop_signal()) {
       trainer->finalize("interrupted");
       log::warn("interrupted; continue with --resume last");
