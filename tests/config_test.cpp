@@ -1,6 +1,8 @@
 // Configuration: every kind of bad input yields one line naming the place and the fix.
 #include <gtest/gtest.h>
 
+#include <ATen/ATen.h>
+
 #include "config.h"
 #include "engine_schema.h"
 #include "support.h"

@@ -1,6 +1,8 @@
 // The engine's own config sections: [trainer], [optimizer], and the keys every [model] and
 // [data] table has before the plugin's own keys.
 #pragma once
+#include <ATen/core/Tensor.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -8,7 +10,6 @@
 #include "config.h"
 
 namespace torch::optim { class Optimizer; }
-namespace torch { class Tensor; }
 
 namespace ember::engine {
 

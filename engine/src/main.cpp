@@ -1,5 +1,6 @@
 // engine: train from a TOML file with plugins chosen at run time.
 #include <c10/util/Exception.h>
+#include <torch/headeronly/version.h>
 
 #include <cstdio>
 #include <iostream>

@@ -5,6 +5,7 @@
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
+#include <torch/headeronly/version.h>
 #include <torch/serialize.h>
 
 #include <atomic>
@@ -324,9 +325,10 @@ void Trainer::train_epoch() {
       validated_last = true;
       stage_ = Stage::fit;
     }
-    if (const int sig = g_stop_signal.load(); sig != 0 && !stop_requested_)
+    // Only after an optimizer step: a partly accumulated gradient is not part of a checkpoint.
+    if (const int sig = g_stop_signal.load(); do_step && sig != 0 && !stop_requested_)
       request_stop(std::string(sig == SIGINT ? "SIGINT" : "SIGTERM") +
-                   " received: finishing this batch, saving, then exiting (send it again to quit at once)");
+                   " received: finishing this step, saving, then exiting (send it again to quit at once)");
     const bool max_steps_hit = settings_.max_steps >= 0 && global_step_ >= settings_.max_steps;
     if (max_steps_hit || stop_requested_) {
       // Stopping early: validate once more so monitors see the state being stopped at.

@@ -58,7 +58,7 @@ struct TrainerSettings {
   static TrainerSettings from(const Section& trainer);
 };
 
-// SIGINT/SIGTERM make the loop stop after the current batch, with the usual epoch-end work (the
+// SIGINT/SIGTERM make the loop stop after the current optimizer step, with the usual epoch-end work (the
 // checkpoint callback saves last.ckpt, mid-epoch position included), so `--resume last` goes on
 // exactly where the run was interrupted. stop_signal() is the signal received, 0 if none.
 void install_stop_signal_handlers();
