@@ -316,8 +316,7 @@ int run_training(const RunRequest& req) {
   if (wants_locator) {
     auto candidates = version ? std::vector<fs::path>{base / ("version_" + std::to_string(*version))} : versions_newest_first(base);
     for (const auto& dir : candidates) {
-      Trainer probe(host, cfg, plugins, dir);
-      auto found = probe.locate_checkpoint(req.resume);
+      auto found = locate_checkpoint(plugins.callbacks, req.resume, dir.string());
       if (!found.empty()) {
         run_dir = dir;
         checkpoint = found;

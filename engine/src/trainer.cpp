@@ -447,14 +447,19 @@ std::vector<std::pair<std::string, double>> Trainer::test() {
   return out;
 }
 
-std::string Trainer::locate_checkpoint(const std::string& alias) const {
-  for (const auto& c : plugins_.callbacks) {
+std::string locate_checkpoint(const std::vector<Named<ICallback>>& callbacks, const std::string& alias,
+                              const std::string& run_dir) {
+  for (const auto& c : callbacks) {
     auto* locator = static_cast<ICheckpointLocator*>(c.object->query_interface(kCheckpointLocatorIid));
     if (!locator) continue;
-    auto path = locator->resolve_checkpoint(alias, run_dir_.string());
+    auto path = locator->resolve_checkpoint(alias, run_dir);
     if (!path.empty()) return path;
   }
   return "";
+}
+
+std::string Trainer::locate_checkpoint(const std::string& alias) const {
+  return engine::locate_checkpoint(plugins_.callbacks, alias, run_dir_.string());
 }
 
 void Trainer::setup_loggers(bool resuming) {

@@ -41,6 +41,11 @@ struct RunPlugins {
   std::vector<Named<ILogger>> loggers;
 };
 
+// Resolves "best"/"last" for `run_dir` through the callbacks that store checkpoints
+// (ICheckpointLocator); "" when none has one.
+std::string locate_checkpoint(const std::vector<Named<ICallback>>& callbacks, const std::string& alias,
+                              const std::string& run_dir);
+
 // [trainer] values the loop reads, with Lightning's derived defaults applied.
 struct TrainerSettings {
   int64_t max_epochs = 1000, max_steps = -1;
