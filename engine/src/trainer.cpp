@@ -26,10 +26,10 @@ class StepContextImpl final : public IStepContext {
   StepContextImpl(Trainer& t, Stage stage, int64_t batch_idx, int64_t batch_size)
       : t_(t), stage_(stage), batch_idx_(batch_idx), batch_size_(batch_size) {}
   void log(std::string_view name, const at::Tensor& value, const LogOptions& o) override {
-    t_.metrics_.log(std::string(name), value, o, stage_, batch_size_);
+    if (!t_.quiet_) t_.metrics_.log(std::string(name), value, o, stage_, batch_size_);
   }
   void log(std::string_view name, double value, const LogOptions& o) override {
-    t_.metrics_.log(std::string(name), at::scalar_tensor(value, at::kDouble), o, stage_, batch_size_);
+    if (!t_.quiet_) t_.metrics_.log(std::string(name), at::scalar_tensor(value, at::kDouble), o, stage_, batch_size_);
   }
   Stage stage() const override { return stage_; }
   int64_t batch_idx() const override { return batch_idx_; }
@@ -139,7 +139,22 @@ Trainer::Trainer(IHost& host, const ResolvedConfig& config, RunPlugins plugins, 
       settings_(TrainerSettings::from(config.section("trainer"))),
       progress_(settings_.enable_progress_bar && plugins_.strategy.object->rank() == 0, Progress::stderr_is_tty()) {}
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() { attach_plugins(nullptr); }
+
+// Hands the trainer to plugins that asked for it (ITrainerAware), or takes it back (nullptr).
+void Trainer::attach_plugins(ITrainer* trainer) {
+  if (trainer == nullptr && !attached_) return;
+  attached_ = trainer != nullptr;
+  auto attach = [&](IPluginObject& o) {
+    if (auto* aware = static_cast<ITrainerAware*>(o.query_interface(kTrainerAwareIid))) aware->attach_trainer(trainer);
+  };
+  attach(*plugins_.strategy.object);
+  attach(*plugins_.precision.object);
+  attach(*plugins_.model.object);
+  attach(*plugins_.data.object);
+  for (auto& c : plugins_.callbacks) attach(*c.object);
+  for (auto& l : plugins_.loggers) attach(*l.object);
+}
 
 int64_t Trainer::limit_batches(int64_t available, double limit, bool is_count) const {
   if (is_count) return std::min<int64_t>(available, static_cast<int64_t>(limit));
@@ -148,34 +163,21 @@ int64_t Trainer::limit_batches(int64_t available, double limit, bool is_count) c
 
 void Trainer::setup() {
   auto& strategy = *plugins_.strategy.object;
-  auto& data = *plugins_.data.object;
   const auto& d = config_.section("data");
-  LoaderOptions train_opts;
-  train_opts.batch_size = d.get_int("batch_size");
-  train_opts.shuffle = d.get_bool("shuffle");
-  train_opts.drop_last = d.get_bool("drop_last");
-  train_opts.num_workers = d.get_int("num_workers");
-  train_opts.prefetch_factor = d.get_int("prefetch_factor");
-  train_opts.seed = settings_.seed;
-  train_opts.rank = strategy.rank();
-  train_opts.world_size = strategy.world_size();
-  LoaderOptions eval_opts = train_opts;
-  eval_opts.shuffle = false;
-  eval_opts.drop_last = false;
-  if (d.has("eval_batch_size")) eval_opts.batch_size = d.get_int("eval_batch_size");
-
-  if (data.size(Split::train) > 0) train_loader_ = std::make_unique<DataLoader>(data, Split::train, train_opts);
-  if (data.size(Split::val) > 0) val_loader_ = std::make_unique<DataLoader>(data, Split::val, eval_opts);
-  if (data.size(Split::test) > 0) test_loader_ = std::make_unique<DataLoader>(data, Split::test, eval_opts);
-  num_train_batches_ = train_loader_ ? limit_batches(train_loader_->num_batches(), settings_.limit_train, settings_.limit_train_is_count) : 0;
-  num_val_batches_ = val_loader_ ? limit_batches(val_loader_->num_batches(), settings_.limit_val, settings_.limit_val_is_count) : 0;
-  num_test_batches_ = test_loader_ ? limit_batches(test_loader_->num_batches(), settings_.limit_test, settings_.limit_test_is_count) : 0;
-  if (settings_.val_check_is_count && settings_.check_val_every_n_epoch > 0 && validation_enabled() &&
-      static_cast<int64_t>(settings_.val_check_interval) > num_train_batches_)
-    throw UsageError(config_.section("trainer").where("val_check_interval") + ": trainer.val_check_interval (" +
-                     std::to_string(static_cast<int64_t>(settings_.val_check_interval)) +
-                     ") is more than the training batches per epoch (" + std::to_string(num_train_batches_) +
-                     "); lower it, or set check_val_every_n_epoch = 0 to count batches across epochs");
+  train_opts_.batch_size = d.get_int("batch_size");
+  train_opts_.shuffle = d.get_bool("shuffle");
+  train_opts_.drop_last = d.get_bool("drop_last");
+  train_opts_.num_workers = d.get_int("num_workers");
+  train_opts_.prefetch_factor = d.get_int("prefetch_factor");
+  train_opts_.seed = settings_.seed;
+  train_opts_.rank = strategy.rank();
+  train_opts_.world_size = strategy.world_size();
+  eval_opts_ = train_opts_;
+  eval_opts_.shuffle = false;
+  eval_opts_.drop_last = false;
+  eval_batch_size_set_ = d.has("eval_batch_size");
+  if (eval_batch_size_set_) eval_opts_.batch_size = d.get_int("eval_batch_size");
+  build_loaders();
 
   auto& module = plugins_.model.object->module();
   optimizer_ = plugins_.model.object->configure_optimizers();
@@ -185,7 +187,29 @@ void Trainer::setup() {
   // first step, so it follows the parameters.
   strategy.setup(module, optimizer_);
   plugins_.precision.object->setup(module, strategy.root_device());
+  attach_plugins(this);
   if (settings_.enable_model_summary && is_global_zero()) print_model_summary();
+}
+
+// (Re)builds the loaders from train_opts_/eval_opts_ (at setup, and when a tuner changes the
+// batch size) and the per-epoch batch counts after limit_*_batches.
+void Trainer::build_loaders() {
+  auto& data = *plugins_.data.object;
+  train_loader_.reset();
+  val_loader_.reset();
+  test_loader_.reset();
+  if (data.size(Split::train) > 0) train_loader_ = std::make_unique<DataLoader>(data, Split::train, train_opts_);
+  if (data.size(Split::val) > 0) val_loader_ = std::make_unique<DataLoader>(data, Split::val, eval_opts_);
+  if (data.size(Split::test) > 0) test_loader_ = std::make_unique<DataLoader>(data, Split::test, eval_opts_);
+  num_train_batches_ = train_loader_ ? limit_batches(train_loader_->num_batches(), settings_.limit_train, settings_.limit_train_is_count) : 0;
+  num_val_batches_ = val_loader_ ? limit_batches(val_loader_->num_batches(), settings_.limit_val, settings_.limit_val_is_count) : 0;
+  num_test_batches_ = test_loader_ ? limit_batches(test_loader_->num_batches(), settings_.limit_test, settings_.limit_test_is_count) : 0;
+  if (settings_.val_check_is_count && settings_.check_val_every_n_epoch > 0 && validation_enabled() &&
+      static_cast<int64_t>(settings_.val_check_interval) > num_train_batches_)
+    throw UsageError(config_.section("trainer").where("val_check_interval") + ": trainer.val_check_interval (" +
+                     std::to_string(static_cast<int64_t>(settings_.val_check_interval)) +
+                     ") is more than the training batches per epoch (" + std::to_string(num_train_batches_) +
+                     "); lower it, or set check_val_every_n_epoch = 0 to count batches across epochs");
 }
 
 void Trainer::print_model_summary() const {
@@ -237,6 +261,7 @@ void Trainer::publish(const std::vector<std::pair<std::string, double>>& values)
 // Lightning's order: callbacks (non-monitoring, then monitoring), then the model; except in
 // on_train_epoch_end, where the model runs between the two groups (docs/hooks.md).
 void Trainer::call_hook(Hook hook) {
+  if (quiet_) return;
   for (auto& c : plugins_.callbacks)
     if (!c.object->monitors_metrics()) c.object->on_hook(hook, *this);
   if (hook == Hook::on_train_epoch_end) plugins_.model.object->on_hook(hook, *this);
@@ -268,7 +293,7 @@ at::Tensor Trainer::run_micro_batch(const Batch& batch, bool first_in_window, bo
     optimizer_->zero_grad(/*set_to_none=*/true);
   }
   current_loss_ = loss.detach();
-  at::Tensor to_backward = settings_.accumulate_grad_batches > 1 ? loss / static_cast<double>(settings_.accumulate_grad_batches) : loss;
+  at::Tensor to_backward = window_accum_ > 1 ? loss / static_cast<double>(window_accum_) : loss;
   call_hook(Hook::on_before_backward);
   plugins_.strategy.object->backward(to_backward, precision, sync);
   call_hook(Hook::on_after_backward);
@@ -281,7 +306,6 @@ void Trainer::train_epoch() {
   const int64_t n = num_train_batches_;
   const int64_t start = std::min(resume_batch_, n);
   resume_batch_ = 0;
-  const int64_t accum = settings_.accumulate_grad_batches;
   int64_t val_every = settings_.val_check_is_count
                           ? static_cast<int64_t>(settings_.val_check_interval)
                           : std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(n) * settings_.val_check_interval));
@@ -291,6 +315,9 @@ void Trainer::train_epoch() {
   module().train();
   progress_.start(epoch_label(epoch_, settings_.max_epochs), n);
   call_hook(Hook::on_train_epoch_start);
+  // Read after on_train_epoch_start: an accumulation schedule sets the factor there.
+  const int64_t accum = settings_.accumulate_grad_batches;
+  window_accum_ = accum;
   bool validated_last = false;
   auto pass = train_loader_->pass(epoch_, start, n - start);
   Batch batch;
@@ -302,10 +329,12 @@ void Trainer::train_epoch() {
     const bool is_last = b + 1 == n;
     const bool do_step = (b + 1) % accum == 0 || is_last;
     const bool first_in_window = b % accum == 0 || b == start;
+    step_taken_ = do_step;
+    step_skipped_ = false;
     if (do_step) {
       OptimizerStepImpl step(*this, current_batch_, first_in_window);
       closure_ran_ = false;
-      strategy.optimizer_step(step, precision);
+      step_skipped_ = !strategy.optimizer_step(step, precision);
       if (!closure_ran_)
         throw RunError("strategy '" + plugins_.strategy.name + "' / precision '" + plugins_.precision.name +
                        "' did not run the step's closure (a plugin bug)");
@@ -596,7 +625,9 @@ void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
   if (error) std::rethrow_exception(error);
 }
 
-void Trainer::restore(const std::filesystem::path& file, bool weights_only) {
+void Trainer::restore(const std::filesystem::path& file, bool weights_only) { restore(file, weights_only, true); }
+
+void Trainer::restore(const std::filesystem::path& file, bool weights_only, bool announce) {
   auto ck = load_checkpoint_file(file);
   const std::string where = "checkpoint " + file.string();
   auto& m = module();
@@ -665,8 +696,96 @@ void Trainer::restore(const std::filesystem::path& file, bool weights_only) {
   for (auto& l : plugins_.loggers)
     if (loggers.contains(l.name)) l.object->load_state_dict(loggers.at(l.name));
   call_hook(Hook::on_load_checkpoint);
-  log::info("resumed from " + file.string() + " at epoch " + std::to_string(epoch_) + ", step " + std::to_string(global_step_) +
+  if (announce)
+    log::info("resumed from " + file.string() + " at epoch " + std::to_string(epoch_) + ", step " + std::to_string(global_step_) +
             (epoch_finished_ ? " (end of epoch)" : " (batch " + std::to_string(batches_done_) + " of the epoch)"));
+}
+
+}  // namespace ember::engine
+
+namespace ember::engine {
+
+// ---------------------------------------------------------------------------------------------
+// SDK 1.1: what tuners, schedulers, precision handlers and averaging callbacks need.
+
+void Trainer::log_tensor(std::string_view name, const at::Tensor& value, const LogOptions& options) {
+  if (quiet_) return;
+  metrics_.log(std::string(name), value.detach(), options, stage_ == Stage::none ? Stage::fit : stage_, 1);
+}
+
+void Trainer::set_accumulate_grad_batches(int64_t factor) {
+  if (factor < 1) throw RunError("accumulate_grad_batches must be >= 1, got " + std::to_string(factor));
+  settings_.accumulate_grad_batches = factor;
+}
+
+void Trainer::set_batch_size(int64_t size) {
+  if (size < 1) throw RunError("batch size must be >= 1, got " + std::to_string(size));
+  train_opts_.batch_size = size;
+  if (!eval_batch_size_set_) eval_opts_.batch_size = size;
+  build_loaders();
+}
+
+int64_t Trainer::num_batches(Split split) const {
+  switch (split) {
+    case Split::train: return num_train_batches_;
+    case Split::val: return num_val_batches_;
+    case Split::test: return num_test_batches_;
+  }
+  return 0;
+}
+
+void Trainer::for_each_batch(Split split, int64_t max_batches, const std::function<bool(const Batch&)>& fn) {
+  const DataLoader* loader = split == Split::train ? train_loader_.get() : split == Split::val ? val_loader_.get() : test_loader_.get();
+  int64_t n = num_batches(split);
+  if (max_batches >= 0) n = std::min(n, max_batches);
+  if (!loader || n <= 0) return;
+  auto& strategy = *plugins_.strategy.object;
+  auto& precision = *plugins_.precision.object;
+  auto pass = loader->pass(split == Split::train ? epoch_ : 0, 0, n);
+  Batch batch;
+  while (pass->next(batch))
+    if (!fn(precision.convert_input(strategy.batch_to_device(std::move(batch))))) break;
+}
+
+namespace {
+// Sets a value for the lifetime of a scope and restores the old one (exceptions included).
+template <class T>
+struct ValueScope {
+  T& ref;
+  T old;
+  ValueScope(T& r, T value) : ref(r), old(r) { ref = value; }
+  ~ValueScope() { ref = old; }
+};
+}  // namespace
+
+at::Tensor Trainer::run_trial_step(const Batch& batch, bool* skipped) {
+  ValueScope<bool> quiet(quiet_, true);
+  ValueScope<int64_t> accum(window_accum_, 1);
+  module().train();
+  OptimizerStepImpl step(*this, batch, /*first_in_window=*/true);
+  closure_ran_ = false;
+  const bool stepped = plugins_.strategy.object->optimizer_step(step, *plugins_.precision.object);
+  if (!closure_ran_)
+    throw RunError("strategy '" + plugins_.strategy.name + "' / precision '" + plugins_.precision.name +
+                   "' did not run the step's closure (a plugin bug)");
+  if (skipped) *skipped = !stepped;
+  return current_loss_;
+}
+
+at::Tensor Trainer::run_forward(const Batch& batch) {
+  ValueScope<bool> quiet(quiet_, true);
+  torch::NoGradGuard no_grad;
+  StepContextImpl ctx(*this, Stage::fit, batch_idx_, batch.size);
+  ForwardRegion region(*plugins_.precision.object);
+  at::Tensor loss = plugins_.model.object->training_step(batch, ctx);
+  return loss.defined() ? loss.detach() : loss;
+}
+
+void Trainer::load_checkpoint(const std::string& path) { restore(path, /*weights_only=*/false, /*announce=*/false); }
+
+void Trainer::run_validation() {
+  if (!validation_enabled()) return;
+  evaluate(Split::val, Stage::validate, num_val_batches_);
 }
 
 }  // namespace ember::engine

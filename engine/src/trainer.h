@@ -114,6 +114,20 @@ class Trainer final : public ITrainer {
   std::string resolved_config() const override { return config_.to_toml(); }
   void save_checkpoint(const std::string& path, bool weights_only) override;
   void log_metric(std::string_view name, double value) override;
+  // SDK 1.1
+  void log_tensor(std::string_view name, const at::Tensor& value, const LogOptions& options) override;
+  bool optimizer_stepped() const override { return step_taken_; }
+  bool optimizer_step_skipped() const override { return step_skipped_; }
+  int64_t accumulate_grad_batches() const override { return settings_.accumulate_grad_batches; }
+  void set_accumulate_grad_batches(int64_t factor) override;
+  int64_t batch_size() const override { return train_opts_.batch_size; }
+  void set_batch_size(int64_t size) override;
+  int64_t num_batches(Split split) const override;
+  void for_each_batch(Split split, int64_t max_batches, const std::function<bool(const Batch&)>& fn) override;
+  at::Tensor run_trial_step(const Batch& batch, bool* skipped) override;
+  at::Tensor run_forward(const Batch& batch) override;
+  void load_checkpoint(const std::string& path) override;
+  void run_validation() override;
 
   const MetricStore& metrics() const { return metrics_; }
 
@@ -125,6 +139,9 @@ class Trainer final : public ITrainer {
   void evaluate(Split split, Stage stage, int64_t max_batches);
   at::Tensor run_micro_batch(const Batch& batch, bool first_in_window, bool sync);
   void publish(const std::vector<std::pair<std::string, double>>& values);
+  void build_loaders();
+  void attach_plugins(ITrainer* trainer);
+  void restore(const std::filesystem::path& checkpoint, bool weights_only, bool announce);
   int64_t limit_batches(int64_t available, double limit, bool is_count) const;
   bool validation_enabled() const;
   bool epoch_validates() const;
@@ -138,6 +155,8 @@ class Trainer final : public ITrainer {
   TrainerSettings settings_;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<DataLoader> train_loader_, val_loader_, test_loader_;
+  LoaderOptions train_opts_, eval_opts_;
+  bool eval_batch_size_set_ = false;
   MetricStore metrics_;
   Progress progress_;
 
@@ -152,6 +171,11 @@ class Trainer final : public ITrainer {
   Batch current_batch_;
   at::Tensor current_loss_;
   bool closure_ran_ = false;
+  bool step_taken_ = false, step_skipped_ = false;  // of the current training batch
+  int64_t window_accum_ = 1;  // accumulation factor of the current optimizer window
+  // Tuner work (run_trial_step, run_forward): no hooks fire and nothing is logged.
+  bool quiet_ = false;
+  bool attached_ = false;
 };
 
 }  // namespace ember::engine

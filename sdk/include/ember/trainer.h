@@ -2,6 +2,7 @@
 // Host-implemented interfaces may grow by appending virtual functions at the end (minor bump);
 // a plugin built against minor m only calls what minor m declared.
 #pragma once
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -79,6 +80,63 @@ class EMBER_SDK_API ITrainer {
   // Logs a value from a callback (learning-rate monitors, timers): reaches loggers at the
   // current step.
   virtual void log_metric(std::string_view name, double value) = 0;
+
+  // ---- SDK 1.1 (appended; plugins built against 1.0 never call these) ----
+
+  // Logs a tensor metric from a plugin (a precision handler's loss scale, ...) with self.log's
+  // semantics: it may stay on the device until the engine reads it back at a log window.
+  virtual void log_tensor(std::string_view name, const at::Tensor& value, const LogOptions& options = {}) = 0;
+
+  // Valid in on_train_batch_end: whether this batch completed an optimizer step (false while
+  // gradients are being accumulated), and whether the precision handler then skipped that step
+  // (inf/NaN gradients under loss scaling). Schedulers advance only on a step that was taken.
+  virtual bool optimizer_stepped() const = 0;
+  virtual bool optimizer_step_skipped() const = 0;
+
+  // Gradient accumulation factor. The loop reads it right after on_train_epoch_start, so a new
+  // value takes effect from that epoch on (Lightning's GradientAccumulationScheduler sets it
+  // there).
+  virtual int64_t accumulate_grad_batches() const = 0;
+  virtual void set_accumulate_grad_batches(int64_t factor) = 0;
+
+  // Training batch size per rank ([data] batch_size). Setting it rebuilds the training loader
+  // (and the evaluation loaders when no eval_batch_size is configured); call it outside a
+  // training epoch (on_fit_start, tuners).
+  virtual int64_t batch_size() const = 0;
+  virtual void set_batch_size(int64_t size) = 0;
+
+  // Batches of a split after limit_*_batches, and a pass over the first `max_batches` of them
+  // (-1: all) in the order of the current epoch, each moved to the training device and converted
+  // by the precision handler. `fn` returns false to end the pass early. No hooks fire.
+  virtual int64_t num_batches(Split split) const = 0;
+  virtual void for_each_batch(Split split, int64_t max_batches, const std::function<bool(const Batch&)>& fn) = 0;
+
+  // One complete optimizer step on `batch` without hooks, callbacks or loggers (what tuners
+  // need): zero_grad, forward and loss in the precision's autocast region, backward through the
+  // strategy and precision, clipping, optimizer step. Metrics the model logs are dropped.
+  // Returns the detached loss; *skipped (if given) tells whether the precision skipped the step.
+  virtual at::Tensor run_trial_step(const Batch& batch, bool* skipped = nullptr) = 0;
+  // Forward and loss of `batch` under no_grad in the module's current mode (in train mode this
+  // updates batch-norm statistics), no hooks; metrics the model logs are dropped.
+  virtual at::Tensor run_forward(const Batch& batch) = 0;
+
+  // Restores a checkpoint written by save_checkpoint into the running trainer: weights,
+  // optimizer, loop counters, RNG and every plugin's state (tuners return to where they began).
+  virtual void load_checkpoint(const std::string& path) = 0;
+  // Runs one validation pass now, outside the configured cadence (e.g. after averaged weights
+  // were swapped in at the end of training). Its metrics reach loggers and monitors as usual.
+  virtual void run_validation() = 0;
+};
+
+// Extension interface (query_interface(kTrainerAwareIid)) for plugins that are not callbacks
+// (precision handlers, strategies, loggers...) but need the trainer while a run goes on, e.g.
+// to log metrics. The engine attaches the trainer after setup and detaches it (nullptr) before
+// the trainer goes away. SDK 1.1.
+inline constexpr const char* kTrainerAwareIid = "ember.ITrainerAware/1";
+class EMBER_SDK_API ITrainerAware {
+ public:
+  virtual ~ITrainerAware() = default;
+  virtual void attach_trainer(ITrainer* trainer) = 0;
 };
 
 // One optimizer step, as the engine prepared it. The strategy and the precision handler call
