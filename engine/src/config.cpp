@@ -220,6 +220,20 @@ std::optional<std::string> RawConfig::peek_string(std::string_view section, std:
   return std::nullopt;
 }
 
+void RawConfig::integer_as_string(const std::string& section, const std::string& key) {
+  if (auto* tbl = file.get_as<toml::table>(section))
+    if (auto* v = tbl->get_as<int64_t>(key)) {
+      const auto source = v->source();
+      toml::value<std::string> text(std::to_string(v->get()));
+      tbl->insert_or_assign(key, std::move(text));
+      // Keep the position, so later errors about this value still name file:line:col.
+      if (auto* n = tbl->get(key)) const_cast<toml::source_region&>(n->source()) = source;
+    }
+  for (auto& o : overrides)
+    if (o.section == section && o.key == key && o.value->is_integer())
+      o.value = std::make_shared<toml::value<std::string>>(std::to_string(o.value->as_integer()->get()));
+}
+
 std::vector<std::string> RawConfig::plugin_list() const {
   std::vector<std::string> out;
   const toml::node* n = file.get("plugins");

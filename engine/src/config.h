@@ -55,6 +55,9 @@ struct RawConfig {
   // A raw string value (override first, then file) before validation; used to pick plugins.
   std::optional<std::string> peek_string(std::string_view section, std::string_view key) const;
   std::vector<std::string> plugin_list() const;  // top-level `plugins = [...]`
+  // Rewrites an integer value of section.key (file and overrides) as its decimal string, for keys
+  // that take Lightning's integer shorthands (precision = 16).
+  void integer_as_string(const std::string& section, const std::string& key);
 };
 
 // One validated section; implements the SDK's IConfig for the plugin that owns it.

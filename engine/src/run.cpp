@@ -75,6 +75,7 @@ Plan make_plan(const RunRequest& req) {
   Plan plan;
   plan.raw = req.config_path.empty() ? RawConfig{} : RawConfig::load(req.config_path);
   for (const auto& s : req.sets) plan.raw.add_override(s);
+  plan.raw.integer_as_string("trainer", "precision");  // Lightning's precision = 16 / 32 / 64
   plan.registry = std::make_unique<PluginRegistry>(PluginRegistry::default_search_paths(req.plugin_paths));
   auto& reg = *plan.registry;
 
@@ -124,7 +125,11 @@ Plan make_plan(const RunRequest& req) {
     try {
       info = &reg.load(name);
     } catch (const UsageError& e) {
-      throw UsageError((where.empty() ? std::string("default ") + section + "." + key : where) + ": " + e.what());
+      std::string hint;
+      if (kind_id == EMBER_KIND_PRECISION)
+        hint = "; trainer.precision takes 64-true, 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, the aliases 64, 32, "
+               "16, bf16, or a precision plugin's name";
+      throw UsageError((where.empty() ? std::string("default ") + section + "." + key : where) + ": " + e.what() + hint);
     }
     if (info->descriptor->kind != kind_id)
       throw UsageError(where + ": " + section + "." + key + ": '" + name + "' is a " + kind_name(info->descriptor->kind) +

@@ -1,0 +1,43 @@
+// bf16 ("bf16-mixed"): float32 parameters, forward and loss under autocast to bfloat16. bfloat16
+// has float32's exponent range, so gradients neither underflow nor overflow the way float16's
+// do: no loss scaling, every step is taken.
+#include <ember/plugin.h>
+#include <ember/precision.h>
+#include <ember/precision_util.h>
+
+#include <torch/nn/module.h>
+
+#include <optional>
+
+namespace {
+
+class Bf16 final : public ember::IPrecision {
+ public:
+  void setup(torch::nn::Module& module, const c10::Device& device) override {
+    module.to(at::kFloat);
+    device_ = device;
+    ember::check_precision_supported("bf16 (bf16-mixed)", device, at::kBFloat16, /*autocast=*/true,
+                                     "use amp16 (\"16-mixed\") or fp32 instead");
+  }
+  ember::Batch convert_input(ember::Batch batch) override { return ember::cast_floating(std::move(batch), at::kFloat); }
+  void forward_begin() override { region_.emplace(device_.type(), at::kBFloat16); }
+  void forward_end() override { region_.reset(); }
+  void backward(const at::Tensor& loss) override { loss.backward(); }
+  bool optimizer_step(ember::IOptimizerStep& step) override {
+    step.closure();
+    step.before_step();
+    step.step();
+    return true;
+  }
+
+ private:
+  c10::Device device_{c10::kCPU};
+  std::optional<ember::AutocastRegion> region_;
+};
+
+ember::IPrecision* make(ember::IHost&, const ember::IConfig&) { return new Bf16(); }
+
+}  // namespace
+
+EMBER_PLUGIN(ember::IPrecision, "bf16", "0.1.0", "Apache-2.0",
+             "Mixed precision: bfloat16 autocast, no loss scaling (Lightning's \"bf16-mixed\").", EMBER_NO_CONFIG_KEYS, make)

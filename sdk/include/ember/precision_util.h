@@ -1,0 +1,56 @@
+// Helpers shared by precision handlers: casting a batch and checking, once at start-up, that the
+// device can run the dtype a mode asks for (so a run stops before training with one line, rather
+// than failing mid-epoch or silently running in another precision).
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/core/Device.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <string>
+
+#include "ember/autocast.h"
+#include "ember/error.h"
+#include "ember/types.h"
+
+namespace ember {
+
+// Casts every floating-point tensor of the batch to `dtype` (integer labels stay as they are).
+inline Batch cast_floating(Batch batch, c10::ScalarType dtype) {
+  for (auto& t : batch.tensors)
+    if (t.defined() && t.is_floating_point() && t.scalar_type() != dtype) t = t.to(dtype);
+  return batch;
+}
+
+// Runs a small linear layer forward and backward on `device` in `dtype` (under autocast when
+// `autocast` is set) and throws RunError naming `mode` when that fails or autocast does not
+// actually produce `dtype`. No random numbers are drawn, so the run's RNG stream is untouched.
+inline void check_precision_supported(const std::string& mode, const c10::Device& device, c10::ScalarType dtype,
+                                      bool autocast, const std::string& alternative) {
+  const std::string what = c10::str(mode, ": ", autocast ? "autocast to " : "", c10::toString(dtype), " on ", device.str());
+  if (autocast && !at::autocast::is_autocast_available(device.type()))
+    throw RunError(c10::str(what, " is not available (LibTorch has no autocast for this device type); ", alternative));
+  try {
+    auto opts = at::TensorOptions().device(device);
+    at::Tensor x = at::linspace(-1.0, 1.0, 32, opts.dtype(autocast ? at::kFloat : dtype)).reshape({4, 8});
+    at::Tensor w = at::linspace(-0.5, 0.5, 64, opts.dtype(autocast ? at::kFloat : dtype)).reshape({8, 8}).requires_grad_();
+    at::Tensor y;
+    if (autocast) {
+      AutocastRegion region(device.type(), dtype);
+      y = at::linear(x, w);
+    } else {
+      y = at::linear(x, w);
+    }
+    if (y.scalar_type() != dtype)
+      throw RunError(c10::str(what, ": a linear layer ran in ", c10::toString(y.scalar_type()), " instead; ", alternative));
+    y.to(at::kFloat).sum().backward();
+    if (!w.grad().defined() || w.grad().scalar_type() != w.scalar_type())
+      throw RunError(c10::str(what, ": backward did not produce ", c10::toString(w.scalar_type()), " gradients; ", alternative));
+  } catch (const c10::Error& e) {
+    std::string msg = e.what_without_backtrace();
+    if (auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
+    throw RunError(c10::str(what, " is not supported here (", msg, "); ", alternative));
+  }
+}
+
+}  // namespace ember
