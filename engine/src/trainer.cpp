@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -10,6 +11,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <iomanip>
 #include <sstream>
 
 #include "checkpoint_io.h"
@@ -460,6 +462,15 @@ void Trainer::fit() {
     epoch_finished_ = false;
   }
   stage_ = Stage::fit;
+  if (const auto device = plugins_.strategy.object->root_device(); device.is_cuda()) {
+    // What the precision benchmark compares on a GPU (and what users ask first about AMP).
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto& peak = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+    std::ostringstream msg;
+    msg << "peak cuda memory " << std::fixed << std::setprecision(1) << static_cast<double>(peak) / (1 << 20) << " MB allocated on "
+        << device.str();
+    log::info(msg.str());
+  }
   call_hook(Hook::on_train_end);
   call_hook(Hook::on_fit_end);
   call_hook(Hook::teardown);

@@ -1,0 +1,94 @@
+// transformer: a sequence classifier built from torch::nn::TransformerEncoderLayer (self-attention
+// plus a feed-forward block, post-norm as in "Attention Is All You Need"), mean-pooled over the
+// sequence, then a linear head. Inputs are float sequences [N, seq_len, d_model] (e.g. embeddings;
+// the synthetic data module with shape = [seq_len, d_model]); targets are class labels. It is the
+// attention-heavy counterpart of the cnn model in the precision benchmarks.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <c10/util/StringUtil.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/transformer.h>
+#include <torch/nn/modules/transformerlayer.h>
+#include <torch/types.h>
+
+#include <ember/config.h>
+#include <ember/error.h>
+#include <ember/model.h>
+#include <ember/plugin.h>
+
+#include "../common/classification.h"
+
+namespace {
+
+using ember_models::Phase;
+
+constexpr EmberConfigKey kKeys[] = {
+    ember::key::Int("d_model", "128", "Width of every sequence element (the data's last dimension).").at_least(1),
+    ember::key::Int("nhead", "4", "Attention heads; must divide d_model.").at_least(1),
+    ember::key::Int("dim_feedforward", "512", "Width of the feed-forward block inside each layer.").at_least(1),
+    ember::key::Int("num_layers", "1", "Encoder layers (blocks) stacked.").at_least(1),
+    ember::key::Float("dropout", "0.1", "Dropout inside the encoder layers, in [0, 1).").at_least(0.0).below(1.0),
+    ember::key::Int("num_classes", "10", "Classes: the width of the output layer.").at_least(2),
+};
+
+class TransformerNet : public torch::nn::Module {
+ public:
+  TransformerNet(int64_t d_model, int64_t nhead, int64_t ff, int64_t layers, double dropout, int64_t classes) {
+    for (int64_t i = 0; i < layers; ++i)
+      blocks_.push_back(register_module(
+          "layer" + std::to_string(i + 1),
+          torch::nn::TransformerEncoderLayer(
+              torch::nn::TransformerEncoderLayerOptions(d_model, nhead).dim_feedforward(ff).dropout(dropout))));
+    head_ = register_module("head", torch::nn::Linear(d_model, classes));
+  }
+  // x: [N, S, E]. LibTorch's encoder layer takes [S, N, E] (it has no batch_first option).
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = x.transpose(0, 1);
+    for (auto& block : blocks_) h = block->forward(h);
+    return head_(h.mean(0));
+  }
+  const at::Tensor& head_weight() const { return head_->weight; }
+
+ private:
+  std::vector<torch::nn::TransformerEncoderLayer> blocks_;
+  torch::nn::Linear head_{nullptr};
+};
+
+class Transformer final : public ember::IModel {
+ public:
+  explicit Transformer(const ember::IConfig& cfg) : d_model_(cfg.get_int("d_model")), section_(cfg.section()) {
+    const int64_t nhead = cfg.get_int("nhead");
+    if (d_model_ % nhead != 0)
+      throw ember::ConfigError(c10::str("[", section_, "] nhead = ", nhead, " (", cfg.where("nhead"), ") does not divide d_model = ",
+                                        d_model_, ": choose heads that split the width evenly, e.g. ", d_model_ % 4 == 0 ? 4 : 1));
+    net_ = std::make_shared<TransformerNet>(d_model_, nhead, cfg.get_int("dim_feedforward"), cfg.get_int("num_layers"),
+                                            ember_models::read_dropout(cfg, "dropout"), cfg.get_int("num_classes"));
+  }
+  torch::nn::Module& module() override { return *net_; }
+  at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override { return step(batch, ctx, Phase::train); }
+  void validation_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::val); }
+  void test_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::test); }
+
+ private:
+  at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
+    ember_models::require_inputs_and_targets(batch, "transformer");
+    const at::Tensor& x = batch[0];
+    if (x.dim() != 3 || x.size(2) != d_model_)
+      throw ember::RunError(c10::str("transformer: got inputs of shape ", x.sizes(), ", expected [N, seq_len, ", d_model_,
+                                     "]: set [", section_, "] d_model to the data's last dimension"));
+    at::Tensor logits = net_->forward(x.to(net_->head_weight().scalar_type()));
+    return ember_models::classification_step(logits, batch[1], phase, ctx, "transformer");
+  }
+  int64_t d_model_;
+  std::string section_;
+  std::shared_ptr<TransformerNet> net_;
+};
+
+ember::IModel* make(ember::IHost&, const ember::IConfig& cfg) { return new Transformer(cfg); }
+
+}  // namespace
+
+EMBER_PLUGIN(ember::IModel, "transformer", "0.1.0", "Apache-2.0",
+             "Sequence classifier: transformer encoder block(s), mean pooling, linear head.", EMBER_CONFIG_KEYS(kKeys), make)
