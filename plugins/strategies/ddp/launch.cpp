@@ -401,6 +401,9 @@ MPI_Comm join_mpi(const RankInfo& info, c10d::Store* store, std::chrono::millise
     set_default_env("OMPI_MCA_btl_tcp_if_include", "lo");
     set_default_env("OMPI_MCA_oob_tcp_if_include", "lo");
   }
+  // Singletons do not know whether the node is oversubscribed (mpirun does): without this, a
+  // rank waiting in a collective spins and takes the core a peer needs (8x slower on 2 cores).
+  set_default_env("OMPI_MCA_mpi_yield_when_idle", "1");
   Deadline deadline(timeout, "ddp: rank " + std::to_string(info.rank) + ": joining the MPI group of " + std::to_string(info.world) + " ranks");
   std::string uri;
   if (info.rank == 0) {
