@@ -1,5 +1,6 @@
 #include "run.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
@@ -335,6 +336,13 @@ int run_training(const RunRequest& req) {
   } else {
     if (!req.resume.empty()) checkpoint = req.resume;
     run_dir = next_version_dir(base, version);
+    // Every rank uses rank 0's folder: another rank could already see the folder rank 0 makes
+    // below and count one more.
+    if (!version && plugins.strategy.object->world_size() > 1) {
+      const double mine = rank == 0 ? static_cast<double>(std::stoll(run_dir.filename().string().substr(8))) : 0.0;
+      const auto zeros = plugins.strategy.object->reduce(at::scalar_tensor(mine, at::kDouble), ReduceOp::sum).item<double>();
+      run_dir = base / ("version_" + std::to_string(static_cast<int64_t>(zeros)));
+    }
   }
   if (rank == 0) fs::create_directories(run_dir);
   auto trainer = std::make_unique<Trainer>(host, cfg, std::move(plugins), run_dir);

@@ -357,7 +357,12 @@ void Trainer::train_epoch() {
       stage_ = Stage::fit;
     }
     // Only after an optimizer step: a partly accumulated gradient is not part of a checkpoint.
-    if (const int sig = g_stop_signal.load(); do_step && sig != 0 && !stop_requested_)
+    int sig = do_step && !stop_requested_ ? g_stop_signal.load() : 0;
+    // Ranks stop at the same step, on rank 0's signal (a rank that stopped alone would leave
+    // the others waiting in a collective).
+    if (do_step && !stop_requested_ && strategy.world_size() > 1)
+      sig = strategy.broadcast_flag(sig != 0) ? (sig != 0 ? sig : SIGTERM) : 0;
+    if (sig != 0)
       request_stop(std::string(sig == SIGINT ? "SIGINT" : "SIGTERM") +
                    " received: finishing this step, saving, then exiting (send it again to quit at once)");
     const bool max_steps_hit = settings_.max_steps >= 0 && global_step_ >= settings_.max_steps;

@@ -34,6 +34,7 @@ inline ember::LogOptions loss_log_options(Phase phase) {
   o.on_step = phase == Phase::train ? 1 : 0;
   o.on_epoch = 1;
   o.prog_bar = phase == Phase::train;
+  o.sync_dist = true;  // epoch means over every rank's samples (only reduced at epoch end)
   return o;
 }
 
@@ -44,6 +45,7 @@ inline ember::LogOptions accuracy_log_options(Phase phase) {
   o.on_step = 0;
   o.on_epoch = 1;
   o.prog_bar = phase == Phase::val;
+  o.sync_dist = true;
   return o;
 }
 

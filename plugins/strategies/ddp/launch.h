@@ -1,0 +1,55 @@
+// How ddp ranks come to be and find each other: the launchers' rank environments, the local
+// launcher (trainer.devices = N), the TCPStore rendezvous and the joining of an MPI group.
+#pragma once
+#include <mpi.h>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <sys/types.h>
+#include <vector>
+
+namespace ember_ddp {
+
+struct RankInfo {
+  int rank = 0, world = 1, local_rank = 0, local_world = 1;
+  std::string source;          // "torchrun", "mpirun", "srun", "pmi" or "single"
+  bool mpi_wired = false;      // an MPI runtime (mpirun, srun with PMIx) wired MPI_COMM_WORLD
+  std::string master_addr;     // empty: none given
+  int master_port = 0;
+  bool agent_store = false;    // torchrun hosts the store (TORCHELASTIC_USE_AGENT_STORE)
+  std::string restart_count;   // TORCHELASTIC_RESTART_COUNT
+};
+
+// The rank environment a launcher set, if any: torchrun (RANK, WORLD_SIZE, LOCAL_RANK, ...),
+// mpirun (OMPI_COMM_WORLD_*), srun (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) or an MPICH-style
+// PMI launcher (PMI_RANK, PMI_SIZE). Throws std::runtime_error on malformed values.
+std::optional<RankInfo> rank_from_environment();
+
+struct LocalLaunch {
+  std::vector<std::string> argv;  // the engine's command line, re-executed for every rank
+  int nprocs = 1, node_rank = 0, world = 1;
+  std::string master_addr;
+  int master_port = 0;
+  std::chrono::milliseconds timeout{0};
+};
+// Starts the ranks of this node as child processes with a torchrun-style environment, forwards
+// SIGINT/SIGTERM to them, and waits. When a rank fails, names it, gives the others the timeout
+// to end on their own, then kills them. Returns the exit code for the launcher process.
+int run_local_ranks(const LocalLaunch& launch);
+
+// A free TCP port on this machine (for a single-node store).
+int free_port();
+
+// The rendezvous store: rank 0 hosts it unless torchrun's agent does.
+c10::intrusive_ptr<c10d::Store> make_store(const RankInfo& info, std::chrono::milliseconds timeout);
+
+// Initializes MPI and returns this job's communicator, with ranks as in `info`: MPI_COMM_WORLD
+// when a runtime wired it, otherwise the ranks join one by one through MPI_Comm_accept/connect,
+// with an ompi-server (started by rank 0) as the runtime they share and the port name passed
+// through `store`. `*server` gets the ompi-server's pid on rank 0 (else -1).
+MPI_Comm join_mpi(const RankInfo& info, c10d::Store* store, std::chrono::milliseconds timeout, pid_t* server);
+
+}  // namespace ember_ddp

@@ -1,0 +1,246 @@
+#include "mpi_backend.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+
+namespace ember_ddp {
+
+void check_mpi(int code, const char* call) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  throw std::runtime_error(std::string(call) + " failed: " + std::string(text, static_cast<size_t>(len)) +
+                           " (a peer rank probably died or lost its connection)");
+}
+
+namespace {
+
+MPI_Datatype mpi_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return MPI_FLOAT;
+    case at::kDouble: return MPI_DOUBLE;
+    case at::kLong: return MPI_INT64_T;
+    case at::kInt: return MPI_INT32_T;
+    case at::kShort: return MPI_INT16_T;
+    case at::kChar: return MPI_INT8_T;
+    case at::kByte: return MPI_UINT8_T;
+    case at::kBool: return MPI_C_BOOL;
+    default: return MPI_DATATYPE_NULL;
+  }
+}
+
+MPI_Op mpi_op(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::AVG: return MPI_SUM;
+    case c10d::ReduceOp::PRODUCT: return MPI_PROD;
+    case c10d::ReduceOp::MIN: return MPI_MIN;
+    case c10d::ReduceOp::MAX: return MPI_MAX;
+    case c10d::ReduceOp::BAND: return MPI_BAND;
+    case c10d::ReduceOp::BOR: return MPI_BOR;
+    case c10d::ReduceOp::BXOR: return MPI_BXOR;
+    default: break;
+  }
+  throw std::invalid_argument("ember_mpi: unsupported reduce op");
+}
+
+void require_cpu(const std::vector<at::Tensor>& tensors, const char* what) {
+  for (const auto& t : tensors)
+    TORCH_CHECK(t.defined() && t.device().is_cpu(), "ember_mpi ", what,
+                ": only CPU tensors are supported (use ddp.backend = \"nccl\" for CUDA tensors)");
+}
+
+// Runs `fn` on a contiguous tensor of an MPI type (a staging copy when `t` is not one) and
+// writes the result back into `t`.
+template <class F>
+void with_mpi_buffer(at::Tensor& t, F&& fn) {
+  const bool native = mpi_type(t.scalar_type()) != MPI_DATATYPE_NULL;
+  if (native && t.is_contiguous()) {
+    fn(t);
+    return;
+  }
+  // Half and bfloat16 have no MPI type: reduce them in float32.
+  at::Tensor staged = native ? t.contiguous() : t.to(at::kFloat).contiguous();
+  fn(staged);
+  t.copy_(staged);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+bool MpiWork::isCompleted() {
+  std::lock_guard lock(mutex_);
+  return done_;
+}
+bool MpiWork::isSuccess() const {
+  std::lock_guard lock(mutex_);
+  return done_ && !error_;
+}
+std::exception_ptr MpiWork::exception() const {
+  std::lock_guard lock(mutex_);
+  return error_;
+}
+bool MpiWork::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex_);
+  // The backend's watchdog bounds every collective; a caller's own timeout is honoured too.
+  if (timeout == kNoTimeout) {
+    cv_.wait(lock, [&] { return done_; });
+  } else if (!cv_.wait_for(lock, timeout, [&] { return done_; })) {
+    throw std::runtime_error("ember_mpi: wait timed out after " + std::to_string(timeout.count()) + " ms");
+  }
+  if (error_) std::rethrow_exception(error_);
+  return true;
+}
+void MpiWork::finish(std::exception_ptr error) {
+  {
+    std::lock_guard lock(mutex_);
+    done_ = true;
+    error_ = std::move(error);
+  }
+  cv_.notify_all();
+}
+
+// ---------------------------------------------------------------------------------------------
+MpiBackend::MpiBackend(MPI_Comm comm, std::chrono::milliseconds timeout,
+                       std::function<std::string(const std::string&)> describe_failure)
+    : c10d::Backend([&] { int r = 0; MPI_Comm_rank(comm, &r); return r; }(),
+                    [&] { int s = 0; MPI_Comm_size(comm, &s); return s; }()),
+      comm_(comm),
+      timeout_(timeout),
+      describe_failure_(std::move(describe_failure)) {
+  // Errors come back as codes (and then exceptions naming the call) instead of aborting.
+  MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+  thread_ = std::thread([this] { run(); });
+  watchdog_ = std::thread([this] { watch(); });
+}
+
+MpiBackend::~MpiBackend() { shutdown(); }
+
+void MpiBackend::shutdown() {
+  {
+    std::lock_guard lock(mutex_);
+    if (stopping_ && !thread_.joinable()) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (watchdog_.joinable()) watchdog_.join();
+  if (comm_ != MPI_COMM_NULL && comm_ != MPI_COMM_WORLD && comm_ != MPI_COMM_SELF) MPI_Comm_free(&comm_);
+  comm_ = MPI_COMM_NULL;
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::enqueue(c10d::OpType type, std::vector<at::Tensor> outputs, std::string what,
+                                                   std::function<void()> fn) {
+  auto work = c10::make_intrusive<MpiWork>(rank_, type, std::move(outputs));
+  if (!next_label_.empty()) {
+    what += " (" + next_label_ + ")";
+    next_label_.clear();
+  }
+  {
+    std::lock_guard lock(mutex_);
+    TORCH_CHECK(!stopping_, "ember_mpi: collective '", what, "' submitted after shutdown");
+    what = c10d::opTypeToString(type) + " #" + std::to_string(++seq_) + what;
+    queue_.push_back(Item{work, std::move(what), std::move(fn)});
+  }
+  cv_.notify_all();
+  return work;
+}
+
+void MpiBackend::run() {
+  for (;;) {
+    Item item;
+    {
+      std::unique_lock lock(mutex_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      item = std::move(queue_.front());
+      queue_.pop_front();
+      running_ = item.what;
+      running_since_ = std::chrono::steady_clock::now();
+      busy_ = true;
+    }
+    std::exception_ptr error;
+    try {
+      item.fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    {
+      std::lock_guard lock(mutex_);
+      busy_ = false;
+    }
+    item.work->finish(error);
+  }
+}
+
+void MpiBackend::watch() {
+  const auto tick = std::clamp(timeout_ / 20, std::chrono::milliseconds(10), std::chrono::milliseconds(200));
+  std::unique_lock lock(mutex_);
+  while (!stopping_ || busy_ || !queue_.empty()) {
+    cv_.wait_for(lock, tick);
+    if (busy_ && std::chrono::steady_clock::now() - running_since_ > timeout_) {
+      const std::string what = running_;
+      lock.unlock();
+      std::string line = describe_failure_ ? describe_failure_(what) : "collective " + what + " timed out";
+      std::fprintf(stderr, "%s\n", line.c_str());
+      std::fflush(stderr);
+      // The communication thread is stuck inside MPI: no clean shutdown is possible.
+      std::_Exit(kPeerFailureExit);
+    }
+    if (stopping_ && !busy_ && queue_.empty()) break;
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
+  require_cpu(tensors, "broadcast");
+  const int root = static_cast<int>(opts.rootRank);
+  return enqueue(c10d::OpType::BROADCAST, tensors, "", [this, tensors, root]() mutable {
+    for (auto& t : tensors)
+      with_mpi_buffer(t, [&](at::Tensor& b) {
+        // Bytes: any dtype, no conversion.
+        check_mpi(MPI_Bcast(b.data_ptr(), static_cast<int>(b.nbytes()), MPI_BYTE, root, comm_), "MPI_Bcast");
+      });
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  require_cpu(tensors, "allreduce");
+  const MPI_Op op = mpi_op(opts.reduceOp);
+  const bool average = opts.reduceOp == c10d::ReduceOp::AVG;
+  return enqueue(c10d::OpType::ALLREDUCE, tensors, "", [this, tensors, op, average]() mutable {
+    for (auto& t : tensors) {
+      with_mpi_buffer(t, [&](at::Tensor& b) {
+        check_mpi(MPI_Allreduce(MPI_IN_PLACE, b.data_ptr(), static_cast<int>(b.numel()), mpi_type(b.scalar_type()), op, comm_),
+                  "MPI_Allreduce");
+      });
+      if (average) t.div_(size_);
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& /*opts*/) {
+  require_cpu(inputs, "allgather");
+  TORCH_CHECK(inputs.size() == 1 && outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
+              "ember_mpi allgather: expects one input and world_size outputs");
+  std::vector<at::Tensor> outs = outputs[0];
+  require_cpu(outs, "allgather");
+  at::Tensor in = inputs[0];
+  return enqueue(c10d::OpType::ALLGATHER, outs, "", [this, in, outs]() mutable {
+    at::Tensor src = in.contiguous();
+    at::Tensor flat = at::empty({static_cast<int64_t>(size_) * src.numel()}, src.options());
+    const int bytes = static_cast<int>(src.nbytes());
+    check_mpi(MPI_Allgather(src.data_ptr(), bytes, MPI_BYTE, flat.data_ptr(), bytes, MPI_BYTE, comm_), "MPI_Allgather");
+    for (int r = 0; r < size_; ++r) outs[static_cast<size_t>(r)].copy_(flat.narrow(0, r * src.numel(), src.numel()).view(src.sizes()));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions& /*opts*/) {
+  return enqueue(c10d::OpType::BARRIER, {}, "", [this] { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); });
+}
+
+}  // namespace ember_ddp

@@ -1,0 +1,242 @@
+// ddp on CPU with 2 ranks on loopback (Open MPI behind the c10d adapter): the same weights as
+// single_device with the doubled batch, with and without accumulation; failures end the job in
+// bounded time and name the rank; torchrun-style and mpirun-started ranks join; resume works.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <regex>
+
+#include "checkpoint_io.h"
+#include "support.h"
+
+using namespace ember::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+// 64 samples: 2 ranks x batch 8 and 1 rank x batch 16 both see 4 batches per epoch, and the
+// single-device batch k holds exactly the samples of the two ranks' batch k (the loader deals
+// shuffled sample i to rank i % 2).
+const char* kRun = R"(
+[trainer]
+max_epochs = 2
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+log_every_n_steps = 1
+[model]
+name = "mlp"
+input_size = 32
+hidden = [24, 16]
+num_classes = 4
+[data]
+name = "synthetic"
+shape = [32]
+num_classes = 4
+num_train = 64
+num_val = 16
+num_test = 0
+batch_size = 8
+shuffle = true
+[optimizer]
+name = "sgd"
+lr = 0.1
+momentum = 0.9
+)";
+
+std::map<std::string, at::Tensor> weights(const fs::path& ckpt) {
+  auto ck = ember::engine::load_checkpoint_file(ckpt);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& e : ck.at("state_dict").toGenericDict()) out[e.key().toStringRef()] = e.value().toTensor();
+  return out;
+}
+
+void expect_close(const fs::path& a, const fs::path& b, double tol) {
+  ASSERT_TRUE(fs::exists(a)) << a;
+  ASSERT_TRUE(fs::exists(b)) << b;
+  auto wa = weights(a), wb = weights(b);
+  ASSERT_EQ(wa.size(), wb.size());
+  for (const auto& [name, t] : wa) {
+    const double diff = (t - wb.at(name)).abs().max().item<double>();
+    EXPECT_LE(diff, tol) << name << " differs by " << diff;
+  }
+}
+
+fs::path last(const TempDir& d) { return d / "runs/run/version_0/checkpoints/last.ckpt"; }
+
+ProcessResult engine_ok(const TempDir& dir, std::vector<std::string> args, int timeout_s = 180) {
+  auto r = run_engine(args, dir.path(), {}, timeout_s);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return r;
+}
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+int64_t count_of(const std::string& text, const std::string& pattern) {
+  std::smatch m;
+  if (!std::regex_search(text, m, std::regex(pattern))) return -1;
+  return std::stoll(m[1].str());
+}
+
+// The single-device reference: one process, batch 16.
+void reference(const TempDir& dir, std::vector<std::string> extra = {}) {
+  write_file(dir / "run.toml", kRun);
+  std::vector<std::string> args = {"run.toml", "--set", "data.batch_size=16"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  engine_ok(dir, args);
+}
+
+}  // namespace
+
+TEST(Ddp, TwoRanksMatchSingleDeviceWithTheDoubledBatch) {
+  TempDir single("ddp"), ddp("ddp");
+  reference(single);
+  write_file(ddp / "run.toml", kRun);
+  // Small buckets: several of them, so some must start while backward still runs.
+  auto r = engine_ok(ddp, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "ddp.bucket_cap_mb=0.001"});
+  expect_close(last(single), last(ddp), 1e-5);
+  // 8 optimizer steps, one gradient sync each; buckets overlapped backward.
+  EXPECT_EQ(count_of(r.err, R"((\d+) gradient syncs)"), 8) << r.err;
+  EXPECT_GT(count_of(r.err, R"(in (\d+) buckets)"), 1) << r.err;
+  EXPECT_GT(count_of(r.err, R"((\d+) started while backward was still running)"), 0) << r.err;
+  // Only rank 0 writes: one run folder, one metrics file; metrics were reduced over both ranks.
+  EXPECT_FALSE(fs::exists(ddp / "runs/run/version_1"));
+  auto rows = read_csv(ddp / "runs/run/version_0/metrics.csv");
+  EXPECT_FALSE(rows.empty());
+  EXPECT_NE(r.err.find("[rank 1]"), std::string::npos) << "rank 1 logs nothing? " << r.err;
+}
+
+TEST(Ddp, TwoRanksMatchSingleDeviceWithAccumulation) {
+  TempDir single("ddp"), ddp("ddp");
+  reference(single, {"--set", "trainer.accumulate_grad_batches=2"});
+  write_file(ddp / "run.toml", kRun);
+  auto r = engine_ok(ddp, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.accumulate_grad_batches=2"});
+  expect_close(last(single), last(ddp), 1e-5);
+  // 8 micro-batches, 4 optimizer steps: gradients are communicated only on the 4 steps.
+  EXPECT_EQ(count_of(r.err, R"((\d+) gradient syncs)"), 4) << r.err;
+  EXPECT_EQ(count_of(r.err, R"((\d+) bucket all-reduces)"), 4) << r.err;
+}
+
+TEST(Ddp, TorchrunStyleEnvironmentJoins) {
+  TempDir single("ddp"), ddp("ddp");
+  reference(single);
+  write_file(ddp / "run.toml", kRun);
+  const std::string port = std::to_string(free_port());
+  std::vector<Running> ranks;
+  for (int r = 0; r < 2; ++r) {
+    std::map<std::string, std::string> env = {{"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"},  {"LOCAL_RANK", std::to_string(r)},
+                                              {"LOCAL_WORLD_SIZE", "2"},   {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port},
+                                              {"TORCHELASTIC_RESTART_COUNT", "0"}, {"OMP_NUM_THREADS", "1"}};
+    ranks.push_back(start_process({engine_path().string(), "--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2"}, ddp.path(), env));
+  }
+  for (int r = 0; r < 2; ++r) {
+    auto res = wait_process(ranks[static_cast<size_t>(r)], 180);
+    EXPECT_EQ(res.exit_code, 0) << "rank " << r << ": " << res.err;
+  }
+  expect_close(last(single), last(ddp), 1e-5);
+}
+
+TEST(Ddp, MpirunStartedRanksJoin) {
+  TempDir single("ddp"), ddp("ddp");
+  reference(single);
+  write_file(ddp / "run.toml", kRun);
+  std::string mpirun;
+  for (const char* dir : {"/usr/bin", "/usr/local/bin"})
+    if (fs::exists(fs::path(dir) / "mpirun")) mpirun = (fs::path(dir) / "mpirun").string();
+  ASSERT_FALSE(mpirun.empty()) << "mpirun not found: install openmpi-bin (scripts/setup.sh)";
+  std::vector<std::string> argv = {mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", "--mca", "btl", "self,tcp",
+                                   "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo"};
+  if (getuid() == 0) argv.push_back("--allow-run-as-root");
+  for (const auto& a : {engine_path().string(), std::string("--plugins"), std::string("ddp"), std::string("run.toml"), std::string("--set"), std::string("ddp.timeout=20.0"), std::string("--set"),
+                        std::string("trainer.devices=2")})
+    argv.push_back(a);
+  auto r = run_process(argv, ddp.path(), {{"OMP_NUM_THREADS", "1"}}, 180);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE((r.out + r.err).find("(mpirun"), std::string::npos) << r.err;
+  expect_close(last(single), last(ddp), 1e-5);
+}
+
+TEST(Ddp, KilledRankEndsTheJobWithinTheTimeout) {
+  TempDir dir("ddp");
+  write_file(dir / "run.toml", kRun);
+  const auto start = std::chrono::steady_clock::now();
+  auto r = run_engine({"--plugins", "ddp,chaos", "--plugin-path", test_plugin_dir("good").string(), "run.toml", "--set", "trainer.devices=2",
+                       "--set", "ddp.timeout=5.0", "--set", "chaos.rank=1", "--set", "chaos.step=3"},
+                      dir.path(), {}, 120);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("ddp launcher: the job failed: rank 1 (pid"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("killed by signal 9"), std::string::npos) << r.err;
+  EXPECT_LT(seconds, 5.0 + 25.0) << r.err;  // the timeout, plus start-up and the kill grace
+}
+
+TEST(Ddp, HungRankEndsTheJobWithinTheTimeout) {
+  TempDir dir("ddp");
+  write_file(dir / "run.toml", kRun);
+  const auto start = std::chrono::steady_clock::now();
+  auto r = run_engine({"--plugins", "ddp,chaos", "--plugin-path", test_plugin_dir("good").string(), "run.toml", "--set", "trainer.devices=2",
+                       "--set", "ddp.timeout=4.0", "--set", "chaos.rank=1", "--set", "chaos.step=2", "--set", "chaos.action=\"hang\""},
+                      dir.path(), {}, 120);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  // Rank 0's watchdog names the rank it waited for; the launcher names the hung one.
+  EXPECT_NE(r.err.find("rank(s) 1 never reached it"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("ddp launcher: the job failed: rank(s) 1 (pid"), std::string::npos) << r.err;
+  EXPECT_LT(seconds, 4.0 + 25.0) << r.err;
+}
+
+TEST(Ddp, ResumeMatchesAnUninterruptedRun) {
+  TempDir full("ddp"), split("ddp");
+  write_file(full / "run.toml", kRun);
+  write_file(split / "run.toml", kRun);
+  engine_ok(full, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.max_epochs=3"});
+  engine_ok(split, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.max_epochs=1"});
+  auto r = engine_ok(split, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.max_epochs=3", "--resume", "last"});
+  EXPECT_NE(r.err.find("resumed from"), std::string::npos) << r.err;
+  expect_close(last(full), last(split), 0.0);
+  // The strategy's own state (the world size it ran on) is part of the checkpoint.
+  auto ck = ember::engine::load_checkpoint_file(last(split));
+  EXPECT_EQ(ck.at("plugins").toGenericDict().at("strategy").toGenericDict().at("world_size").toInt(), 2);
+  // Resumed on one rank: said out loud.
+  auto one = engine_ok(split, {"--plugins", "ddp", "run.toml", "--set", "trainer.max_epochs=4", "--resume", "last"});
+  EXPECT_NE(one.err.find("written by 2 ranks and is resumed on 1"), std::string::npos) << one.err;
+}
+
+TEST(Ddp, BadSettingsAreOneClearLine) {
+  TempDir dir("ddp");
+  write_file(dir / "run.toml", kRun);
+  auto r = run_engine({"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "ddp.backend=\"nccl\"",
+                       "--set", "trainer.accelerator=\"cpu\""}, dir.path(), {}, 60);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("ddp.backend = \"nccl\" needs CUDA devices"), std::string::npos) << r.err;
+  auto m = run_engine({"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.num_nodes=2"}, dir.path(), {}, 60);
+  EXPECT_NE(m.exit_code, 0);
+  EXPECT_NE(m.err.find("needs the same fixed port on every node"), std::string::npos) << m.err;
+}
+
+TEST(Dp, WithoutCudaStopsAtStartUpSuggestingDdp) {
+  TempDir dir("ddp");
+  write_file(dir / "run.toml", kRun);
+  auto r = run_engine({"--plugins", "dp", "run.toml"}, dir.path(), {{"CUDA_VISIBLE_DEVICES", ""}}, 60);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("dp needs CUDA GPUs and none is visible; on CPUs use ddp instead"), std::string::npos) << r.err;
+}
