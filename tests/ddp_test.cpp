@@ -134,6 +134,29 @@ TEST(Ddp, TwoRanksMatchSingleDeviceWithAccumulation) {
   EXPECT_EQ(count_of(r.err, R"((\d+) bucket all-reduces)"), 4) << r.err;
 }
 
+// ddp composes with the precision handlers: under autocast the two ranks still end where one
+// process with the doubled batch ends (to float16/bfloat16 rounding of the per-batch sums), and
+// amp16's loss scaler sees the all-reduced gradients, so every rank takes the same steps.
+class DdpPrecision : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(DdpPrecision, TwoRanksMatchSingleDevice) {
+  TempDir single("ddp"), ddp("ddp");
+  const std::string prec = std::string("trainer.precision=\"") + GetParam() + "\"";
+  reference(single, {"--set", prec});
+  write_file(ddp / "run.toml", kRun);
+  engine_ok(ddp, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", prec});
+  expect_close(last(single), last(ddp), 2e-2);
+  if (std::string(GetParam()) == "16-mixed") {
+    auto rows = read_csv(ddp / "runs/run/version_0/metrics.csv");
+    ASSERT_FALSE(rows.empty());
+    EXPECT_EQ(rows.back().count("amp_scale"), 1u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ddp, DdpPrecision, ::testing::Values("16-mixed", "bf16-mixed"), [](const auto& info) {
+  return std::string(info.param) == "16-mixed" ? "amp16" : "bf16";
+});
+
 TEST(Ddp, TorchrunStyleEnvironmentJoins) {
   TempDir single("ddp"), ddp("ddp");
   reference(single);
