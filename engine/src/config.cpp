@@ -135,6 +135,8 @@ std::string closest_name(std::string_view name, const std::vector<std::string>& 
   size_t best_d = std::max<size_t>(2, name.size() / 3) + 1;
   for (const auto& c : candidates) {
     size_t d = edit_distance(name, c);
+    // Rewriting every letter of a short name is no hint ("17" is not a typo of "dp").
+    if (d >= std::min(name.size(), c.size())) continue;
     if (c.starts_with(name) || name.starts_with(c)) d = std::min(d, std::max<size_t>(1, d / 2));
     if (d < best_d) best_d = d, best = c;
   }
