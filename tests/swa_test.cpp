@@ -274,3 +274,14 @@ TEST(Ema, ResumeIsExact) {
   ASSERT_EQ(oa.size(), oc.size());
   for (size_t i = 0; i < oa.size(); ++i) EXPECT_TRUE(at::equal(oa[i], oc[i])) << "model tensor " << i << " differs after resume";
 }
+
+TEST(Swa, BadSettingsAreOneClearLine) {
+  TempDir dir("swa");
+  auto r = train(dir, "\n[swa]\nswa_epoch_start = 2\n", "swa");
+  EXPECT_NE(r.result.exit_code, 0);
+  EXPECT_NE(r.result.err.find("[swa] swa_lrs is required"), std::string::npos) << r.result.err;
+  TempDir dir2("swa");
+  r = train(dir2, "\n[swa]\nswa_lrs = [0.01]\nswa_epoch_start = 1.5\n", "swa");
+  EXPECT_NE(r.result.exit_code, 0);
+  EXPECT_NE(r.result.err.find("should be an integer >= 1 (an epoch) or a float in (0, 1]"), std::string::npos) << r.result.err;
+}

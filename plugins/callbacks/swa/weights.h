@@ -61,17 +61,6 @@ inline void copy_into(const std::vector<at::Tensor>& dst, const std::vector<at::
   for (size_t i = 0; i < dst.size(); ++i) dst[i].detach().copy_(src[i]);
 }
 
-// Swaps the contents of a and b element-wise (no reallocation: the optimizer keeps pointing at
-// the same parameter tensors).
-inline void swap_contents(const std::vector<at::Tensor>& a, std::vector<at::Tensor>& b) {
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < a.size(); ++i) {
-    at::Tensor tmp = a[i].detach().clone();
-    a[i].detach().copy_(b[i]);
-    b[i].copy_(tmp);
-  }
-}
-
 // torch.optim.swa_utils.update_bn: reset every batch-norm layer's running statistics, set its
 // momentum to None (a cumulative average over the pass), run the training split forward in
 // training mode without gradients, then restore the momenta. Returns the number of layers (0:
