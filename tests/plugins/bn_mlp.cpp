@@ -1,0 +1,56 @@
+// Test model: linear -> batch norm -> relu -> linear, for the batch-norm recompute of swa (the
+// regular models have no batch norm). Classification with the shared cross-entropy step.
+#include <ember/config.h>
+#include <ember/model.h>
+#include <ember/plugin.h>
+
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/module.h>
+
+#include "../../models/common/classification.h"
+
+namespace {
+
+constexpr EmberConfigKey kKeys[] = {
+    ember::key::Int("input_size", "16", "Features per sample.").at_least(1),
+    ember::key::Int("hidden", "8", "Width of the hidden layer.").at_least(1),
+    ember::key::Int("num_classes", "4", "Classes.").at_least(2),
+};
+
+struct Net : torch::nn::Module {
+  Net(int64_t in, int64_t hidden, int64_t classes)
+      : fc1(register_module("fc1", torch::nn::Linear(in, hidden))),
+        bn(register_module("bn", torch::nn::BatchNorm1d(hidden))),
+        head(register_module("head", torch::nn::Linear(hidden, classes))) {}
+  at::Tensor forward(const at::Tensor& x) { return head(torch::relu(bn(fc1(x.flatten(1))))); }
+  torch::nn::Linear fc1;
+  torch::nn::BatchNorm1d bn;
+  torch::nn::Linear head;
+};
+
+class BnMlp final : public ember::IModel {
+ public:
+  explicit BnMlp(const ember::IConfig& cfg)
+      : net_(std::make_shared<Net>(cfg.get_int("input_size"), cfg.get_int("hidden"), cfg.get_int("num_classes"))) {}
+  torch::nn::Module& module() override { return *net_; }
+  at::Tensor training_step(const ember::Batch& b, ember::IStepContext& ctx) override {
+    return ember_models::classification_step(net_->forward(b[0]), b[1], ember_models::Phase::train, ctx, "bn_mlp");
+  }
+  void validation_step(const ember::Batch& b, ember::IStepContext& ctx) override {
+    ember_models::classification_step(net_->forward(b[0]), b[1], ember_models::Phase::val, ctx, "bn_mlp");
+  }
+  void test_step(const ember::Batch& b, ember::IStepContext& ctx) override {
+    ember_models::classification_step(net_->forward(b[0]), b[1], ember_models::Phase::test, ctx, "bn_mlp");
+  }
+
+ private:
+  std::shared_ptr<Net> net_;
+};
+
+ember::IModel* make(ember::IHost&, const ember::IConfig& cfg) { return new BnMlp(cfg); }
+
+}  // namespace
+
+EMBER_PLUGIN(ember::IModel, "bn_mlp", "0.0.1", "Apache-2.0", "Test: an MLP with one batch-norm layer.",
+             EMBER_CONFIG_KEYS(kKeys), make)
