@@ -398,6 +398,9 @@ void Trainer::evaluate(Split split, Stage stage, int64_t max_batches) {
   auto* loader = test ? test_loader_.get() : val_loader_.get();
   if (!loader || max_batches <= 0) return;
   const Stage previous = stage_;
+  // A validation pass inside a training epoch must leave the training position as it found it
+  // (callbacks read batch_idx() in on_train_epoch_end).
+  const int64_t previous_batch_idx = batch_idx_;
   stage_ = stage;
   const bool was_training = module().is_training();
   call_hook(test ? Hook::on_test_start : Hook::on_validation_start);
@@ -435,6 +438,7 @@ void Trainer::evaluate(Split split, Stage stage, int64_t max_batches) {
   call_hook(test ? Hook::on_test_end : Hook::on_validation_end);
   if (was_training) module().train();
   stage_ = previous;
+  batch_idx_ = previous_batch_idx;
 }
 
 void Trainer::fit() {
