@@ -41,7 +41,7 @@ constexpr EmberConfigKey kTrainerKeys[] = {
     Bool("logger", "true", "Add the default logger (csv) when no logger plugin is named."),
     Bool("enable_checkpointing", "true", "Add the default checkpoint callback when none is named."),
     Bool("enable_progress_bar", "true", "Show progress (in place on a terminal, periodic lines otherwise)."),
-    Bool("enable_model_summary", "true", "Print parameter counts per layer before training."),
+    Bool("enable_model_summary", "true", "Add the default model_summary callback (layer table at fit start) when none is named."),
     Bool("test_after_fit", "false", "Run the test split after fit, on the checkpoint named by test_ckpt."),
     String("test_ckpt", "\"best\"", "Weights to test after fit: best or last checkpoint, or the weights in memory (current).").choices("best|last|current"),
     Int("num_threads", "0", "CPU threads for LibTorch's intra-op parallelism; 0 = LibTorch's default.").at_least(0),

@@ -144,6 +144,11 @@ Plan make_plan(const RunRequest& req) {
   bool has_checkpoint = std::any_of(plan.callbacks.begin(), plan.callbacks.end(), [](auto* p) { return p->name == "checkpoint"; });
   if (!has_checkpoint && peek_bool(plan.raw, "trainer", "enable_checkpointing").value_or(true))
     plan.callbacks.push_back(&reg.load("checkpoint"));
+  // enable_model_summary adds the model_summary callback (Lightning's default ModelSummary); a
+  // model_summary named explicitly is used as configured.
+  bool has_summary = std::any_of(plan.callbacks.begin(), plan.callbacks.end(), [](auto* p) { return p->name == "model_summary"; });
+  if (!has_summary && peek_bool(plan.raw, "trainer", "enable_model_summary").value_or(true))
+    plan.callbacks.push_back(&reg.load("model_summary"));
 
   // Schemas, in the order `engine config` prints them.
   std::vector<SectionSchema> schemas;
