@@ -178,6 +178,44 @@ TEST(EarlyStoppingRun, MissingMetricIsAnErrorListingTheAvailableOnes) {
   EXPECT_NE(missing.err.find("early_stopping.monitor is required"), std::string::npos) << missing.err;
 }
 
+TEST(EarlyStoppingRun, ChecksWhereLightningDoes) {
+  TempDir dir("es");
+  const std::string toml = R"(
+plugins = ["early_stopping"]
+[trainer]
+max_epochs = 2
+enable_progress_bar = false
+enable_model_summary = false
+[model]
+name = "mlp"
+input_size = 8
+hidden = [4]
+[data]
+name = "synthetic"
+shape = [8]
+num_train = 64
+num_val = 32
+batch_size = 16
+[early_stopping]
+patience = 100
+verbose = true
+)";
+  auto checks = [](const std::string& err) { return count(err, "early_stopping: metric ") + count(err, " did not improve ("); };
+  // Validation at each epoch's end: one check per epoch, after the epoch's training metrics.
+  auto train_metric = run(dir, "a", toml, {"--set", "early_stopping.monitor=\"train_loss_epoch\""});
+  ASSERT_EQ(train_metric.exit_code, 0) << train_metric.err;
+  EXPECT_EQ(checks(train_metric.err), 2u) << train_metric.err;
+  // Validation twice per epoch: a check after each.
+  auto mid = run(dir, "b", toml, {"--set", "early_stopping.monitor=\"val_loss\"", "--set", "trainer.val_check_interval=0.5"});
+  ASSERT_EQ(mid.exit_code, 0) << mid.err;
+  EXPECT_EQ(checks(mid.err), 4u) << mid.err;
+  // Forced to validation end: the epoch's training metric does not exist yet there.
+  auto forced = run(dir, "c", toml, {"--set", "early_stopping.monitor=\"train_loss_epoch\"", "--set",
+                                     "early_stopping.check_on_train_epoch_end=false"});
+  EXPECT_EQ(forced.exit_code, 1) << forced.err;
+  EXPECT_NE(forced.err.find("monitor 'train_loss_epoch' is not a logged metric"), std::string::npos) << forced.err;
+}
+
 // ---------------------------------------------------------------------------------------------
 // timer and grad_accum_schedule
 

@@ -41,7 +41,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Float("divergence_threshold", nullptr,
         "Stop as soon as the metric is worse than this (training diverged); unset = off."),
     ember::key::Bool("check_on_train_epoch_end", nullptr,
-        "Check at the end of each training epoch (true) or after each validation (false); unset = after validation when the run validates, else at training epoch end."),
+        "Check at the end of each training epoch (true) or after each validation (false); unset = Lightning's choice: at epoch end when validation runs once per epoch at its end or not at all, else after each validation."),
     ember::key::Bool("verbose", "false",
         "Log every check's outcome (improvements too), not only the stop."),
 };
@@ -57,17 +57,29 @@ class EarlyStopping final : public ember::Callback {
 
   bool monitors_metrics() const override { return true; }
 
-  void setup(ember::ITrainer& trainer) override {
-    if (!check_on_train_epoch_end_) check_on_train_epoch_end_ = trainer.num_batches(ember::Split::val) == 0;
-  }
+  // Where to check, Lightning's rule: at the end of each training epoch when validation runs
+  // once per epoch at its end (then train and validation metrics are both there), after each
+  // validation when it runs mid-epoch or every few epochs, and at epoch end without validation.
+  // check_on_train_epoch_end = true / false forces one of the two.
+  void on_train_batch_end(ember::ITrainer& trainer) override { last_train_batch_ = trainer.batch_idx(); }
 
   void on_train_epoch_end(ember::ITrainer& trainer) override {
-    if (*check_on_train_epoch_end_) check(trainer);
+    const bool forced = check_on_train_epoch_end_.value_or(false);
+    const bool no_validation = !check_on_train_epoch_end_ && trainer.num_batches(ember::Split::val) == 0;
+    if (forced || no_validation || deferred_) check(trainer);
+    deferred_ = false;
   }
 
   void on_validation_end(ember::ITrainer& trainer) override {
     if (trainer.sanity_checking() || trainer.stage() != ember::Stage::validate) return;
-    if (!*check_on_train_epoch_end_) check(trainer);
+    if (check_on_train_epoch_end_) {
+      if (!*check_on_train_epoch_end_) check(trainer);
+      return;
+    }
+    // The validation at the end of an epoch: check with the epoch's training metrics, right
+    // after them (on_train_epoch_end follows).
+    if (last_train_batch_ + 1 == trainer.num_training_batches()) deferred_ = true;
+    else check(trainer);
   }
 
   // {monitor, mode, wait_count, stopped_epoch, best_score, patience} (Lightning's keys plus the
@@ -166,6 +178,8 @@ class EarlyStopping final : public ember::Callback {
   es::Criteria criteria_;
   bool strict_ = true, verbose_ = false, warned_ = false;
   std::optional<bool> check_on_train_epoch_end_;
+  int64_t last_train_batch_ = -1;
+  bool deferred_ = false;
 };
 
 ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return new EarlyStopping(host, cfg); }
