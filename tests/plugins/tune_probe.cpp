@@ -74,8 +74,9 @@ class TuneProbe final : public ember::IModel {
       TORCH_CHECK_WITH(OutOfMemoryError, false, "tune_probe: planted out-of-memory for batch ", b.size, " > ", oom_above_);
     at::Tensor loss = bowl(b);
     if (bytes_ > 0) {
-      // bytes_per_sample per sample, written to (so the pages are real) and held for backward.
-      at::Tensor blob = torch::empty({b.size * bytes_}, torch::kByte).fill_(1);
+      // bytes_per_sample per sample on the model's device, written to (so the pages are real) and
+      // held for backward.
+      at::Tensor blob = torch::empty({b.size * bytes_}, net_->w.options().dtype(torch::kByte)).fill_(1);
       loss = HoldUntilBackward::apply(loss, blob);
     }
     ctx.log("train_loss", loss.detach());
