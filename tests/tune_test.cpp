@@ -268,6 +268,43 @@ duration = "00:00:00:01"
   EXPECT_GE(callback_state(last, "timer").at("time_elapsed").toGenericDict().at("train").toDouble(), elapsed + 0.1);
 }
 
+TEST(TimerRun, TrainerMaxTimeAddsTheTimer) {
+  TempDir dir("timer");
+  const std::string toml = R"(
+[trainer]
+max_epochs = 50
+max_time = "00:00:00:01"
+limit_train_batches = 4
+enable_progress_bar = false
+enable_model_summary = false
+[model]
+name = "tune_probe"
+dim = 4
+sleep_ms = 100
+[data]
+name = "synthetic"
+task = "regression"
+shape = [4]
+num_classes = 4
+num_train = 32
+num_val = 0
+batch_size = 8
+)";
+  auto r = run(dir, "t", toml);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("timer: time limit 00:00:00:01 reached"), std::string::npos) << r.err;
+  EXPECT_LE(load(dir / "runs/t/version_0/checkpoints/last.ckpt").at("global_step").toInt(), 10);
+  // The same limit twice is fine (a resolved config names both); two different ones are not.
+  auto same = run(dir, "same", toml + "[timer]\nduration = \"00:00:00:01\"\n", {"--plugins", "timer"});
+  EXPECT_EQ(same.exit_code, 0) << same.err;
+  auto clash = run(dir, "clash", toml + "[timer]\nduration = \"00:01:00:00\"\n", {"--plugins", "timer"});
+  EXPECT_EQ(clash.exit_code, 2) << clash.err;
+  EXPECT_NE(clash.err.find("both set the time limit"), std::string::npos) << clash.err;
+  auto bad = run(dir, "bad", toml, {"--set", "trainer.max_time=\"90\""});
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("expected DD:HH:MM:SS"), std::string::npos) << bad.err;
+}
+
 namespace {
 const char* kAccum = R"(
 plugins = ["grad_accum_schedule"]
