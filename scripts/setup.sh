@@ -12,7 +12,7 @@ log() { echo "[setup] $*" >&2; }
 debs=(build-essential cmake ninja-build ccache pkg-config python3-venv zlib1g-dev
       libboost1.81-dev libboost-program-options1.81-dev
       libtomlplusplus-dev libspdlog-dev libfmt-dev libgtest-dev
-      dataset-fashion-mnist libopenmpi-dev openmpi-bin)
+      libcairo2-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

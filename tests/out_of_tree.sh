@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Out-of-tree plugin check: install the engine and SDK into a prefix, build examples/hello_callback
 # against the installed SDK only (find_package(EmberSDK)), install it into the same prefix, and
-# train with the installed engine loading it.
+# train with the installed engine loading it. Then do the same for every plugin folder under
+# plugins/callbacks and plugins/schedulers: one generated project add_subdirectory()s them all
+# against the installed SDK, its builds replace the installed copies, and the installed engine
+# must load each of them.
 #   out_of_tree.sh <ember build dir> <scratch dir>
 set -euo pipefail
 build=$1
@@ -13,8 +16,10 @@ prefix="$work/prefix"
 cmake --install "$build" --prefix "$prefix" >/dev/null
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
+launcher=()
+command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S "$src/examples/hello_callback" -B "$work/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$prefix" -DTorch_DIR="$TORCH_DIR" -DCMAKE_INSTALL_PREFIX="$prefix" >/dev/null
+  -DCMAKE_PREFIX_PATH="$prefix" -DTorch_DIR="$TORCH_DIR" -DCMAKE_INSTALL_PREFIX="$prefix" "${launcher[@]}" >/dev/null
 cmake --build "$work/build" >/dev/null
 cmake --install "$work/build" >/dev/null
 test -f "$prefix/lib/ember/plugins/libhello_callback.so"
@@ -40,3 +45,66 @@ TOML
 "$prefix/bin/engine" --plugins hello_callback run.toml 2> err.txt
 grep -q "hello from out of tree: epoch 1 ended at step" err.txt || { cat err.txt; exit 1; }
 echo "out-of-tree plugin built against the installed SDK and loaded by the installed engine"
+
+# The project's own callback and scheduler plugins, built the same way.
+bundled="$work/bundled"
+mkdir -p "$bundled"
+names=()
+{
+  echo 'cmake_minimum_required(VERSION 3.25)'
+  echo 'project(ember_bundled_plugins LANGUAGES CXX)'
+  echo 'set(TORCH_CUDA_ARCH_LIST "9.0" CACHE STRING "")'
+  echo 'find_package(EmberSDK 0.1 REQUIRED)'
+  for dir in "$src"/plugins/callbacks/*/ "$src"/plugins/schedulers/*/; do
+    [ -f "$dir/CMakeLists.txt" ] || continue
+    name=$(basename "$dir")
+    names+=("$name")
+    echo "add_subdirectory(\"${dir%/}\" \"$name\")"
+  done
+} > "$bundled/CMakeLists.txt"
+[ ${#names[@]} -gt 0 ] || { echo "no plugin folders found under $src/plugins/{callbacks,schedulers}"; exit 1; }
+cmake -S "$bundled" -B "$bundled/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$prefix" -DTorch_DIR="$TORCH_DIR" -DCMAKE_INSTALL_PREFIX="$prefix" "${launcher[@]}" >/dev/null
+cmake --build "$bundled/build" -j2 >/dev/null
+for name in "${names[@]}"; do
+  test -f "$bundled/build/$name/lib$name.so" || { echo "out-of-tree build made no lib$name.so"; exit 1; }
+  rm -f "$prefix/lib/ember/plugins/lib$name.so"  # the copy installed with the engine goes
+done
+cmake --install "$bundled/build" >/dev/null
+for name in "${names[@]}"; do
+  # The engine's copy was removed above, so this one is the out-of-tree build's.
+  test -f "$prefix/lib/ember/plugins/lib$name.so" || { echo "lib$name.so was not installed from the out-of-tree build"; exit 1; }
+  "$prefix/bin/engine" plugins info "$name" > info.txt || { cat info.txt; exit 1; }
+  grep -q "file:        $prefix/lib/ember/plugins/lib$name.so" info.txt || { cat info.txt; exit 1; }
+done
+# A run that uses some of them (when present), loaded from the out-of-tree builds.
+want=(early_stopping timer model_summary grad_accum_schedule)
+have=()
+for w in "${want[@]}"; do [[ " ${names[*]} " == *" $w "* ]] && have+=("$w"); done
+if [ ${#have[@]} -eq ${#want[@]} ]; then
+  cat > run2.toml <<'TOML'
+plugins = ["early_stopping", "timer", "model_summary", "grad_accum_schedule"]
+[trainer]
+max_epochs = 3
+enable_progress_bar = false
+[model]
+name = "mlp"
+input_size = 8
+hidden = [4]
+[data]
+name = "synthetic"
+shape = [8]
+num_train = 64
+[early_stopping]
+monitor = "val_loss"
+[timer]
+duration = "00:01:00:00"
+[grad_accum_schedule]
+epochs = [0, 1]
+factors = [1, 2]
+TOML
+  "$prefix/bin/engine" run2.toml 2> err2.txt || { cat err2.txt; exit 1; }
+  grep -q "Trainable params" err2.txt || { cat err2.txt; exit 1; }
+  grep -q "grad_accum_schedule: accumulating 2 batches" err2.txt || { cat err2.txt; exit 1; }
+fi
+echo "${#names[@]} bundled plugins (${names[*]}) built out of tree against the installed SDK and loaded by the installed engine"

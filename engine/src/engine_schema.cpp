@@ -18,6 +18,7 @@ using namespace ember::key;
 constexpr EmberConfigKey kTrainerKeys[] = {
     Int("max_epochs", nullptr, "Stop after this many epochs; -1 = no limit. Unset: 1000 unless max_steps is set (Lightning).").at_least(-1),
     Int("max_steps", "-1", "Stop after this many optimizer steps; -1 = no limit.").at_least(-1),
+    String("max_time", nullptr, "Stop training after this much wall time, \"DD:HH:MM:SS\" (Lightning's max_time): adds the timer callback with this duration."),
     Number("limit_train_batches", "1.0", "Batches per training epoch: a float is a fraction of the epoch, an int a count.").at_least(0),
     Number("limit_val_batches", "1.0", "Validation batches per run: fraction (float) or count (int); 0 disables validation.").at_least(0),
     Number("limit_test_batches", "1.0", "Test batches: fraction (float) or count (int).").at_least(0),
@@ -41,7 +42,7 @@ constexpr EmberConfigKey kTrainerKeys[] = {
     Bool("logger", "true", "Add the default logger (csv) when no logger plugin is named."),
     Bool("enable_checkpointing", "true", "Add the default checkpoint callback when none is named."),
     Bool("enable_progress_bar", "true", "Show progress (in place on a terminal, periodic lines otherwise)."),
-    Bool("enable_model_summary", "true", "Print parameter counts per layer before training."),
+    Bool("enable_model_summary", "true", "Add the default model_summary callback (layer table at fit start) when none is named."),
     Bool("test_after_fit", "false", "Run the test split after fit, on the checkpoint named by test_ckpt."),
     String("test_ckpt", "\"best\"", "Weights to test after fit: best or last checkpoint, or the weights in memory (current).").choices("best|last|current"),
     Int("num_threads", "0", "CPU threads for LibTorch's intra-op parallelism; 0 = LibTorch's default.").at_least(0),

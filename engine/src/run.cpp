@@ -150,6 +150,24 @@ Plan make_plan(const RunRequest& req) {
   bool has_checkpoint = std::any_of(plan.callbacks.begin(), plan.callbacks.end(), [](auto* p) { return p->name == "checkpoint"; });
   if (!has_checkpoint && peek_bool(plan.raw, "trainer", "enable_checkpointing").value_or(true))
     plan.callbacks.push_back(&reg.load("checkpoint"));
+  // enable_model_summary adds the model_summary callback (Lightning's default ModelSummary); a
+  // model_summary named explicitly is used as configured.
+  bool has_summary = std::any_of(plan.callbacks.begin(), plan.callbacks.end(), [](auto* p) { return p->name == "model_summary"; });
+  if (!has_summary && peek_bool(plan.raw, "trainer", "enable_model_summary").value_or(true))
+    plan.callbacks.push_back(&reg.load("model_summary"));
+
+  // trainer.max_time adds the timer callback (Lightning adds its Timer). A timer named as well
+  // must have the same duration (the resolved config names both), never a silently ignored one.
+  const auto max_time = plan.raw.peek_string("trainer", "max_time");
+  if (max_time) {
+    bool has_timer = std::any_of(plan.callbacks.begin(), plan.callbacks.end(), [](auto* p) { return p->name == "timer"; });
+    const auto duration = plan.raw.peek_string("timer", "duration");
+    if (has_timer && duration && *duration != *max_time)
+      throw UsageError(set_where(plan.raw, "trainer", "max_time") + ": trainer.max_time = \"" + *max_time +
+                       "\" and timer.duration = \"" + *duration + "\" (" + set_where(plan.raw, "timer", "duration") +
+                       ") both set the time limit; keep one of them");
+    if (!has_timer) plan.callbacks.push_back(&reg.load("timer"));
+  }
 
   // Schemas, in the order `engine config` prints them.
   std::vector<SectionSchema> schemas;
@@ -189,6 +207,7 @@ Plan make_plan(const RunRequest& req) {
   if (t.get_string("strategy") != plan.strategy->name) plan.config.set("trainer", "strategy", plan.strategy->name, "--plugins");
   if (precision_plugin_for(t.get_string("precision")) != plan.precision->name)
     plan.config.set("trainer", "precision", plan.precision->name, "--plugins");
+  if (max_time) plan.config.set("timer", "duration", *max_time, set_where(plan.raw, "trainer", "max_time"));
   return plan;
 }
 

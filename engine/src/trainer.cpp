@@ -129,7 +129,6 @@ TrainerSettings TrainerSettings::from(const Section& t) {
   s.log_every_n_steps = t.get_int("log_every_n_steps");
   s.seed = static_cast<uint64_t>(t.get_int("seed"));
   s.enable_progress_bar = t.get_bool("enable_progress_bar");
-  s.enable_model_summary = t.get_bool("enable_model_summary");
   return s;
 }
 
@@ -190,7 +189,6 @@ void Trainer::setup() {
   strategy.setup(module, optimizer_);
   plugins_.precision.object->setup(module, strategy.root_device());
   attach_plugins(this);
-  if (settings_.enable_model_summary && is_global_zero()) print_model_summary();
 }
 
 // (Re)builds the loaders from train_opts_/eval_opts_ (at setup, and when a tuner changes the
@@ -212,25 +210,6 @@ void Trainer::build_loaders() {
                      std::to_string(static_cast<int64_t>(settings_.val_check_interval)) +
                      ") is more than the training batches per epoch (" + std::to_string(num_train_batches_) +
                      "); lower it, or set check_val_every_n_epoch = 0 to count batches across epochs");
-}
-
-void Trainer::print_model_summary() const {
-  auto& module = plugins_.model.object->module();
-  log::info("model '" + plugins_.model.name + "':");
-  int64_t total = 0, trainable = 0;
-  for (const auto& child : module.named_children()) {
-    int64_t n = 0;
-    for (const auto& p : child.value()->parameters()) n += p.numel();
-    std::ostringstream line;
-    line << "  " << child.key() << " (" << child.value()->name() << "): " << n << " parameters";
-    log::info(line.str());
-  }
-  for (const auto& p : module.parameters()) {
-    total += p.numel();
-    if (p.requires_grad()) trainable += p.numel();
-  }
-  log::info("  total " + std::to_string(total) + " parameters, " + std::to_string(trainable) + " trainable, " +
-            std::to_string(total - trainable) + " frozen");
 }
 
 bool Trainer::metric(std::string_view name, double* value) const {
@@ -686,6 +665,9 @@ void Trainer::restore(const std::filesystem::path& file, bool weights_only, bool
   resume_batch_ = epoch_finished_ ? 0 : batches_done_;
   try {
     std::istringstream opt(tensor_bytes(ck.at("optimizer").toTensor()));
+    // torch::load only adds the saved per-parameter states: without this, moments built up after
+    // the checkpoint (a tuner's trial steps) would survive restoring one saved before any step.
+    optimizer_->state().clear();
     torch::load(*optimizer_, opt);
   } catch (const c10::Error& e) {
     throw RunError(where + ": optimizer state does not fit this optimizer (" + std::string(e.what_without_backtrace()).substr(0, 160) +

@@ -58,7 +58,7 @@ struct TrainerSettings {
   ClipAlgorithm gradient_clip_algorithm = ClipAlgorithm::norm;
   int64_t log_every_n_steps = 50;
   uint64_t seed = 0;
-  bool enable_progress_bar = true, enable_model_summary = true;
+  bool enable_progress_bar = true;
 
   static TrainerSettings from(const Section& trainer);
 };
@@ -145,7 +145,6 @@ class Trainer final : public ITrainer {
   int64_t limit_batches(int64_t available, double limit, bool is_count) const;
   bool validation_enabled() const;
   bool epoch_validates() const;
-  void print_model_summary() const;
   c10::IValue plugin_states() const;
 
   IHost& host_;
