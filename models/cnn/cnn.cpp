@@ -6,8 +6,10 @@
 //
 // Batch: tensors[0] = images float [N, C, H, W], tensors[1] = labels int64 [N].
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <c10/util/StringUtil.h>
 #include <torch/nn.h>
@@ -20,6 +22,7 @@
 #include <ember/plugin.h>
 
 #include "../common/classification.h"
+#include "../common/data_parallel.h"
 
 namespace {
 
@@ -41,18 +44,24 @@ struct CnnOptions {
   double dropout_conv, dropout_fc;
 };
 
-class CnnNet : public torch::nn::Module {
+// Cloneable so that torch::nn::parallel::replicate can copy it onto other devices (dp): clone()
+// copy-constructs the net and calls reset() to rebuild its layers, then copies the values in.
+class CnnNet : public torch::nn::Cloneable<CnnNet> {
  public:
+  explicit CnnNet(const CnnOptions& o) : o_(o) { reset(); }
+
   // Submodules are registered in forward order under fixed names, so named_parameters() reads
-  // conv1.weight, conv1.bias, conv2.*, fc1.*, fc2.* and checkpoints stay loadable.
-  explicit CnnNet(const CnnOptions& o)
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in_channels, o.conv1_channels, 3).padding(1)))),
-        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.conv1_channels, o.conv2_channels, 3).padding(1)))),
-        dropout_conv(register_module("dropout_conv", torch::nn::Dropout(o.dropout_conv))),
-        // Padded 3x3 convolutions keep the size; each 2x2 max-pool halves it (rounding down).
-        fc1(register_module("fc1", torch::nn::Linear(o.conv2_channels * (o.image_size / 4) * (o.image_size / 4), o.hidden))),
-        dropout_fc(register_module("dropout_fc", torch::nn::Dropout(o.dropout_fc))),
-        fc2(register_module("fc2", torch::nn::Linear(o.hidden, o.num_classes))) {}
+  // conv1.weight, conv1.bias, conv2.*, fc1.*, fc2.* and checkpoints stay loadable. The order of
+  // construction is also the order of the initial random draws: keep it.
+  void reset() override {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(o_.in_channels, o_.conv1_channels, 3).padding(1)));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(o_.conv1_channels, o_.conv2_channels, 3).padding(1)));
+    dropout_conv = register_module("dropout_conv", torch::nn::Dropout(o_.dropout_conv));
+    // Padded 3x3 convolutions keep the size; each 2x2 max-pool halves it (rounding down).
+    fc1 = register_module("fc1", torch::nn::Linear(o_.conv2_channels * (o_.image_size / 4) * (o_.image_size / 4), o_.hidden));
+    dropout_fc = register_module("dropout_fc", torch::nn::Dropout(o_.dropout_fc));
+    fc2 = register_module("fc2", torch::nn::Linear(o_.hidden, o_.num_classes));
+  }
 
   at::Tensor forward(at::Tensor x) {
     x = torch::max_pool2d(torch::relu(conv1(x)), 2);
@@ -62,11 +71,12 @@ class CnnNet : public torch::nn::Module {
     return fc2(x);
   }
 
-  torch::nn::Conv2d conv1, conv2;
-  torch::nn::Dropout dropout_conv;
-  torch::nn::Linear fc1;
-  torch::nn::Dropout dropout_fc;
-  torch::nn::Linear fc2;
+  CnnOptions o_;
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::Dropout dropout_conv{nullptr};
+  torch::nn::Linear fc1{nullptr};
+  torch::nn::Dropout dropout_fc{nullptr};
+  torch::nn::Linear fc2{nullptr};
 };
 
 CnnOptions read_options(const ember::IConfig& cfg) {
@@ -82,12 +92,17 @@ CnnOptions read_options(const ember::IConfig& cfg) {
   return o;
 }
 
-class Cnn final : public ember::IModel {
+class Cnn final : public ember::IModel, public ember::IDataParallelModel {
  public:
   explicit Cnn(const ember::IConfig& cfg)
       : opts_(read_options(cfg)), section_(cfg.section()), net_(std::make_shared<CnnNet>(opts_)) {}
 
   torch::nn::Module& module() override { return *net_; }
+
+  void* query_interface(const char* iid) override {
+    return std::strcmp(iid, ember::kDataParallelModelIid) == 0 ? static_cast<ember::IDataParallelModel*>(this) : nullptr;
+  }
+  void set_data_parallel(const std::vector<c10::Device>& devices) override { devices_ = devices; }
 
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
     return step(batch, ctx, Phase::train);
@@ -106,7 +121,7 @@ class Cnn final : public ember::IModel {
     check_images(images);
     // Follow the parameters' dtype, so a module converted to reduced precision accepts the
     // float32 images a data module produces (a no-op otherwise).
-    at::Tensor logits = net_->forward(images.to(net_->conv1->weight.scalar_type()));
+    at::Tensor logits = ember_models::data_parallel_forward(net_, images.to(net_->conv1->weight.scalar_type()), devices_);
     return ember_models::classification_step(logits, batch[1], phase, ctx, "cnn");
   }
 
@@ -124,6 +139,7 @@ class Cnn final : public ember::IModel {
   CnnOptions opts_;
   std::string section_;
   std::shared_ptr<CnnNet> net_;
+  std::vector<c10::Device> devices_;  // set by the dp strategy; < 2 = plain forward
 };
 
 ember::IModel* make(ember::IHost& /*host*/, const ember::IConfig& cfg) { return new Cnn(cfg); }

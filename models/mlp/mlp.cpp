@@ -6,6 +6,7 @@
 // Batch: tensors[0] = inputs [N, ...] (flattened to [N, input_size]); tensors[1] = labels int64
 // [N] for classification, float targets [N, num_classes] for regression.
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +22,7 @@
 #include <ember/plugin.h>
 
 #include "../common/classification.h"
+#include "../common/data_parallel.h"
 
 namespace {
 
@@ -47,19 +49,26 @@ struct MlpOptions {
   Task task = Task::classification;
 };
 
-class MlpNet : public torch::nn::Module {
+// Cloneable so that torch::nn::parallel::replicate can copy it onto other devices (dp): clone()
+// copy-constructs the net and calls reset() to rebuild its layers, then copies the values in.
+class MlpNet : public torch::nn::Cloneable<MlpNet> {
  public:
-  // Fixed names (fc1, fc2, ..., head) keep named_parameters() and checkpoints stable.
-  explicit MlpNet(const MlpOptions& o) : activation_(o.activation) {
-    int64_t width = o.input_size;
-    for (size_t i = 0; i < o.hidden.size(); ++i) {
-      layers_.push_back(register_module("fc" + std::to_string(i + 1), torch::nn::Linear(width, o.hidden[i])));
-      width = o.hidden[i];
+  explicit MlpNet(const MlpOptions& o) : o_(o) { reset(); }
+
+  // Fixed names (fc1, fc2, ..., head) keep named_parameters() and checkpoints stable; the order
+  // of construction is also the order of the initial random draws.
+  void reset() override {
+    layers_.clear();  // a copy-constructed clone still holds the original's layers
+    dropout_ = nullptr;
+    int64_t width = o_.input_size;
+    for (size_t i = 0; i < o_.hidden.size(); ++i) {
+      layers_.push_back(register_module("fc" + std::to_string(i + 1), torch::nn::Linear(width, o_.hidden[i])));
+      width = o_.hidden[i];
     }
-    head_ = register_module("head", torch::nn::Linear(width, o.num_classes));
+    head_ = register_module("head", torch::nn::Linear(width, o_.num_classes));
     // No module at all for dropout 0: the forward is then exactly deterministic, which the
     // gradient-accumulation tests rely on. One module serves every layer (it holds no state).
-    if (o.dropout > 0.0) dropout_ = register_module("dropout", torch::nn::Dropout(o.dropout));
+    if (o_.dropout > 0.0) dropout_ = register_module("dropout", torch::nn::Dropout(o_.dropout));
   }
 
   at::Tensor forward(at::Tensor x) {
@@ -75,7 +84,7 @@ class MlpNet : public torch::nn::Module {
 
  private:
   at::Tensor activate(const at::Tensor& x) const {
-    switch (activation_) {
+    switch (o_.activation) {
       case Activation::gelu: return torch::gelu(x);
       case Activation::tanh: return torch::tanh(x);
       case Activation::relu: break;
@@ -83,7 +92,7 @@ class MlpNet : public torch::nn::Module {
     return torch::relu(x);
   }
 
-  Activation activation_;
+  MlpOptions o_;
   std::vector<torch::nn::Linear> layers_;
   torch::nn::Linear head_{nullptr};
   torch::nn::Dropout dropout_{nullptr};
@@ -114,12 +123,17 @@ MlpOptions read_options(const ember::IConfig& cfg) {
   return o;
 }
 
-class Mlp final : public ember::IModel {
+class Mlp final : public ember::IModel, public ember::IDataParallelModel {
  public:
   explicit Mlp(const ember::IConfig& cfg)
       : opts_(read_options(cfg)), section_(cfg.section()), net_(std::make_shared<MlpNet>(opts_)) {}
 
   torch::nn::Module& module() override { return *net_; }
+
+  void* query_interface(const char* iid) override {
+    return std::strcmp(iid, ember::kDataParallelModelIid) == 0 ? static_cast<ember::IDataParallelModel*>(this) : nullptr;
+  }
+  void set_data_parallel(const std::vector<c10::Device>& devices) override { devices_ = devices; }
 
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
     return step(batch, ctx, Phase::train);
@@ -145,7 +159,7 @@ class Mlp final : public ember::IModel {
     }
     // Follow the parameters' dtype, so a module converted to reduced precision accepts float32
     // inputs (a no-op otherwise).
-    at::Tensor out = net_->forward(inputs.to(net_->head_weight().scalar_type()));
+    at::Tensor out = ember_models::data_parallel_forward(net_, inputs.to(net_->head_weight().scalar_type()), devices_);
     if (opts_.task == Task::classification) {
       return ember_models::classification_step(out, batch[1], phase, ctx, "mlp");
     }
@@ -172,6 +186,7 @@ class Mlp final : public ember::IModel {
   MlpOptions opts_;
   std::string section_;
   std::shared_ptr<MlpNet> net_;
+  std::vector<c10::Device> devices_;  // set by the dp strategy; < 2 = plain forward
 };
 
 ember::IModel* make(ember::IHost& /*host*/, const ember::IConfig& cfg) { return new Mlp(cfg); }

@@ -4,8 +4,10 @@
 // the synthetic data module with shape = [seq_len, d_model]); targets are class labels. It is the
 // attention-heavy counterpart of the cnn model in the precision benchmarks.
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <c10/util/StringUtil.h>
 #include <torch/nn/modules/linear.h>
@@ -19,6 +21,7 @@
 #include <ember/plugin.h>
 
 #include "../common/classification.h"
+#include "../common/data_parallel.h"
 
 namespace {
 
@@ -33,18 +36,26 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("num_classes", "10", "Classes: the width of the output layer.").at_least(2),
 };
 
-class TransformerNet : public torch::nn::Module {
+// Cloneable so that torch::nn::parallel::replicate can copy it onto other devices (dp): clone()
+// copy-constructs the net and calls reset() to rebuild its layers, then copies the values in.
+class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
  public:
-  TransformerNet(int64_t d_model, int64_t nhead, int64_t ff, int64_t layers, double dropout, int64_t classes) {
-    for (int64_t i = 0; i < layers; ++i)
+  TransformerNet(int64_t d_model, int64_t nhead, int64_t ff, int64_t layers, double dropout, int64_t classes)
+      : d_model_(d_model), nhead_(nhead), ff_(ff), layers_(layers), dropout_(dropout), classes_(classes) {
+    reset();
+  }
+  // Names layer1.*, ..., head.*; the order of construction is the order of the initial draws.
+  void reset() override {
+    blocks_.clear();  // a copy-constructed clone still holds the original's blocks
+    for (int64_t i = 0; i < layers_; ++i)
       blocks_.push_back(register_module(
           "layer" + std::to_string(i + 1),
           torch::nn::TransformerEncoderLayer(
-              torch::nn::TransformerEncoderLayerOptions(d_model, nhead).dim_feedforward(ff).dropout(dropout))));
-    head_ = register_module("head", torch::nn::Linear(d_model, classes));
+              torch::nn::TransformerEncoderLayerOptions(d_model_, nhead_).dim_feedforward(ff_).dropout(dropout_))));
+    head_ = register_module("head", torch::nn::Linear(d_model_, classes_));
   }
   // x: [N, S, E]. LibTorch's encoder layer takes [S, N, E] (it has no batch_first option).
-  at::Tensor forward(const at::Tensor& x) {
+  at::Tensor forward(at::Tensor x) {
     at::Tensor h = x.transpose(0, 1);
     for (auto& block : blocks_) h = block->forward(h);
     return head_(h.mean(0));
@@ -52,11 +63,14 @@ class TransformerNet : public torch::nn::Module {
   const at::Tensor& head_weight() const { return head_->weight; }
 
  private:
+  int64_t d_model_, nhead_, ff_, layers_;
+  double dropout_;
+  int64_t classes_;
   std::vector<torch::nn::TransformerEncoderLayer> blocks_;
   torch::nn::Linear head_{nullptr};
 };
 
-class Transformer final : public ember::IModel {
+class Transformer final : public ember::IModel, public ember::IDataParallelModel {
  public:
   explicit Transformer(const ember::IConfig& cfg) : d_model_(cfg.get_int("d_model")), section_(cfg.section()) {
     const int64_t nhead = cfg.get_int("nhead");
@@ -67,6 +81,10 @@ class Transformer final : public ember::IModel {
                                             ember_models::read_dropout(cfg, "dropout"), cfg.get_int("num_classes"));
   }
   torch::nn::Module& module() override { return *net_; }
+  void* query_interface(const char* iid) override {
+    return std::strcmp(iid, ember::kDataParallelModelIid) == 0 ? static_cast<ember::IDataParallelModel*>(this) : nullptr;
+  }
+  void set_data_parallel(const std::vector<c10::Device>& devices) override { devices_ = devices; }
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override { return step(batch, ctx, Phase::train); }
   void validation_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::val); }
   void test_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::test); }
@@ -78,12 +96,13 @@ class Transformer final : public ember::IModel {
     if (x.dim() != 3 || x.size(2) != d_model_)
       throw ember::RunError(c10::str("transformer: got inputs of shape ", x.sizes(), ", expected [N, seq_len, ", d_model_,
                                      "]: set [", section_, "] d_model to the data's last dimension"));
-    at::Tensor logits = net_->forward(x.to(net_->head_weight().scalar_type()));
+    at::Tensor logits = ember_models::data_parallel_forward(net_, x.to(net_->head_weight().scalar_type()), devices_);
     return ember_models::classification_step(logits, batch[1], phase, ctx, "transformer");
   }
   int64_t d_model_;
   std::string section_;
   std::shared_ptr<TransformerNet> net_;
+  std::vector<c10::Device> devices_;  // set by the dp strategy; < 2 = plain forward
 };
 
 ember::IModel* make(ember::IHost&, const ember::IConfig& cfg) { return new Transformer(cfg); }

@@ -1,29 +1,35 @@
 // dp: single-process data parallel on CUDA GPUs (Lightning's "dp"). Needs CUDA; on a machine
 // without it, start-up stops with one line that points to ddp.
 //
-// Scope today: one GPU. Splitting a batch over several GPUs needs the model's forward to run on
-// module replicas (torch::nn::parallel::replicate + parallel_apply), but in the SDK's step
-// contract the loop calls IModel::training_step itself, on the model's own module; a strategy
-// has no call in which to run replicas. Until the SDK grows that hook, more than one device is a
-// clear start-up error that suggests ddp (which is faster than dp in any case).
+// The module lives on devices[0]; each batch goes to devices[0] whole. With several devices the
+// model splits its forward (SDK 1.1 IDataParallelModel, which the engine's loop cannot do for it,
+// since it calls IModel::training_step on the model's own module): replicate the module onto
+// the devices, scatter the batch along dim 0, run the replicas in parallel, gather the outputs on
+// devices[0], where the model computes loss and metrics as usual. Replica parameters carry
+// gradient edges back to the original parameters, so backward leaves the summed gradient on
+// devices[0] and clipping and the optimizer step stay single-device operations.
 #include <ember/error.h>
 #include <ember/grad_util.h>
+#include <ember/model.h>
 #include <ember/plugin.h>
 #include <ember/strategy.h>
+#include <ember/trainer.h>
 
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <cstring>
 #include <string>
+#include <vector>
 
 namespace {
 
 constexpr EmberConfigKey kKeys[] = {
-    ember::key::IntList("devices", "[]", "CUDA device indices to use; [] = the first trainer.devices GPUs.").at_least(0),
+    ember::key::IntList("devices", "[]", "CUDA device indices to split each batch over (the first one holds the module and gathers the outputs); [] = the first trainer.devices GPUs.").at_least(0),
 };
 
-class Dp final : public ember::IStrategy {
+class Dp final : public ember::IStrategy, public ember::ITrainerAware {
  public:
   Dp(ember::IHost& host, const ember::IConfig& cfg) : host_(host), devices_(cfg.get_int_list("devices")), where_(cfg.where("devices")) {}
 
@@ -40,13 +46,36 @@ class Dp final : public ember::IStrategy {
     for (auto d : devices_)
       if (d >= count)
         throw ember::ConfigError(where_ + ": dp.devices names cuda:" + std::to_string(d) + " but " + std::to_string(count) + " CUDA device(s) are visible");
-    if (devices_.size() != 1)
-      throw ember::ConfigError("dp: " + std::to_string(devices_.size()) +
-                               " GPUs asked for, but this dp runs on one GPU only (the model's step cannot run on replicas yet); "
-                               "use ddp for several GPUs: engine --plugins ddp --set trainer.devices=" + std::to_string(devices_.size()) + " run.toml");
-    device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(devices_.front()));
-    host_.log(ember::LogLevel::info, "dp: training on " + device_.str());
+    if (devices_.empty())
+      throw ember::ConfigError(where_ + ": dp needs at least one GPU: set trainer.devices >= 1 or list dp.devices");
+    for (size_t i = 0; i < devices_.size(); ++i)
+      for (size_t j = 0; j < i; ++j)
+        if (devices_[i] == devices_[j])
+          throw ember::ConfigError(where_ + ": dp.devices names cuda:" + std::to_string(devices_[i]) + " twice; list each GPU once");
+    std::string names;
+    for (auto d : devices_) {
+      gpus_.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(d));
+      names += (names.empty() ? "" : ", ") + gpus_.back().str();
+    }
+    device_ = gpus_.front();
+    host_.log(ember::LogLevel::info, "dp: training on " + names + (gpus_.size() > 1 ? " (batches split along dim 0, gathered on " + device_.str() + ")" : ""));
     return true;
+  }
+
+  void* query_interface(const char* iid) override {
+    return std::strcmp(iid, ember::kTrainerAwareIid) == 0 ? static_cast<ember::ITrainerAware*>(this) : nullptr;
+  }
+
+  // Called after setup, when the model is known: hands it the devices to split its forward over.
+  void attach_trainer(ember::ITrainer* trainer) override {
+    if (trainer == nullptr || gpus_.size() < 2) return;
+    auto* model = static_cast<ember::IDataParallelModel*>(trainer->model().query_interface(ember::kDataParallelModelIid));
+    if (model == nullptr)
+      throw ember::ConfigError("dp: model '" + model_name(trainer->resolved_config()) + "' cannot split its forward over " +
+                               std::to_string(gpus_.size()) + " GPUs (it does not implement ember::IDataParallelModel, SDK 1.1); "
+                               "use ddp instead: engine --plugins ddp --set trainer.devices=" + std::to_string(gpus_.size()) +
+                               " run.toml, or dp on one GPU");
+    model->set_data_parallel(gpus_);
   }
 
   c10::Device root_device() const override { return device_; }
@@ -75,7 +104,21 @@ class Dp final : public ember::IStrategy {
  private:
   ember::IHost& host_;
   std::vector<int64_t> devices_;
+  // The [model] table's name in the resolved TOML, for the error above (plugins see only their
+  // own section through IConfig).
+  static std::string model_name(const std::string& toml) {
+    auto table = toml.find("\n[model]");
+    if (table == std::string::npos) return "?";
+    auto end = toml.find("\n[", table + 1);
+    auto key = toml.find("\nname = \"", table);
+    if (key == std::string::npos || (end != std::string::npos && key > end)) return "?";
+    key += 9;
+    auto quote = toml.find('"', key);
+    return quote == std::string::npos ? "?" : toml.substr(key, quote - key);
+  }
+
   std::string where_;
+  std::vector<c10::Device> gpus_;
   c10::Device device_{c10::kCUDA, 0};
 };
 
@@ -84,4 +127,4 @@ ember::IStrategy* make(ember::IHost& host, const ember::IConfig& cfg) { return n
 }  // namespace
 
 EMBER_PLUGIN(ember::IStrategy, "dp", "0.1.0", "Apache-2.0",
-             "Single-process data parallel on a CUDA GPU; without CUDA it stops and suggests ddp.", EMBER_CONFIG_KEYS(kKeys), make)
+             "Single-process data parallel over one or more CUDA GPUs (module replicas); without CUDA it stops and suggests ddp.", EMBER_CONFIG_KEYS(kKeys), make)
