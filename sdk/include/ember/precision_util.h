@@ -3,14 +3,19 @@
 // than failing mid-epoch or silently running in another precision).
 #pragma once
 #include <ATen/ATen.h>
+#include <c10/core/DefaultDtype.h>
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
 #include <string>
+#include <utility>
+
+#include <torch/nn/module.h>
 
 #include "ember/autocast.h"
 #include "ember/error.h"
+#include "ember/precision.h"
 #include "ember/types.h"
 
 namespace ember {
@@ -52,5 +57,38 @@ inline void check_precision_supported(const std::string& mode, const c10::Device
     throw RunError(c10::str(what, " is not supported here (", msg, "); ", alternative));
   }
 }
+
+// A handler whose parameters, inputs and math all share one dtype (fp64, "16-true", "bf16-true"):
+// no autocast, no loss scaling, every step taken. During forward the default dtype is that dtype
+// too, so tensors a model creates in its step match its parameters (Lightning's DoublePrecision
+// and HalfPrecision do the same).
+class UniformPrecision : public IPrecision {
+ public:
+  UniformPrecision(std::string mode, c10::ScalarType dtype, std::string alternative)
+      : mode_(std::move(mode)), dtype_(dtype), alternative_(std::move(alternative)) {}
+  void setup(torch::nn::Module& module, const c10::Device& device) override {
+    check_precision_supported(mode_, device, dtype_, /*autocast=*/false, alternative_);
+    module.to(dtype_);
+  }
+  Batch convert_input(Batch batch) override { return cast_floating(std::move(batch), dtype_); }
+  void forward_begin() override {
+    saved_default_ = c10::get_default_dtype();
+    c10::set_default_dtype(caffe2::TypeMeta::fromScalarType(dtype_));
+  }
+  void forward_end() override { c10::set_default_dtype(saved_default_); }
+  void backward(const at::Tensor& loss) override { loss.backward(); }
+  bool optimizer_step(IOptimizerStep& step) override {
+    step.closure();
+    step.before_step();
+    step.step();
+    return true;
+  }
+
+ private:
+  std::string mode_;
+  c10::ScalarType dtype_;
+  std::string alternative_;
+  caffe2::TypeMeta saved_default_ = c10::get_default_dtype();
+};
 
 }  // namespace ember
