@@ -14,6 +14,7 @@
 #include <regex>
 
 #include "checkpoint_io.h"
+#include "checkpoint_support.h"
 #include "support.h"
 
 using namespace ember::test;
@@ -50,13 +51,6 @@ name = "sgd"
 lr = 0.1
 momentum = 0.9
 )";
-
-std::map<std::string, at::Tensor> weights(const fs::path& ckpt) {
-  auto ck = ember::engine::load_checkpoint_file(ckpt);
-  std::map<std::string, at::Tensor> out;
-  for (const auto& e : ck.at("state_dict").toGenericDict()) out[e.key().toStringRef()] = e.value().toTensor();
-  return out;
-}
 
 void expect_close(const fs::path& a, const fs::path& b, double tol) {
   ASSERT_TRUE(fs::exists(a)) << a;

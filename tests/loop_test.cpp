@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "checkpoint_io.h"
+#include "checkpoint_support.h"
 #include "support.h"
 
 using namespace ember::test;
@@ -41,13 +42,6 @@ shuffle = false
 name = "sgd"
 lr = 0.05
 )";
-
-std::map<std::string, at::Tensor> weights(const fs::path& ckpt) {
-  auto ck = ember::engine::load_checkpoint_file(ckpt);
-  std::map<std::string, at::Tensor> out;
-  for (const auto& e : ck.at("state_dict").toGenericDict()) out[e.key().toStringRef()] = e.value().toTensor();
-  return out;
-}
 
 int64_t global_step(const fs::path& ckpt) { return ember::engine::load_checkpoint_file(ckpt).at("global_step").toInt(); }
 

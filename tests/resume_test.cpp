@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "checkpoint_io.h"
+#include "checkpoint_support.h"
 #include "support.h"
 
 using namespace ember::test;
@@ -41,13 +42,6 @@ lr = 0.003
 [checkpoint]
 monitor = "val_loss"
 )";
-
-std::map<std::string, at::Tensor> weights(const fs::path& ckpt) {
-  auto ck = ember::engine::load_checkpoint_file(ckpt);
-  std::map<std::string, at::Tensor> out;
-  for (const auto& e : ck.at("state_dict").toGenericDict()) out[e.key().toStringRef()] = e.value().toTensor();
-  return out;
-}
 
 void expect_identical(const fs::path& a, const fs::path& b) {
   auto wa = weights(a), wb = weights(b);

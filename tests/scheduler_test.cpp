@@ -12,6 +12,7 @@
 
 #include "checkpoint_io.h"
 #include "lr_formulas.h"
+#include "checkpoint_support.h"
 #include "support.h"
 #include "swa_math.h"
 
@@ -218,13 +219,6 @@ std::map<int64_t, double> column(const fs::path& run_dir, const std::string& nam
     auto it = row.find(name);
     if (it != row.end() && !it->second.empty()) out[std::stoll(row.at("step"))] = std::stod(it->second);
   }
-  return out;
-}
-
-std::map<std::string, at::Tensor> weights(const fs::path& ckpt) {
-  auto ck = ember::engine::load_checkpoint_file(ckpt);
-  std::map<std::string, at::Tensor> out;
-  for (const auto& e : ck.at("state_dict").toGenericDict()) out[e.key().toStringRef()] = e.value().toTensor();
   return out;
 }
 

@@ -15,6 +15,7 @@
 #include "criteria.h"
 #include "duration.h"
 #include "search.h"
+#include "checkpoint_support.h"
 #include "support.h"
 #include "sweep.h"
 #include "table.h"
@@ -28,12 +29,6 @@ c10::impl::GenericDict load(const fs::path& ckpt) { return ember::engine::load_c
 
 c10::impl::GenericDict callback_state(const fs::path& ckpt, const std::string& name) {
   return load(ckpt).at("callbacks").toGenericDict().at(name).toGenericDict();
-}
-
-std::map<std::string, at::Tensor> weights(const fs::path& ckpt) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& e : load(ckpt).at("state_dict").toGenericDict()) out[e.key().toStringRef()] = e.value().toTensor();
-  return out;
 }
 
 size_t count(const std::string& text, const std::string& what) {
