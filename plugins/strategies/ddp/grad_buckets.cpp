@@ -56,7 +56,10 @@ void GradBuckets::build() {
 
 void GradBuckets::begin(bool sync) {
   if (!built_) build();
-  syncing_ = sync;
+  // Alone in the group, a gradient's all-reduce is the gradient itself: skip the copies and the
+  // collective (what makes ddp with one rank cost what single_device costs).
+  syncing_ = sync && world_ > 1;
+  if (sync && world_ == 1) ++stats_.syncs;
   if (!sync) return;
   std::fill(ready_.begin(), ready_.end(), false);
   for (auto& b : buckets_) {
