@@ -42,21 +42,7 @@ def torch_worker(model, precision, device, steps, epochs, threads):
     torch.set_num_threads(threads)
     torch.manual_seed(0)
 
-    class Cnn(nn.Module):  # models/cnn
-        def __init__(self):
-            super().__init__()
-            self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
-            self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
-            self.drop_conv = nn.Dropout(0.25)
-            self.fc1 = nn.Linear(64 * 7 * 7, 128)
-            self.drop_fc = nn.Dropout(0.5)
-            self.fc2 = nn.Linear(128, 10)
-
-        def forward(self, x):
-            x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-            x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-            x = self.drop_conv(x).flatten(1)
-            return self.fc2(self.drop_fc(F.relu(self.fc1(x))))
+    from overhead import Net as Cnn  # models/cnn, the same network bench/overhead.py trains
 
     class Transformer(nn.Module):  # models/transformer
         def __init__(self):
