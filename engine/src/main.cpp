@@ -28,7 +28,8 @@ const char* kUsage =
     "      train (fit, then test when trainer.test_after_fit is set)\n"
     "  engine config [--plugins ...] [--set ...] run.toml   print the resolved configuration as TOML\n"
     "  engine plugins list                                   list the plugins found\n"
-    "  engine plugins info NAME                              a plugin's kind, version, file and config keys\n";
+    "  engine plugins info NAME                              a plugin's kind, version, file and config keys\n"
+    "  engine checkpoint consolidate DIR OUT.ckpt            one checkpoint file from a sharded checkpoint directory\n";
 
 std::vector<std::string> split_commas(const std::vector<std::string>& items) {
   std::vector<std::string> out;
@@ -97,6 +98,10 @@ int run(int argc, char** argv) {
     if (args.size() == 2 && args[1] == "list") return list_plugins(req.plugin_paths, std::cout);
     if (args.size() == 3 && args[1] == "info") return plugin_info(args[2], req.plugin_paths, std::cout);
     throw UsageError("expected `engine plugins list` or `engine plugins info NAME`");
+  }
+  if (args[0] == "checkpoint") {
+    if (args.size() == 4 && args[1] == "consolidate") return consolidate_checkpoint(req, args[2], args[3]);
+    throw UsageError("expected `engine checkpoint consolidate DIR OUT.ckpt`");
   }
   if (args[0] == "config") {
     if (args.size() != 2) throw UsageError("expected `engine config run.toml`");

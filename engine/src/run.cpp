@@ -6,6 +6,8 @@
 #include <torch/cuda.h>
 #include <torch/utils.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +19,7 @@
 #include "engine_schema.h"
 #include "log.h"
 #include "plugin_registry.h"
+#include "sharded_checkpoint.h"
 #include "trainer.h"
 #include "version.h"
 
@@ -267,9 +270,14 @@ int print_config(const RunRequest& req, std::ostream& out) {
 
 int run_training(const RunRequest& req) {
   auto plan = make_plan(req);
+  const bool consolidating = !req.consolidate_to.empty();
+  if (consolidating) {  // only the model's and optimizer's state are converted: no callbacks, no loggers
+    plan.callbacks.clear();
+    plan.loggers.clear();
+  }
   if (!req.resume.empty() && req.resume != "last" && req.resume != "best") {
     std::error_code ec;
-    if (!fs::is_regular_file(req.resume, ec))
+    if (!fs::is_regular_file(req.resume, ec) && !is_sharded_checkpoint(req.resume))
       throw UsageError("--resume " + req.resume + ": no such checkpoint file (give a .ckpt path, or last / best)");
   }
   const auto& cfg = plan.config;
@@ -368,6 +376,11 @@ int run_training(const RunRequest& req) {
   try {
     trainer->setup();
     if (!checkpoint.empty()) trainer->restore(checkpoint, /*weights_only=*/false);
+    if (consolidating) {
+      trainer->write_consolidated(req.consolidate_to, read_sharded_meta(checkpoint));
+      trainer->finalize("success");
+      return 0;
+    }
     if (rank == 0) {
       std::ofstream(run_dir / "config.toml") << cfg.to_toml();
       log::info("run folder " + run_dir.string());
@@ -399,6 +412,35 @@ int run_training(const RunRequest& req) {
     throw;
   }
   return 0;
+}
+
+int consolidate_checkpoint(const RunRequest& base, const std::string& dir, const std::string& out) {
+  if (!is_sharded_checkpoint(dir))
+    throw UsageError(dir + " is not a sharded checkpoint directory (a folder with meta.ckpt and rank<k>.ckpt parts)");
+  auto meta = read_sharded_meta(dir);
+  const std::string strategy = meta.at("sharded").toGenericDict().at("strategy").toStringRef();
+  // The run's own configuration, on one CPU process, with a scratch run folder.
+  const fs::path scratch = fs::temp_directory_path() / ("ember-consolidate-" + std::to_string(::getpid()));
+  fs::create_directories(scratch);
+  struct Cleanup {
+    fs::path p;
+    ~Cleanup() { remove_tree(p); }
+  } cleanup{scratch};
+  std::ofstream(scratch / "run.toml") << meta.at("config").toStringRef();
+  RunRequest req = base;
+  req.config_path = (scratch / "run.toml").string();
+  req.plugins = {strategy};
+  req.resume = dir;
+  req.consolidate_to = out;
+  for (const char* s : {"trainer.devices=1", "trainer.num_nodes=1", "trainer.accelerator=\"cpu\"", "trainer.test_after_fit=false",
+                        "trainer.enable_progress_bar=false"})
+    req.sets.emplace_back(s);
+  req.sets.push_back("trainer.default_root_dir=\"" + (scratch / "runs").string() + "\"");
+  req.sets.push_back(strategy + ".state_dict_type=\"full\"");
+  const int code = run_training(req);
+  if (code == 0) log::info("wrote " + out + " from the " + std::to_string(meta.at("sharded").toGenericDict().at("world_size").toInt()) +
+                           " parts of " + dir);
+  return code;
 }
 
 int list_plugins(const std::vector<std::string>& plugin_paths, std::ostream& out) {

@@ -15,6 +15,8 @@
 #include <sstream>
 
 #include "checkpoint_io.h"
+#include "optimizer_factory.h"
+#include "sharded_checkpoint.h"
 #include "engine_schema.h"
 #include "log.h"
 #include "version.h"
@@ -85,11 +87,24 @@ void install_stop_signal_handlers() {
 int stop_signal() { return g_stop_signal.load(); }
 
 namespace {
-// Calls precision.forward_end() even when the step throws.
+// The forward region of a step: the strategy's (parameters gathered) around the precision
+// handler's (autocast). Both ends run even when the step throws.
 struct ForwardRegion {
+  IModelStateStrategy& s;
   IPrecision& p;
-  explicit ForwardRegion(IPrecision& precision) : p(precision) { p.forward_begin(); }
-  ~ForwardRegion() { p.forward_end(); }
+  ForwardRegion(IModelStateStrategy& state, IPrecision& precision, bool grad_enabled) : s(state), p(precision) {
+    s.forward_begin(grad_enabled);
+    try {
+      p.forward_begin();
+    } catch (...) {
+      s.forward_end();
+      throw;
+    }
+  }
+  ~ForwardRegion() {
+    p.forward_end();
+    s.forward_end();
+  }
 };
 
 std::string epoch_label(int64_t epoch, int64_t max_epochs) {
@@ -180,14 +195,21 @@ void Trainer::setup() {
   if (eval_batch_size_set_) eval_opts_.batch_size = d.get_int("eval_batch_size");
   build_loaders();
 
-  auto& module = plugins_.model.object->module();
-  optimizer_ = plugins_.model.object->configure_optimizers();
-  if (!optimizer_) optimizer_ = make_optimizer(config_.section("optimizer"), module.parameters());
-  // The strategy places the module (and may shard or replace the optimizer), then the precision
-  // handler converts parameter dtypes on that device. Optimizer state is created lazily on the
-  // first step, so it follows the parameters.
-  strategy.setup(module, optimizer_);
-  plugins_.precision.object->setup(module, strategy.root_device());
+  // Lightning's order (docs/strategy.md): the precision handler converts the module, the strategy
+  // places/wraps/shards it, then the strategy builds the optimizer over what it trains. A
+  // contract-1 strategy gets its old order through the adapter.
+  auto& model = *plugins_.model.object;
+  OptimizerFactory factory(model, plugins_.model.name, config_.section("optimizer"));
+  state_ = static_cast<IModelStateStrategy*>(strategy.query_interface(kModelStateStrategyIid));
+  if (state_ != nullptr) {
+    plugins_.precision.object->setup(model.module(), strategy.root_device());
+  } else {
+    contract1_ = std::make_unique<Contract1StrategyState>(strategy, *plugins_.precision.object);
+    state_ = contract1_.get();
+  }
+  state_->setup_module(model);
+  optimizer_ = state_->setup_optimizer(factory);
+  if (!optimizer_) throw RunError("strategy '" + plugins_.strategy.name + "' built no optimizer (a plugin bug)");
   attach_plugins(this);
 }
 
@@ -262,7 +284,7 @@ at::Tensor Trainer::run_micro_batch(const Batch& batch, bool first_in_window, bo
   at::Tensor loss;
   {
     StepContextImpl ctx(*this, Stage::fit, batch_idx_, batch.size);
-    ForwardRegion region(precision);
+    ForwardRegion region(*state_, precision, /*grad_enabled=*/true);
     loss = plugins_.model.object->training_step(batch, ctx);
   }
   if (!loss.defined() || loss.numel() != 1)
@@ -271,7 +293,7 @@ at::Tensor Trainer::run_micro_batch(const Batch& batch, bool first_in_window, bo
     throw RunError("model '" + plugins_.model.name + "': the loss does not require grad (was it computed under no_grad, or detached?)");
   if (first_in_window) {
     call_hook(Hook::on_before_zero_grad);
-    optimizer_->zero_grad(/*set_to_none=*/true);
+    state_->zero_grad();
   }
   current_loss_ = loss.detach();
   at::Tensor to_backward = window_accum_ > 1 ? loss / static_cast<double>(window_accum_) : loss;
@@ -398,7 +420,7 @@ void Trainer::evaluate(Split split, Stage stage, int64_t max_batches) {
       call_hook(test ? Hook::on_test_batch_start : Hook::on_validation_batch_start);
       {
         StepContextImpl ctx(*this, stage, b, current_batch_.size);
-        ForwardRegion region(precision);
+        ForwardRegion region(*state_, precision, /*grad_enabled=*/false);
         if (test) model.test_step(current_batch_, ctx);
         else model.validation_step(current_batch_, ctx);
       }
@@ -524,13 +546,6 @@ void Trainer::finalize(const std::string& status) {
 // ---------------------------------------------------------------------------------------------
 // Checkpoints (docs/checkpoint.md has the layout).
 namespace {
-c10::Dict<std::string, at::Tensor> module_state(torch::nn::Module& m) {
-  c10::Dict<std::string, at::Tensor> out;
-  for (const auto& p : m.named_parameters()) out.insert(p.key(), p.value().detach().to(at::kCPU).clone());
-  for (const auto& b : m.named_buffers()) out.insert(b.key(), b.value().detach().to(at::kCPU).clone());
-  return out;
-}
-
 at::Tensor bytes_tensor(const std::string& s) {
   auto t = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
   std::memcpy(t.data_ptr(), s.data(), s.size());
@@ -556,8 +571,13 @@ c10::IValue Trainer::plugin_states() const {
   return out;
 }
 
-void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
-  call_hook(Hook::on_save_checkpoint);
+IShardedCheckpoint* Trainer::sharded_checkpoint() const {
+  if (contract1_) return nullptr;
+  return static_cast<IShardedCheckpoint*>(plugins_.strategy.object->query_interface(kShardedCheckpointIid));
+}
+
+// Everything a checkpoint holds but the model's and the optimizer's state (docs/checkpoint.md).
+c10::impl::GenericDict Trainer::checkpoint_meta(bool weights_only) const {
   c10::impl::GenericDict ck(c10::StringType::get(), c10::AnyType::get());
   ck.insert("format", std::string(kCheckpointFormat));
   ck.insert("format_version", kCheckpointFormatVersion);
@@ -568,7 +588,6 @@ void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
   ck.insert("epoch", epoch_);
   ck.insert("global_step", global_step_);
   ck.insert("weights_only", weights_only);
-  ck.insert("state_dict", module_state(module()));
   ck.insert("config", config_.to_toml());
   c10::Dict<std::string, std::string> versions;
   auto add_version = [&](const std::string& n, const std::string& v) { versions.insert(n, v); };
@@ -579,82 +598,126 @@ void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
   for (const auto& c : plugins_.callbacks) add_version(c.name, c.version);
   for (const auto& l : plugins_.loggers) add_version(l.name, l.version);
   ck.insert("plugin_versions", versions);
-  if (!weights_only) {
-    c10::impl::GenericDict loops(c10::StringType::get(), c10::AnyType::get());
-    loops.insert("epoch", epoch_);
-    loops.insert("batches_done", batches_done_);
-    loops.insert("epoch_finished", epoch_finished_);
-    loops.insert("global_step", global_step_);
-    loops.insert("total_batch_idx", total_batch_idx_);
-    ck.insert("loops", loops);
-    std::ostringstream opt;
-    torch::save(*optimizer_, opt);
-    ck.insert("optimizer", bytes_tensor(opt.str()));
-    c10::impl::GenericDict rng(c10::StringType::get(), c10::AnyType::get());
-    rng.insert("cpu", at::detail::getDefaultCPUGenerator().get_state());
-    c10::List<at::Tensor> cuda_states;
-    if (torch::cuda::is_available())
-      for (int64_t i = 0; i < static_cast<int64_t>(torch::cuda::device_count()); ++i)
-        cuda_states.push_back(at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i))).get_state());
-    rng.insert("cuda", cuda_states);
-    ck.insert("rng", rng);
-    ck.insert("plugins", plugin_states());
-    c10::impl::GenericDict callbacks(c10::StringType::get(), c10::AnyType::get());
-    for (const auto& c : plugins_.callbacks) {
-      auto s = c.object->state_dict();
-      if (!s.isNone()) callbacks.insert(c.name, s);
-    }
-    ck.insert("callbacks", callbacks);
-    c10::impl::GenericDict loggers(c10::StringType::get(), c10::AnyType::get());
-    for (const auto& l : plugins_.loggers) {
-      auto s = l.object->state_dict();
-      if (!s.isNone()) loggers.insert(l.name, s);
-    }
-    ck.insert("loggers", loggers);
+  if (weights_only) return ck;
+  c10::impl::GenericDict loops(c10::StringType::get(), c10::AnyType::get());
+  loops.insert("epoch", epoch_);
+  loops.insert("batches_done", batches_done_);
+  loops.insert("epoch_finished", epoch_finished_);
+  loops.insert("global_step", global_step_);
+  loops.insert("total_batch_idx", total_batch_idx_);
+  ck.insert("loops", loops);
+  c10::impl::GenericDict rng(c10::StringType::get(), c10::AnyType::get());
+  rng.insert("cpu", at::detail::getDefaultCPUGenerator().get_state());
+  c10::List<at::Tensor> cuda_states;
+  if (torch::cuda::is_available())
+    for (int64_t i = 0; i < static_cast<int64_t>(torch::cuda::device_count()); ++i)
+      cuda_states.push_back(at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i))).get_state());
+  rng.insert("cuda", cuda_states);
+  ck.insert("rng", rng);
+  ck.insert("plugins", plugin_states());
+  c10::impl::GenericDict callbacks(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& c : plugins_.callbacks) {
+    auto s = c.object->state_dict();
+    if (!s.isNone()) callbacks.insert(c.name, s);
   }
+  ck.insert("callbacks", callbacks);
+  c10::impl::GenericDict loggers(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& l : plugins_.loggers) {
+    auto s = l.object->state_dict();
+    if (!s.isNone()) loggers.insert(l.name, s);
+  }
+  ck.insert("loggers", loggers);
+  return ck;
+}
+
+void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
+  call_hook(Hook::on_save_checkpoint);
+  auto& strategy = *plugins_.strategy.object;
+  if (auto* sharded = sharded_checkpoint(); sharded && sharded->sharded_checkpoints() && !weights_only) {
+    // One part per rank, nothing gathered (sharded_checkpoint.h has the layout and the commit).
+    const c10::IValue part = sharded->sharded_state();
+    c10::IValue meta;
+    if (is_global_zero()) {
+      auto ck = checkpoint_meta(false);
+      c10::impl::GenericDict layout(c10::StringType::get(), c10::AnyType::get());
+      layout.insert("world_size", world_size());
+      layout.insert("strategy", plugins_.strategy.name);
+      ck.insert("sharded", layout);
+      meta = ck;
+    }
+    ShardedWrite how;
+    how.rank = rank();
+    how.world = world_size();
+    how.max_over_ranks = [&](double v) { return strategy.reduce(at::scalar_tensor(v, at::kDouble), ReduceOp::max).item<double>(); };
+    write_sharded_checkpoint(path, part, meta, how);
+    return;
+  }
+  // The model and optimizer state come from the strategy (gathered where it shards); every rank
+  // takes part, only rank 0 builds and writes the checkpoint.
+  auto model_state = state_->full_model_state(/*rank0_only=*/true);
+  std::string optimizer_state = weights_only ? std::string() : state_->full_optimizer_state(/*rank0_only=*/true);
+  if (!is_global_zero()) {
+    strategy.barrier("save_checkpoint");
+    return;
+  }
+  auto ck = checkpoint_meta(weights_only);
+  ck.insert("state_dict", model_state);
+  if (!weights_only) ck.insert("optimizer", bytes_tensor(optimizer_state));
   std::exception_ptr error;
-  if (is_global_zero()) {
-    try {
-      save_checkpoint_file(path, ck);
-    } catch (...) {
-      error = std::current_exception();
-    }
+  try {
+    save_checkpoint_file(path, ck);
+  } catch (...) {
+    error = std::current_exception();
   }
-  plugins_.strategy.object->barrier("save_checkpoint");
+  strategy.barrier("save_checkpoint");
   if (error) std::rethrow_exception(error);
+}
+
+void Trainer::write_consolidated(const std::string& path, c10::impl::GenericDict meta) {
+  auto model_state = state_->full_model_state(/*rank0_only=*/true);
+  const std::string optimizer_state = state_->full_optimizer_state(/*rank0_only=*/true);
+  c10::impl::GenericDict ck(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& e : meta)
+    if (e.key().toStringRef() != "sharded") ck.insert(e.key(), e.value());
+  ck.insert("state_dict", model_state);
+  ck.insert("optimizer", bytes_tensor(optimizer_state));
+  save_checkpoint_file(path, ck);
 }
 
 void Trainer::restore(const std::filesystem::path& file, bool weights_only) { restore(file, weights_only, true); }
 
 void Trainer::restore(const std::filesystem::path& file, bool weights_only, bool announce) {
-  auto ck = load_checkpoint_file(file);
   const std::string where = "checkpoint " + file.string();
-  auto& m = module();
-  if (!ck.contains("state_dict")) throw RunError(where + " has no state_dict");
-  auto sd = c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict());
-  {
-    torch::NoGradGuard no_grad;
-    std::vector<std::string> missing;
-    auto load_one = [&](const std::string& name, at::Tensor& target) {
-      auto it = sd.find(name);
-      if (it == sd.end()) {
-        missing.push_back(name);
-        return;
-      }
-      const at::Tensor& src = it->value();
-      if (src.sizes() != target.sizes())
-        throw RunError(where + ": '" + name + "' has shape " + c10::str(src.sizes()) + " but the model's is " +
-                       c10::str(target.sizes()) + " (was it saved from a model with other settings?)");
-      target.copy_(src);
-    };
-    for (auto& p : m.named_parameters()) load_one(p.key(), p.value());
-    for (auto& b : m.named_buffers()) load_one(b.key(), b.value());
-    if (!missing.empty())
-      throw RunError(where + " lacks " + std::to_string(missing.size()) + " of the model's tensors, e.g. '" + missing.front() +
-                     "' (was it saved from another model?)");
+  const bool sharded_dir = is_sharded_checkpoint(file);
+  c10::impl::GenericDict ck(c10::StringType::get(), c10::AnyType::get());
+  if (sharded_dir) {
+    ck = read_sharded_meta(file);
+    auto layout = ck.at("sharded").toGenericDict();
+    const int64_t saved_world = layout.at("world_size").toInt();
+    auto* sharded = sharded_checkpoint();
+    if (sharded == nullptr)
+      throw RunError(where + " is a sharded checkpoint directory (" + std::to_string(saved_world) + " parts, written by '" +
+                     layout.at("strategy").toStringRef() + "'); resume it with that strategy, or make one file of it first: engine checkpoint consolidate " +
+                     file.string() + " OUT.ckpt");
+    try {
+      sharded->load_sharded_state(saved_world, [&](int64_t k) { return read_sharded_part(file, k); });
+    } catch (const RunError& e) {
+      throw RunError(where + ": " + e.what());
+    } catch (const c10::Error& e) {
+      throw RunError(where + ": its state does not fit this run (" + std::string(e.what_without_backtrace()).substr(0, 160) +
+                     "); resume with the same model and [optimizer] settings");
+    }
+  } else {
+    ck = load_checkpoint_file(file);
+    if (!ck.contains("state_dict")) throw RunError(where + " has no state_dict");
+    try {
+      state_->load_full_model_state(c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict()));
+    } catch (const RunError& e) {
+      throw RunError(where + ": " + e.what());
+    }
   }
   if (weights_only) return;
-  if (!ck.contains("loops") || !ck.contains("optimizer"))
+  if (!ck.contains("loops") || (!sharded_dir && !ck.contains("optimizer")))
     throw RunError(where + " holds weights only (save_weights_only); it can be tested but not resumed");
   auto loops = ck.at("loops").toGenericDict();
   epoch_ = loops.at("epoch").toInt();
@@ -664,11 +727,7 @@ void Trainer::restore(const std::filesystem::path& file, bool weights_only, bool
   total_batch_idx_ = loops.at("total_batch_idx").toInt();
   resume_batch_ = epoch_finished_ ? 0 : batches_done_;
   try {
-    std::istringstream opt(tensor_bytes(ck.at("optimizer").toTensor()));
-    // torch::load only adds the saved per-parameter states: without this, moments built up after
-    // the checkpoint (a tuner's trial steps) would survive restoring one saved before any step.
-    optimizer_->state().clear();
-    torch::load(*optimizer_, opt);
+    if (!sharded_dir) state_->load_full_optimizer_state(tensor_bytes(ck.at("optimizer").toTensor()));
   } catch (const c10::Error& e) {
     throw RunError(where + ": optimizer state does not fit this optimizer (" + std::string(e.what_without_backtrace()).substr(0, 160) +
                    "); resume with the same [optimizer] settings");
@@ -778,7 +837,7 @@ at::Tensor Trainer::run_forward(const Batch& batch) {
   ValueScope<bool> quiet(quiet_, true);
   torch::NoGradGuard no_grad;
   StepContextImpl ctx(*this, Stage::fit, batch_idx_, batch.size);
-  ForwardRegion region(*plugins_.precision.object);
+  ForwardRegion region(*state_, *plugins_.precision.object, /*grad_enabled=*/false);
   at::Tensor loss = plugins_.model.object->training_step(batch, ctx);
   return loss.defined() ? loss.detach() : loss;
 }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "config.h"
+#include "contract1_strategy_state.h"
 #include "data_loader.h"
 #include "metrics.h"
 #include "progress.h"
@@ -86,6 +87,9 @@ class Trainer final : public ITrainer {
   void finalize(const std::string& status);
   // Tells callbacks and the model that the run failed (on_exception); never throws.
   void notify_exception();
+  // Writes the single-file checkpoint of the state restored from a sharded directory: `meta` (its
+  // meta.ckpt) with the whole model and optimizer state.
+  void write_consolidated(const std::string& path, c10::impl::GenericDict meta);
   // Starts the loggers (after restore, so they know the step a resumed run continues from).
   void setup_loggers(bool resuming);
 
@@ -128,6 +132,9 @@ class Trainer final : public ITrainer {
   at::Tensor run_forward(const Batch& batch) override;
   void load_checkpoint(const std::string& path) override;
   void run_validation() override;
+  // SDK 1.2
+  std::vector<NamedTensor> trained_parameters() override { return state_->trained_parameters(); }
+  void parameters_changed() override { state_->parameters_changed(); }
 
   const MetricStore& metrics() const { return metrics_; }
 
@@ -146,6 +153,8 @@ class Trainer final : public ITrainer {
   bool validation_enabled() const;
   bool epoch_validates() const;
   c10::IValue plugin_states() const;
+  c10::impl::GenericDict checkpoint_meta(bool weights_only) const;
+  IShardedCheckpoint* sharded_checkpoint() const;
 
   IHost& host_;
   const ResolvedConfig& config_;
@@ -153,6 +162,9 @@ class Trainer final : public ITrainer {
   std::filesystem::path run_dir_;
   TrainerSettings settings_;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  // The strategy's state contract: its own (SDK 1.2), or the adapter over a contract-1 strategy.
+  IModelStateStrategy* state_ = nullptr;
+  std::unique_ptr<Contract1StrategyState> contract1_;
   std::unique_ptr<DataLoader> train_loader_, val_loader_, test_loader_;
   LoaderOptions train_opts_, eval_opts_;
   bool eval_batch_size_set_ = false;

@@ -19,6 +19,7 @@
 #include <ember/error.h>
 #include <ember/host.h>
 #include <ember/model.h>
+#include <ember/model_units.h>
 #include <ember/plugin.h>
 
 #include "../common/classification.h"
@@ -73,14 +74,23 @@ class MlpNet : public torch::nn::Cloneable<MlpNet> {
 
   at::Tensor forward(at::Tensor x) {
     x = x.flatten(1);
-    for (auto& layer : layers_) {
-      x = activate(layer(x));
-      if (dropout_) x = dropout_(x);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      auto block = [&] {
+        at::Tensor y = activate(layers_[i](x));
+        return dropout_ ? dropout_(y) : y;
+      };
+      x = units_ ? units_->run(static_cast<int64_t>(i), block) : block();
     }
     return head_(x);
   }
 
   const at::Tensor& head_weight() const { return head_->weight; }
+  // Each hidden layer is a unit (ember/model_units.h): sharding strategies gather its
+  // parameters just before it runs. The head is gathered with the rest of the step.
+  void declare_units(ember::ModelUnits& units) {
+    units_ = &units;
+    for (size_t i = 0; i < layers_.size(); ++i) units.add("fc" + std::to_string(i + 1), layers_[i].ptr());
+  }
 
  private:
   at::Tensor activate(const at::Tensor& x) const {
@@ -93,6 +103,7 @@ class MlpNet : public torch::nn::Cloneable<MlpNet> {
   }
 
   MlpOptions o_;
+  ember::ModelUnits* units_ = nullptr;
   std::vector<torch::nn::Linear> layers_;
   torch::nn::Linear head_{nullptr};
   torch::nn::Dropout dropout_{nullptr};
@@ -123,15 +134,18 @@ MlpOptions read_options(const ember::IConfig& cfg) {
   return o;
 }
 
-class Mlp final : public ember::IModel, public ember::IDataParallelModel {
+class Mlp final : public ember::IModel, public ember::IDataParallelModel, public ember::UnitModel {
  public:
   explicit Mlp(const ember::IConfig& cfg)
-      : opts_(read_options(cfg)), section_(cfg.section()), net_(std::make_shared<MlpNet>(opts_)) {}
+      : opts_(read_options(cfg)), section_(cfg.section()), net_(std::make_shared<MlpNet>(opts_)) {
+    net_->declare_units(units_);
+  }
 
   torch::nn::Module& module() override { return *net_; }
 
   void* query_interface(const char* iid) override {
-    return std::strcmp(iid, ember::kDataParallelModelIid) == 0 ? static_cast<ember::IDataParallelModel*>(this) : nullptr;
+    if (std::strcmp(iid, ember::kDataParallelModelIid) == 0) return static_cast<ember::IDataParallelModel*>(this);
+    return unit_model_interface(iid);
   }
   void set_data_parallel(const std::vector<c10::Device>& devices) override { devices_ = devices; }
 

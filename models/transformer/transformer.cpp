@@ -18,6 +18,7 @@
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/model.h>
+#include <ember/model_units.h>
 #include <ember/plugin.h>
 
 #include "../common/classification.h"
@@ -57,20 +58,28 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
   // x: [N, S, E]. LibTorch's encoder layer takes [S, N, E] (it has no batch_first option).
   at::Tensor forward(at::Tensor x) {
     at::Tensor h = x.transpose(0, 1);
-    for (auto& block : blocks_) h = block->forward(h);
+    for (size_t i = 0; i < blocks_.size(); ++i)
+      h = units_ ? units_->run(static_cast<int64_t>(i), [&] { return blocks_[i]->forward(h); }) : blocks_[i]->forward(h);
     return head_(h.mean(0));
   }
   const at::Tensor& head_weight() const { return head_->weight; }
+  // Each encoder layer is a unit (ember/model_units.h): sharding strategies gather its
+  // parameters just before it runs.
+  void declare_units(ember::ModelUnits& units) {
+    units_ = &units;
+    for (size_t i = 0; i < blocks_.size(); ++i) units.add("layer" + std::to_string(i + 1), blocks_[i].ptr());
+  }
 
  private:
   int64_t d_model_, nhead_, ff_, layers_;
   double dropout_;
   int64_t classes_;
+  ember::ModelUnits* units_ = nullptr;
   std::vector<torch::nn::TransformerEncoderLayer> blocks_;
   torch::nn::Linear head_{nullptr};
 };
 
-class Transformer final : public ember::IModel, public ember::IDataParallelModel {
+class Transformer final : public ember::IModel, public ember::IDataParallelModel, public ember::UnitModel {
  public:
   explicit Transformer(const ember::IConfig& cfg) : d_model_(cfg.get_int("d_model")), section_(cfg.section()) {
     const int64_t nhead = cfg.get_int("nhead");
@@ -79,10 +88,12 @@ class Transformer final : public ember::IModel, public ember::IDataParallelModel
                                         d_model_, ": choose heads that split the width evenly, e.g. ", d_model_ % 4 == 0 ? 4 : 1));
     net_ = std::make_shared<TransformerNet>(d_model_, nhead, cfg.get_int("dim_feedforward"), cfg.get_int("num_layers"),
                                             ember_models::read_dropout(cfg, "dropout"), cfg.get_int("num_classes"));
+    net_->declare_units(units_);
   }
   torch::nn::Module& module() override { return *net_; }
   void* query_interface(const char* iid) override {
-    return std::strcmp(iid, ember::kDataParallelModelIid) == 0 ? static_cast<ember::IDataParallelModel*>(this) : nullptr;
+    if (std::strcmp(iid, ember::kDataParallelModelIid) == 0) return static_cast<ember::IDataParallelModel*>(this);
+    return unit_model_interface(iid);
   }
   void set_data_parallel(const std::vector<c10::Device>& devices) override { devices_ = devices; }
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override { return step(batch, ctx, Phase::train); }

@@ -199,14 +199,32 @@ struct CkptFile {
   fs::file_time_type mtime;
 };
 
-// Regular *.ckpt files in `dir`, newest first.
+// *.ckpt files in `dir`, newest first: regular files, and the directories a sharding strategy
+// writes (docs/checkpoint.md: a directory holding meta.ckpt).
+bool is_checkpoint_entry(const fs::directory_entry& e) {
+  std::error_code ec;
+  if (e.path().extension() != ck::kExtension) return false;
+  if (e.is_regular_file(ec)) return true;
+  return e.is_directory(ec) && fs::is_regular_file(e.path() / "meta.ckpt", ec);
+}
+
+// Deletes a checkpoint file or directory (LibTorch's wheel breaks std::filesystem::remove_all).
+void remove_checkpoint(const fs::path& p, std::error_code& ec) {
+  if (fs::is_directory(p, ec) && !fs::is_symlink(p, ec)) {
+    std::vector<fs::path> children;
+    for (fs::directory_iterator it(p, ec), end; !ec && it != end; it.increment(ec)) children.push_back(it->path());
+    for (const auto& c : children) fs::remove(c, ec);
+  }
+  fs::remove(p, ec);
+}
+
 std::vector<CkptFile> list_checkpoints(const fs::path& dir) {
   std::vector<CkptFile> out;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return out;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     std::error_code e2;
-    if (!it->is_regular_file(e2) || it->path().extension() != ck::kExtension) continue;
+    if (!is_checkpoint_entry(*it)) continue;
     const auto t = it->last_write_time(e2);
     if (!e2) out.push_back({it->path().string(), t});
   }
@@ -533,7 +551,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
       return;
     }
     std::error_code ec;
-    fs::remove(previous, ec);
+    remove_checkpoint(previous, ec);
     if (ec) {
       host_.log(ember::LogLevel::warn, "checkpoint: could not delete " + previous + ": " + ec.message());
     } else {

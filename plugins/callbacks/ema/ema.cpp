@@ -63,7 +63,7 @@ class Ema final : public ember::Callback {
   }
 
   void on_train_start(ember::ITrainer& t) override {
-    auto tracked = tracked_tensors(t.module(), use_buffers_);
+    auto tracked = tracked_tensors(t, use_buffers_);
     if (averaged_.empty()) return;
     if (averaged_.size() != tracked.size())
       throw ember::RunError(name_ + ": the checkpoint averages " + std::to_string(averaged_.size()) + " tensors, the model has " +
@@ -77,7 +77,7 @@ class Ema final : public ember::Callback {
     if (t.global_step() <= latest_update_step_ || step_idx < start_step_ || step_idx % every_ != 0 ||
         t.current_epoch() < start_epoch_)
       return;
-    auto tracked = tracked_tensors(t.module(), use_buffers_);
+    auto tracked = tracked_tensors(t, use_buffers_);
     if (averaged_.empty()) averaged_ = clones(tracked);
     ema_update(averaged_, tracked, n_averaged_, decay_);
     ++n_averaged_;
@@ -107,7 +107,8 @@ class Ema final : public ember::Callback {
 
   void on_load_checkpoint(ember::ITrainer& t) override {
     if (pending_model_.empty()) return;
-    copy_into(tracked_tensors(t.module(), use_buffers_), pending_model_);
+    copy_into(tracked_tensors(t, use_buffers_), pending_model_);
+    t.parameters_changed();
     pending_model_.clear();
   }
 
@@ -138,13 +139,15 @@ class Ema final : public ember::Callback {
 
  private:
   void swap_in(ember::ITrainer& t) {
-    auto tracked = tracked_tensors(t.module(), use_buffers_);
+    auto tracked = tracked_tensors(t, use_buffers_);
     stash_ = clones(tracked);
     copy_into(tracked, averaged_);
+    t.parameters_changed();
     swapped_ = true;
   }
   void swap_out(ember::ITrainer& t) {
-    copy_into(tracked_tensors(t.module(), use_buffers_), stash_);
+    copy_into(tracked_tensors(t, use_buffers_), stash_);
+    t.parameters_changed();
     stash_.clear();
     swapped_ = false;
   }

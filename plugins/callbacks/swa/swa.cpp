@@ -87,7 +87,7 @@ class Swa final : public ember::Callback {
     if (t.max_epochs() >= 0 && swa_start_ > t.max_epochs() - 1)
       host_.log(ember::LogLevel::warn, name_ + ": swa_epoch_start resolves to epoch " + std::to_string(swa_start_) +
                                            ", after the last epoch (" + std::to_string(t.max_epochs() - 1) + "): no averaging will happen");
-    auto params = tracked_tensors(t.module(), false);
+    auto params = tracked_tensors(t, false);
     if (!averaged_.empty()) {  // restored: move to the parameters' device and dtype
       if (averaged_.size() != params.size())
         throw ember::RunError(name_ + ": the checkpoint averages " + std::to_string(averaged_.size()) + " tensors, the model has " +
@@ -122,7 +122,7 @@ class Swa final : public ember::Callback {
     const bool last = is_last_epoch(t);
     // An epoch cut short by an interrupt is averaged when the resumed run finishes it.
     if (e > latest_update_epoch_ && (finished || last)) {
-      auto params = tracked_tensors(t.module(), false);
+      auto params = tracked_tensors(t, false);
       if (averaged_.empty()) averaged_ = clones(params);
       swa_update(averaged_, params, n_averaged_);
       ++n_averaged_;
@@ -141,8 +141,9 @@ class Swa final : public ember::Callback {
   void on_load_checkpoint(ember::ITrainer& t) override {
     // The file's weights are the average; training goes on from the model's own weights.
     if (pending_params_.empty()) return;
-    copy_into(tracked_tensors(t.module(), false), pending_params_);
+    copy_into(tracked_tensors(t, false), pending_params_);
     copy_into(all_buffers(t.module()), pending_buffers_);
+    t.parameters_changed();
     pending_params_.clear();
     pending_buffers_.clear();
     transferred_ = false;
@@ -197,10 +198,11 @@ class Swa final : public ember::Callback {
 
   void finalize(ember::ITrainer& t) {
     if (n_averaged_ == 0) return;
-    auto params = tracked_tensors(t.module(), false);
+    auto params = tracked_tensors(t, false);
     raw_params_ = clones(params);
     raw_buffers_ = clones(all_buffers(t.module()));
     copy_into(params, averaged_);
+    t.parameters_changed();
     transferred_ = true;
     const int64_t bn = update_batch_norm(t);
     host_.log(ember::LogLevel::info, name_ + ": the model now holds the average of " + std::to_string(n_averaged_) + " epochs" +

@@ -17,23 +17,16 @@
 
 namespace ember_swa {
 
-// Parameters in named_parameters() order, then (with_buffers) the floating-point buffers
-// (batch-norm running statistics; integer counters are never averaged).
-inline std::vector<at::Tensor> tracked_tensors(torch::nn::Module& m, bool with_buffers) {
+// The tensors the strategy trains (parameters, or this rank's shards of them under a sharding
+// strategy: averaging is element-wise, so each rank averages what it holds), then (with_buffers)
+// the floating-point buffers (batch-norm running statistics; integer counters are never
+// averaged; buffers are never sharded). After writing into them, call t.parameters_changed().
+inline std::vector<at::Tensor> tracked_tensors(ember::ITrainer& t, bool with_buffers) {
   std::vector<at::Tensor> out;
-  for (auto& p : m.named_parameters()) out.push_back(p.value());
+  for (auto& p : t.trained_parameters()) out.push_back(p.tensor);
   if (with_buffers)
-    for (auto& b : m.named_buffers())
+    for (auto& b : t.module().named_buffers())
       if (b.value().is_floating_point()) out.push_back(b.value());
-  return out;
-}
-
-inline std::vector<std::string> tracked_names(torch::nn::Module& m, bool with_buffers) {
-  std::vector<std::string> out;
-  for (auto& p : m.named_parameters()) out.push_back(p.key());
-  if (with_buffers)
-    for (auto& b : m.named_buffers())
-      if (b.value().is_floating_point()) out.push_back(b.key());
   return out;
 }
 

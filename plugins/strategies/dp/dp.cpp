@@ -12,6 +12,7 @@
 #include <ember/grad_util.h>
 #include <ember/model.h>
 #include <ember/plugin.h>
+#include <ember/replicated_state.h>
 #include <ember/strategy.h>
 #include <ember/trainer.h>
 
@@ -29,7 +30,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::IntList("devices", "[]", "CUDA device indices to split each batch over (the first one holds the module and gathers the outputs); [] = the first trainer.devices GPUs.").at_least(0),
 };
 
-class Dp final : public ember::IStrategy, public ember::ITrainerAware {
+class Dp final : public ember::ReplicatingStrategy, public ember::ITrainerAware {
  public:
   Dp(ember::IHost& host, const ember::IConfig& cfg) : host_(host), devices_(cfg.get_int_list("devices")), where_(cfg.where("devices")) {}
 
@@ -63,7 +64,8 @@ class Dp final : public ember::IStrategy, public ember::ITrainerAware {
   }
 
   void* query_interface(const char* iid) override {
-    return std::strcmp(iid, ember::kTrainerAwareIid) == 0 ? static_cast<ember::ITrainerAware*>(this) : nullptr;
+    if (std::strcmp(iid, ember::kTrainerAwareIid) == 0) return static_cast<ember::ITrainerAware*>(this);
+    return ReplicatingStrategy::query_interface(iid);
   }
 
   // Called after setup, when the model is known: hands it the devices to split its forward over.
@@ -83,7 +85,7 @@ class Dp final : public ember::IStrategy, public ember::ITrainerAware {
   int64_t world_size() const override { return 1; }
   int64_t local_rank() const override { return 0; }
 
-  void setup(torch::nn::Module& module, std::shared_ptr<torch::optim::Optimizer>& /*optimizer*/) override { module.to(device_); }
+  void place_module(torch::nn::Module& module) override { module.to(device_); }
 
   ember::Batch batch_to_device(ember::Batch batch) override {
     for (auto& t : batch.tensors)

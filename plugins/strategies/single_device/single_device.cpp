@@ -3,6 +3,7 @@
 #include <ember/error.h>
 #include <ember/grad_util.h>
 #include <ember/plugin.h>
+#include <ember/replicated_state.h>
 #include <ember/strategy.h>
 
 #include <torch/cuda.h>
@@ -18,7 +19,7 @@ constexpr EmberConfigKey kKeys[] = {
                        "Device to train on: auto (follows trainer.accelerator: cuda:0 when present, else cpu), cpu, cuda or cuda:N."),
 };
 
-class SingleDevice final : public ember::IStrategy {
+class SingleDevice final : public ember::ReplicatingStrategy {
  public:
   SingleDevice(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host), requested_(cfg.get_string("device")), where_(cfg.where("device")) {
@@ -62,10 +63,7 @@ class SingleDevice final : public ember::IStrategy {
   int64_t world_size() const override { return 1; }
   int64_t local_rank() const override { return 0; }
 
-  void setup(torch::nn::Module& module, std::shared_ptr<torch::optim::Optimizer>& /*optimizer*/) override {
-    // Module::to swaps parameter data in place, so the optimizer's references stay valid.
-    module.to(device_);
-  }
+  void place_module(torch::nn::Module& module) override { module.to(device_); }
 
   ember::Batch batch_to_device(ember::Batch batch) override {
     if (device_.is_cpu()) return batch;

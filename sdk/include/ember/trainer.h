@@ -126,6 +126,18 @@ class EMBER_SDK_API ITrainer {
   // Runs one validation pass now, outside the configured cadence (e.g. after averaged weights
   // were swapped in at the end of training). Its metrics reach loggers and monitors as usual.
   virtual void run_validation() = 0;
+
+  // ---- SDK 1.2 (appended; plugins built against 1.0/1.1 never call these) ----
+
+  // The tensors the optimizer trains, one per module parameter, by name, as the strategy holds
+  // them (ember/strategy.h, IModelStateStrategy::trained_parameters): the parameters themselves
+  // for replicating strategies, this rank's 1-D shard of each under a sharding one. Element-wise
+  // work on them (weight averaging) is therefore right on every rank. Never read parameter values
+  // through module() instead: under a sharding strategy they may not be materialised.
+  virtual std::vector<NamedTensor> trained_parameters() = 0;
+  // After a caller changed trained_parameters() in place (weights swapped in or out): brings the
+  // module's own parameters up to date. Collective: every rank calls it at the same point.
+  virtual void parameters_changed() = 0;
 };
 
 // Extension interface (query_interface(kTrainerAwareIid)) for plugins that are not callbacks

@@ -4,6 +4,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "ember/export.h"
@@ -80,6 +81,12 @@ struct LogOptions {
 };
 
 enum class ReduceOp : int { sum = 0, mean = 1, max = 2, min = 3 };
+
+// A tensor with the module parameter (or buffer) name it stands for. SDK 1.2.
+struct NamedTensor {
+  std::string name;
+  at::Tensor tensor;
+};
 enum class ClipAlgorithm : int { norm = 0, value = 1 };
 
 // Base of every object a plugin creates. `state_dict` is saved in checkpoints under the plugin's

@@ -4,6 +4,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "launch.h"
+
 #include <chrono>
 #include <stdexcept>
 
@@ -11,7 +13,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
-namespace ember_ddp {
+namespace ember_dist {
 
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                     std::chrono::milliseconds timeout, c10::Device device) {
@@ -24,9 +26,9 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
   return pg;
 #else
   (void)store, (void)rank, (void)size, (void)timeout, (void)device;
-  throw std::runtime_error("ddp: this build of the ddp plugin has no NCCL (LibTorch without CUDA, or nccl.h not found at build time); "
+  throw std::runtime_error(strategy_name() + ": this build has no NCCL (LibTorch without CUDA, or nccl.h not found at build time); "
                            "use trainer.accelerator = \"cpu\" with backend = \"mpi\"");
 #endif
 }
 
-}  // namespace ember_ddp
+}  // namespace ember_dist

@@ -28,7 +28,17 @@
 
 extern char** environ;
 
-namespace ember_ddp {
+namespace ember_dist {
+
+namespace {
+std::string& name_storage() {
+  static std::string name = "ddp";
+  return name;
+}
+}  // namespace
+void set_strategy_name(std::string name) { name_storage() = std::move(name); }
+const std::string& strategy_name() { return name_storage(); }
+
 namespace {
 
 std::optional<std::string> env(const char* name) {
@@ -44,7 +54,7 @@ int env_int(const char* name, const std::string& value) {
     if (used == value.size() && v >= 0 && v <= 1 << 30) return static_cast<int>(v);
   } catch (const std::exception&) {
   }
-  throw std::runtime_error(std::string("ddp: environment variable ") + name + " = '" + value +
+  throw std::runtime_error((strategy_name() + ": environment variable ") + name + " = '" + value +
                            "' is not a non-negative integer (check how the job was launched)");
 }
 
@@ -117,7 +127,7 @@ void init_mpi() {
   // Every MPI call of a rank happens on one thread at a time (the backend's thread after setup).
   check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
   if (provided < MPI_THREAD_SERIALIZED)
-    throw std::runtime_error("ddp: this MPI library does not support MPI_THREAD_SERIALIZED (use Open MPI 4.1 from Debian's libopenmpi-dev)");
+    throw std::runtime_error(strategy_name() + ": this MPI library does not support MPI_THREAD_SERIALIZED (use Open MPI 4.1 from Debian's libopenmpi-dev)");
 }
 
 // Starts `ompi-server`, the runtime that lets independently started MPI processes connect, and
@@ -125,11 +135,11 @@ void init_mpi() {
 std::string start_ompi_server(pid_t* pid, std::chrono::milliseconds timeout) {
   char path[] = "/tmp/ember-ddp-ompi-server-XXXXXX";
   const int fd = mkstemp(path);
-  if (fd < 0) throw std::runtime_error(std::string("ddp: cannot create a temporary file: ") + std::strerror(errno));
+  if (fd < 0) throw std::runtime_error((strategy_name() + ": cannot create a temporary file: ") + std::strerror(errno));
   close(fd);
   const pid_t parent = getpid();
   const pid_t child = fork();
-  if (child < 0) throw std::runtime_error(std::string("ddp: fork failed: ") + std::strerror(errno));
+  if (child < 0) throw std::runtime_error((strategy_name() + ": fork failed: ") + std::strerror(errno));
   if (child == 0) {
     prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlives rank 0
     if (getppid() != parent) _exit(1);
@@ -150,12 +160,12 @@ std::string start_ompi_server(pid_t* pid, std::chrono::milliseconds timeout) {
       std::remove(path);
       *pid = -1;
       throw std::runtime_error(WIFEXITED(status) && WEXITSTATUS(status) == 127
-                                   ? "ddp: 'ompi-server' was not found on PATH; install Open MPI (Debian: openmpi-bin, see scripts/setup.sh)"
-                                   : "ddp: ompi-server " + describe_status(status) + " before reporting its address");
+                                   ? strategy_name() + ": 'ompi-server' was not found on PATH; install Open MPI (Debian: openmpi-bin, see scripts/setup.sh)"
+                                   : strategy_name() + ": ompi-server " + describe_status(status) + " before reporting its address");
     }
     if (std::chrono::steady_clock::now() > until) {
       std::remove(path);
-      throw std::runtime_error("ddp: ompi-server did not report its address in time");
+      throw std::runtime_error(strategy_name() + ": ompi-server did not report its address in time");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -198,7 +208,7 @@ std::optional<RankInfo> rank_from_environment() {
     return std::nullopt;
   }
   if (info.world < 1 || info.rank >= info.world || info.local_rank >= std::max(info.local_world, 1))
-    throw std::runtime_error("ddp: the " + info.source + " environment says rank " + std::to_string(info.rank) + " of " +
+    throw std::runtime_error(strategy_name() + ": the " + info.source + " environment says rank " + std::to_string(info.rank) + " of " +
                              std::to_string(info.world) + " (local rank " + std::to_string(info.local_rank) + " of " +
                              std::to_string(info.local_world) + "), which is inconsistent");
   if (auto a = env("MASTER_ADDR")) info.master_addr = *a;
@@ -208,7 +218,7 @@ std::optional<RankInfo> rank_from_environment() {
 
 int free_port() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error(std::string("ddp: socket: ") + std::strerror(errno));
+  if (fd < 0) throw std::runtime_error((strategy_name() + ": socket: ") + std::strerror(errno));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -218,7 +228,7 @@ int free_port() {
       getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     const std::string why = std::strerror(errno);
     close(fd);
-    throw std::runtime_error("ddp: cannot find a free port: " + why);
+    throw std::runtime_error(strategy_name() + ": cannot find a free port: " + why);
   }
   close(fd);
   return ntohs(addr.sin_port);
@@ -237,7 +247,7 @@ int run_local_ranks(const LocalLaunch& l) {
   }
   char exe[4096];
   const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-  if (n <= 0) throw std::runtime_error("ddp: cannot find the engine's own executable (/proc/self/exe)");
+  if (n <= 0) throw std::runtime_error(strategy_name() + ": cannot find the engine's own executable (/proc/self/exe)");
   exe[n] = '\0';
 
   struct Child {
@@ -267,7 +277,7 @@ int run_local_ranks(const LocalLaunch& l) {
     for (auto& s : args) argv.push_back(s.data());
     argv.push_back(nullptr);
     const pid_t pid = fork();
-    if (pid < 0) throw std::runtime_error(std::string("ddp: fork failed: ") + std::strerror(errno));
+    if (pid < 0) throw std::runtime_error((strategy_name() + ": fork failed: ") + std::strerror(errno));
     if (pid == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // ranks never outlive their launcher
       if (getppid() != parent) _exit(1);
@@ -330,7 +340,7 @@ int run_local_ranks(const LocalLaunch& l) {
         failure = "rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") " + describe_status(status);
         exit_code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
       }
-      std::fprintf(stderr, "ddp launcher: %s; stopping the job\n", failure->c_str());
+      std::fprintf(stderr, "%s launcher: %s; stopping the job\n", strategy_name().c_str(), failure->c_str());
       std::fflush(stderr);
       kill_at = std::chrono::steady_clock::now() + l.timeout + std::chrono::seconds(2);
     }
@@ -346,7 +356,7 @@ int run_local_ranks(const LocalLaunch& l) {
   std::signal(SIGINT, SIG_DFL);
   std::signal(SIGTERM, SIG_DFL);
   if (failure) {
-    std::fprintf(stderr, "ddp launcher: the job failed: %s\n", failure->c_str());
+    std::fprintf(stderr, "%s launcher: the job failed: %s\n", strategy_name().c_str(), failure->c_str());
     std::fflush(stderr);
     return exit_code != 0 ? exit_code : 1;
   }
@@ -358,8 +368,8 @@ int run_local_ranks(const LocalLaunch& l) {
 
 c10::intrusive_ptr<c10d::Store> make_store(const RankInfo& info, std::chrono::milliseconds timeout) {
   if (info.master_addr.empty() || info.master_port <= 0)
-    throw std::runtime_error("ddp: rank " + std::to_string(info.rank) + " of " + std::to_string(info.world) + " (started by " +
-                             info.source + ") has no rendezvous address: set MASTER_ADDR and MASTER_PORT, or [ddp] master_addr and master_port");
+    throw std::runtime_error(strategy_name() + ": rank " + std::to_string(info.rank) + " of " + std::to_string(info.world) + " (started by " +
+                             info.source + ") has no rendezvous address: set MASTER_ADDR and MASTER_PORT, or ["+ strategy_name() + "] master_addr and master_port");
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<uint16_t>(info.master_port);
   opts.isServer = info.rank == 0 && !info.agent_store;
@@ -371,7 +381,7 @@ c10::intrusive_ptr<c10d::Store> make_store(const RankInfo& info, std::chrono::mi
     store = c10::make_intrusive<c10d::TCPStore>(info.master_addr, opts);
   } catch (const std::exception& e) {
     std::string what = e.what();
-    throw std::runtime_error("ddp: rank " + std::to_string(info.rank) + " cannot " +
+    throw std::runtime_error(strategy_name() + ": rank " + std::to_string(info.rank) + " cannot " +
                              (opts.isServer ? "host" : "reach") + " the rendezvous store at " + info.master_addr + ":" +
                              std::to_string(info.master_port) + ": " + what.substr(0, what.find('\n')));
   }
@@ -389,12 +399,12 @@ MPI_Comm join_mpi(const RankInfo& info, c10d::Store* store, std::chrono::millise
     MPI_Comm_rank(comm, &rank);
     MPI_Comm_size(comm, &size);
     if (size != info.world || rank != info.rank)
-      throw std::runtime_error("ddp: MPI says rank " + std::to_string(rank) + " of " + std::to_string(size) + " but " + info.source +
+      throw std::runtime_error(strategy_name() + ": MPI says rank " + std::to_string(rank) + " of " + std::to_string(size) + " but " + info.source +
                                " says rank " + std::to_string(info.rank) + " of " + std::to_string(info.world) +
                                " (is the engine linked against the MPI of the mpirun that started it?)");
     return comm;
   }
-  if (store == nullptr) throw std::runtime_error("ddp: joining an MPI group needs the rendezvous store");
+  if (store == nullptr) throw std::runtime_error(strategy_name() + ": joining an MPI group needs the rendezvous store");
   // Independently started processes (torchrun, the local launcher) share no MPI runtime: rank 0
   // starts an ompi-server for all of them, then they join one by one with accept/connect.
   if (is_loopback(info.master_addr)) {
@@ -404,7 +414,7 @@ MPI_Comm join_mpi(const RankInfo& info, c10d::Store* store, std::chrono::millise
   // Singletons do not know whether the node is oversubscribed (mpirun does): without this, a
   // rank waiting in a collective spins and takes the core a peer needs (8x slower on 2 cores).
   set_default_env("OMPI_MCA_mpi_yield_when_idle", "1");
-  Deadline deadline(timeout, "ddp: rank " + std::to_string(info.rank) + ": joining the MPI group of " + std::to_string(info.world) + " ranks");
+  Deadline deadline(timeout, strategy_name() + ": rank " + std::to_string(info.rank) + ": joining the MPI group of " + std::to_string(info.world) + " ranks");
   std::string uri;
   if (info.rank == 0) {
     uri = start_ompi_server(server, timeout);
@@ -444,9 +454,9 @@ MPI_Comm join_mpi(const RankInfo& info, c10d::Store* store, std::chrono::millise
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
   if (rank != info.rank || size != info.world)
-    throw std::runtime_error("ddp: joined the MPI group as rank " + std::to_string(rank) + " of " + std::to_string(size) +
+    throw std::runtime_error(strategy_name() + ": joined the MPI group as rank " + std::to_string(rank) + " of " + std::to_string(size) +
                              ", expected " + std::to_string(info.rank) + " of " + std::to_string(info.world));
   return comm;
 }
 
-}  // namespace ember_ddp
+}  // namespace ember_dist

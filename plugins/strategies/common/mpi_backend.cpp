@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <stdexcept>
 
-namespace ember_ddp {
+namespace ember_dist {
 
 void check_mpi(int code, const char* call) {
   if (code == MPI_SUCCESS) return;
@@ -51,7 +51,7 @@ MPI_Op mpi_op(const c10d::ReduceOp& op) {
 void require_cpu(const std::vector<at::Tensor>& tensors, const char* what) {
   for (const auto& t : tensors)
     TORCH_CHECK(t.defined() && t.device().is_cpu(), "ember_mpi ", what,
-                ": only CPU tensors are supported (use ddp.backend = \"nccl\" for CUDA tensors)");
+                ": only CPU tensors are supported (use backend = \"nccl\" for CUDA tensors)");
 }
 
 // Runs `fn` on a contiguous tensor of an MPI type (a staging copy when `t` is not one) and
@@ -239,8 +239,43 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allgather(std::vector<std::vector<at:
   });
 }
 
+// all_gather_into_tensor: `output` holds world_size * input.numel() elements, rank r's input at
+// offset r * input.numel(). Bytes are gathered, so any dtype works.
+c10::intrusive_ptr<c10d::Work> MpiBackend::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& /*opts*/) {
+  require_cpu({output, input}, "_allgather_base");
+  TORCH_CHECK(output.numel() == input.numel() * size_ && output.scalar_type() == input.scalar_type() && output.is_contiguous(),
+              "ember_mpi _allgather_base: the output must be a contiguous tensor of world_size x the input's elements and dtype");
+  at::Tensor out = output, in = input;
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, {out}, "", [this, in, out]() mutable {
+    at::Tensor src = in.contiguous();
+    const int bytes = static_cast<int>(src.nbytes());
+    check_mpi(MPI_Allgather(src.data_ptr(), bytes, MPI_BYTE, out.data_ptr(), bytes, MPI_BYTE, comm_), "MPI_Allgather");
+  });
+}
+
+// reduce_scatter_tensor: rank r receives the reduction of every rank's input slice
+// [r * output.numel(), (r + 1) * output.numel()). Half and bfloat16 reduce in float32.
+c10::intrusive_ptr<c10d::Work> MpiBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                const c10d::ReduceScatterOptions& opts) {
+  require_cpu({output, input}, "_reduce_scatter_base");
+  TORCH_CHECK(input.numel() == output.numel() * size_ && output.scalar_type() == input.scalar_type(),
+              "ember_mpi _reduce_scatter_base: the input must hold world_size x the output's elements, of the same dtype");
+  const MPI_Op op = mpi_op(opts.reduceOp);
+  const bool average = opts.reduceOp == c10d::ReduceOp::AVG;
+  at::Tensor out = output, in = input;
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, {out}, "", [this, in, out, op, average]() mutable {
+    const bool native = mpi_type(in.scalar_type()) != MPI_DATATYPE_NULL;
+    at::Tensor src = native ? in.contiguous() : in.to(at::kFloat).contiguous();
+    at::Tensor dst = native && out.is_contiguous() ? out : at::empty({out.numel()}, src.options());
+    check_mpi(MPI_Reduce_scatter_block(src.data_ptr(), dst.data_ptr(), static_cast<int>(out.numel()), mpi_type(src.scalar_type()), op, comm_),
+              "MPI_Reduce_scatter_block");
+    if (!dst.is_same(out)) out.copy_(dst.view(out.sizes()));
+    if (average) out.div_(size_);
+  });
+}
+
 c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions& /*opts*/) {
   return enqueue(c10d::OpType::BARRIER, {}, "", [this] { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); });
 }
 
-}  // namespace ember_ddp
+}  // namespace ember_dist

@@ -1,6 +1,6 @@
 // A c10d::Backend over Open MPI, for CPU tensors. The PyPI LibTorch wheel ships neither Gloo's
 // headers nor ProcessGroupMPI's implementation, so this thin adapter maps the c10d collectives
-// ddp needs onto MPI calls (docs/decisions.md says why MPI and not a collective library of our
+// Ember's strategies need onto MPI calls (docs/decisions.md says why MPI and not a collective library of our
 // own). All MPI calls run, in submission order, on one communication thread, so collectives
 // overlap with the caller (gradient buckets all-reduce while backward goes on). A watchdog
 // turns a collective that does not finish within the timeout into a clear error and an exit.
@@ -18,7 +18,7 @@
 #include <string>
 #include <thread>
 
-namespace ember_ddp {
+namespace ember_dist {
 
 // Exit status of a rank that gave up because a peer failed (died, hung, or broke the link).
 constexpr int kPeerFailureExit = 3;
@@ -57,6 +57,9 @@ class MpiBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts = {}) override;
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions& opts = {}) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts = {}) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts = {}) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = {}) override;
 
   // A label for the next collective this thread submits ("gradient bucket 2"), for error lines.
@@ -94,4 +97,4 @@ class MpiBackend final : public c10d::Backend {
 // "MPI_Allreduce: <MPI's own error text>" for a failed MPI call; throws std::runtime_error.
 void check_mpi(int code, const char* call);
 
-}  // namespace ember_ddp
+}  // namespace ember_dist

@@ -1,4 +1,4 @@
-// How ddp ranks come to be and find each other: the launchers' rank environments, the local
+// How the ranks of a multi-process strategy (ddp, sharded) come to be and find each other: the launchers' rank environments, the local
 // launcher (trainer.devices = N), the TCPStore rendezvous and the joining of an MPI group.
 #pragma once
 #include <mpi.h>
@@ -11,7 +11,11 @@
 #include <sys/types.h>
 #include <vector>
 
-namespace ember_ddp {
+namespace ember_dist {
+
+// The strategy plugin these ranks belong to ("ddp", "sharded"): the prefix of every message.
+void set_strategy_name(std::string name);
+const std::string& strategy_name();
 
 struct RankInfo {
   int rank = 0, world = 1, local_rank = 0, local_world = 1;
@@ -52,4 +56,4 @@ c10::intrusive_ptr<c10d::Store> make_store(const RankInfo& info, std::chrono::mi
 // through `store`. `*server` gets the ompi-server's pid on rank 0 (else -1).
 MPI_Comm join_mpi(const RankInfo& info, c10d::Store* store, std::chrono::milliseconds timeout, pid_t* server);
 
-}  // namespace ember_ddp
+}  // namespace ember_dist

@@ -1,0 +1,38 @@
+// Sharded checkpoint directories (docs/checkpoint.md): one part per rank plus the run's own state,
+// committed atomically. A directory `D` (e.g. last.ckpt/) holds
+//   meta.ckpt        rank 0: the usual checkpoint dict without state_dict/optimizer, plus
+//                    "sharded" = {world_size, strategy}
+//   rank<k>.ckpt     rank k's part (the strategy's IShardedCheckpoint::sharded_state())
+// It is written as `.D.partial` next to D; when every rank's part and the meta are on disk, rank 0
+// swaps it into place with one rename (renameat2 RENAME_EXCHANGE when D exists), so a crash at any
+// point leaves the previous D whole.
+#pragma once
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+
+namespace ember::engine {
+
+// Whether `path` is a sharded checkpoint directory.
+bool is_sharded_checkpoint(const std::filesystem::path& path);
+
+struct ShardedWrite {
+  int64_t rank = 0, world = 1;
+  // Collective: the largest value over the ranks (to agree that a step failed somewhere).
+  std::function<double(double)> max_over_ranks;
+};
+// Every rank calls it with its part; rank 0 also passes the meta dict. Throws on every rank when
+// any rank failed, naming what failed where it is known.
+void write_sharded_checkpoint(const std::filesystem::path& dir, const c10::IValue& part, const c10::IValue& meta,
+                              const ShardedWrite& how);
+
+c10::impl::GenericDict read_sharded_meta(const std::filesystem::path& dir);
+c10::IValue read_sharded_part(const std::filesystem::path& dir, int64_t rank);
+
+// Deletes a file or a directory tree (LibTorch's wheel breaks std::filesystem::remove_all).
+void remove_tree(const std::filesystem::path& path);
+
+}  // namespace ember::engine

@@ -1,0 +1,141 @@
+// ember::ReplicatedModelState: strategy contract 2 (IModelStateStrategy) for strategies whose
+// every rank holds the whole module (single_device, dp, ddp). Header-only: a strategy keeps one
+// and forwards the state calls to it, adding only its own part (placement, broadcasts).
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize.h>
+
+#include <memory>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ember/error.h"
+#include "ember/model.h"
+#include "ember/strategy.h"
+
+namespace ember {
+
+class ReplicatedModelState {
+ public:
+  // Requires: called once, with the module the strategy has placed.
+  void set_module(torch::nn::Module& module) { module_ = &module; }
+  torch::nn::Module& module() const { return *module_; }
+
+  std::shared_ptr<torch::optim::Optimizer> build_optimizer(IOptimizerFactory& factory) {
+    optimizer_ = factory.build(trained_parameters());
+    return optimizer_;
+  }
+  const std::shared_ptr<torch::optim::Optimizer>& optimizer() const { return optimizer_; }
+
+  void zero_grad() {
+    if (optimizer_) optimizer_->zero_grad(/*set_to_none=*/true);
+  }
+
+  std::vector<NamedTensor> trained_parameters() const {
+    std::vector<NamedTensor> out;
+    for (const auto& p : module_->named_parameters()) out.push_back({p.key(), p.value()});
+    return out;
+  }
+
+  c10::Dict<std::string, at::Tensor> full_model_state(bool build) const {
+    c10::Dict<std::string, at::Tensor> out;
+    if (!build) return out;
+    for (const auto& p : module_->named_parameters()) out.insert(p.key(), p.value().detach().to(at::kCPU).clone());
+    for (const auto& b : module_->named_buffers()) out.insert(b.key(), b.value().detach().to(at::kCPU).clone());
+    return out;
+  }
+
+  void load_full_model_state(const c10::Dict<std::string, at::Tensor>& state) {
+    at::NoGradGuard no_grad;
+    std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+    std::vector<std::string> missing;
+    auto check = [&](const std::string& name, const at::Tensor& target) {
+      auto it = state.find(name);
+      if (it == state.end()) {
+        missing.push_back(name);
+        return;
+      }
+      if (it->value().sizes() != target.sizes())
+        throw RunError("'" + name + "' has shape " + c10::str(it->value().sizes()) + " but the model's is " +
+                       c10::str(target.sizes()) + " (was it saved from a model with other settings?)");
+      copies.emplace_back(target, it->value());
+    };
+    for (const auto& p : module_->named_parameters()) check(p.key(), p.value());
+    for (const auto& b : module_->named_buffers()) check(b.key(), b.value());
+    if (!missing.empty())
+      throw RunError("lacks " + std::to_string(missing.size()) + " of the model's tensors, e.g. '" + missing.front() +
+                     "' (was it saved from another model?)");
+    for (auto& [target, source] : copies) target.detach().copy_(source);
+  }
+
+  std::string full_optimizer_state(bool build) const {
+    if (!build || !optimizer_) return {};
+    std::ostringstream out;
+    torch::save(*optimizer_, out);
+    return out.str();
+  }
+
+  void load_full_optimizer_state(const std::string& bytes) {
+    std::istringstream in(bytes);
+    // torch::load only adds the saved per-parameter states: without this, moments built up after
+    // the checkpoint (a tuner's trial steps) would survive restoring one saved before any step.
+    optimizer_->state().clear();
+    torch::load(*optimizer_, in);
+  }
+
+ private:
+  torch::nn::Module* module_ = nullptr;
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+};
+
+}  // namespace ember
+
+namespace ember {
+
+// Base of a strategy whose ranks all hold the whole module: implements strategy contract 2 with a
+// ReplicatedModelState and answers query_interface(kModelStateStrategyIid). The strategy adds
+// its own part in place_module (move to its device, broadcast rank 0's weights, hook gradients)
+// and implements the rest of IStrategy.
+class ReplicatingStrategy : public IStrategy, public IModelStateStrategy {
+ public:
+  // Contract 1 (an engine older than SDK 1.2 calls this instead of setup_module).
+  void setup(torch::nn::Module& module, std::shared_ptr<torch::optim::Optimizer>& /*optimizer*/) override {
+    place_module(module);
+  }
+
+  void* query_interface(const char* iid) override {
+    if (std::string_view(iid) == kModelStateStrategyIid) return static_cast<IModelStateStrategy*>(this);
+    return IStrategy::query_interface(iid);
+  }
+
+  void setup_module(IModel& model) override {
+    place_module(model.module());
+    state_.set_module(model.module());
+  }
+  std::shared_ptr<torch::optim::Optimizer> setup_optimizer(IOptimizerFactory& factory) override {
+    return state_.build_optimizer(factory);
+  }
+  void forward_begin(bool /*grad_enabled*/) override {}
+  void forward_end() override {}
+  void zero_grad() override { state_.zero_grad(); }
+  std::vector<NamedTensor> trained_parameters() override { return state_.trained_parameters(); }
+  void parameters_changed() override {}
+  c10::Dict<std::string, at::Tensor> full_model_state(bool rank0_only) override {
+    return state_.full_model_state(!rank0_only || rank() == 0);
+  }
+  void load_full_model_state(const c10::Dict<std::string, at::Tensor>& state) override { state_.load_full_model_state(state); }
+  std::string full_optimizer_state(bool rank0_only) override { return state_.full_optimizer_state(!rank0_only || rank() == 0); }
+  void load_full_optimizer_state(const std::string& bytes) override { state_.load_full_optimizer_state(bytes); }
+
+ protected:
+  // Moves the module to the strategy's device(s) and does its own setup (broadcasts, hooks).
+  virtual void place_module(torch::nn::Module& module) = 0;
+  ReplicatedModelState state_;
+};
+
+}  // namespace ember

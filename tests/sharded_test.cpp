@@ -1,0 +1,379 @@
+// sharded (ZeRO stages 1-3) on CPU with 2 and 3 ranks on loopback: the same weights as
+// single_device with the matching global batch, with uneven shards (no parameter count divides
+// by 2 or 3), accumulation and clipping; amp16/bf16 within a tolerance an unsynchronised run
+// fails; checkpoints that resume on another world size (and under single_device) exactly; the
+// training tricks under stage 3.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <regex>
+
+#include "checkpoint_support.h"
+#include "support.h"
+
+using namespace ember::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+// 72 samples, global batch 24: 1 rank x 24, 2 ranks x 12 and 3 ranks x 8 see the same samples in
+// every optimizer step (the loader deals shuffled sample i to rank i % world). The mlp's hidden
+// layers are units (gathered one at a time under stage 3); 23 and 17 make every parameter's size
+// indivisible by 2 and by 3, so shards are padded.
+const char* kRun = R"(
+[trainer]
+max_epochs = 2
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+log_every_n_steps = 1
+[model]
+name = "mlp"
+input_size = 32
+hidden = [23, 17]
+num_classes = 4
+[data]
+name = "synthetic"
+shape = [32]
+num_classes = 4
+num_train = 72
+num_val = 24
+num_test = 0
+batch_size = 24
+shuffle = true
+[optimizer]
+)";
+const char* kSgd = "name = \"sgd\"\nlr = 0.1\nmomentum = 0.9\n";
+const char* kAdam = "name = \"adam\"\nlr = 0.01\n";
+
+void write_run(const TempDir& dir, const char* optimizer = kSgd) { write_file(dir / "run.toml", std::string(kRun) + optimizer); }
+
+// The largest element difference between the weights of two checkpoints (printed as the worst
+// tensor's name when a test fails).
+struct Difference {
+  double value = 0;
+  std::string name;
+  operator double() const { return value; }  // NOLINT: compared directly in EXPECT_LE
+};
+std::ostream& operator<<(std::ostream& os, const Difference& d) { return os << d.value << " ('" << d.name << "')"; }
+
+Difference max_difference(const fs::path& a, const fs::path& b) {
+  auto wa = weights(a), wb = weights(b);
+  EXPECT_EQ(wa.size(), wb.size());
+  Difference worst;
+  for (const auto& [name, t] : wa) {
+    EXPECT_TRUE(wb.count(name)) << name;
+    if (!wb.count(name)) continue;
+    EXPECT_EQ(t.sizes(), wb.at(name).sizes()) << name;
+    const double d = (t.to(at::kDouble) - wb.at(name).to(at::kDouble)).abs().max().item<double>();
+    if (d > worst.value) worst = {d, name};
+  }
+  return worst;
+}
+
+fs::path last(const TempDir& d, int version = 0) {
+  return d / ("runs/run/version_" + std::to_string(version) + "/checkpoints/last.ckpt");
+}
+
+ProcessResult engine_ok(const TempDir& dir, std::vector<std::string> args, int timeout_s = 240) {
+  auto r = run_engine(args, dir.path(), {}, timeout_s);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return r;
+}
+
+// single_device with the global batch (24).
+void reference(const TempDir& dir, std::vector<std::string> extra = {}, const char* optimizer = kSgd) {
+  write_run(dir, optimizer);
+  std::vector<std::string> args = {"run.toml"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  engine_ok(dir, args);
+}
+
+// sharded with `ranks` ranks of batch 24 / ranks.
+ProcessResult sharded(const TempDir& dir, int stage, int ranks, std::vector<std::string> extra = {}, const char* optimizer = kSgd) {
+  write_run(dir, optimizer);
+  std::vector<std::string> args = {"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=30.0",
+                                   "--set", "trainer.devices=" + std::to_string(ranks),
+                                   "--set", "sharded.stage=" + std::to_string(stage),
+                                   "--set", "data.batch_size=" + std::to_string(24 / ranks)};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return engine_ok(dir, args);
+}
+
+int64_t count_of(const std::string& text, const std::string& pattern) {
+  std::smatch m;
+  if (!std::regex_search(text, m, std::regex(pattern))) return -1;
+  return std::stoll(m[1].str());
+}
+
+struct StageRanks {
+  int stage, ranks;
+};
+
+class ShardedStages : public ::testing::TestWithParam<StageRanks> {};
+
+}  // namespace
+
+TEST_P(ShardedStages, MatchSingleDeviceWithTheGlobalBatch) {
+  const auto [stage, ranks] = GetParam();
+  TempDir single("sharded"), dir("sharded");
+  reference(single);
+  // Tiny groups: the parameters outside units are reduce-scattered in several pieces, some of
+  // them while backward still runs.
+  auto r = sharded(dir, stage, ranks, {"--set", "sharded.bucket_cap_mb=0.0001"});
+  EXPECT_LE(max_difference(last(single), last(dir)), 1e-5);
+  EXPECT_GT(count_of(r.err, R"((\d+) reduce-scatters)"), 0) << r.err;
+  EXPECT_GT(count_of(r.err, R"(\((\d+) started while backward was still running\))"), 0) << r.err;
+  if (stage == 3) EXPECT_GT(count_of(r.err, R"(\((\d+) prefetched\))"), 0) << r.err;
+  // Every rank trains its part: together they hold every element exactly once.
+  std::regex part(R"(this rank trains (\d+) of (\d+) elements)");
+  int64_t sum = 0, total = 0;
+  for (std::sregex_iterator it(r.err.begin(), r.err.end(), part), end; it != end; ++it) {
+    sum += std::stoll((*it)[1].str());
+    total = std::stoll((*it)[2].str());
+  }
+  EXPECT_EQ(sum, total) << r.err;
+  EXPECT_GT(total, 0);
+  EXPECT_FALSE(fs::exists(dir / "runs/run/version_1"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Sharded, ShardedStages,
+                         ::testing::Values(StageRanks{1, 2}, StageRanks{2, 2}, StageRanks{3, 2}, StageRanks{1, 3}, StageRanks{2, 3},
+                                           StageRanks{3, 3}),
+                         [](const auto& info) {
+                           return "stage" + std::to_string(info.param.stage) + "_ranks" + std::to_string(info.param.ranks);
+                         });
+
+// Adam (per-element state in every shard), accumulation (stage 1 talks only on the updating
+// micro-batch, stages 2-3 on each) and clipping by global norm (the norm spans the shards).
+TEST(Sharded, AccumulationAndClippingMatchSingleDevice) {
+  const std::vector<std::string> extra = {"--set", "trainer.accumulate_grad_batches=2", "--set", "trainer.gradient_clip_val=0.05"};
+  TempDir single("sharded");
+  auto ref = extra;
+  ref.insert(ref.end(), {"--set", "data.batch_size=12"});
+  reference(single, ref, kAdam);
+  for (int stage : {1, 3}) {
+    TempDir dir("sharded");
+    // 2 ranks x 6 x 2 micro-batches = 24 per step, as 12 x 2 on one device.
+    auto a = extra;
+    a.insert(a.end(), {"--set", "data.batch_size=6"});
+    write_run(dir, kAdam);
+    std::vector<std::string> args = {"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=30.0", "--set", "trainer.devices=2",
+                                     "--set", "sharded.stage=" + std::to_string(stage)};
+    args.insert(args.end(), a.begin(), a.end());
+    engine_ok(dir, args);
+    EXPECT_LE(max_difference(last(single), last(dir)), 1e-5) << "stage " << stage;
+  }
+}
+
+// A full checkpoint is world-size independent: saved by 2 ranks, resumed by 3 (re-sharded) and
+// by single_device, each ends exactly like the uninterrupted single-device run.
+TEST(Sharded, CheckpointResumesOnAnotherWorldSizeAndUnderSingleDevice) {
+  TempDir single("sharded"), three("sharded"), one("sharded");
+  reference(single, {}, kAdam);
+  const std::vector<std::string> epoch1 = {"--set", "trainer.max_epochs=1"};
+  sharded(three, 3, 2, epoch1, kAdam);
+  fs::copy_file(last(three), one / "two_ranks.ckpt");
+  auto r = sharded(three, 3, 3, {"--resume", "last"}, kAdam);
+  EXPECT_NE(r.err.find("re-sharded onto 3"), std::string::npos) << r.err;
+  EXPECT_LE(max_difference(last(single), last(three)), 1e-5);
+  write_run(one, kAdam);
+  auto o = engine_ok(one, {"run.toml", "--resume", "two_ranks.ckpt"});
+  EXPECT_NE(o.err.find("resumed from"), std::string::npos) << o.err;
+  EXPECT_LE(max_difference(last(single), last(one)), 1e-5) << o.err;
+  // And the other way: single_device's checkpoint resumes under sharding.
+  TempDir back("sharded");
+  write_run(back, kAdam);
+  engine_ok(back, {"run.toml", "--set", "trainer.max_epochs=1"});
+  sharded(back, 2, 3, {"--resume", "last"}, kAdam);
+  EXPECT_LE(max_difference(last(single), last(back)), 1e-5);
+}
+
+// amp16 and bf16 under stage 3 agree with single_device in the same precision within a tolerance
+// that a run without gradient synchronisation (one rank on its half of each batch) exceeds.
+TEST(Sharded, MixedPrecisionMatchesSingleDeviceWithinTolerance) {
+  for (const char* precision : {"16-mixed", "bf16-mixed"}) {
+    const std::vector<std::string> mode = {"--set", std::string("trainer.precision=\"") + precision + "\""};
+    TempDir single("sharded"), dir("sharded"), alone("sharded");
+    reference(single, mode);
+    sharded(dir, 3, 2, mode);
+    auto lone = mode;
+    lone.insert(lone.end(), {"--set", "data.batch_size=12"});
+    reference(alone, lone);
+    const Difference synced = max_difference(last(single), last(dir));
+    const Difference unsynced = max_difference(last(single), last(alone));
+    EXPECT_LE(synced, 0.02) << precision;
+    EXPECT_GT(unsynced, 0.02) << precision << ": the tolerance would not catch a missing synchronisation";
+  }
+}
+
+// The training tricks under stage 3 compute what they compute under single_device: swa and ema
+// average the shards, a scheduler steps the sharded optimizer, early stopping and top-k
+// checkpoints read reduced metrics.
+TEST(Sharded, TricksUnderStage3MatchSingleDevice) {
+  const std::vector<std::string> tricks = {
+      "--plugins", "checkpoint,early_stopping,cosine,ema", "--set", "trainer.max_epochs=4", "--set", "checkpoint.save_top_k=2",
+      "--set", "checkpoint.monitor=\"val_loss\"", "--set", "early_stopping.monitor=\"val_loss\"", "--set", "early_stopping.patience=5"};
+  TempDir single("sharded"), dir("sharded");
+  reference(single, tricks);
+  auto r = sharded(dir, 3, 2, tricks);
+  EXPECT_LE(max_difference(last(single), last(dir)), 1e-5);
+  int ckpts = 0;
+  for (const auto& e : fs::directory_iterator(dir / "runs/run/version_0/checkpoints")) ckpts += e.path().extension() == ".ckpt";
+  EXPECT_EQ(ckpts, 3) << "top-2 plus last";
+  TempDir swa_single("sharded"), swa_dir("sharded");
+  const std::vector<std::string> swa = {"--plugins", "swa", "--set", "trainer.max_epochs=4", "--set", "swa.swa_epoch_start=2",
+                                        "--set", "swa.swa_lrs=[0.05]"};
+  reference(swa_single, swa);
+  sharded(swa_dir, 3, 3, swa);
+  EXPECT_LE(max_difference(last(swa_single), last(swa_dir)), 1e-5);
+}
+
+TEST(Sharded, BadSettingsAreOneClearLine) {
+  TempDir dir("sharded");
+  write_run(dir);
+  auto r = run_engine({"--plugins", "sharded", "run.toml", "--set", "sharded.stage=4"}, dir.path(), {}, 60);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("sharded.stage"), std::string::npos) << r.err;
+}
+
+// Batch norm under ddp and sharded: with broadcast_buffers (the default) every rank evaluates with
+// rank 0's statistics; without it each rank's statistics drift with its own batches, which this
+// probe sees (so the check can fail).
+TEST(DistributedBuffers, BatchNormStatisticsAgreeAcrossRanks) {
+  const char* kBn = R"(
+[trainer]
+max_epochs = 2
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+[model]
+name = "bn_mlp"
+input_size = 16
+hidden = 8
+num_classes = 4
+[data]
+name = "synthetic"
+shape = [16]
+num_classes = 4
+num_train = 64
+num_val = 16
+num_test = 0
+batch_size = 8
+[optimizer]
+name = "sgd"
+lr = 0.1
+)";
+  std::regex line(R"(buffer_probe: rank (\d) epoch (\d+) buffers (\S+))");
+  for (const std::string strategy : {"ddp", "sharded"})
+    for (const bool broadcast : {true, false}) {
+      TempDir dir("buffers");
+      write_file(dir / "run.toml", kBn);
+      auto r = run_engine({"--plugin-path", test_plugin_dir("good").string(), "--plugins", strategy + ",buffer_probe", "run.toml",
+                           "--set", "trainer.devices=2", "--set", strategy + ".timeout=30.0", "--set",
+                           strategy + ".broadcast_buffers=" + (broadcast ? "true" : "false")},
+                          dir.path(), {}, 180);
+      ASSERT_EQ(r.exit_code, 0) << r.err;
+      std::map<std::string, std::map<std::string, std::string>> by_epoch;  // epoch -> rank -> sum
+      for (std::sregex_iterator it(r.err.begin(), r.err.end(), line), end; it != end; ++it) by_epoch[(*it)[2]][(*it)[1]] = (*it)[3];
+      ASSERT_EQ(by_epoch.size(), 2u) << r.err;
+      bool all_equal = true;
+      for (auto& [epoch, ranks] : by_epoch) {
+        ASSERT_EQ(ranks.size(), 2u) << r.err;
+        all_equal = all_equal && ranks["0"] == ranks["1"];
+      }
+      EXPECT_EQ(all_equal, broadcast) << strategy << " broadcast_buffers=" << broadcast << "\n" << r.err;
+    }
+}
+
+// Memory at the step, measured on each rank (memory_probe): sharding the optimizer state (1), the
+// gradients (2) and the parameters (3) each lowers what a rank holds; stage 3 holds about 1/N of
+// ddp's (padding aside: nothing is gathered at the step).
+TEST(Sharded, StateMemoryPerRankShrinksWithEachStage) {
+  std::regex probe(R"(memory_probe: rank 0 step 2: .* total (\d+) bytes)");
+  auto measure = [&](const std::vector<std::string>& strategy) {
+    TempDir dir("sharded");
+    write_run(dir, kAdam);
+    std::vector<std::string> args = {"--plugin-path", test_plugin_dir("good").string(), "run.toml", "--set", "trainer.devices=2",
+                                     "--set", "data.batch_size=12", "--set", "trainer.max_epochs=1", "--set", "model.hidden=[64, 64]"};
+    args.insert(args.end(), strategy.begin(), strategy.end());
+    auto r = engine_ok(dir, args);
+    std::smatch m;
+    EXPECT_TRUE(std::regex_search(r.err, m, probe)) << r.err;
+    return m.empty() ? int64_t{0} : std::stoll(m[1].str());
+  };
+  const int64_t ddp = measure({"--plugins", "ddp,memory_probe", "--set", "ddp.timeout=30.0"});
+  std::vector<int64_t> stage(4, 0);
+  for (int s = 1; s <= 3; ++s)
+    stage[s] = measure({"--plugins", "sharded,memory_probe", "--set", "sharded.timeout=30.0", "--set", "sharded.stage=" + std::to_string(s)});
+  EXPECT_GT(ddp, 0);
+  EXPECT_LT(stage[1], ddp);
+  EXPECT_LT(stage[2], stage[1]);
+  EXPECT_LT(stage[3], stage[2]);
+  EXPECT_LE(static_cast<double>(stage[3]), 0.5 * static_cast<double>(ddp) * 1.02) << "ddp " << ddp << ", stage 3 " << stage[3];
+}
+
+// state_dict_type = "sharded": a directory of one part per rank, nothing gathered. Saved by 2
+// ranks, it resumes on 3 and on 1 exactly; `engine checkpoint consolidate` makes the single file
+// that single_device resumes from; single_device refuses the directory with one line saying so.
+TEST(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
+  TempDir single("sharded"), dir("sharded");
+  reference(single, {}, kAdam);
+  const std::vector<std::string> sharded_ckpt = {"--set", "sharded.state_dict_type=\"sharded\""};
+  auto epoch1 = sharded_ckpt;
+  epoch1.insert(epoch1.end(), {"--set", "trainer.max_epochs=1"});
+  sharded(dir, 3, 2, epoch1, kAdam);
+  const fs::path saved = last(dir);
+  ASSERT_TRUE(fs::is_directory(saved)) << saved;
+  for (const char* f : {"meta.ckpt", "rank0.ckpt", "rank1.ckpt"}) EXPECT_TRUE(fs::is_regular_file(saved / f)) << f;
+  EXPECT_FALSE(fs::exists(saved.parent_path() / ".last.ckpt.partial"));
+  // Keep the 2-rank directory for the other resumes.
+  TempDir keep("sharded");
+  fs::create_directories(keep / "two_ranks.ckpt");
+  for (const auto& e : fs::directory_iterator(saved)) fs::copy_file(e.path(), keep / "two_ranks.ckpt" / e.path().filename());
+
+  for (int ranks : {3, 1}) {
+    TempDir r("sharded");
+    write_run(r, kAdam);
+    auto out = sharded(r, 2, ranks, {"--resume", (keep / "two_ranks.ckpt").string()}, kAdam);
+    EXPECT_NE(out.err.find("resumed from"), std::string::npos) << out.err;
+    EXPECT_LE(max_difference(last(single), last(r)), 1e-5) << ranks << " ranks";
+  }
+  // single_device cannot read parts: it says what to do.
+  TempDir plain("sharded");
+  write_run(plain, kAdam);
+  auto refused = run_engine({"run.toml", "--resume", (keep / "two_ranks.ckpt").string()}, plain.path(), {}, 60);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.err.find("engine checkpoint consolidate"), std::string::npos) << refused.err;
+  // Consolidated, it resumes under single_device exactly.
+  auto c = run_engine({"checkpoint", "consolidate", (keep / "two_ranks.ckpt").string(), (keep / "whole.ckpt").string()}, keep.path(), {}, 120);
+  ASSERT_EQ(c.exit_code, 0) << c.err;
+  auto whole = weights(keep / "whole.ckpt");
+  EXPECT_EQ(whole.at("fc1.weight").sizes(), (std::vector<int64_t>{23, 32}));
+  TempDir from_whole("sharded");
+  write_run(from_whole, kAdam);
+  engine_ok(from_whole, {"run.toml", "--resume", (keep / "whole.ckpt").string()});
+  EXPECT_LE(max_difference(last(single), last(from_whole)), 1e-5);
+}
+
+// A rank killed while a sharded checkpoint is being saved leaves the previous one whole: the job
+// fails (bounded by the timeout), and --resume last continues from the epoch before, exactly.
+TEST(Sharded, KilledMidSaveKeepsThePreviousCheckpoint) {
+  TempDir single("sharded"), dir("sharded");
+  reference(single, {}, kAdam);
+  write_run(dir, kAdam);
+  // Step 6 is the end of epoch 2: rank 1 dies as that checkpoint is being saved.
+  auto r = run_engine({"--plugin-path", test_plugin_dir("good").string(), "--plugins", "sharded,chaos", "run.toml", "--set",
+                       "sharded.timeout=10.0", "--set", "trainer.devices=2", "--set", "data.batch_size=12", "--set",
+                       "sharded.state_dict_type=\"sharded\"", "--set", "chaos.step=6", "--set", "chaos.hook=\"on_save_checkpoint\""},
+                      dir.path(), {}, 120);
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  auto meta_ok = run_engine({"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=30.0", "--set", "trainer.devices=2",
+                             "--set", "data.batch_size=12", "--set", "sharded.state_dict_type=\"sharded\"", "--resume", "last"},
+                            dir.path(), {}, 180);
+  ASSERT_EQ(meta_ok.exit_code, 0) << meta_ok.err;
+  EXPECT_NE(meta_ok.err.find("at epoch 0, step 3"), std::string::npos) << meta_ok.err;
+  EXPECT_LE(max_difference(last(single), last(dir)), 1e-5);
+}
