@@ -1,5 +1,6 @@
-// Test plugin: at every on_validation_start logs, per rank, the sum of the model's floating-point
-// buffers (batch-norm statistics), so tests can check that every rank evaluates with the same ones:
+// Test plugin: after the first batch of every validation pass logs, per rank, the sum of the
+// model's floating-point buffers (batch-norm statistics) that batch was evaluated with, so tests
+// can check that every rank evaluates with the same ones:
 //   buffer_probe: rank R epoch E buffers S
 #include <ember/callback_base.h>
 #include <ember/host.h>
@@ -16,7 +17,8 @@ namespace {
 class BufferProbe final : public ember::Callback {
  public:
   explicit BufferProbe(ember::IHost& host) : host_(host) {}
-  void on_validation_start(ember::ITrainer& t) override {
+  void on_validation_batch_end(ember::ITrainer& t) override {
+    if (t.batch_idx() != 0) return;
     double sum = 0;
     for (const auto& b : t.module().buffers())
       if (b.is_floating_point()) sum += b.detach().to(at::kDouble).sum().item<double>();
@@ -34,5 +36,5 @@ ember::ICallback* make(ember::IHost& host, const ember::IConfig&) { return new B
 
 }  // namespace
 
-EMBER_PLUGIN(ember::ICallback, "buffer_probe", "0.0.1", "Apache-2.0", "Test: logs each rank's buffer sum before validation.",
+EMBER_PLUGIN(ember::ICallback, "buffer_probe", "0.0.1", "Apache-2.0", "Test: logs each rank's buffer sum during validation.",
              EMBER_NO_CONFIG_KEYS, make)
