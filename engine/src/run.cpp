@@ -13,6 +13,7 @@
 #include <set>
 #include <sstream>
 
+#include "checkpoint_io.h"
 #include "config.h"
 #include "engine_schema.h"
 #include "log.h"
@@ -246,6 +247,31 @@ std::vector<fs::path> versions_newest_first(const fs::path& base) {
   return out;
 }
 
+// The file `--resume last` may use: `found` (what the checkpoint callback located) when it is a
+// full Ember checkpoint, else the newest such file next to it; empty when there is none.
+// Weights-only files, other programs' files and unreadable ones are skipped with a warning.
+fs::path resumable_last(const fs::path& found) {
+  auto usable = [](const fs::path& p) {
+    const auto probe = probe_checkpoint_file(p);
+    if (probe.ember && !probe.weights_only) return true;
+    log::warn("--resume last: skipping " + p.string() + ": " +
+              (probe.ember ? std::string("it holds weights only (save_weights_only)") : "not an Ember checkpoint (" + probe.why + ")"));
+    return false;
+  };
+  if (usable(found)) return found;
+  std::vector<std::pair<fs::file_time_type, fs::path>> others;
+  std::error_code ec;
+  for (fs::directory_iterator it(found.parent_path(), ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code e2;
+    if (it->path() == found || it->path().extension() != ".ckpt" || !it->is_regular_file(e2)) continue;
+    others.emplace_back(it->last_write_time(e2), it->path());
+  }
+  std::sort(others.begin(), others.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& o : others)
+    if (usable(o.second)) return o.second;
+  return {};
+}
+
 void print_results(const std::vector<std::pair<std::string, double>>& results) {
   if (results.empty()) return;
   size_t w = 6;
@@ -338,22 +364,33 @@ int run_training(const RunRequest& req) {
                                    : trainer_cfg.where("test_ckpt") + ": trainer.test_ckpt = \"" + test_ckpt +
                                          "\" needs a checkpoint callback (enable checkpointing, or set test_ckpt = \"current\")");
 
+  bool start_fresh = false;
   if (wants_locator) {
     auto candidates = version ? std::vector<fs::path>{base / ("version_" + std::to_string(*version))} : versions_newest_first(base);
     for (const auto& dir : candidates) {
       auto found = locate_checkpoint(plugins.callbacks, req.resume, dir.string());
+      // `last` is what a requeued job resumes from: only a full Ember checkpoint will do.
+      if (!found.empty() && req.resume == "last") found = resumable_last(found).string();
       if (!found.empty()) {
         run_dir = dir;
         checkpoint = found;
         break;
       }
     }
-    if (checkpoint.empty())
+    if (checkpoint.empty() && req.resume == "last") {
+      // Lightning's ckpt_path="last": a job that is (re)started with --resume last before it
+      // ever saved starts from scratch.
+      log::warn("--resume last: no checkpoint to resume from under " + base.string() + "; starting from scratch");
+      start_fresh = true;
+    } else if (checkpoint.empty()) {
       throw UsageError("--resume " + req.resume + ": no '" + req.resume + "' checkpoint found under " + base.string() +
                        " (train first, or give the checkpoint's path)");
-    resume_in_place = true;
-  } else {
-    if (!req.resume.empty()) checkpoint = req.resume;
+    } else {
+      resume_in_place = true;
+    }
+  }
+  if (!wants_locator || start_fresh) {
+    if (!req.resume.empty() && !start_fresh) checkpoint = req.resume;
     run_dir = next_version_dir(base, version);
     // Every rank uses rank 0's folder: another rank could already see the folder rank 0 makes
     // below and count one more.
@@ -368,6 +405,14 @@ int run_training(const RunRequest& req) {
   try {
     trainer->setup();
     if (!checkpoint.empty()) trainer->restore(checkpoint, /*weights_only=*/false);
+    // A run resumed in its own folder that already reached max_epochs/max_steps: nothing to
+    // train or test again, and nothing is added to its logs (a requeued job that already ended).
+    if (resume_in_place && trainer->fit_done()) {
+      log::info("the run in " + run_dir.string() + " already finished (epoch " + std::to_string(trainer->current_epoch()) +
+                ", step " + std::to_string(trainer->global_step()) +
+                "): nothing to do; raise trainer.max_epochs or trainer.max_steps to train on");
+      return 0;
+    }
     if (rank == 0) {
       std::ofstream(run_dir / "config.toml") << cfg.to_toml();
       log::info("run folder " + run_dir.string());

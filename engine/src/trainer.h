@@ -88,6 +88,13 @@ class Trainer final : public ITrainer {
   void notify_exception();
   // Starts the loggers (after restore, so they know the step a resumed run continues from).
   void setup_loggers(bool resuming);
+  // True when fit() would train nothing more: the position (a restored one included) already
+  // meets max_epochs or max_steps, as the loop in fit() decides.
+  bool fit_done() const {
+    const int64_t next_epoch = epoch_finished_ ? epoch_ + 1 : epoch_;
+    return (settings_.max_epochs >= 0 && next_epoch >= settings_.max_epochs) ||
+           (settings_.max_steps >= 0 && global_step_ >= settings_.max_steps);
+  }
 
   // ITrainer
   Stage stage() const override { return stage_; }
