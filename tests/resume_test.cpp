@@ -214,3 +214,39 @@ TEST(Resume, AFinishedRunIsNotTrainedAgain) {
   ASSERT_EQ(more.exit_code, 0) << more.err;
   EXPECT_EQ(ember::engine::load_checkpoint_file(run / "checkpoints/last.ckpt").at("global_step").toInt(), 12);
 }
+
+TEST(Resume, Sigusr1StopsGracefullyLikeSigterm) {
+  TempDir dir("resume"), other("resume");
+  write_file(dir / "run.toml", kSmall);
+  write_file(other / "run.toml", kSmall);
+  auto interrupt = [&](const TempDir& where, std::vector<std::string> args) {
+    const auto ckpt = where / "runs/run/version_0/checkpoints/last.ckpt";
+    args.insert(args.begin(), {"run.toml", "--set", "trainer.max_epochs=100000"});
+    auto running = start_engine(args, where.path());
+    for (int i = 0; i < 3000 && !fs::exists(ckpt); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_TRUE(fs::exists(ckpt)) << "training did not start";
+    kill(running.pid, SIGUSR1);
+    return wait_process(running, 120);
+  };
+  // Slurm's warning before the time limit (sbatch --signal=B:USR1@120): save and exit.
+  auto r = interrupt(dir, {});
+  EXPECT_EQ(r.exit_code, 128 + SIGUSR1) << r.err;
+  EXPECT_NE(r.err.find("SIGUSR1 received"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("continue with --resume last"), std::string::npos) << r.err;
+  const auto ckpt = dir / "runs/run/version_0/checkpoints/last.ckpt";
+  const int64_t stopped_at = ember::engine::load_checkpoint_file(ckpt).at("global_step").toInt();
+  EXPECT_GT(stopped_at, 0);
+  auto resumed = run_engine({"run.toml", "--set", "trainer.max_epochs=100000", "--set",
+                             "trainer.max_steps=" + std::to_string(stopped_at + 3), "--resume", "last"},
+                            dir.path());
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_EQ(ember::engine::load_checkpoint_file(ckpt).at("global_step").toInt(), stopped_at + 3);
+  // Left out of trainer.stop_signals, SIGUSR1 keeps its default action (the process ends at once).
+  auto plain = interrupt(other, {"--set", "trainer.stop_signals=[\"SIGINT\", \"SIGTERM\"]"});
+  EXPECT_EQ(plain.exit_code, -1) << plain.err;
+  EXPECT_EQ(plain.err.find("SIGUSR1 received"), std::string::npos) << plain.err;
+  // A name that is no signal is a config error.
+  auto bad = run_engine({"run.toml", "--set", "trainer.stop_signals=[\"SIGUSR3\"]"}, dir.path());
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("unknown signal 'SIGUSR3'"), std::string::npos) << bad.err;
+}

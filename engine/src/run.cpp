@@ -7,6 +7,7 @@
 #include <torch/utils.h>
 
 #include <algorithm>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -247,6 +248,23 @@ std::vector<fs::path> versions_newest_first(const fs::path& base) {
   return out;
 }
 
+// trainer.stop_signals as signal numbers.
+std::vector<int> parse_stop_signals(const Section& trainer) {
+  static const std::vector<std::pair<std::string, int>> known = {
+      {"SIGINT", SIGINT}, {"SIGTERM", SIGTERM}, {"SIGUSR1", SIGUSR1}, {"SIGUSR2", SIGUSR2},
+      {"SIGHUP", SIGHUP}, {"SIGQUIT", SIGQUIT}, {"SIGXCPU", SIGXCPU}};
+  std::vector<int> out;
+  for (const auto& name : trainer.get_string_list("stop_signals")) {
+    const std::string full = name.rfind("SIG", 0) == 0 ? name : "SIG" + name;
+    auto it = std::find_if(known.begin(), known.end(), [&](const auto& k) { return k.first == full; });
+    if (it == known.end())
+      throw UsageError(trainer.where("stop_signals") + ": trainer.stop_signals: unknown signal '" + name +
+                       "' (use SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT or SIGXCPU)");
+    out.push_back(it->second);
+  }
+  return out;
+}
+
 // The file `--resume last` may use: `found` (what the checkpoint callback located) when it is a
 // full Ember checkpoint, else the newest such file next to it; empty when there is none.
 // Weights-only files, other programs' files and unreadable ones are skipped with a warning.
@@ -300,6 +318,7 @@ int run_training(const RunRequest& req) {
   }
   const auto& cfg = plan.config;
   const auto& trainer_cfg = cfg.section("trainer");
+  const std::vector<int> stop_signals = parse_stop_signals(trainer_cfg);
   EngineHost host;
 
   RunPlugins plugins;
@@ -420,7 +439,7 @@ int run_training(const RunRequest& req) {
     // Loggers of a run resumed in its own folder continue its files; fresh folders (including a
     // resume from an explicit path) start new ones.
     trainer->setup_loggers(resume_in_place);
-    install_stop_signal_handlers();
+    install_stop_signal_handlers(stop_signals);
     trainer->fit();
     if (const int sig = stop_signal()) {
       trainer->finalize("interrupted");
