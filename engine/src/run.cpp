@@ -471,10 +471,18 @@ int list_plugins(const std::vector<std::string>& plugin_paths, std::ostream& out
   std::sort(loaded.begin(), loaded.end(), [](auto* a, auto* b) {
     return std::make_pair(a->descriptor->kind, a->name) < std::make_pair(b->descriptor->kind, b->name);
   });
-  out << std::left << std::setw(18) << "NAME" << std::setw(11) << "KIND" << std::setw(9) << "VERSION" << "DESCRIPTION\n";
+  // Each column as wide as its longest entry, plus two spaces.
+  size_t name_w = 4, kind_w = 4, version_w = 7;
+  for (const auto* p : loaded) {
+    name_w = std::max(name_w, p->name.size());
+    kind_w = std::max(kind_w, std::string(kind_name(p->descriptor->kind)).size());
+    version_w = std::max(version_w, std::string(p->descriptor->version ? p->descriptor->version : "").size());
+  }
+  auto col = [](size_t w) { return std::setw(static_cast<int>(w + 2)); };
+  out << std::left << col(name_w) << "NAME" << col(kind_w) << "KIND" << col(version_w) << "VERSION" << "DESCRIPTION\n";
   for (const auto* p : loaded)
-    out << std::left << std::setw(18) << p->name << std::setw(11) << kind_name(p->descriptor->kind) << std::setw(9)
-        << p->descriptor->version << p->descriptor->description << "\n";
+    out << std::left << col(name_w) << p->name << col(kind_w) << kind_name(p->descriptor->kind) << col(version_w)
+        << (p->descriptor->version ? p->descriptor->version : "") << p->descriptor->description << "\n";
   if (loaded.empty()) {
     out << "(no plugins found; searched:";
     for (const auto& d : reg.search_paths()) out << " " << d.string();
