@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cinttypes>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
@@ -19,6 +20,7 @@
 #include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/csrc/jit/serialization/pickler_helper.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
 
 namespace fs = std::filesystem;
 
@@ -209,6 +211,115 @@ void verify_records(caffe2::serialize::PyTorchStreamReader& reader, const Manife
       throw damaged("record '" + name + "' is not in the manifest");
 }
 
+// Untagged pickles (what torch.load accepts without allow-listing) lose the static types of
+// dicts and lists (Dict[str, Tensor], List[float], ...), which C++ readers rely on (toTensorList,
+// toTypedDict). The writer records them in `ember/types`, one TorchScript annotation per line, in
+// the order `for_each_container` visits the containers; the reader puts them back.
+template <typename F>
+void for_each_container(const c10::IValue& v, const F& f) {
+  if (v.isGenericDict()) {
+    f(v);
+    for (const auto& e : v.toGenericDict()) {
+      for_each_container(e.key(), f);
+      for_each_container(e.value(), f);
+    }
+  } else if (v.isList()) {
+    f(v);
+    const auto list = v.toList();
+    for (size_t i = 0; i < list.size(); ++i) for_each_container(list.get(i), f);
+  } else if (v.isTuple()) {
+    for (const auto& e : v.toTupleRef().elements()) for_each_container(e, f);
+  }
+}
+
+std::string container_type(const c10::IValue& v) {
+  if (v.isGenericDict()) {
+    const auto d = v.toGenericDict();
+    return c10::DictType::create(d.keyType(), d.valueType())->annotation_str();
+  }
+  return c10::ListType::create(v.toList().elementType())->annotation_str();
+}
+
+// `v` with every list as a plain List[Any]: LibTorch's pickler writes List[int], List[float],
+// List[bool] and List[Tensor] through torch.jit._pickle helpers that torch.load refuses.
+c10::IValue plain(const c10::IValue& v) {
+  if (v.isGenericDict()) {
+    const auto d = v.toGenericDict();
+    c10::impl::GenericDict out(d.keyType(), d.valueType());
+    out.reserve(d.size());
+    for (const auto& e : d) out.insert_or_assign(plain(e.key()), plain(e.value()));
+    return out;
+  }
+  if (v.isList()) {
+    const auto list = v.toList();
+    c10::impl::GenericList out(c10::AnyType::get());
+    out.reserve(list.size());
+    for (size_t i = 0; i < list.size(); ++i) out.push_back(plain(list.get(i)));
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<c10::IValue> elements;
+    for (const auto& e : v.toTupleRef().elements()) elements.push_back(plain(e));
+    return c10::ivalue::Tuple::create(std::move(elements));
+  }
+  return v;
+}
+
+// The inverse: every dict and list of `v` rebuilt with its recorded type. Throws
+// std::invalid_argument when the record does not fit the pickle.
+struct Retyper {
+  std::vector<c10::TypePtr> types;
+  size_t next = 0;
+
+  c10::TypePtr take() {
+    if (next >= types.size()) throw std::invalid_argument("more containers than recorded types");
+    return types[next++];
+  }
+  c10::IValue operator()(const c10::IValue& v) {
+    if (v.isGenericDict()) {
+      const auto t = take()->cast<c10::DictType>();
+      if (!t) throw std::invalid_argument("a dict's recorded type is not a Dict");
+      c10::impl::GenericDict out(t->getKeyType(), t->getValueType());
+      const auto d = v.toGenericDict();
+      out.reserve(d.size());
+      for (const auto& e : d) {
+        auto key = (*this)(e.key());
+        out.insert_or_assign(std::move(key), (*this)(e.value()));
+      }
+      return out;
+    }
+    if (v.isList()) {
+      const auto t = take()->cast<c10::ListType>();
+      if (!t) throw std::invalid_argument("a list's recorded type is not a List");
+      c10::impl::GenericList out(t->getElementType());
+      const auto list = v.toList();
+      out.reserve(list.size());
+      for (size_t i = 0; i < list.size(); ++i) out.push_back((*this)(list.get(i)));
+      return out;
+    }
+    if (v.isTuple()) {
+      std::vector<c10::IValue> elements;
+      for (const auto& e : v.toTupleRef().elements()) elements.push_back((*this)(e));
+      return c10::ivalue::Tuple::create(std::move(elements));
+    }
+    return v;
+  }
+};
+
+c10::IValue restore_types(const c10::IValue& v, const std::string& record) {
+  Retyper r;
+  std::map<std::string, c10::TypePtr> parsed;
+  std::istringstream in(record);
+  for (std::string line; std::getline(in, line);) {
+    auto it = parsed.find(line);
+    if (it == parsed.end()) it = parsed.emplace(line, torch::jit::Unpickler::defaultTypeParser(line)).first;
+    r.types.push_back(it->second);
+  }
+  auto out = r(v);
+  if (r.next != r.types.size()) throw std::invalid_argument("fewer containers than recorded types");
+  return out;
+}
+
 std::string short_what(const std::exception& e) {
   std::string what = e.what();
   if (auto nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
@@ -290,12 +401,16 @@ void atomic_write(const fs::path& path, const char* data, size_t size) {
 }
 
 void save_checkpoint_file(const fs::path& path, const c10::IValue& checkpoint) {
-  // torch.save's layout, as torch::jit::pickle_save writes it, plus the manifest.
+  // torch.save's layout, as torch::jit::pickle_save writes it, but with untagged containers (no
+  // torch.jit._pickle globals, so torch.load's weights_only unpickler takes it as it is), plus
+  // the container types and the manifest.
+  std::string types;
+  for_each_container(checkpoint, [&](const c10::IValue& c) { types += container_type(c) + "\n"; });
   std::vector<char> pickle;
   torch::jit::Pickler pickler([&](const char* p, size_t n) { pickle.insert(pickle.end(), p, p + n); }, nullptr, nullptr,
-                              nullptr, nullptr, /*tag_aggregates=*/true);
+                              nullptr, nullptr, /*tag_aggregates=*/false);
   pickler.protocol();
-  pickler.pushIValue(checkpoint);
+  pickler.pushIValue(plain(checkpoint));
   pickler.stop();
 
   Manifest manifest;
@@ -320,6 +435,7 @@ void save_checkpoint_file(const fs::path& path, const c10::IValue& checkpoint) {
       put("data/" + std::to_string(i), td.data(), td.sizeInBytes());
     }
     put("data.pkl", pickle.data(), pickle.size());
+    put(kTypesRecord, types.data(), types.size());
     const std::string text = format_manifest(manifest);
     writer.writeRecord(kManifestRecord, text.data(), text.size());
     writer.writeEndOfFile();
@@ -363,6 +479,14 @@ c10::impl::GenericDict load_checkpoint_file(const fs::path& path) {
                                               std::nullopt, *reader);
   } catch (const std::exception& e) {
     throw not_a_checkpoint(e);
+  }
+  if (has_manifest && reader->hasRecord(kTypesRecord)) {
+    try {
+      value = restore_types(value, read_record_text(*reader, kTypesRecord));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("checkpoint " + where + " is not a valid checkpoint: its " + std::string(kTypesRecord) +
+                               " record does not fit its contents (" + short_what(e) + ")");
+    }
   }
   if (!value.isGenericDict()) throw std::runtime_error("checkpoint " + where + " is not an Ember checkpoint");
   auto dict = value.toGenericDict();

@@ -45,5 +45,6 @@ inline constexpr const char* kCheckpointFormat = "ember-checkpoint";
 // 1: pickle_save's archive, no checksums. 2: + ember/manifest with CRC32C of every record.
 inline constexpr int64_t kCheckpointFormatVersion = 2;
 inline constexpr const char* kManifestRecord = "ember/manifest";
+inline constexpr const char* kTypesRecord = "ember/types";
 
 }  // namespace ember::engine
