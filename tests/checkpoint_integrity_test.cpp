@@ -210,3 +210,37 @@ TEST(CheckpointFile, ProbeReadsTheManifestOnly) {
   EXPECT_FALSE(junk.why.empty());
   EXPECT_FALSE(ember::engine::probe_checkpoint_file(dir / "missing.ckpt").ember);
 }
+
+TEST(CheckpointFile, ContainerTypesSurviveTheUntaggedPickle) {
+  // The file is pickled without LibTorch's type tags (so torch.load takes it), yet C++ readers get
+  // back the static types they saved: plugins call toDoubleList, toTensorVector, toTypedDict.
+  TempDir dir("integrity");
+  auto ck = small_checkpoint(ember::engine::kCheckpointFormatVersion, false);
+  c10::impl::GenericDict state(c10::StringType::get(), c10::AnyType::get());
+  state.insert("floats", c10::List<double>({0.5, 0.25}));
+  state.insert("ints", c10::List<int64_t>({3, 4}));
+  state.insert("tensors", c10::List<at::Tensor>({at::ones({2}), at::zeros({1})}));
+  state.insert("no_tensors", c10::List<at::Tensor>());
+  state.insert("bools", c10::List<bool>({true}));
+  state.insert("nested", c10::List<c10::List<int64_t>>({c10::List<int64_t>({1}), c10::List<int64_t>()}));
+  c10::Dict<std::string, double> scores_in;
+  scores_in.insert("a.ckpt", 0.5);
+  state.insert("scores", scores_in);
+  state.insert("none", c10::IValue());
+  ck.insert("callbacks", state);
+  ember::engine::save_checkpoint_file(dir / "typed.ckpt", ck);
+  auto back = ember::engine::load_checkpoint_file(dir / "typed.ckpt");
+  auto s = back.at("callbacks").toGenericDict();
+  EXPECT_EQ(s.at("floats").toDoubleVector(), (std::vector<double>{0.5, 0.25}));
+  EXPECT_EQ(s.at("ints").toIntVector(), (std::vector<int64_t>{3, 4}));
+  ASSERT_TRUE(s.at("tensors").isTensorList());
+  EXPECT_TRUE(at::equal(s.at("tensors").toTensorVector().at(0), at::ones({2})));
+  EXPECT_TRUE(s.at("no_tensors").isTensorList());
+  EXPECT_TRUE(s.at("bools").isBoolList());
+  EXPECT_EQ(*s.at("nested").type(), *c10::ListType::create(c10::ListType::ofInts()));
+  auto scores = c10::impl::toTypedDict<std::string, double>(s.at("scores").toGenericDict());
+  EXPECT_DOUBLE_EQ(scores.at("a.ckpt"), 0.5);
+  EXPECT_TRUE(s.at("none").isNone());
+  auto sd = c10::impl::toTypedDict<std::string, at::Tensor>(back.at("state_dict").toGenericDict());
+  EXPECT_EQ(sd.size(), 1u);
+}
