@@ -320,9 +320,13 @@ c10::IValue restore_types(const c10::IValue& v, const std::string& record) {
   return out;
 }
 
+// The first line of an error, and of a long one its first sentence (LibTorch's zip reader adds
+// a paragraph of advice).
 std::string short_what(const std::exception& e) {
   std::string what = e.what();
   if (auto nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
+  if (what.size() > 120)
+    if (auto dot = what.find(". "); dot != std::string::npos) what.resize(dot);
   return what.substr(0, 200);
 }
 
