@@ -68,7 +68,8 @@ class OptimizerStepImpl final : public IOptimizerStep {
 };
 
 namespace {
-// Set by the stop signals (trainer.stop_signals, see install_stop_signal_handlers); read after every training batch.
+// Set by the stop signals (trainer.stop_signals, see install_stop_signal_handlers); read after
+// every training batch.
 std::atomic<int> g_stop_signal{0};
 
 std::string signal_name(int sig) {

@@ -63,9 +63,10 @@ struct TrainerSettings {
   static TrainerSettings from(const Section& trainer);
 };
 
-// The stop signals (trainer.stop_signals: SIGINT, SIGTERM and Slurm's SIGUSR1 by default) make the loop stop after the current optimizer step, with the usual epoch-end work (the
-// checkpoint callback saves last.ckpt, mid-epoch position included), so `--resume last` goes on
-// exactly where the run was interrupted. stop_signal() is the signal received, 0 if none.
+// The stop signals (trainer.stop_signals: SIGINT, SIGTERM and Slurm's SIGUSR1 by default) make
+// the loop stop after the current optimizer step, with the usual epoch-end work (the checkpoint
+// callback saves last.ckpt, mid-epoch position included), so `--resume last` goes on exactly
+// where the run was interrupted. stop_signal() is the signal received, 0 if none.
 void install_stop_signal_handlers(const std::vector<int>& signals);
 int stop_signal();
 
