@@ -2,6 +2,8 @@
 // one-line errors of bad input.
 #include <gtest/gtest.h>
 
+#include <sstream>
+
 #include "support.h"
 
 using namespace ember::test;
@@ -31,6 +33,33 @@ TEST(Cli, PluginsListShowsEveryBuiltPlugin) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* name : {"single_device", "fp32", "csv", "checkpoint", "cnn", "mlp", "fashion_mnist", "synthetic"})
     EXPECT_NE(r.out.find(name), std::string::npos) << name << "\n" << r.out;
+}
+
+TEST(Cli, PluginsListKeepsColumnsApartForLongNames) {
+  TempDir dir("cli");
+  auto r = run_engine({"plugins", "list"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::istringstream lines(r.out);
+  std::string header;
+  std::getline(lines, header);
+  const size_t kind_at = header.find("KIND"), version_at = header.find("VERSION");
+  ASSERT_NE(kind_at, std::string::npos) << header;
+  ASSERT_NE(version_at, std::string::npos) << header;
+  bool saw_long_name = false;
+  for (std::string line; std::getline(lines, line);) {
+    // NAME ends before the KIND column with a space to spare, and KIND before VERSION.
+    const std::string name = line.substr(0, line.find(' '));
+    saw_long_name = saw_long_name || name == "grad_accum_schedule";
+    EXPECT_LT(name.size(), kind_at) << line;
+    ASSERT_GT(line.size(), version_at) << line;
+    EXPECT_EQ(line[kind_at - 1], ' ') << line;
+    EXPECT_EQ(line[version_at - 1], ' ') << line;
+    const std::string kind = line.substr(kind_at, line.find(' ', kind_at) - kind_at);
+    EXPECT_TRUE(kind == "strategy" || kind == "precision" || kind == "callback" || kind == "logger" || kind == "model" ||
+                kind == "data" || kind == "scheduler" || kind == "profiler" || kind == "tuner")
+        << line;
+  }
+  EXPECT_TRUE(saw_long_name) << r.out;  // the name (19 characters) that ran into its kind
 }
 
 TEST(Cli, PluginInfoShowsKindVersionFileAndEveryKey) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Checkpoints are readable from Python: train a short run with the engine, then load last.ckpt
-# with torch.load under its default weights_only=True (allow-listing torch's own two unpickling
-# helpers, as docs/checkpoint.md says) and check what it holds.
+# Checkpoints are readable from Python with a plain torch.load (its default weights_only=True, no
+# allow-listing): train a short run with the engine (with plugins whose states hold lists of
+# tensors and of floats), then load every checkpoint it wrote and check what it holds.
 #   python_interop.sh <engine> <python with torch> <scratch dir>
 set -euo pipefail
 engine=$1; python=$2; work=$3
@@ -18,22 +18,38 @@ hidden = [4]
 name = "synthetic"
 shape = [8]
 num_train = 64
+[checkpoint]
+save_top_k = -1
 TOML
-OMP_NUM_THREADS=1 "$engine" run.toml 2> engine.log || { cat engine.log; exit 1; }
-"$python" -W ignore - runs/run/version_0/checkpoints/last.ckpt <<'PY'
-import sys
+OMP_NUM_THREADS=1 "$engine" --plugins ema,cosine run.toml 2> engine.log || { cat engine.log; exit 1; }
+"$python" -W ignore - runs/run/version_0/checkpoints <<'PY'
+import pathlib, sys
 import torch
-import torch.jit._pickle as p
 
-with torch.serialization.safe_globals([p.restore_type_tag, p.build_tensorlist]):
-    ck = torch.load(sys.argv[1])  # weights_only=True, the default since torch 2.6
-assert ck["format"] == "ember-checkpoint", ck["format"]
-assert ck["global_step"] == 4, ck["global_step"]
-sd = ck["state_dict"]
-assert sorted(sd) == ["fc1.bias", "fc1.weight", "head.bias", "head.weight"], sorted(sd)
-assert tuple(sd["fc1.weight"].shape) == (4, 8)
-assert ck["loops"]["epoch_finished"] and ck["loops"]["epoch"] == 1
-assert ck["callbacks"]["checkpoint"]["best_model_path"].endswith(".ckpt")
-assert "[model]" in ck["config"]
-print("checkpoint read by torch.load in Python:", len(sd), "tensors, step", ck["global_step"])
+files = sorted(pathlib.Path(sys.argv[1]).glob("*.ckpt"))
+assert len(files) == 3, files  # epoch=0, epoch=1, last
+for f in files:
+    ck = torch.load(f)  # weights_only=True (the default since torch 2.6), nothing allow-listed
+    ck2 = torch.load(f, weights_only=True)
+    assert ck["format"] == "ember-checkpoint" and ck["format_version"] == 2, (ck["format"], ck["format_version"])
+    sd = ck["state_dict"]
+    assert type(sd) is dict and sorted(sd) == ["fc1.bias", "fc1.weight", "head.bias", "head.weight"], sorted(sd)
+    assert tuple(sd["fc1.weight"].shape) == (4, 8) and sd["fc1.weight"].dtype == torch.float32
+    assert all(torch.equal(sd[k], ck2["state_dict"][k]) for k in sd)
+    # The module's own names: a torch.nn module with the same layers takes the state_dict as is.
+    model = torch.nn.Module()
+    model.fc1 = torch.nn.Linear(8, 4)
+    model.head = torch.nn.Linear(4, sd["head.weight"].shape[0])
+    model.load_state_dict(sd)
+    assert isinstance(ck["optimizer"], torch.Tensor) and ck["optimizer"].dtype == torch.uint8
+    ema = ck["callbacks"]["ema"]
+    assert type(ema["averaged"]) is list and all(isinstance(t, torch.Tensor) for t in ema["averaged"]), ema
+    assert isinstance(ck["rng"]["cuda"], list)
+
+last = torch.load(pathlib.Path(sys.argv[1]) / "last.ckpt")
+assert last["global_step"] == 4, last["global_step"]
+assert last["loops"]["epoch_finished"] and last["loops"]["epoch"] == 1
+assert last["callbacks"]["checkpoint"]["best_model_path"].endswith(".ckpt")
+assert "[model]" in last["config"]
+print("checkpoints read by a plain torch.load in Python:", len(files), "files,", len(last["state_dict"]), "tensors, step", last["global_step"])
 PY

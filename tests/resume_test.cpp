@@ -130,3 +130,123 @@ TEST(Resume, SigtermStopsGracefullyAndResumeContinues) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   EXPECT_EQ(ember::engine::load_checkpoint_file(ckpt).at("global_step").toInt(), stopped_at + 3);
 }
+
+namespace {
+const char* kSmall = R"(
+[trainer]
+max_epochs = 2
+enable_progress_bar = false
+enable_model_summary = false
+[model]
+name = "mlp"
+input_size = 8
+hidden = [4]
+[data]
+name = "synthetic"
+shape = [8]
+num_train = 64
+num_val = 16
+num_test = 16
+batch_size = 16
+)";
+}  // namespace
+
+TEST(Resume, LastWithoutAnyCheckpointStartsFromScratch) {
+  TempDir dir("resume");
+  write_file(dir / "run.toml", kSmall);
+  // A requeued job always passes --resume last, also before it ever saved.
+  auto r = run_engine({"run.toml", "--resume", "last"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("--resume last: no checkpoint to resume from under runs/run; starting from scratch"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("resumed from"), std::string::npos) << r.err;
+  EXPECT_EQ(ember::engine::load_checkpoint_file(dir / "runs/run/version_0/checkpoints/last.ckpt").at("global_step").toInt(), 8);
+  // `best` still needs something to resume from.
+  TempDir empty("resume");
+  write_file(empty / "run.toml", kSmall);
+  EXPECT_EQ(run_engine({"run.toml", "--resume", "best"}, empty.path()).exit_code, 2);
+}
+
+TEST(Resume, LastNeverResolvesToAWeightsOnlyOrForeignFile) {
+  // Weights-only checkpoints cannot be resumed: `last` skips them and starts from scratch.
+  TempDir weights("resume");
+  write_file(weights / "run.toml", kSmall);
+  ASSERT_EQ(run_engine({"run.toml", "--set", "checkpoint.save_weights_only=true"}, weights.path()).exit_code, 0);
+  auto r = run_engine({"run.toml", "--set", "trainer.max_epochs=3", "--set", "checkpoint.save_weights_only=true", "--resume", "last"},
+                      weights.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("last.ckpt: it holds weights only"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("starting from scratch"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::exists(weights / "runs/run/version_1/checkpoints/last.ckpt"));
+
+  // A foreign last.ckpt (another program's file, newest of all): `last` resumes from the newest
+  // Ember checkpoint next to it instead.
+  TempDir foreign("resume");
+  write_file(foreign / "run.toml", kSmall);
+  ASSERT_EQ(run_engine({"run.toml"}, foreign.path()).exit_code, 0);
+  const fs::path ckdir = foreign / "runs/run/version_0/checkpoints";
+  write_file(ckdir / "last.ckpt", "PK\x03\x04 a file some other program wrote");
+  auto f = run_engine({"run.toml", "--set", "trainer.max_epochs=3", "--resume", "last"}, foreign.path());
+  ASSERT_EQ(f.exit_code, 0) << f.err;
+  EXPECT_NE(f.err.find("last.ckpt: not an Ember checkpoint"), std::string::npos) << f.err;
+  EXPECT_NE(f.err.find("resumed from runs/run/version_0/checkpoints/epoch=1-step=8.ckpt"), std::string::npos) << f.err;
+  EXPECT_FALSE(fs::exists(foreign / "runs/run/version_1"));
+  EXPECT_EQ(ember::engine::load_checkpoint_file(ckdir / "last.ckpt").at("global_step").toInt(), 12);
+}
+
+TEST(Resume, AFinishedRunIsNotTrainedAgain) {
+  TempDir dir("resume");
+  write_file(dir / "run.toml", kSmall);
+  ASSERT_EQ(run_engine({"run.toml", "--set", "trainer.test_after_fit=true"}, dir.path()).exit_code, 0);
+  const fs::path run = dir / "runs/run/version_0";
+  const auto metrics = read_file(run / "metrics.csv"), last = read_file(run / "checkpoints/last.ckpt");
+  ASSERT_NE(metrics.find("test_loss"), std::string::npos);
+  // The job is requeued after it ended: nothing is trained, tested or logged again.
+  auto r = run_engine({"run.toml", "--set", "trainer.test_after_fit=true", "--resume", "last"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("already finished (epoch 1, step 8): nothing to do"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("test_loss"), std::string::npos) << r.out;
+  EXPECT_EQ(read_file(run / "metrics.csv"), metrics);
+  EXPECT_EQ(read_file(run / "checkpoints/last.ckpt"), last);
+  EXPECT_FALSE(fs::exists(dir / "runs/run/version_1"));
+  // Asked for more epochs, it trains on.
+  auto more = run_engine({"run.toml", "--set", "trainer.max_epochs=3", "--resume", "last"}, dir.path());
+  ASSERT_EQ(more.exit_code, 0) << more.err;
+  EXPECT_EQ(ember::engine::load_checkpoint_file(run / "checkpoints/last.ckpt").at("global_step").toInt(), 12);
+}
+
+TEST(Resume, Sigusr1StopsGracefullyLikeSigterm) {
+  TempDir dir("resume"), other("resume");
+  write_file(dir / "run.toml", kSmall);
+  write_file(other / "run.toml", kSmall);
+  auto interrupt = [&](const TempDir& where, std::vector<std::string> args) {
+    const auto ckpt = where / "runs/run/version_0/checkpoints/last.ckpt";
+    args.insert(args.begin(), {"run.toml", "--set", "trainer.max_epochs=100000"});
+    auto running = start_engine(args, where.path());
+    for (int i = 0; i < 3000 && !fs::exists(ckpt); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_TRUE(fs::exists(ckpt)) << "training did not start";
+    kill(running.pid, SIGUSR1);
+    return wait_process(running, 120);
+  };
+  // Slurm's warning before the time limit (sbatch --signal=B:USR1@120): save and exit.
+  auto r = interrupt(dir, {});
+  EXPECT_EQ(r.exit_code, 128 + SIGUSR1) << r.err;
+  EXPECT_NE(r.err.find("SIGUSR1 received"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("continue with --resume last"), std::string::npos) << r.err;
+  const auto ckpt = dir / "runs/run/version_0/checkpoints/last.ckpt";
+  const int64_t stopped_at = ember::engine::load_checkpoint_file(ckpt).at("global_step").toInt();
+  EXPECT_GT(stopped_at, 0);
+  auto resumed = run_engine({"run.toml", "--set", "trainer.max_epochs=100000", "--set",
+                             "trainer.max_steps=" + std::to_string(stopped_at + 3), "--resume", "last"},
+                            dir.path());
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_EQ(ember::engine::load_checkpoint_file(ckpt).at("global_step").toInt(), stopped_at + 3);
+  // Left out of trainer.stop_signals, SIGUSR1 keeps its default action (the process ends at once).
+  auto plain = interrupt(other, {"--set", "trainer.stop_signals=[\"SIGINT\", \"SIGTERM\"]"});
+  EXPECT_EQ(plain.exit_code, -1) << plain.err;
+  EXPECT_EQ(plain.err.find("SIGUSR1 received"), std::string::npos) << plain.err;
+  // A name that is no signal is a config error.
+  auto bad = run_engine({"run.toml", "--set", "trainer.stop_signals=[\"SIGUSR3\"]"}, dir.path());
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("unknown signal 'SIGUSR3'"), std::string::npos) << bad.err;
+}

@@ -1,26 +1,350 @@
 #include "checkpoint_io.h"
 
 #include <fcntl.h>
+#include <nmmintrin.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cinttypes>
 #include <cstring>
-#include <fstream>
-#include <iterator>
+#include <map>
+#include <memory>
+#include <sstream>
 #include <stdexcept>
 
-#include <torch/csrc/jit/serialization/pickle.h>
+#include <boost/crc.hpp>
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+#include <torch/csrc/jit/serialization/import_read.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/csrc/jit/serialization/pickler_helper.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
 
 namespace fs = std::filesystem;
 
 namespace ember::engine {
 namespace {
-[[noreturn]] void fail(const fs::path& p, const std::string& what) {
-  throw std::runtime_error("cannot write checkpoint " + p.string() + ": " + what + " (" + std::strerror(errno) + ")");
+[[noreturn]] void fail(const fs::path& p, const std::string& what, int err) {
+  throw std::runtime_error("cannot write checkpoint " + p.string() + ": " + what + " (" + std::strerror(err) + ")");
 }
+
+__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(const unsigned char* p, size_t n) {
+  uint64_t c = 0xFFFFFFFFu;
+  while (n > 0 && (reinterpret_cast<uintptr_t>(p) & 7u) != 0) {
+    c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
+    --n;
+  }
+  while (n >= 8) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    c = _mm_crc32_u64(c, v);
+    p += 8;
+    n -= 8;
+  }
+  while (n-- > 0) c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
+  return static_cast<uint32_t>(c) ^ 0xFFFFFFFFu;
+}
+
+std::string hex32(uint32_t v) {
+  char buf[9];
+  std::snprintf(buf, sizeof buf, "%08" PRIx32, v);
+  return buf;
+}
+
+// The whole file in memory, read with plain read(2) (no per-byte stream iterators).
+struct FileBytes {
+  std::unique_ptr<char[]> data;
+  size_t size = 0;
+};
+
+FileBytes read_whole_file(const fs::path& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("cannot read checkpoint " + path.string() + ": " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const int err = errno;
+    ::close(fd);
+    throw std::runtime_error("cannot read checkpoint " + path.string() + ": " + (err ? std::strerror(err) : "not a regular file"));
+  }
+  FileBytes out;
+  out.size = static_cast<size_t>(st.st_size);
+  out.data.reset(new char[std::max<size_t>(out.size, 1)]);
+  size_t done = 0;
+  while (done < out.size) {
+    ssize_t n = ::read(fd, out.data.get() + done, out.size - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : 0;
+      ::close(fd);
+      throw std::runtime_error("cannot read checkpoint " + path.string() + ": " +
+                               (err ? std::strerror(err) : "the file shrank while it was read"));
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return out;
+}
+
+// PyTorchStreamReader over bytes already in memory (no copy).
+class BufferReader final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  BufferReader(const char* data, size_t size) : data_(data), size_(size) {}
+  size_t size() const override { return size_; }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= size_) return 0;
+    n = std::min<size_t>(n, size_ - static_cast<size_t>(pos));
+    std::memcpy(buf, data_ + pos, n);
+    return n;
+  }
+
+ private:
+  const char* data_;
+  size_t size_;
+};
+
+struct ManifestEntry {
+  uint32_t crc = 0;
+  uint64_t size = 0;
+  std::string name;
+};
+
+struct Manifest {
+  int64_t format_version = -1;
+  bool weights_only = false;
+  std::vector<ManifestEntry> records;
+};
+
+// Text, one item per line:
+//   ember-manifest 1
+//   format_version <n>
+//   weights_only <0|1>
+//   record <crc32c, 8 hex digits> <size> <record name>
+//   end <crc32c of every line above, 8 hex digits>
+std::string format_manifest(const Manifest& m) {
+  std::ostringstream out;
+  out << "ember-manifest 1\nformat_version " << m.format_version << "\nweights_only " << (m.weights_only ? 1 : 0) << "\n";
+  for (const auto& r : m.records) out << "record " << hex32(r.crc) << " " << r.size << " " << r.name << "\n";
+  std::string text = out.str();
+  text += "end " + hex32(crc32c(text.data(), text.size())) + "\n";
+  return text;
+}
+
+// Throws std::invalid_argument with what is wrong.
+Manifest parse_manifest(const std::string& text) {
+  // The last line checks the others.
+  const size_t end = text.size() >= 14 ? text.rfind("\nend ", text.size() - 1) : std::string::npos;
+  if (end == std::string::npos || text.size() != end + 1 + 4 + 8 + 1 || text.back() != '\n')
+    throw std::invalid_argument("its last line is not 'end <checksum>'");
+  const std::string body = text.substr(0, end + 1);
+  if (text.compare(end + 5, 8, hex32(crc32c(body.data(), body.size()))) != 0)
+    throw std::invalid_argument("its own checksum does not match");
+  std::istringstream in(body);
+  std::string line;
+  if (!std::getline(in, line) || line != "ember-manifest 1") throw std::invalid_argument("its first line is not 'ember-manifest 1'");
+  Manifest m;
+  int line_no = 1;
+  while (std::getline(in, line)) {
+    ++line_no;
+    std::istringstream ls(line);
+    std::string word;
+    ls >> word;
+    bool ok = true;
+    if (word == "format_version") {
+      ok = static_cast<bool>(ls >> m.format_version);
+    } else if (word == "weights_only") {
+      int v = -1;
+      ok = static_cast<bool>(ls >> v) && (v == 0 || v == 1);
+      m.weights_only = v == 1;
+    } else if (word == "record") {
+      ManifestEntry e;
+      std::string crc;
+      ok = static_cast<bool>(ls >> crc >> e.size >> e.name) && crc.size() == 8 &&
+           crc.find_first_not_of("0123456789abcdef") == std::string::npos;
+      if (ok) e.crc = static_cast<uint32_t>(std::stoul(crc, nullptr, 16));
+      m.records.push_back(std::move(e));
+    } else {
+      ok = false;
+    }
+    std::string rest;
+    if (!ok || (ls >> rest)) throw std::invalid_argument("line " + std::to_string(line_no) + " is malformed");
+  }
+  if (m.format_version < 2 || m.records.empty()) throw std::invalid_argument("it lacks the format version or the records");
+  return m;
+}
+
+// Payload records a checkpoint must have listed in its manifest.
+bool is_payload_record(const std::string& name) {
+  return name == "data.pkl" || name.rfind("data/", 0) == 0 || (name.rfind("ember/", 0) == 0 && name != kManifestRecord);
+}
+
+std::string read_record_text(caffe2::serialize::PyTorchStreamReader& reader, const std::string& name) {
+  auto [ptr, size] = reader.getRecord(name);
+  return std::string(static_cast<const char*>(ptr.get()), size);
+}
+
+// Checks every payload record against the manifest's CRC32C and size, before anything is
+// unpickled (a damaged pickle must not reach the unpickler). Throws with one line.
+void verify_records(caffe2::serialize::PyTorchStreamReader& reader, const Manifest& m, const FileBytes& bytes,
+                    const std::string& where) {
+  auto damaged = [&](const std::string& what) -> std::runtime_error {
+    return std::runtime_error("checkpoint " + where + " is damaged: " + what +
+                              "; it changed after it was written (disk, copy or transfer error): use another checkpoint");
+  };
+  std::vector<std::string> listed;
+  for (const auto& r : m.records) {
+    if (!reader.hasRecord(r.name)) throw damaged("record '" + r.name + "' named in the manifest is missing");
+    const size_t size = reader.getRecordSize(r.name);
+    if (size != r.size)
+      throw damaged("record '" + r.name + "' has " + std::to_string(size) + " bytes, the manifest says " + std::to_string(r.size));
+    const size_t offset = reader.getRecordOffset(r.name);
+    if (offset > bytes.size || size > bytes.size - offset) throw damaged("record '" + r.name + "' lies past the end of the file");
+    const uint32_t now = crc32c(bytes.data.get() + offset, size);
+    if (now != r.crc)
+      throw damaged("record '" + r.name + "' (" + std::to_string(size) + " bytes) fails its CRC32C check (stored " + hex32(r.crc) +
+                    ", computed " + hex32(now) + ")");
+    listed.push_back(r.name);
+  }
+  for (const auto& name : reader.getAllRecords())
+    if (is_payload_record(name) && std::find(listed.begin(), listed.end(), name) == listed.end())
+      throw damaged("record '" + name + "' is not in the manifest");
+}
+
+// Untagged pickles (what torch.load accepts without allow-listing) lose the static types of
+// dicts and lists (Dict[str, Tensor], List[float], ...), which C++ readers rely on (toTensorList,
+// toTypedDict). The writer records them in `ember/types`, one TorchScript annotation per line, in
+// the order `for_each_container` visits the containers; the reader puts them back.
+template <typename F>
+void for_each_container(const c10::IValue& v, const F& f) {
+  if (v.isGenericDict()) {
+    f(v);
+    for (const auto& e : v.toGenericDict()) {
+      for_each_container(e.key(), f);
+      for_each_container(e.value(), f);
+    }
+  } else if (v.isList()) {
+    f(v);
+    const auto list = v.toList();
+    for (size_t i = 0; i < list.size(); ++i) for_each_container(list.get(i), f);
+  } else if (v.isTuple()) {
+    for (const auto& e : v.toTupleRef().elements()) for_each_container(e, f);
+  }
+}
+
+std::string container_type(const c10::IValue& v) {
+  if (v.isGenericDict()) {
+    const auto d = v.toGenericDict();
+    return c10::DictType::create(d.keyType(), d.valueType())->annotation_str();
+  }
+  return c10::ListType::create(v.toList().elementType())->annotation_str();
+}
+
+// `v` with every list as a plain List[Any]: LibTorch's pickler writes List[int], List[float],
+// List[bool] and List[Tensor] through torch.jit._pickle helpers that torch.load refuses.
+c10::IValue plain(const c10::IValue& v) {
+  if (v.isGenericDict()) {
+    const auto d = v.toGenericDict();
+    c10::impl::GenericDict out(d.keyType(), d.valueType());
+    out.reserve(d.size());
+    for (const auto& e : d) out.insert_or_assign(plain(e.key()), plain(e.value()));
+    return out;
+  }
+  if (v.isList()) {
+    const auto list = v.toList();
+    c10::impl::GenericList out(c10::AnyType::get());
+    out.reserve(list.size());
+    for (size_t i = 0; i < list.size(); ++i) out.push_back(plain(list.get(i)));
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<c10::IValue> elements;
+    for (const auto& e : v.toTupleRef().elements()) elements.push_back(plain(e));
+    return c10::ivalue::Tuple::create(std::move(elements));
+  }
+  return v;
+}
+
+// The inverse: every dict and list of `v` rebuilt with its recorded type. Throws
+// std::invalid_argument when the record does not fit the pickle.
+struct Retyper {
+  std::vector<c10::TypePtr> types;
+  size_t next = 0;
+
+  c10::TypePtr take() {
+    if (next >= types.size()) throw std::invalid_argument("more containers than recorded types");
+    return types[next++];
+  }
+  c10::IValue operator()(const c10::IValue& v) {
+    if (v.isGenericDict()) {
+      const auto t = take()->cast<c10::DictType>();
+      if (!t) throw std::invalid_argument("a dict's recorded type is not a Dict");
+      c10::impl::GenericDict out(t->getKeyType(), t->getValueType());
+      const auto d = v.toGenericDict();
+      out.reserve(d.size());
+      for (const auto& e : d) {
+        auto key = (*this)(e.key());
+        out.insert_or_assign(std::move(key), (*this)(e.value()));
+      }
+      return out;
+    }
+    if (v.isList()) {
+      const auto t = take()->cast<c10::ListType>();
+      if (!t) throw std::invalid_argument("a list's recorded type is not a List");
+      c10::impl::GenericList out(t->getElementType());
+      const auto list = v.toList();
+      out.reserve(list.size());
+      for (size_t i = 0; i < list.size(); ++i) out.push_back((*this)(list.get(i)));
+      return out;
+    }
+    if (v.isTuple()) {
+      std::vector<c10::IValue> elements;
+      for (const auto& e : v.toTupleRef().elements()) elements.push_back((*this)(e));
+      return c10::ivalue::Tuple::create(std::move(elements));
+    }
+    return v;
+  }
+};
+
+c10::IValue restore_types(const c10::IValue& v, const std::string& record) {
+  Retyper r;
+  std::map<std::string, c10::TypePtr> parsed;
+  std::istringstream in(record);
+  for (std::string line; std::getline(in, line);) {
+    auto it = parsed.find(line);
+    if (it == parsed.end()) it = parsed.emplace(line, torch::jit::Unpickler::defaultTypeParser(line)).first;
+    r.types.push_back(it->second);
+  }
+  auto out = r(v);
+  if (r.next != r.types.size()) throw std::invalid_argument("fewer containers than recorded types");
+  return out;
+}
+
+// The first line of an error, and of a long one its first sentence (LibTorch's zip reader adds
+// a paragraph of advice).
+std::string short_what(const std::exception& e) {
+  std::string what = e.what();
+  if (auto nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
+  if (what.size() > 120)
+    if (auto dot = what.find(". "); dot != std::string::npos) what.resize(dot);
+  return what.substr(0, 200);
+}
+
 }  // namespace
 
-void atomic_write(const fs::path& path, const char* data, size_t size) {
+uint32_t crc32c_portable(const void* data, size_t size) {
+  boost::crc_optimal<32, 0x1EDC6F41, 0xFFFFFFFF, 0xFFFFFFFF, true, true> crc;
+  crc.process_bytes(data, size);
+  return crc.checksum();
+}
+
+uint32_t crc32c(const void* data, size_t size) {
+  static const bool has_sse42 = __builtin_cpu_supports("sse4.2");
+  if (size == 0) return 0;
+  return has_sse42 ? crc32c_sse42(static_cast<const unsigned char*>(data), size) : crc32c_portable(data, size);
+}
+
+void atomic_write(const fs::path& path, const std::function<void(const ByteSink&)>& fill) {
   fs::path dir = path.parent_path().empty() ? fs::path(".") : path.parent_path();
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -30,25 +354,43 @@ void atomic_write(const fs::path& path, const char* data, size_t size) {
   tmp_name += std::to_string(getpid());
   fs::path tmp = dir / tmp_name;
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(path, "cannot create " + tmp.string());
-  size_t written = 0;
-  while (written < size) {
-    ssize_t n = ::write(fd, data + written, size - written);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      fail(path, "write failed");
+  if (fd < 0) fail(path, "cannot create " + tmp.string(), errno);
+  // The sink never throws (it may be called from inside LibTorch's zip writer, whose destructor
+  // would otherwise throw during unwinding): it keeps the first error and drops the rest.
+  int write_error = 0;
+  const ByteSink sink = [&](const char* data, size_t size) {
+    size_t written = 0;
+    while (write_error == 0 && written < size) {
+      ssize_t n = ::write(fd, data + written, size - written);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        write_error = errno;
+        break;
+      }
+      written += static_cast<size_t>(n);
     }
-    written += static_cast<size_t>(n);
+  };
+  try {
+    fill(sink);
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (write_error != 0) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    fail(path, "write failed", write_error);
   }
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const int err = errno;
     ::unlink(tmp.c_str());
-    fail(path, "fsync failed");
+    fail(path, "fsync failed", err);
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
     ::unlink(tmp.c_str());
-    fail(path, "rename failed");
+    fail(path, "rename failed", err);
   }
   // Make the rename itself durable.
   int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -58,31 +400,143 @@ void atomic_write(const fs::path& path, const char* data, size_t size) {
   }
 }
 
+void atomic_write(const fs::path& path, const char* data, size_t size) {
+  atomic_write(path, [&](const ByteSink& sink) { sink(data, size); });
+}
+
 void save_checkpoint_file(const fs::path& path, const c10::IValue& checkpoint) {
-  std::vector<char> bytes = torch::jit::pickle_save(checkpoint);
-  atomic_write(path, bytes.data(), bytes.size());
+  // torch.save's layout, as torch::jit::pickle_save writes it, but with untagged containers (no
+  // torch.jit._pickle globals, so torch.load's weights_only unpickler takes it as it is), plus
+  // the container types and the manifest.
+  std::string types;
+  for_each_container(checkpoint, [&](const c10::IValue& c) { types += container_type(c) + "\n"; });
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler([&](const char* p, size_t n) { pickle.insert(pickle.end(), p, p + n); }, nullptr, nullptr,
+                              nullptr, nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(plain(checkpoint));
+  pickler.stop();
+
+  Manifest manifest;
+  manifest.format_version = kCheckpointFormatVersion;
+  if (checkpoint.isGenericDict()) {
+    const auto d = checkpoint.toGenericDict();
+    if (d.contains("format_version") && d.at("format_version").isInt()) manifest.format_version = d.at("format_version").toInt();
+    manifest.weights_only = d.contains("weights_only") && d.at("weights_only").isBool() && d.at("weights_only").toBool();
+  }
+  atomic_write(path, [&](const ByteSink& sink) {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) -> size_t {
+      sink(static_cast<const char*>(data), n);
+      return n;
+    });
+    auto put = [&](const std::string& name, const void* data, size_t size) {
+      writer.writeRecord(name, data, size);
+      manifest.records.push_back({crc32c(data, size), size, name});
+    };
+    const auto& tensors = pickler.tensorData();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto td = torch::jit::getWriteableTensorData(tensors[i]);
+      put("data/" + std::to_string(i), td.data(), td.sizeInBytes());
+    }
+    put("data.pkl", pickle.data(), pickle.size());
+    put(kTypesRecord, types.data(), types.size());
+    const std::string text = format_manifest(manifest);
+    writer.writeRecord(kManifestRecord, text.data(), text.size());
+    writer.writeEndOfFile();
+  });
 }
 
 c10::impl::GenericDict load_checkpoint_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot read checkpoint " + path.string() + ": " + std::strerror(errno));
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const FileBytes bytes = read_whole_file(path);
+  const std::string where = path.string();
+  auto not_a_checkpoint = [&](const std::exception& e) {
+    return std::runtime_error("checkpoint " + where + " is corrupt or not a checkpoint (" + short_what(e) + ")");
+  };
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
+  try {
+    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(std::make_shared<BufferReader>(bytes.data.get(), bytes.size));
+  } catch (const std::exception& e) {
+    throw not_a_checkpoint(e);
+  }
+  bool has_manifest = false;
+  try {
+    has_manifest = reader->hasRecord(kManifestRecord);
+  } catch (const std::exception& e) {
+    throw not_a_checkpoint(e);
+  }
+  if (has_manifest) {
+    Manifest manifest;
+    try {
+      manifest = parse_manifest(read_record_text(*reader, kManifestRecord));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("checkpoint " + where + " is damaged: its manifest (" + std::string(kManifestRecord) +
+                               ") is unreadable: " + short_what(e));
+    }
+    if (manifest.format_version > kCheckpointFormatVersion)
+      throw std::runtime_error("checkpoint " + where + " has format version " + std::to_string(manifest.format_version) +
+                               ", newer than this engine's " + std::to_string(kCheckpointFormatVersion) + " (upgrade the engine)");
+    verify_records(*reader, manifest, bytes, where);
+  }
   c10::IValue value;
   try {
-    value = torch::jit::pickle_load(bytes);
+    value = torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", std::nullopt, std::nullopt,
+                                              std::nullopt, *reader);
   } catch (const std::exception& e) {
-    throw std::runtime_error("checkpoint " + path.string() + " is corrupt or not a checkpoint (" +
-                             std::string(e.what()).substr(0, 200) + ")");
+    throw not_a_checkpoint(e);
   }
-  if (!value.isGenericDict()) throw std::runtime_error("checkpoint " + path.string() + " is not an Ember checkpoint");
+  if (has_manifest && reader->hasRecord(kTypesRecord)) {
+    try {
+      value = restore_types(value, read_record_text(*reader, kTypesRecord));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("checkpoint " + where + " is not a valid checkpoint: its " + std::string(kTypesRecord) +
+                               " record does not fit its contents (" + short_what(e) + ")");
+    }
+  }
+  if (!value.isGenericDict()) throw std::runtime_error("checkpoint " + where + " is not an Ember checkpoint");
   auto dict = value.toGenericDict();
   if (!dict.contains("format") || !dict.at("format").isString() || dict.at("format").toStringRef() != kCheckpointFormat)
-    throw std::runtime_error("checkpoint " + path.string() + " is not an Ember checkpoint (no format tag)");
-  int64_t version = dict.contains("format_version") ? dict.at("format_version").toInt() : -1;
+    throw std::runtime_error("checkpoint " + where + " is not an Ember checkpoint (no format tag)");
+  int64_t version = dict.contains("format_version") && dict.at("format_version").isInt() ? dict.at("format_version").toInt() : -1;
   if (version > kCheckpointFormatVersion)
-    throw std::runtime_error("checkpoint " + path.string() + " has format version " + std::to_string(version) +
+    throw std::runtime_error("checkpoint " + where + " has format version " + std::to_string(version) +
                              ", newer than this engine's " + std::to_string(kCheckpointFormatVersion) + " (upgrade the engine)");
+  // Format 2 and later always carry the manifest: without it, its checksums cannot be checked.
+  if (version >= 2 && !has_manifest)
+    throw std::runtime_error("checkpoint " + where + " is damaged: it lacks its manifest (" + std::string(kManifestRecord) +
+                             "), so its checksums cannot be verified: use another checkpoint");
   return dict;
+}
+
+CheckpointProbe probe_checkpoint_file(const fs::path& path) {
+  CheckpointProbe out;
+  try {
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec)) {
+      out.why = "not a regular file";
+      return out;
+    }
+    {
+      caffe2::serialize::PyTorchStreamReader reader(path.string());
+      if (reader.hasRecord(kManifestRecord)) {
+        const Manifest m = parse_manifest(read_record_text(reader, kManifestRecord));
+        if (m.format_version > kCheckpointFormatVersion) {
+          out.why = "format version " + std::to_string(m.format_version) + " is newer than this engine's";
+          return out;
+        }
+        out.ember = true;
+        out.weights_only = m.weights_only;
+        return out;
+      }
+    }
+    // Format 1 (no manifest): the whole file.
+    const auto d = load_checkpoint_file(path);
+    out.ember = true;
+    out.weights_only = d.contains("weights_only") && d.at("weights_only").isBool() && d.at("weights_only").toBool();
+  } catch (const std::exception& e) {
+    out.ember = false;
+    out.why = short_what(e);
+  }
+  return out;
 }
 
 }  // namespace ember::engine

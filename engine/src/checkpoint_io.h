@@ -1,10 +1,15 @@
-// Checkpoint files: a pickled c10::GenericDict (readable by Python's torch.load too), written
-// atomically: temp file in the same folder, fsync, rename, fsync of the folder. A crash or error
-// at any point leaves an earlier file with the same name untouched.
+// Checkpoint files (docs/checkpoint.md): a zip archive in torch.save's layout (`data.pkl` plus one
+// `data/<n>` record per tensor storage), so Python's torch.load reads it, plus Ember's own
+// records: `ember/manifest` holds a CRC32C and the size of every payload record and is checked on
+// every load, so a damaged file is refused instead of training on from damaged weights.
+// Files are written atomically: temp file in the same folder, fsync, rename, fsync of the folder.
+// A crash or error at any point leaves an earlier file with the same name untouched.
 #pragma once
 #include <ATen/core/ivalue.h>
 
+#include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -12,11 +17,34 @@ namespace ember::engine {
 
 // Writes `bytes` to `path` atomically. Throws std::runtime_error naming the path on failure.
 void atomic_write(const std::filesystem::path& path, const char* data, size_t size);
+// The same, with the content produced by `fill`, which passes it piece by piece to the sink it
+// is given (nothing is held in memory as a whole).
+using ByteSink = std::function<void(const char* data, size_t size)>;
+void atomic_write(const std::filesystem::path& path, const std::function<void(const ByteSink&)>& fill);
+
 void save_checkpoint_file(const std::filesystem::path& path, const c10::IValue& checkpoint);
-// Throws std::runtime_error naming the path when it is missing, unreadable or not an Ember checkpoint.
+// Throws std::runtime_error naming the path when it is missing, unreadable, damaged (a record
+// fails its checksum) or not an Ember checkpoint.
 c10::impl::GenericDict load_checkpoint_file(const std::filesystem::path& path);
 
+// What a file is, found cheaply (the manifest only, no tensor data) for files of format 2 and
+// later; older files are loaded whole. Never throws.
+struct CheckpointProbe {
+  bool ember = false;         // an Ember checkpoint this engine can read
+  bool weights_only = false;  // saved with save_weights_only: it can be tested, not resumed
+  std::string why;            // when not `ember`: what is wrong, for a message
+};
+CheckpointProbe probe_checkpoint_file(const std::filesystem::path& path);
+
+// CRC32C (Castagnoli, as iSCSI/ext4/RocksDB): SSE4.2's crc32 instruction when the CPU has it,
+// Boost.CRC otherwise. crc32c("123456789") == 0xE3069283.
+uint32_t crc32c(const void* data, size_t size);
+uint32_t crc32c_portable(const void* data, size_t size);  // Boost.CRC only (tests compare both)
+
 inline constexpr const char* kCheckpointFormat = "ember-checkpoint";
-inline constexpr int64_t kCheckpointFormatVersion = 1;
+// 1: pickle_save's archive, no checksums. 2: + ember/manifest with CRC32C of every record.
+inline constexpr int64_t kCheckpointFormatVersion = 2;
+inline constexpr const char* kManifestRecord = "ember/manifest";
+inline constexpr const char* kTypesRecord = "ember/types";
 
 }  // namespace ember::engine

@@ -45,6 +45,7 @@ constexpr EmberConfigKey kTrainerKeys[] = {
     Bool("enable_model_summary", "true", "Add the default model_summary callback (layer table at fit start) when none is named."),
     Bool("test_after_fit", "false", "Run the test split after fit, on the checkpoint named by test_ckpt."),
     String("test_ckpt", "\"best\"", "Weights to test after fit: best or last checkpoint, or the weights in memory (current).").choices("best|last|current"),
+    StringList("stop_signals", "[\"SIGINT\", \"SIGTERM\", \"SIGUSR1\"]", "Signals that stop training after the current optimizer step, save last.ckpt and exit with 128+signal (SIGUSR1: Slurm's warning before the time limit, sbatch --signal=B:USR1@120). Any of SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT, SIGXCPU."),
     Int("num_threads", "0", "CPU threads for LibTorch's intra-op parallelism; 0 = LibTorch's default.").at_least(0),
 };
 

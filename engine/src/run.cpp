@@ -9,12 +9,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <set>
 #include <sstream>
 
+#include "checkpoint_io.h"
 #include "config.h"
 #include "engine_schema.h"
 #include "log.h"
@@ -249,6 +251,50 @@ std::vector<fs::path> versions_newest_first(const fs::path& base) {
   return out;
 }
 
+// trainer.stop_signals as signal numbers.
+std::vector<int> parse_stop_signals(const Section& trainer) {
+  static const std::vector<std::pair<std::string, int>> known = {
+      {"SIGINT", SIGINT}, {"SIGTERM", SIGTERM}, {"SIGUSR1", SIGUSR1}, {"SIGUSR2", SIGUSR2},
+      {"SIGHUP", SIGHUP}, {"SIGQUIT", SIGQUIT}, {"SIGXCPU", SIGXCPU}};
+  std::vector<int> out;
+  for (const auto& name : trainer.get_string_list("stop_signals")) {
+    const std::string full = name.rfind("SIG", 0) == 0 ? name : "SIG" + name;
+    auto it = std::find_if(known.begin(), known.end(), [&](const auto& k) { return k.first == full; });
+    if (it == known.end())
+      throw UsageError(trainer.where("stop_signals") + ": trainer.stop_signals: unknown signal '" + name +
+                       "' (use SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT or SIGXCPU)");
+    out.push_back(it->second);
+  }
+  return out;
+}
+
+// The file `--resume last` may use: `found` (what the checkpoint callback located) when it is a
+// full Ember checkpoint, else the newest such file next to it; empty when there is none.
+// Weights-only files, other programs' files and unreadable ones are skipped with a warning.
+fs::path resumable_last(const fs::path& found) {
+  auto usable = [](const fs::path& p) {
+    // A sharded checkpoint directory is judged by its meta.ckpt (the run's state and flags).
+    const auto probe = probe_checkpoint_file(is_sharded_checkpoint(p) ? p / "meta.ckpt" : p);
+    if (probe.ember && !probe.weights_only) return true;
+    log::warn("--resume last: skipping " + p.string() + ": " +
+              (probe.ember ? std::string("it holds weights only (save_weights_only)") : "not an Ember checkpoint (" + probe.why + ")"));
+    return false;
+  };
+  if (usable(found)) return found;
+  std::vector<std::pair<fs::file_time_type, fs::path>> others;
+  std::error_code ec;
+  for (fs::directory_iterator it(found.parent_path(), ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code e2;
+    if (it->path() == found || it->path().extension() != ".ckpt" || !(it->is_regular_file(e2) || is_sharded_checkpoint(it->path())))
+      continue;
+    others.emplace_back(it->last_write_time(e2), it->path());
+  }
+  std::sort(others.begin(), others.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& o : others)
+    if (usable(o.second)) return o.second;
+  return {};
+}
+
 void print_results(const std::vector<std::pair<std::string, double>>& results) {
   if (results.empty()) return;
   size_t w = 6;
@@ -282,6 +328,7 @@ int run_training(const RunRequest& req) {
   }
   const auto& cfg = plan.config;
   const auto& trainer_cfg = cfg.section("trainer");
+  const std::vector<int> stop_signals = parse_stop_signals(trainer_cfg);
   EngineHost host;
 
   RunPlugins plugins;
@@ -346,22 +393,33 @@ int run_training(const RunRequest& req) {
                                    : trainer_cfg.where("test_ckpt") + ": trainer.test_ckpt = \"" + test_ckpt +
                                          "\" needs a checkpoint callback (enable checkpointing, or set test_ckpt = \"current\")");
 
+  bool start_fresh = false;
   if (wants_locator) {
     auto candidates = version ? std::vector<fs::path>{base / ("version_" + std::to_string(*version))} : versions_newest_first(base);
     for (const auto& dir : candidates) {
       auto found = locate_checkpoint(plugins.callbacks, req.resume, dir.string());
+      // `last` is what a requeued job resumes from: only a full Ember checkpoint will do.
+      if (!found.empty() && req.resume == "last") found = resumable_last(found).string();
       if (!found.empty()) {
         run_dir = dir;
         checkpoint = found;
         break;
       }
     }
-    if (checkpoint.empty())
+    if (checkpoint.empty() && req.resume == "last") {
+      // Lightning's ckpt_path="last": a job that is (re)started with --resume last before it
+      // ever saved starts from scratch.
+      log::warn("--resume last: no checkpoint to resume from under " + base.string() + "; starting from scratch");
+      start_fresh = true;
+    } else if (checkpoint.empty()) {
       throw UsageError("--resume " + req.resume + ": no '" + req.resume + "' checkpoint found under " + base.string() +
                        " (train first, or give the checkpoint's path)");
-    resume_in_place = true;
-  } else {
-    if (!req.resume.empty()) checkpoint = req.resume;
+    } else {
+      resume_in_place = true;
+    }
+  }
+  if (!wants_locator || start_fresh) {
+    if (!req.resume.empty() && !start_fresh) checkpoint = req.resume;
     run_dir = next_version_dir(base, version);
     // Every rank uses rank 0's folder: another rank could already see the folder rank 0 makes
     // below and count one more.
@@ -381,6 +439,14 @@ int run_training(const RunRequest& req) {
       trainer->finalize("success");
       return 0;
     }
+    // A run resumed in its own folder that already reached max_epochs/max_steps: nothing to
+    // train or test again, and nothing is added to its logs (a requeued job that already ended).
+    if (resume_in_place && trainer->fit_done()) {
+      log::info("the run in " + run_dir.string() + " already finished (epoch " + std::to_string(trainer->current_epoch()) +
+                ", step " + std::to_string(trainer->global_step()) +
+                "): nothing to do; raise trainer.max_epochs or trainer.max_steps to train on");
+      return 0;
+    }
     if (rank == 0) {
       std::ofstream(run_dir / "config.toml") << cfg.to_toml();
       log::info("run folder " + run_dir.string());
@@ -388,7 +454,7 @@ int run_training(const RunRequest& req) {
     // Loggers of a run resumed in its own folder continue its files; fresh folders (including a
     // resume from an explicit path) start new ones.
     trainer->setup_loggers(resume_in_place);
-    install_stop_signal_handlers();
+    install_stop_signal_handlers(stop_signals);
     trainer->fit();
     if (const int sig = stop_signal()) {
       trainer->finalize("interrupted");
@@ -449,10 +515,18 @@ int list_plugins(const std::vector<std::string>& plugin_paths, std::ostream& out
   std::sort(loaded.begin(), loaded.end(), [](auto* a, auto* b) {
     return std::make_pair(a->descriptor->kind, a->name) < std::make_pair(b->descriptor->kind, b->name);
   });
-  out << std::left << std::setw(18) << "NAME" << std::setw(11) << "KIND" << std::setw(9) << "VERSION" << "DESCRIPTION\n";
+  // Each column as wide as its longest entry, plus two spaces.
+  size_t name_w = 4, kind_w = 4, version_w = 7;
+  for (const auto* p : loaded) {
+    name_w = std::max(name_w, p->name.size());
+    kind_w = std::max(kind_w, std::string(kind_name(p->descriptor->kind)).size());
+    version_w = std::max(version_w, std::string(p->descriptor->version ? p->descriptor->version : "").size());
+  }
+  auto col = [](size_t w) { return std::setw(static_cast<int>(w + 2)); };
+  out << std::left << col(name_w) << "NAME" << col(kind_w) << "KIND" << col(version_w) << "VERSION" << "DESCRIPTION\n";
   for (const auto* p : loaded)
-    out << std::left << std::setw(18) << p->name << std::setw(11) << kind_name(p->descriptor->kind) << std::setw(9)
-        << p->descriptor->version << p->descriptor->description << "\n";
+    out << std::left << col(name_w) << p->name << col(kind_w) << kind_name(p->descriptor->kind) << col(version_w)
+        << (p->descriptor->version ? p->descriptor->version : "") << p->descriptor->description << "\n";
   if (loaded.empty()) {
     out << "(no plugins found; searched:";
     for (const auto& d : reg.search_paths()) out << " " << d.string();

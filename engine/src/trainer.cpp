@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstring>
 #include <iomanip>
 #include <sstream>
 
@@ -69,8 +70,14 @@ class OptimizerStepImpl final : public IOptimizerStep {
 };
 
 namespace {
-// Set by SIGINT/SIGTERM (see install_stop_signal_handlers); read after every training batch.
+// Set by the stop signals (trainer.stop_signals, see install_stop_signal_handlers); read after
+// every training batch.
 std::atomic<int> g_stop_signal{0};
+
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+}
 
 void on_stop_signal(int sig) {
   g_stop_signal.store(sig);
@@ -79,9 +86,8 @@ void on_stop_signal(int sig) {
 }
 }  // namespace
 
-void install_stop_signal_handlers() {
-  std::signal(SIGINT, on_stop_signal);
-  std::signal(SIGTERM, on_stop_signal);
+void install_stop_signal_handlers(const std::vector<int>& signals) {
+  for (int sig : signals) std::signal(sig, on_stop_signal);
 }
 
 int stop_signal() { return g_stop_signal.load(); }
@@ -364,8 +370,7 @@ void Trainer::train_epoch() {
     if (do_step && !stop_requested_ && strategy.world_size() > 1)
       sig = strategy.broadcast_flag(sig != 0) ? (sig != 0 ? sig : SIGTERM) : 0;
     if (sig != 0)
-      request_stop(std::string(sig == SIGINT ? "SIGINT" : "SIGTERM") +
-                   " received: finishing this step, saving, then exiting (send it again to quit at once)");
+      request_stop(signal_name(sig) + " received: finishing this step, saving, then exiting (send it again to quit at once)");
     const bool max_steps_hit = settings_.max_steps >= 0 && global_step_ >= settings_.max_steps;
     if (max_steps_hit || stop_requested_) {
       // Stopping early: validate once more so monitors see the state being stopped at.

@@ -64,10 +64,11 @@ struct TrainerSettings {
   static TrainerSettings from(const Section& trainer);
 };
 
-// SIGINT/SIGTERM make the loop stop after the current optimizer step, with the usual epoch-end work (the
-// checkpoint callback saves last.ckpt, mid-epoch position included), so `--resume last` goes on
-// exactly where the run was interrupted. stop_signal() is the signal received, 0 if none.
-void install_stop_signal_handlers();
+// The stop signals (trainer.stop_signals: SIGINT, SIGTERM and Slurm's SIGUSR1 by default) make
+// the loop stop after the current optimizer step, with the usual epoch-end work (the checkpoint
+// callback saves last.ckpt, mid-epoch position included), so `--resume last` goes on exactly
+// where the run was interrupted. stop_signal() is the signal received, 0 if none.
+void install_stop_signal_handlers(const std::vector<int>& signals);
 int stop_signal();
 
 class Trainer final : public ITrainer {
@@ -92,6 +93,13 @@ class Trainer final : public ITrainer {
   void write_consolidated(const std::string& path, c10::impl::GenericDict meta);
   // Starts the loggers (after restore, so they know the step a resumed run continues from).
   void setup_loggers(bool resuming);
+  // True when fit() would train nothing more: the position (a restored one included) already
+  // meets max_epochs or max_steps, as the loop in fit() decides.
+  bool fit_done() const {
+    const int64_t next_epoch = epoch_finished_ ? epoch_ + 1 : epoch_;
+    return (settings_.max_epochs >= 0 && next_epoch >= settings_.max_epochs) ||
+           (settings_.max_steps >= 0 && global_step_ >= settings_.max_steps);
+  }
 
   // ITrainer
   Stage stage() const override { return stage_; }
