@@ -2,7 +2,8 @@
 # The tensorboard logger, read back by TensorBoard's own event readers (tests/reference/tb_check.py):
 #  1. csv and tensorboard together: every metrics.csv cell is a TensorBoard scalar (tag, step,
 #     value), plus the config as text and hparams, and weight/gradient histograms;
-#  2. resume: a run killed in epoch 1 (after rows past its last checkpoint reached the event
+#  2. ddp with 2 ranks: one event file (rank 0 only), equal to metrics.csv;
+#  3. resume: a run killed in epoch 1 (after rows past its last checkpoint reached the event
 #     file) and resumed with --resume last shows in TensorBoard exactly the scalars of an
 #     uninterrupted run, and still equals its own metrics.csv.
 #   tensorboard_readback.sh <engine> <python with tensorboard> <test plugin dir> <scratch dir>
@@ -37,6 +38,11 @@ fail() { cat "$work/engine.log"; exit 1; }
 
 mkdir one && (cd one && cp ../run.toml . && run run.toml) || fail
 "$python" -W ignore "$check" match one/runs/run/version_0 --histograms
+
+# Two ranks (ddp on CPU): only rank 0 logs, so one event file, and it equals metrics.csv.
+mkdir ddp && (cd ddp && cp ../run.toml . && run run.toml --plugins ddp --set trainer.devices=2 --set trainer.max_epochs=1) || fail
+[ "$(ls ddp/runs/run/version_0/events.out.tfevents.* | wc -l)" = 1 ] || { ls ddp/runs/run/version_0; exit 1; }
+"$python" -W ignore "$check" match ddp/runs/run/version_0
 
 # Straight: 3 epochs. Split: killed at the start of step 9 (6 steps per epoch), resumed.
 mkdir straight split
