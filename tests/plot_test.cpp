@@ -2,6 +2,7 @@
 // metric found (loss, accuracy, lr); clear errors for what it cannot plot.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <fstream>
 
 #include "support.h"
@@ -27,18 +28,22 @@ void write_run(const fs::path& dir, bool with_lr, double scale) {
   fs::create_directories(dir);
   std::string csv = with_lr ? "epoch,lr-SGD,step,train_acc_epoch,train_loss_epoch,train_loss_step,val_acc,val_loss\n"
                             : "epoch,step,train_acc_epoch,train_loss_epoch,train_loss_step,val_acc,val_loss\n";
+  const char* lr = with_lr ? "," : "";  // the lr column's separator, when there is one
+  char line[256];
   for (int e = 0; e < 4; ++e) {
     for (int s = 0; s < 10; ++s) {
       const int step = e * 10 + s;
-      const double loss = scale * 2.0 / (1 + 0.1 * step);
-      csv += std::to_string(e) + (with_lr ? "," + std::to_string(0.1 / (1 + step)) : "") + "," + std::to_string(step) +
-             ",,," + std::to_string(loss) + ",,\n";
+      if (with_lr)
+        std::snprintf(line, sizeof line, "%d,%g,%d,,,%g,,\n", e, 0.1 / (1 + step), step, scale * 2.0 / (1 + 0.1 * step));
+      else
+        std::snprintf(line, sizeof line, "%d,%d,,,%g,,\n", e, step, scale * 2.0 / (1 + 0.1 * step));
+      csv += line;
     }
     const int step = e * 10 + 9;
-    csv += std::to_string(e) + (with_lr ? "," : "") + "," + std::to_string(step) + ",,,,\"" +
-           std::to_string(0.5 + 0.1 * e) + "\"," + std::to_string(scale * 1.8 / (1 + e)) + "\n";
-    csv += std::to_string(e) + (with_lr ? "," : "") + "," + std::to_string(step) + "," + std::to_string(0.45 + 0.1 * e) + "," +
-           std::to_string(scale * 1.9 / (1 + e)) + ",,,\n";
+    std::snprintf(line, sizeof line, "%d%s,%d,,,,\"%g\",%g\n", e, lr, step, 0.5 + 0.1 * e, scale * 1.8 / (1 + e));
+    csv += line;
+    std::snprintf(line, sizeof line, "%d%s,%d,%g,%g,,,\n", e, lr, step, 0.45 + 0.1 * e, scale * 1.9 / (1 + e));
+    csv += line;
   }
   write_file(dir / "metrics.csv", csv);
 }

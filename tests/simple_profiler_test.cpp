@@ -53,3 +53,17 @@ TEST(SimpleProfiler, TableCountsEveryPhaseAndSumsToTheRun) {
   EXPECT_GT(rows["Total"].total, 12 * 0.03);
   EXPECT_NE(text.find("Profiler overhead:"), std::string::npos) << text;
 }
+
+TEST(SimpleProfiler, FailedRunStillGetsItsReport) {
+  TempDir dir("observability");
+  // The checkpoint callback fails at the first epoch end: its monitor is never logged.
+  write_file(dir / "run.toml", std::string(kMlp) + "\n[checkpoint]\nmonitor = \"no_such_metric\"\n");
+  auto r = run_engine({"run.toml", "--plugins", "simple_profiler"}, dir.path(), {{"OMP_NUM_THREADS", "1"}});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  const fs::path report = dir / "runs/run/version_0/simple_profiler.txt";
+  ASSERT_TRUE(fs::exists(report)) << r.err;
+  auto rows = fit_table(read_file(report));
+  EXPECT_EQ(rows["training_step (forward)"].calls, 6) << read_file(report);  // the first epoch ran
+  EXPECT_GT(rows["Total"].total, 0.0);
+  EXPECT_NE(r.err.find("simple_profiler (failed run)"), std::string::npos) << r.err;
+}

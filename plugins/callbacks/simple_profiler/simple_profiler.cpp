@@ -63,14 +63,22 @@ class SimpleProfiler final : public ember::Callback {
       test_open_ = true;
       test_.start = t0;
     }
-    const bool finished = hook == Hook::teardown || hook == Hook::on_test_end;
+    // A failed run still gets its report, up to the failure.
+    const bool failed = hook == Hook::on_exception && !reported_failure_;
+    if (failed) {
+      reported_failure_ = true;
+      if (test_open_) test_.end = t0, test_open_ = false;
+      else if (fit_.end < 0) fit_.end = t0;
+    }
+    const bool finished = hook == Hook::teardown || hook == Hook::on_test_end || failed;
     if (hook == Hook::teardown) fit_.end = t0;
     if (hook == Hook::on_test_end) {
       test_.end = t0;
       test_open_ = false;
     }
     overhead_ += now() - t0;
-    if (finished) report(t, hook == Hook::teardown && print_ ? "fit" : hook == Hook::on_test_end && print_ ? "test" : "");
+    if (finished)
+      report(t, !print_ ? "" : failed ? "failed run" : hook == Hook::teardown ? "fit" : "test");
   }
 
  private:
@@ -169,7 +177,7 @@ class SimpleProfiler final : public ember::Callback {
   const std::string filename_;
   const bool print_;
   Session fit_, test_;
-  bool test_open_ = false;
+  bool test_open_ = false, reported_failure_ = false;
   double overhead_ = 0;
   int64_t hook_calls_ = 0;
   std::map<std::string, int64_t> hook_counts_;
