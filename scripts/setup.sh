@@ -12,7 +12,8 @@ log() { echo "[setup] $*" >&2; }
 debs=(build-essential cmake ninja-build ccache pkg-config python3-venv zlib1g-dev
       libboost1.81-dev libboost-program-options1.81-dev
       libtomlplusplus-dev libspdlog-dev libfmt-dev libgtest-dev
-      libcairo2-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin)
+      libcairo2-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin
+      libprotobuf-dev protobuf-compiler)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -53,5 +54,11 @@ if [ ! -f "$venv/.complete" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --no-input --disable-pip-version-check "torch==$torch_version"
   touch "$venv/.complete"
+fi
+# The tensorboard logger's tests read its event files back with TensorBoard's own reader.
+tensorboard_version=2.21.0
+if ! "$venv/bin/python" -c 'import tensorboard' >/dev/null 2>&1; then
+  log "installing tensorboard==$tensorboard_version into $venv (tests of the tensorboard logger)"
+  "$venv/bin/pip" install -q --no-input --disable-pip-version-check "tensorboard==$tensorboard_version" >&2
 fi
 "$venv/bin/python" -W ignore -c 'import torch.utils; print(torch.utils.cmake_prefix_path)'

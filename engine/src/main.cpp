@@ -13,6 +13,7 @@
 
 #include "config.h"
 #include "log.h"
+#include "plot.h"
 #include "plugin_registry.h"
 #include "run.h"
 #include "version.h"
@@ -29,7 +30,8 @@ const char* kUsage =
     "  engine config [--plugins ...] [--set ...] run.toml   print the resolved configuration as TOML\n"
     "  engine plugins list                                   list the plugins found\n"
     "  engine plugins info NAME                              a plugin's kind, version, file and config keys\n"
-    "  engine checkpoint consolidate DIR OUT.ckpt            one checkpoint file from a sharded checkpoint directory\n";
+    "  engine checkpoint consolidate DIR OUT.ckpt            one checkpoint file from a sharded checkpoint directory\n"
+    "  engine plot RUN_DIR... --output FILE.png              draw the runs' loss, accuracy and lr curves\n";
 
 std::vector<std::string> split_commas(const std::vector<std::string>& items) {
   std::vector<std::string> out;
@@ -55,6 +57,7 @@ int run(int argc, char** argv) {
       ("set,s", po::value<std::vector<std::string>>()->composing(), "override a config value: section.key=value (repeatable)")
       ("resume", po::value<std::string>(), "resume training: last, best, or a checkpoint file")
       ("plugin-path", po::value<std::vector<std::string>>()->composing(), "extra folder to search for plugins (repeatable)")
+      ("output,o", po::value<std::string>(), "engine plot: the PNG file to write")
       ("quiet,q", "only warnings and errors")
       ("verbose,v", "debug output");
   po::options_description hidden;
@@ -103,6 +106,9 @@ int run(int argc, char** argv) {
     if (args.size() == 4 && args[1] == "consolidate") return consolidate_checkpoint(req, args[2], args[3]);
     throw UsageError("expected `engine checkpoint consolidate DIR OUT.ckpt`");
   }
+  if (args[0] == "plot")
+    return plot_runs(std::vector<std::string>(args.begin() + 1, args.end()),
+                     vm.count("output") ? vm["output"].as<std::string>() : std::string(), std::cout);
   if (args[0] == "config") {
     if (args.size() != 2) throw UsageError("expected `engine config run.toml`");
     req.config_path = args[1];

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The tensorboard logger, read back by TensorBoard's own event readers (tests/reference/tb_check.py):
+#  1. csv and tensorboard together: every metrics.csv cell is a TensorBoard scalar (tag, step,
+#     value), plus the config as text and hparams, and weight/gradient histograms;
+#  2. ddp with 2 ranks: one event file (rank 0 only), equal to metrics.csv;
+#  3. resume: a run killed in epoch 1 (after rows past its last checkpoint reached the event
+#     file) and resumed with --resume last shows in TensorBoard exactly the scalars of an
+#     uninterrupted run, and still equals its own metrics.csv.
+#   tensorboard_readback.sh <engine> <python with tensorboard> <test plugin dir> <scratch dir>
+set -euo pipefail
+engine=$(realpath "$1"); python=$2; plugins=$(realpath "$3"); work=$4
+check="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/reference/tb_check.py"
+"$python" -c 'import tensorboard' 2>/dev/null || { echo "no tensorboard in $python (scripts/setup.sh installs it)"; exit 1; }
+rm -rf "$work"; mkdir -p "$work"; cd "$work"
+cat > run.toml <<'TOML'
+[trainer]
+max_epochs = 3
+log_every_n_steps = 1
+deterministic = true
+enable_progress_bar = false
+enable_model_summary = false
+[model]
+name = "mlp"
+input_size = 8
+hidden = [16]
+[data]
+name = "synthetic"
+shape = [8]
+num_train = 96
+num_val = 32
+batch_size = 16
+[tensorboard]
+histogram_every_n_steps = 4
+max_queue = 1
+TOML
+run() { OMP_NUM_THREADS=1 "$engine" --plugin-path "$plugins" --plugins csv,tensorboard "$@" 2>>"$work/engine.log"; }
+fail() { cat "$work/engine.log"; exit 1; }
+
+mkdir one && (cd one && cp ../run.toml . && run run.toml) || fail
+"$python" -W ignore "$check" match one/runs/run/version_0 --histograms
+
+# Two ranks (ddp on CPU): only rank 0 logs, so one event file, and it equals metrics.csv.
+mkdir ddp && (cd ddp && cp ../run.toml . && run run.toml --plugins ddp --set trainer.devices=2 --set trainer.max_epochs=1) || fail
+[ "$(ls ddp/runs/run/version_0/events.out.tfevents.* | wc -l)" = 1 ] || { ls ddp/runs/run/version_0; exit 1; }
+"$python" -W ignore "$check" match ddp/runs/run/version_0
+
+# Straight: 3 epochs. Split: killed at the start of step 9 (6 steps per epoch), resumed.
+mkdir straight split
+(cd straight && cp ../run.toml . && run run.toml) || fail
+(cd split && cp ../run.toml . && { run run.toml --plugins chaos --set chaos.rank=0 --set chaos.step=9 || true; })
+[ -f split/runs/run/version_0/checkpoints/last.ckpt ] || fail
+(cd split && run run.toml --resume last) || fail
+[ ! -e split/runs/run/version_1 ] || { echo "resume did not continue in its folder"; exit 1; }
+[ "$(ls split/runs/run/version_0/events.out.tfevents.* | wc -l)" = 2 ] || { ls split/runs/run/version_0; exit 1; }
+"$python" -W ignore "$check" same straight/runs/run/version_0 split/runs/run/version_0
+"$python" -W ignore "$check" match split/runs/run/version_0
