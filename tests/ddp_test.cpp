@@ -257,3 +257,68 @@ TEST(Dp, WithoutCudaStopsAtStartUpSuggestingDdp) {
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("dp needs CUDA GPUs and none is visible; on CPUs use ddp instead"), std::string::npos) << r.err;
 }
+
+// A parameter no rank uses keeps no gradient under find_unused_parameters: with Adam and weight
+// decay, ddp then equals single_device and the unused layer stays at its initial values (a zero
+// gradient would let weight decay move it). Without the flag it is one clear error.
+TEST(Ddp, UnusedParametersKeepNoGradient) {
+  const char* kUnused = R"(
+[trainer]
+max_epochs = 2
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+[model]
+name = "unused_branch"
+input_size = 16
+num_classes = 4
+[data]
+name = "synthetic"
+shape = [16]
+num_classes = 4
+num_train = 64
+num_val = 16
+num_test = 0
+batch_size = 8
+[optimizer]
+name = "adam"
+lr = 0.05
+weight_decay = 0.1
+)";
+  const std::string good = test_plugin_dir("good").string();
+  TempDir single("ddp"), ddp("ddp"), strict("ddp");
+  for (const TempDir* d : {&single, &ddp, &strict}) write_file(*d / "run.toml", kUnused);
+  auto a = run_engine({"--plugin-path", good, "run.toml", "--set", "data.batch_size=16"}, single.path(), {}, 120);
+  ASSERT_EQ(a.exit_code, 0) << a.err;
+  auto b = run_engine({"--plugin-path", good, "--plugins", "ddp", "run.toml", "--set", "trainer.devices=2", "--set", "ddp.timeout=20.0",
+                       "--set", "ddp.find_unused_parameters=true"},
+                      ddp.path(), {}, 180);
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  // single_device leaves the spare layer alone (no gradient); a zero gradient under ddp would let
+  // Adam's weight decay move it, and this comparison would fail.
+  expect_close(last(single), last(ddp), 1e-5);
+  auto e = run_engine({"--plugin-path", good, "--plugins", "ddp", "run.toml", "--set", "trainer.devices=2", "--set", "ddp.timeout=10.0"},
+                      strict.path(), {}, 120);
+  EXPECT_NE(e.exit_code, 0);
+  EXPECT_NE(e.err.find("parameter 'spare.weight' got no gradient"), std::string::npos) << e.err;
+  EXPECT_NE(e.err.find("ddp.find_unused_parameters = true"), std::string::npos) << e.err;
+}
+
+// A stop asked for on one rank only, in the middle of an epoch (a callback's decision), is agreed
+// by every rank at the same optimizer step: the job ends cleanly at that step, with no timeout.
+TEST(Ddp, StopAskedOnOneRankStopsEveryRankAtTheSameStep) {
+  TempDir dir("ddp");
+  write_file(dir / "run.toml", kRun);
+  const auto start = std::chrono::steady_clock::now();
+  auto r = run_engine({"--plugin-path", test_plugin_dir("good").string(), "--plugins", "ddp,chaos", "run.toml", "--set",
+                       "trainer.devices=2", "--set", "ddp.timeout=60.0", "--set", "chaos.action=\"stop\"", "--set", "chaos.step=1"},
+                      dir.path(), {}, 120);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_LT(seconds, 60.0) << "a rank waited for the timeout";
+  EXPECT_NE(r.err.find("[rank 1] info stopping: chaos: asked on rank 1 only"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("stopping: another rank asked to stop"), std::string::npos) << r.err;
+  // Asked at the start of step 1's batch: that step completes, then both ranks stop.
+  auto ck = ember::engine::load_checkpoint_file(last(dir));
+  EXPECT_EQ(ck.at("global_step").toInt(), 2);
+}

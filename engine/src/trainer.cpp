@@ -365,10 +365,16 @@ void Trainer::train_epoch() {
     }
     // Only after an optimizer step: a partly accumulated gradient is not part of a checkpoint.
     int sig = do_step && !stop_requested_ ? g_stop_signal.load() : 0;
-    // Ranks stop at the same step, on rank 0's signal (a rank that stopped alone would leave
-    // the others waiting in a collective).
-    if (do_step && !stop_requested_ && strategy.world_size() > 1)
-      sig = strategy.broadcast_flag(sig != 0) ? (sig != 0 ? sig : SIGTERM) : 0;
+    // Every decision that ends the loop is agreed by all ranks at the same optimizer step
+    // (Lightning's reduce_boolean_decision, "any rank"): a signal one rank received, or a stop a
+    // callback asked for on one rank only. A rank that stopped alone would leave the others
+    // waiting in a collective. One small all-reduce per optimizer step carries both.
+    if (do_step && strategy.world_size() > 1) {
+      const at::Tensor votes =
+          strategy.reduce(at::tensor({static_cast<double>(sig), stop_requested_ ? 1.0 : 0.0}, at::kDouble), ReduceOp::max);
+      sig = stop_requested_ ? 0 : static_cast<int>(votes[0].item<double>());
+      if (!stop_requested_ && sig == 0 && votes[1].item<double>() > 0) request_stop("another rank asked to stop");
+    }
     if (sig != 0)
       request_stop(signal_name(sig) + " received: finishing this step, saving, then exiting (send it again to quit at once)");
     const bool max_steps_hit = settings_.max_steps >= 0 && global_step_ >= settings_.max_steps;
@@ -470,7 +476,11 @@ void Trainer::fit() {
     if (settings_.max_steps >= 0 && global_step_ >= settings_.max_steps) break;
     train_epoch();
     // Every rank stops together, on rank 0's decision.
-    stop_requested_ = plugins_.strategy.object->broadcast_flag(stop_requested_);
+    if (plugins_.strategy.object->world_size() > 1) {
+      const bool any = plugins_.strategy.object->reduce(at::scalar_tensor(stop_requested_ ? 1.0 : 0.0, at::kDouble), ReduceOp::max)
+                           .item<double>() > 0;
+      if (any && !stop_requested_) request_stop("another rank asked to stop");
+    }
     if (settings_.max_steps >= 0 && global_step_ >= settings_.max_steps) break;
     if (stop_requested_) break;
     ++epoch_;

@@ -13,7 +13,8 @@ namespace {
 constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("rank", "1", "The rank that fails.").at_least(0),
     ember::key::Int("step", "2", "Global step at whose batch start it fails.").at_least(0),
-    ember::key::String("action", "\"kill\"", "kill: SIGKILL itself; hang: sleep forever.").choices("kill|hang"),
+    ember::key::String("action", "\"kill\"", "kill: SIGKILL itself; hang: sleep forever; stop: ask the trainer to stop (on this rank only).")
+        .choices("kill|hang|stop"),
     ember::key::String("hook", "\"on_train_batch_start\"",
                        "When: at the start of the step's batch, or when a checkpoint of that step is being saved (mid-save).")
         .choices("on_train_batch_start|on_save_checkpoint"),
@@ -25,18 +26,23 @@ class Chaos final : public ember::ICallback {
       : rank_(cfg.get_int("rank")),
         step_(cfg.get_int("step")),
         hang_(cfg.get_string("action") == "hang"),
+        stop_(cfg.get_string("action") == "stop"),
         at_save_(cfg.get_string("hook") == "on_save_checkpoint") {}
 
   void on_hook(ember::Hook hook, ember::ITrainer& t) override {
     const ember::Hook when = at_save_ ? ember::Hook::on_save_checkpoint : ember::Hook::on_train_batch_start;
     if (hook != when || t.rank() != rank_ || t.global_step() != step_) return;
+    if (stop_) {
+      t.request_stop("chaos: asked on rank " + std::to_string(rank_) + " only");
+      return;
+    }
     if (!hang_) raise(SIGKILL);
     for (;;) pause();
   }
 
  private:
   int64_t rank_, step_;
-  bool hang_, at_save_;
+  bool hang_, stop_, at_save_;
 };
 
 ember::ICallback* make(ember::IHost&, const ember::IConfig& cfg) { return new Chaos(cfg); }

@@ -25,6 +25,10 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Float("bucket_cap_mb", "25.0",
                       "Gradients are all-reduced in buckets of about this many megabytes, each starting as soon as its gradients are ready.")
         .above(0.0),
+    ember::key::Bool("find_unused_parameters", "false",
+                     "PyTorch DDP's flag: a parameter that no rank used in a step keeps no gradient (so the optimizer and "
+                     "weight decay leave it alone), at the cost of reading a small mask back each step; false: a parameter "
+                     "without a gradient is an error naming it."),
     ember::key::Bool("broadcast_buffers", "true",
                      "Every rank takes rank 0's buffers (batch-norm statistics) before each forward in training mode, and once before "
                      "evaluating after one (PyTorch DDP's broadcast_buffers), so all ranks evaluate with the same statistics."),
@@ -36,6 +40,7 @@ class Ddp final : public ember::ReplicatingStrategy {
       : host_(host),
         comm_("ddp", host, cfg),
         bucket_cap_bytes_(static_cast<int64_t>(cfg.get_float("bucket_cap_mb") * 1024.0 * 1024.0)),
+        find_unused_(cfg.get_bool("find_unused_parameters")),
         buffers_(cfg.get_bool("broadcast_buffers")) {
     if (bucket_cap_bytes_ < 1) bucket_cap_bytes_ = 1;
   }
@@ -60,9 +65,13 @@ class Ddp final : public ember::ReplicatingStrategy {
       for (auto& t : module.buffers()) comm_.broadcast_from_zero(t, "initial buffer " + std::to_string(i++));
     }
     std::vector<at::Tensor> params;
-    for (auto& p : module.parameters())
-      if (p.requires_grad()) params.push_back(p);
-    buckets_ = std::make_unique<GradBuckets>(params, bucket_cap_bytes_, comm_.backend_ptr(), comm_.world(),
+    std::vector<std::string> names;
+    for (auto& p : module.named_parameters())
+      if (p.value().requires_grad()) {
+        params.push_back(p.value());
+        names.push_back(p.key());
+      }
+    buckets_ = std::make_unique<GradBuckets>(params, names, bucket_cap_bytes_, comm_.backend_ptr(), comm_.world(), find_unused_,
                                              [this](std::string l) { comm_.label(std::move(l)); });
   }
 
@@ -130,6 +139,7 @@ class Ddp final : public ember::ReplicatingStrategy {
   ember::IHost& host_;
   Communicator comm_;
   int64_t bucket_cap_bytes_;
+  bool find_unused_;
   BufferBroadcast buffers_;
   std::unique_ptr<GradBuckets> buckets_;
 };

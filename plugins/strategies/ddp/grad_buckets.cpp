@@ -4,13 +4,21 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace ember_ddp {
 
-GradBuckets::GradBuckets(std::vector<at::Tensor> params, int64_t bucket_cap_bytes, c10::intrusive_ptr<c10d::Backend> backend,
-                         int world_size, std::function<void(std::string)> label)
-    : params_(std::move(params)), cap_bytes_(bucket_cap_bytes), backend_(std::move(backend)), world_(world_size), label_(std::move(label)) {}
+GradBuckets::GradBuckets(std::vector<at::Tensor> params, std::vector<std::string> names, int64_t bucket_cap_bytes,
+                         c10::intrusive_ptr<c10d::Backend> backend, int world_size, bool find_unused,
+                         std::function<void(std::string)> label)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      find_unused_(find_unused),
+      cap_bytes_(bucket_cap_bytes),
+      backend_(std::move(backend)),
+      world_(world_size),
+      label_(std::move(label)) {}
 
 // Built at the first backward, not in setup: the precision handler may still change parameter
 // dtypes after the strategy's setup (and that replaces their AccumulateGrad nodes).
@@ -62,6 +70,7 @@ void GradBuckets::begin(bool sync) {
   if (sync && world_ == 1) ++stats_.syncs;
   if (!sync) return;
   std::fill(ready_.begin(), ready_.end(), false);
+  missing_.clear();
   for (auto& b : buckets_) {
     b.pending = b.params.size();
     b.ready = b.launched = false;
@@ -85,14 +94,21 @@ void GradBuckets::launch(size_t index) {
   at::NoGradGuard no_grad;
   auto& b = buckets_[index];
   const auto& first = params_[b.params.front()];
-  b.flat = at::empty({b.numel}, first.options().requires_grad(false));
-  int64_t offset = 0;
+  // After the gradients, one element per parameter: 1 when this rank has its gradient. Summed
+  // with the rest, it tells every rank whether any rank used the parameter.
+  const int64_t mask = static_cast<int64_t>(b.params.size());
+  b.flat = at::empty({b.numel + mask}, first.options().requires_grad(false));
+  int64_t offset = 0, i = 0;
   for (size_t k : b.params) {
     const auto& p = params_[k];
     auto slice = b.flat.narrow(0, offset, p.numel());
     const auto& g = p.grad();
     if (g.defined()) slice.copy_(g.reshape({-1}));
-    else slice.zero_();  // unused on this rank: contributes zero
+    else {
+      slice.zero_();  // unused on this rank: contributes zero
+      missing_.push_back(k);
+    }
+    b.flat.narrow(0, b.numel + i++, 1).fill_(g.defined() ? 1.0 : 0.0);
     offset += p.numel();
   }
   // Divide first (as DDP does), so the sum is the mean and large values do not overflow.
@@ -114,17 +130,24 @@ void GradBuckets::finish() {
   at::NoGradGuard no_grad;
   for (auto& b : buckets_) {
     b.work->wait();
-    int64_t offset = 0;
+    // Read back only when asked: on a GPU it is a host sync per step.
+    at::Tensor used = find_unused_ ? b.flat.narrow(0, b.numel, static_cast<int64_t>(b.params.size())).to(at::kCPU) : at::Tensor();
+    int64_t offset = 0, i = 0;
     for (size_t k : b.params) {
       auto& p = params_[k];
       auto slice = b.flat.narrow(0, offset, p.numel()).view(p.sizes());
+      offset += p.numel();
+      if (find_unused_ && used[i++].item<double>() == 0.0) continue;  // no rank used it: no gradient
       if (p.grad().defined()) p.mutable_grad().copy_(slice);
       else p.mutable_grad() = slice.clone();
-      offset += p.numel();
     }
     b.work.reset();
     b.flat = at::Tensor();
   }
+  if (!find_unused_ && !missing_.empty())
+    throw std::runtime_error("ddp: parameter '" + names_.at(*std::min_element(missing_.begin(), missing_.end())) + "' got no gradient in this step on this rank (" +
+                             std::to_string(missing_.size()) + " such); set ddp.find_unused_parameters = true when the model "
+                             "leaves parameters unused, or make them not require grad");
 }
 
 void GradBuckets::abandon() {

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace ember_ddp {
@@ -23,9 +24,12 @@ struct BucketStats {
 
 class GradBuckets {
  public:
-  // `label` names the next collective for error messages (may be empty).
-  GradBuckets(std::vector<at::Tensor> params, int64_t bucket_cap_bytes, c10::intrusive_ptr<c10d::Backend> backend,
-              int world_size, std::function<void(std::string)> label);
+  // `label` names the next collective for error messages (may be empty). `names[i]` is params[i]'s
+  // name. find_unused (PyTorch DDP's find_unused_parameters): a parameter that got no gradient on
+  // any rank keeps no gradient (each bucket carries a used-mask, read back after the reduction);
+  // without it, a parameter without a gradient on this rank fails the step with a line naming it.
+  GradBuckets(std::vector<at::Tensor> params, std::vector<std::string> names, int64_t bucket_cap_bytes,
+              c10::intrusive_ptr<c10d::Backend> backend, int world_size, bool find_unused, std::function<void(std::string)> label);
   // Before backward. sync = false: gradients accumulate locally, nothing is communicated.
   void begin(bool sync);
   // After backward of a synchronizing micro-batch: starts what is left (buckets holding
@@ -49,6 +53,9 @@ class GradBuckets {
   void launch(size_t bucket);
 
   std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  bool find_unused_ = false;
+  std::vector<size_t> missing_;  // parameters without a gradient on this rank in this sync
   int64_t cap_bytes_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   int world_;

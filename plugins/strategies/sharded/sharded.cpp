@@ -442,8 +442,17 @@ class Sharded final : public ember::IStrategy,
         auto& p = params_[k];
         if (!p.trainable) continue;
         at::Tensor part = grp.scatter_out.narrow(0, p.offset, p.valid);
-        if (p.shard.grad().defined()) p.shard.mutable_grad().add_(part);
-        else p.shard.mutable_grad() = part.clone();
+        if (stage_ == 1 && p.param.grad().defined() && p.param.grad().is_contiguous()) {
+          // Stage 1 keeps whole gradients: this rank's reduced part goes into its own slice of
+          // the whole gradient, and the shard's gradient is a view of that slice (no extra copy).
+          at::Tensor mine = p.param.grad().view({-1}).narrow(0, std::min(comm_.rank() * p.chunk, p.numel), p.valid);
+          mine.copy_(part);
+          p.shard.mutable_grad() = mine;
+        } else if (p.shard.grad().defined()) {
+          p.shard.mutable_grad().add_(part);
+        } else {
+          p.shard.mutable_grad() = part.clone();
+        }
       }
       grp.scatter_work.reset();
       grp.scatter_in = grp.scatter_out = at::Tensor();
