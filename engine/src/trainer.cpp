@@ -671,20 +671,22 @@ void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
   // takes part, only rank 0 builds and writes the checkpoint.
   auto model_state = state_->full_model_state(/*rank0_only=*/true);
   std::string optimizer_state = weights_only ? std::string() : state_->full_optimizer_state(/*rank0_only=*/true);
-  if (!is_global_zero()) {
-    strategy.barrier("save_checkpoint");
-    return;
-  }
-  auto ck = checkpoint_meta(weights_only);
-  ck.insert("state_dict", model_state);
-  if (!weights_only) ck.insert("optimizer", bytes_tensor(optimizer_state));
   std::exception_ptr error;
-  try {
-    save_checkpoint_file(path, ck);
-  } catch (...) {
-    error = std::current_exception();
+  if (is_global_zero()) {
+    try {
+      auto ck = checkpoint_meta(weights_only);
+      ck.insert("state_dict", model_state);
+      if (!weights_only) ck.insert("optimizer", bytes_tensor(optimizer_state));
+      save_checkpoint_file(path, ck);
+    } catch (...) {
+      error = std::current_exception();
+    }
   }
-  strategy.barrier("save_checkpoint");
+  // Rank 0's failure (read-only folder, full disk) ends every rank now, with that reason on rank 0,
+  // instead of leaving the others to time out in the next collective.
+  if (world_size() > 1 &&
+      strategy.reduce(at::scalar_tensor(error ? 1.0 : 0.0, at::kDouble), ReduceOp::max).item<double>() > 0 && !error)
+    throw RunError("rank 0 could not write checkpoint " + path + " (its log says why); stopping with it");
   if (error) std::rethrow_exception(error);
 }
 

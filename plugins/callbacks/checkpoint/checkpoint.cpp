@@ -531,10 +531,12 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   // itself); if writing fails it goes back to `before`, so the previous best is never lost.
   void write(ember::ITrainer& trainer, const std::string& path, const ck::TopKState& before) {
     try {
+      // The folder is created here when it can be; when it cannot, save_checkpoint fails on rank 0
+      // with the reason, and every rank learns it there (a throw here would leave the other ranks
+      // waiting in save_checkpoint's collectives).
       if (trainer.is_global_zero()) {
         std::error_code ec;
         fs::create_directories(fs::path(path).parent_path(), ec);
-        if (ec) throw ember::RunError("checkpoint: cannot create the folder of " + path + ": " + ec.message());
       }
       trainer.save_checkpoint(path, save_weights_only_);
     } catch (...) {
