@@ -167,6 +167,21 @@ void Communicator::broadcast_from_zero(const at::Tensor& t, const std::string& w
   backend_->broadcast(v, opts)->wait();
 }
 
+void Communicator::broadcast_module_from_zero(torch::nn::Module& module) {
+  at::NoGradGuard no_grad;
+  int i = 0;
+  for (auto& t : module.parameters()) broadcast_from_zero(t, "initial parameter " + std::to_string(i++));
+  i = 0;
+  for (auto& t : module.buffers()) broadcast_from_zero(t, "initial buffer " + std::to_string(i++));
+}
+
+ember::Batch Communicator::batch_to_device(ember::Batch batch) const {
+  if (device_.is_cpu()) return batch;
+  for (auto& t : batch.tensors)
+    if (t.defined()) t = t.to(device_, /*non_blocking=*/t.is_pinned());
+  return batch;
+}
+
 at::Tensor Communicator::reduce(const at::Tensor& value, ember::ReduceOp op) {
   if (info_.world == 1) return value;
   at::Tensor t = value.detach().to(device_, /*non_blocking=*/false, /*copy=*/true).contiguous();

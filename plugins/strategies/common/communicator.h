@@ -64,6 +64,10 @@ class Communicator {
   // Names the next collective for the watchdog's error line ("gradient bucket 2").
   void label(std::string l);
   void broadcast_from_zero(const at::Tensor& t, const std::string& what);
+  // Every rank takes rank 0's parameters and buffers (the start of every multi-process run).
+  void broadcast_module_from_zero(torch::nn::Module& module);
+  // Moves a batch to this rank's device (non-blocking from pinned memory).
+  ember::Batch batch_to_device(ember::Batch batch) const;
   at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op);
   void barrier(const char* name);
   bool broadcast_flag(bool value);

@@ -56,14 +56,7 @@ class Ddp final : public ember::ReplicatingStrategy {
 
   void place_module(torch::nn::Module& module) override {
     module.to(comm_.device());
-    // Every rank starts from rank 0's weights and buffers.
-    {
-      at::NoGradGuard no_grad;
-      int i = 0;
-      for (auto& t : module.parameters()) comm_.broadcast_from_zero(t, "initial parameter " + std::to_string(i++));
-      i = 0;
-      for (auto& t : module.buffers()) comm_.broadcast_from_zero(t, "initial buffer " + std::to_string(i++));
-    }
+    comm_.broadcast_module_from_zero(module);  // every rank starts from rank 0's weights and buffers
     std::vector<at::Tensor> params;
     std::vector<std::string> names;
     for (auto& p : module.named_parameters())
@@ -77,12 +70,7 @@ class Ddp final : public ember::ReplicatingStrategy {
 
   void forward_begin(bool /*grad_enabled*/) override { buffers_.before_forward(state_.module(), comm_); }
 
-  ember::Batch batch_to_device(ember::Batch batch) override {
-    if (comm_.device().is_cpu()) return batch;
-    for (auto& t : batch.tensors)
-      if (t.defined()) t = t.to(comm_.device(), /*non_blocking=*/t.is_pinned());
-    return batch;
-  }
+  ember::Batch batch_to_device(ember::Batch batch) override { return comm_.batch_to_device(std::move(batch)); }
 
   void backward(const at::Tensor& loss, ember::IPrecision& precision, bool sync_gradients) override {
     buckets_->begin(sync_gradients);

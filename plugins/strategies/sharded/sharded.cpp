@@ -121,12 +121,7 @@ class Sharded final : public ember::IStrategy,
     throw ember::RunError("sharded needs an engine with strategy contract 2 (SDK 1.2 or newer): upgrade the engine");
   }
 
-  ember::Batch batch_to_device(ember::Batch batch) override {
-    if (comm_.device().is_cpu()) return batch;
-    for (auto& t : batch.tensors)
-      if (t.defined()) t = t.to(comm_.device(), /*non_blocking=*/t.is_pinned());
-    return batch;
-  }
+  ember::Batch batch_to_device(ember::Batch batch) override { return comm_.batch_to_device(std::move(batch)); }
 
   void backward(const at::Tensor& loss, ember::IPrecision& precision, bool sync_gradients) override {
     // Stage 1 keeps whole gradients until the updating micro-batch; stages 2 and 3 keep only
@@ -514,14 +509,7 @@ at::Tensor ShardedStep::closure() {
 void Sharded::setup_module(ember::IModel& model) {
   module_ = &model.module();
   module_->to(comm_.device());
-  // Every rank starts from rank 0's weights and buffers.
-  {
-    at::NoGradGuard no_grad;
-    int i = 0;
-    for (auto& t : module_->parameters()) comm_.broadcast_from_zero(t, "initial parameter " + std::to_string(i++));
-    i = 0;
-    for (auto& t : module_->buffers()) comm_.broadcast_from_zero(t, "initial buffer " + std::to_string(i++));
-  }
+  comm_.broadcast_module_from_zero(*module_);  // every rank starts from rank 0's weights and buffers
   build_groups(model);
   const int64_t world = comm_.world(), rank = comm_.rank();
   at::NoGradGuard no_grad;
