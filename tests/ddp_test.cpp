@@ -27,6 +27,8 @@ namespace {
 // shuffled sample i to rank i % 2).
 const char* kRun = R"(
 [trainer]
+# CPU ranks (Open MPI) compared with single_device on the same device, also where a GPU is present.
+accelerator = "cpu"
 max_epochs = 2
 num_sanity_val_steps = 0
 enable_progress_bar = false
@@ -97,9 +99,15 @@ void reference(const TempDir& dir, std::vector<std::string> extra = {}) {
   engine_ok(dir, args);
 }
 
+// Every ddp test here runs CPU ranks, which talk through Open MPI.
+class Ddp : public ::testing::Test {
+ protected:
+  void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
+};
+
 }  // namespace
 
-TEST(Ddp, TwoRanksMatchSingleDeviceWithTheDoubledBatch) {
+TEST_F(Ddp, TwoRanksMatchSingleDeviceWithTheDoubledBatch) {
   TempDir single("ddp"), ddp("ddp");
   reference(single);
   write_file(ddp / "run.toml", kRun);
@@ -117,7 +125,7 @@ TEST(Ddp, TwoRanksMatchSingleDeviceWithTheDoubledBatch) {
   EXPECT_NE(r.err.find("[rank 1]"), std::string::npos) << "rank 1 logs nothing? " << r.err;
 }
 
-TEST(Ddp, TwoRanksMatchSingleDeviceWithAccumulation) {
+TEST_F(Ddp, TwoRanksMatchSingleDeviceWithAccumulation) {
   TempDir single("ddp"), ddp("ddp");
   reference(single, {"--set", "trainer.accumulate_grad_batches=2"});
   write_file(ddp / "run.toml", kRun);
@@ -131,7 +139,10 @@ TEST(Ddp, TwoRanksMatchSingleDeviceWithAccumulation) {
 // ddp composes with the precision handlers: under autocast the two ranks still end where one
 // process with the doubled batch ends (to float16/bfloat16 rounding of the per-batch sums), and
 // amp16's loss scaler sees the all-reduced gradients, so every rank takes the same steps.
-class DdpPrecision : public ::testing::TestWithParam<const char*> {};
+class DdpPrecision : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
+};
 
 TEST_P(DdpPrecision, TwoRanksMatchSingleDevice) {
   TempDir single("ddp"), ddp("ddp");
@@ -151,7 +162,7 @@ INSTANTIATE_TEST_SUITE_P(Ddp, DdpPrecision, ::testing::Values("16-mixed", "bf16-
   return std::string(info.param) == "16-mixed" ? "amp16" : "bf16";
 });
 
-TEST(Ddp, TorchrunStyleEnvironmentJoins) {
+TEST_F(Ddp, TorchrunStyleEnvironmentJoins) {
   TempDir single("ddp"), ddp("ddp");
   reference(single);
   write_file(ddp / "run.toml", kRun);
@@ -170,7 +181,7 @@ TEST(Ddp, TorchrunStyleEnvironmentJoins) {
   expect_close(last(single), last(ddp), 1e-5);
 }
 
-TEST(Ddp, MpirunStartedRanksJoin) {
+TEST_F(Ddp, MpirunStartedRanksJoin) {
   TempDir single("ddp"), ddp("ddp");
   reference(single);
   write_file(ddp / "run.toml", kRun);
@@ -190,7 +201,7 @@ TEST(Ddp, MpirunStartedRanksJoin) {
   expect_close(last(single), last(ddp), 1e-5);
 }
 
-TEST(Ddp, KilledRankEndsTheJobWithinTheTimeout) {
+TEST_F(Ddp, KilledRankEndsTheJobWithinTheTimeout) {
   TempDir dir("ddp");
   write_file(dir / "run.toml", kRun);
   const auto start = std::chrono::steady_clock::now();
@@ -207,7 +218,7 @@ TEST(Ddp, KilledRankEndsTheJobWithinTheTimeout) {
   EXPECT_LT(seconds, 10.0 + 25.0) << r.err;
 }
 
-TEST(Ddp, HungRankEndsTheJobWithinTheTimeout) {
+TEST_F(Ddp, HungRankEndsTheJobWithinTheTimeout) {
   TempDir dir("ddp");
   write_file(dir / "run.toml", kRun);
   const auto start = std::chrono::steady_clock::now();
@@ -223,7 +234,7 @@ TEST(Ddp, HungRankEndsTheJobWithinTheTimeout) {
   EXPECT_LT(seconds, 4.0 + 25.0) << r.err;
 }
 
-TEST(Ddp, ResumeMatchesAnUninterruptedRun) {
+TEST_F(Ddp, ResumeMatchesAnUninterruptedRun) {
   TempDir full("ddp"), split("ddp");
   write_file(full / "run.toml", kRun);
   write_file(split / "run.toml", kRun);
@@ -240,7 +251,7 @@ TEST(Ddp, ResumeMatchesAnUninterruptedRun) {
   EXPECT_NE(one.err.find("written by 2 ranks and is resumed on 1"), std::string::npos) << one.err;
 }
 
-TEST(Ddp, BadSettingsAreOneClearLine) {
+TEST_F(Ddp, BadSettingsAreOneClearLine) {
   TempDir dir("ddp");
   write_file(dir / "run.toml", kRun);
   auto r = run_engine({"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "ddp.backend=\"nccl\"",
@@ -263,9 +274,11 @@ TEST(Dp, WithoutCudaStopsAtStartUpSuggestingDdp) {
 // A parameter no rank uses keeps no gradient under find_unused_parameters: with Adam and weight
 // decay, ddp then equals single_device and the unused layer stays at its initial values (a zero
 // gradient would let weight decay move it). Without the flag it is one clear error.
-TEST(Ddp, UnusedParametersKeepNoGradient) {
+TEST_F(Ddp, UnusedParametersKeepNoGradient) {
   const char* kUnused = R"(
 [trainer]
+# CPU ranks (Open MPI) compared with single_device on the same device, also where a GPU is present.
+accelerator = "cpu"
 max_epochs = 2
 num_sanity_val_steps = 0
 enable_progress_bar = false
@@ -308,7 +321,7 @@ weight_decay = 0.1
 
 // A stop asked for on one rank only, in the middle of an epoch (a callback's decision), is agreed
 // by every rank at the same optimizer step: the job ends cleanly at that step, with no timeout.
-TEST(Ddp, StopAskedOnOneRankStopsEveryRankAtTheSameStep) {
+TEST_F(Ddp, StopAskedOnOneRankStopsEveryRankAtTheSameStep) {
   TempDir dir("ddp");
   write_file(dir / "run.toml", kRun);
   const auto start = std::chrono::steady_clock::now();
@@ -327,7 +340,7 @@ TEST(Ddp, StopAskedOnOneRankStopsEveryRankAtTheSameStep) {
 
 // A checkpoint that rank 0 cannot write (here its folder would have to be inside a file) ends
 // every rank promptly with that error, not with a rank waiting for the collective timeout.
-TEST(Ddp, CheckpointWriteFailureOnRankZeroEndsEveryRankPromptly) {
+TEST_F(Ddp, CheckpointWriteFailureOnRankZeroEndsEveryRankPromptly) {
   TempDir dir("ddp");
   write_file(dir / "run.toml", kRun);
   write_file(dir / "blocker", "a file, not a folder");

@@ -199,6 +199,8 @@ namespace {
 
 const char* kRun = R"(
 [trainer]
+# CPU ranks (Open MPI) compared with single_device on the same device, also where a GPU is present.
+accelerator = "cpu"
 max_epochs = 2
 num_sanity_val_steps = 0
 enable_progress_bar = false
@@ -267,6 +269,7 @@ TEST(FusedOptimEngine, FusedAndPlainTrainTheSameWeights) {
 }
 
 TEST(FusedOptimEngine, ShardedFusedMatchesSingleDevicePlain) {
+  EMBER_SKIP_WITHOUT_MPI();
   const char* opt = "name = \"adam\"\nlr = 0.01\nweight_decay = 0.01\n";
   TempDir single("fused_optim");
   train(single, opt, {"--set", "optimizer.fused=false"});

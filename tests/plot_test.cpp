@@ -51,6 +51,7 @@ void write_run(const fs::path& dir, bool with_lr, double scale) {
 }  // namespace
 
 TEST(Plot, DrawsOnePanelPerKindOfMetric) {
+  EMBER_SKIP_UNLESS_BUILT_WITH(EMBER_TEST_WITH_CAIRO, "cairo, so `engine plot` cannot draw");
   TempDir dir("plot");
   write_run(dir / "runs/a/version_0", true, 1.0);
   write_run(dir / "runs/a/version_1", false, 0.8);
@@ -68,7 +69,19 @@ TEST(Plot, DrawsOnePanelPerKindOfMetric) {
   EXPECT_EQ(h, 20u + 2 * 330u);
 }
 
+// A build without cairo keeps the command and says why it cannot draw.
+TEST(Plot, WithoutCairoSaysWhyItCannotDraw) {
+  if (EMBER_TEST_WITH_CAIRO) GTEST_SKIP() << "this build has cairo (see Plot.DrawsOnePanelPerKindOfMetric)";
+  TempDir dir("plot");
+  write_run(dir / "ok", false, 1.0);
+  auto r = run_engine({"plot", "ok", "--output", "x.png"}, dir.path());
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("this build has no cairo, so it cannot draw (install libcairo2-dev"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(dir / "x.png"));
+}
+
 TEST(Plot, ExplainsWhatItCannotPlot) {
+  EMBER_SKIP_UNLESS_BUILT_WITH(EMBER_TEST_WITH_CAIRO, "cairo (the messages of `engine plot` that need it)");
   TempDir dir("plot");
   auto r = run_engine({"plot", "nowhere", "--output", "x.png"}, dir.path());
   EXPECT_EQ(r.exit_code, 2);

@@ -24,6 +24,8 @@ namespace {
 // indivisible by 2 and by 3, so shards are padded.
 const char* kRun = R"(
 [trainer]
+# CPU ranks (Open MPI) compared with single_device on the same device, also where a GPU is present.
+accelerator = "cpu"
 max_epochs = 2
 num_sanity_val_steps = 0
 enable_progress_bar = false
@@ -112,7 +114,16 @@ struct StageRanks {
   int stage, ranks;
 };
 
-class ShardedStages : public ::testing::TestWithParam<StageRanks> {};
+// Every test here runs CPU ranks, which talk through Open MPI.
+class ShardedStages : public ::testing::TestWithParam<StageRanks> {
+ protected:
+  void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
+};
+class Sharded : public ::testing::Test {
+ protected:
+  void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
+};
+using DistributedBuffers = Sharded;
 
 }  // namespace
 
@@ -148,7 +159,7 @@ INSTANTIATE_TEST_SUITE_P(Sharded, ShardedStages,
 
 // Adam (per-element state in every shard), accumulation (stage 1 talks only on the updating
 // micro-batch, stages 2-3 on each) and clipping by global norm (the norm spans the shards).
-TEST(Sharded, AccumulationAndClippingMatchSingleDevice) {
+TEST_F(Sharded, AccumulationAndClippingMatchSingleDevice) {
   const std::vector<std::string> extra = {"--set", "trainer.accumulate_grad_batches=2", "--set", "trainer.gradient_clip_val=0.05"};
   TempDir single("sharded");
   auto ref = extra;
@@ -170,7 +181,7 @@ TEST(Sharded, AccumulationAndClippingMatchSingleDevice) {
 
 // A full checkpoint is world-size independent: saved by 2 ranks, resumed by 3 (re-sharded) and
 // by single_device, each ends exactly like the uninterrupted single-device run.
-TEST(Sharded, CheckpointResumesOnAnotherWorldSizeAndUnderSingleDevice) {
+TEST_F(Sharded, CheckpointResumesOnAnotherWorldSizeAndUnderSingleDevice) {
   TempDir single("sharded"), three("sharded"), one("sharded");
   reference(single, {}, kAdam);
   const std::vector<std::string> epoch1 = {"--set", "trainer.max_epochs=1"};
@@ -193,7 +204,7 @@ TEST(Sharded, CheckpointResumesOnAnotherWorldSizeAndUnderSingleDevice) {
 
 // amp16 and bf16 under stage 3 agree with single_device in the same precision within a tolerance
 // that a run without gradient synchronisation (one rank on its half of each batch) exceeds.
-TEST(Sharded, MixedPrecisionMatchesSingleDeviceWithinTolerance) {
+TEST_F(Sharded, MixedPrecisionMatchesSingleDeviceWithinTolerance) {
   for (const char* precision : {"16-mixed", "bf16-mixed"}) {
     const std::vector<std::string> mode = {"--set", std::string("trainer.precision=\"") + precision + "\""};
     TempDir single("sharded"), dir("sharded"), alone("sharded");
@@ -212,7 +223,7 @@ TEST(Sharded, MixedPrecisionMatchesSingleDeviceWithinTolerance) {
 // The training tricks under stage 3 compute what they compute under single_device: swa and ema
 // average the shards, a scheduler steps the sharded optimizer, early stopping and top-k
 // checkpoints read reduced metrics.
-TEST(Sharded, TricksUnderStage3MatchSingleDevice) {
+TEST_F(Sharded, TricksUnderStage3MatchSingleDevice) {
   const std::vector<std::string> tricks = {
       "--plugins", "checkpoint,early_stopping,cosine,ema", "--set", "trainer.max_epochs=4", "--set", "checkpoint.save_top_k=2",
       "--set", "checkpoint.monitor=\"val_loss\"", "--set", "early_stopping.monitor=\"val_loss\"", "--set", "early_stopping.patience=5"};
@@ -231,7 +242,7 @@ TEST(Sharded, TricksUnderStage3MatchSingleDevice) {
   EXPECT_LE(max_difference(last(swa_single), last(swa_dir)), 1e-5);
 }
 
-TEST(Sharded, BadSettingsAreOneClearLine) {
+TEST_F(Sharded, BadSettingsAreOneClearLine) {
   TempDir dir("sharded");
   write_run(dir);
   auto r = run_engine({"--plugins", "sharded", "run.toml", "--set", "sharded.stage=4"}, dir.path(), {}, 60);
@@ -242,9 +253,11 @@ TEST(Sharded, BadSettingsAreOneClearLine) {
 // Batch norm under ddp and sharded: with broadcast_buffers (the default) every rank evaluates with
 // rank 0's statistics; without it each rank's statistics drift with its own batches, which this
 // probe sees (so the check can fail).
-TEST(DistributedBuffers, BatchNormStatisticsAgreeAcrossRanks) {
+TEST_F(DistributedBuffers, BatchNormStatisticsAgreeAcrossRanks) {
   const char* kBn = R"(
 [trainer]
+# CPU ranks (Open MPI) compared with single_device on the same device, also where a GPU is present.
+accelerator = "cpu"
 max_epochs = 2
 num_sanity_val_steps = 0
 enable_progress_bar = false
@@ -291,7 +304,7 @@ lr = 0.1
 // Memory at the step, measured on each rank (memory_probe): sharding the optimizer state (1), the
 // gradients (2) and the parameters (3) each lowers what a rank holds; stage 3 holds about 1/N of
 // ddp's (padding aside: nothing is gathered at the step).
-TEST(Sharded, StateMemoryPerRankShrinksWithEachStage) {
+TEST_F(Sharded, StateMemoryPerRankShrinksWithEachStage) {
   std::regex probe(R"(memory_probe: rank 0 step 2: .* total (\d+) bytes)");
   auto measure = [&](const std::vector<std::string>& strategy) {
     TempDir dir("sharded");
@@ -318,7 +331,7 @@ TEST(Sharded, StateMemoryPerRankShrinksWithEachStage) {
 // state_dict_type = "sharded": a directory of one part per rank, nothing gathered. Saved by 2
 // ranks, it resumes on 3 and on 1 exactly; `engine checkpoint consolidate` makes the single file
 // that single_device resumes from; single_device refuses the directory with one line saying so.
-TEST(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
+TEST_F(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
   TempDir single("sharded"), dir("sharded");
   reference(single, {}, kAdam);
   const std::vector<std::string> sharded_ckpt = {"--set", "sharded.state_dict_type=\"sharded\""};
@@ -360,7 +373,7 @@ TEST(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
 
 // A rank killed while a sharded checkpoint is being saved leaves the previous one whole: the job
 // fails (bounded by the timeout), and --resume last continues from the epoch before, exactly.
-TEST(Sharded, KilledMidSaveKeepsThePreviousCheckpoint) {
+TEST_F(Sharded, KilledMidSaveKeepsThePreviousCheckpoint) {
   TempDir single("sharded"), dir("sharded");
   reference(single, {}, kAdam);
   write_run(dir, kAdam);

@@ -14,6 +14,8 @@ namespace fs = std::filesystem;
 namespace {
 const char* kRun = R"(
 [trainer]
+# The test strategy of contract 1 trains on the CPU: single_device must too, for equal weights.
+accelerator = "cpu"
 max_epochs = 2
 num_sanity_val_steps = 0
 enable_progress_bar = false

@@ -6,6 +6,12 @@
 #include <string>
 #include <vector>
 
+// What this build has (cmake/EmberOptionalDeps.cmake): a test of a part that the build left out
+// skips and says why, instead of failing. `have` is one of the EMBER_TEST_WITH_* definitions.
+#define EMBER_SKIP_UNLESS_BUILT_WITH(have, what) \
+  if (!(have)) GTEST_SKIP() << "this build has no " what " (see cmake/EmberOptionalDeps.cmake)"
+#define EMBER_SKIP_WITHOUT_MPI() EMBER_SKIP_UNLESS_BUILT_WITH(EMBER_TEST_WITH_MPI, "Open MPI, so no CPU ranks for ddp/sharded")
+
 namespace ember::test {
 
 struct ProcessResult {

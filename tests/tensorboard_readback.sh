@@ -40,7 +40,7 @@ mkdir one && (cd one && cp ../run.toml . && run run.toml) || fail
 "$python" -W ignore "$check" match one/runs/run/version_0 --histograms
 
 # Two ranks (ddp on CPU): only rank 0 logs, so one event file, and it equals metrics.csv.
-mkdir ddp && (cd ddp && cp ../run.toml . && run run.toml --plugins ddp --set trainer.devices=2 --set trainer.max_epochs=1) || fail
+mkdir ddp && (cd ddp && cp ../run.toml . && run run.toml --plugins ddp --set trainer.devices=2 --set trainer.max_epochs=1 --set trainer.accelerator='"cpu"') || fail
 [ "$(ls ddp/runs/run/version_0/events.out.tfevents.* | wc -l)" = 1 ] || { ls ddp/runs/run/version_0; exit 1; }
 "$python" -W ignore "$check" match ddp/runs/run/version_0
 

@@ -7,7 +7,9 @@
 // Train curves are solid, validation and test curves dashed; each run has its own colour.
 #include "plot.h"
 
+#ifdef EMBER_WITH_CAIRO
 #include <cairo.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -26,6 +28,7 @@
 
 #include "config.h"
 
+#ifdef EMBER_WITH_CAIRO
 namespace ember::engine {
 namespace {
 
@@ -294,3 +297,15 @@ int plot_runs(const std::vector<std::string>& run_dirs, const std::string& outpu
 }
 
 }  // namespace ember::engine
+
+#else  // no cairo in this build: the command exists and says why it cannot draw
+
+namespace ember::engine {
+
+int plot_runs(const std::vector<std::string>&, const std::string&, std::ostream&) {
+  throw UsageError("engine plot: this build has no cairo, so it cannot draw (install libcairo2-dev and rebuild; "
+                   "the curves are in each run's metrics.csv)");
+}
+
+}  // namespace ember::engine
+#endif

@@ -10,6 +10,7 @@
 #include <boost/dll/runtime_symbol_info.hpp>
 
 #include "config.h"
+#include "not_built_plugins.h"
 
 #ifndef EMBER_BUILD_PLUGIN_DIR
 #define EMBER_BUILD_PLUGIN_DIR ""
@@ -21,6 +22,23 @@
 namespace fs = std::filesystem;
 
 namespace ember::engine {
+
+std::vector<std::pair<std::string, std::string>> not_built_plugins() {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const char* const* e = kNotBuiltPlugins; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const auto eq = entry.find('=');
+    out.emplace_back(entry.substr(0, eq), entry.substr(eq + 1));
+  }
+  return out;
+}
+
+std::optional<std::string> why_not_built(const std::string& name) {
+  for (auto& [n, why] : not_built_plugins())
+    if (n == name) return why;
+  return std::nullopt;
+}
+
 namespace {
 
 // Loaded libraries are never unloaded (LLVM, GStreamer and OBS do the same): objects, vtables,
@@ -201,6 +219,7 @@ const PluginInfo& PluginRegistry::load(const std::string& name) {
   if (auto it = loaded_.find(name); it != loaded_.end()) return *it->second;
   auto file = find_file(name);
   if (!file) {
+    if (auto why = why_not_built(name)) throw UsageError("plugin '" + name + "' is not part of this build: " + *why);
     std::string searched;
     for (const auto& p : paths_) {
       if (!searched.empty()) searched += ':';

@@ -11,11 +11,17 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ember::engine {
 
 const char* kind_name(uint32_t kind);
+
+// Plugins this build left out for want of an optional dependency (cmake/EmberOptionalDeps.cmake),
+// each with the reason and the fix: (name, why).
+std::vector<std::pair<std::string, std::string>> not_built_plugins();
+std::optional<std::string> why_not_built(const std::string& name);
 
 // This engine's fingerprint (the same macro a plugin uses, evaluated in the engine).
 EmberBuildFingerprint engine_fingerprint();

@@ -527,6 +527,7 @@ int list_plugins(const std::vector<std::string>& plugin_paths, std::ostream& out
   for (const auto* p : loaded)
     out << std::left << col(name_w) << p->name << col(kind_w) << kind_name(p->descriptor->kind) << col(version_w)
         << (p->descriptor->version ? p->descriptor->version : "") << p->descriptor->description << "\n";
+  for (const auto& [name, why] : not_built_plugins()) out << "(not in this build: " << name << ": " << why << ")\n";
   if (loaded.empty()) {
     out << "(no plugins found; searched:";
     for (const auto& d : reg.search_paths()) out << " " << d.string();

@@ -181,6 +181,7 @@ class LrFind final : public ember::Callback {
       }
       if (!out) throw ember::RunError("lr_find: cannot write " + csv.string());
     }
+#ifdef EMBER_WITH_CAIRO
     lf::PlotData plot{lrs, losses, smoothed, best, mode_ == lf::Mode::exponential,
                       "Learning rate finder (" + std::to_string(lrs.size()) + " steps)"};
     const fs::path png = dir / "lr_find.png";
@@ -190,6 +191,11 @@ class LrFind final : public ember::Callback {
       throw ember::RunError(std::string("lr_find: ") + e.what());
     }
     host_.log(ember::LogLevel::info, "lr_find: wrote " + csv.string() + " and " + png.string());
+#else
+    (void)best;
+    host_.log(ember::LogLevel::warn, "lr_find: wrote " + csv.string() + " but no lr_find.png: this build has no cairo "
+                                     "(install libcairo2-dev and rebuild for the plot)");
+#endif
   }
 
   ember::IHost& host_;

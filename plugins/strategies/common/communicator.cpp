@@ -13,7 +13,9 @@
 #include <optional>
 #include <thread>
 
+#ifdef EMBER_WITH_MPI
 #include "mpi_backend.h"
+#endif
 
 namespace ember_dist {
 
@@ -125,6 +127,14 @@ void Communicator::choose_device(const std::string& accelerator) {
   backend_name_ = backend_choice_ == "auto" ? (device_.is_cuda() ? "nccl" : "mpi") : backend_choice_;
   if (backend_name_ == "nccl" && !device_.is_cuda())
     throw ember::ConfigError(where_backend_ + ": " + name_ + ".backend = \"nccl\" needs CUDA devices, but this rank trains on the CPU (use backend = \"mpi\" or \"auto\")");
+#ifndef EMBER_WITH_MPI
+  if (backend_name_ == "mpi") {
+    const std::string why = name_ + ": this build has no Open MPI, so ranks on the CPU cannot communicate (install libopenmpi-dev and openmpi-bin, "
+                                    "then rebuild; or train on CUDA devices, which use NCCL)";
+    if (backend_choice_ == "mpi") throw ember::ConfigError(where_backend_ + ": " + why);
+    throw ember::RunError(why);
+  }
+#endif
   if (backend_name_ == "mpi" && device_.is_cuda())
     throw ember::ConfigError(where_backend_ + ": " + name_ + ".backend = \"mpi\" reduces CPU tensors only, but this rank trains on " +
                              device_.str() + " (use backend = \"nccl\", or trainer.accelerator = \"cpu\")");
@@ -138,11 +148,13 @@ void Communicator::connect() {
       if (!store_) store_ = c10::make_intrusive<c10d::HashStore>();
       backend_ = make_nccl_backend(store_, info_.rank, info_.world, timeout_, device_);
     } else {
+#ifdef EMBER_WITH_MPI
       uses_mpi_ = true;
       MPI_Comm comm = join_mpi(info_, store_.get(), timeout_, &ompi_server_);
       auto mpi = c10::make_intrusive<MpiBackend>(comm, timeout_, [this](const std::string& what) { return describe_failure(what); });
       mpi_ = mpi.get();
       backend_ = mpi;
+#endif
     }
   } catch (const ember::ConfigError&) {
     throw;
@@ -155,7 +167,11 @@ void Communicator::connect() {
 }
 
 void Communicator::label(std::string l) {
+#ifdef EMBER_WITH_MPI
   if (mpi_) mpi_->set_next_label(std::move(l));
+#else
+  (void)l;
+#endif
 }
 
 void Communicator::broadcast_from_zero(const at::Tensor& t, const std::string& what) {
@@ -217,11 +233,13 @@ void Communicator::teardown(const std::string& stats) {
   backend_->shutdown();
   backend_.reset();
   mpi_ = nullptr;
+#ifdef EMBER_WITH_MPI
   if (uses_mpi_) {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized) MPI_Finalize();
   }
+#endif
   if (ompi_server_ > 0) {
     kill(ompi_server_, SIGTERM);
     waitpid(ompi_server_, nullptr, 0);

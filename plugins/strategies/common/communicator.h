@@ -23,6 +23,13 @@ namespace ember_dist {
 
 class MpiBackend;
 
+// For the plugins' descriptions (`engine plugins list`): which collective libraries this build has.
+#ifdef EMBER_WITH_MPI
+#define EMBER_DIST_BACKENDS "NCCL on GPUs, Open MPI on CPUs"
+#else
+#define EMBER_DIST_BACKENDS "NCCL on GPUs only: this build has no Open MPI, so no CPU ranks"
+#endif
+
 // The keys every multi-process strategy shares, for its EMBER_PLUGIN key table.
 #define EMBER_DIST_CONFIG_KEYS                                                                                                   \
   ember::key::String("backend", "\"auto\"",                                                                                      \

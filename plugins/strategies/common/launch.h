@@ -1,8 +1,6 @@
 // How the ranks of a multi-process strategy (ddp, sharded) come to be and find each other: the launchers' rank environments, the local
 // launcher (trainer.devices = N), the TCPStore rendezvous and the joining of an MPI group.
 #pragma once
-#include <mpi.h>
-
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
@@ -12,6 +10,12 @@
 #include <vector>
 
 namespace ember_dist {
+
+// Exit status of a rank that gave up because a peer failed (died, hung, or broke the link).
+constexpr int kPeerFailureExit = 3;
+
+// "exited with code 1", "was killed by signal 9 (Killed)", ... for a waitpid() status.
+std::string describe_status(int status);
 
 // The strategy plugin these ranks belong to ("ddp", "sharded"): the prefix of every message.
 void set_strategy_name(std::string name);
@@ -49,11 +53,5 @@ int free_port();
 
 // The rendezvous store: rank 0 hosts it unless torchrun's agent does.
 c10::intrusive_ptr<c10d::Store> make_store(const RankInfo& info, std::chrono::milliseconds timeout);
-
-// Initializes MPI and returns this job's communicator, with ranks as in `info`: MPI_COMM_WORLD
-// when a runtime wired it, otherwise the ranks join one by one through MPI_Comm_accept/connect,
-// with an ompi-server (started by rank 0) as the runtime they share and the port name passed
-// through `store`. `*server` gets the ompi-server's pid on rank 0 (else -1).
-MPI_Comm join_mpi(const RankInfo& info, c10d::Store* store, std::chrono::milliseconds timeout, pid_t* server);
 
 }  // namespace ember_dist

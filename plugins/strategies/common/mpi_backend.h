@@ -18,10 +18,9 @@
 #include <string>
 #include <thread>
 
-namespace ember_dist {
+#include "launch.h"
 
-// Exit status of a rank that gave up because a peer failed (died, hung, or broke the link).
-constexpr int kPeerFailureExit = 3;
+namespace ember_dist {
 
 class MpiWork final : public c10d::Work {
  public:
@@ -96,5 +95,11 @@ class MpiBackend final : public c10d::Backend {
 
 // "MPI_Allreduce: <MPI's own error text>" for a failed MPI call; throws std::runtime_error.
 void check_mpi(int code, const char* call);
+
+// Initializes MPI and returns this job's communicator, with ranks as in `info`: MPI_COMM_WORLD
+// when a runtime wired it, otherwise the ranks join one by one through MPI_Comm_accept/connect,
+// with an ompi-server (started by rank 0) as the runtime they share and the port name passed
+// through `store`. `*server` gets the ompi-server's pid on rank 0 (else -1).
+MPI_Comm join_mpi(const RankInfo& info, c10d::Store* store, std::chrono::milliseconds timeout, pid_t* server);
 
 }  // namespace ember_dist
