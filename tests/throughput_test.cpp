@@ -1,6 +1,7 @@
 // throughput: rates against a known synthetic rate (a test plugin sleeps in every batch).
 #include <gtest/gtest.h>
 
+#include "peak_flops.h"
 #include "throughput_window.h"
 #include "observability_support.h"
 
@@ -44,7 +45,9 @@ TEST(Throughput, LeavesValidationOut) {
   write_file(dir / "run.toml", kMlp);
   // Validation after batch 3 sleeps 0.3 s per batch (0.6 s); counted, it would pull the rate
   // at the epoch's last batch (window: all 6) down to 6 / (0.3 + 0.6) = 6.7/s.
-  engine_ok(dir, {"--plugins", "throughput,sleeper", "--set",
+  // On the CPU: on a GPU the window's first batch also holds CUDA's lazy start-up (cuBLAS handles,
+  // kernel loading), which is real time but not what this test plants.
+  engine_ok(dir, {"--plugins", "throughput,sleeper", "--set", "trainer.accelerator=\"cpu\"", "--set",
                   "sleeper.hooks=[\"on_train_batch_start\", \"on_validation_batch_start\"]", "--set",
                   "sleeper.seconds=[0.05, 0.3]", "--set", "throughput.window_size=6", "--set", "trainer.max_epochs=1",
                   "--set", "trainer.val_check_interval=3", "--set", "trainer.num_sanity_val_steps=0"});
@@ -52,4 +55,100 @@ TEST(Throughput, LeavesValidationOut) {
   const double bps = last_value(read_csv(dir / "runs/run/version_0/metrics.csv"), "train|device|batches_per_sec", &n);
   EXPECT_LE(bps, 20.0);
   EXPECT_GE(bps, 15.0);
+}
+
+namespace {
+// The FLOPs of one training batch the rates imply (flops_per_sec / batches_per_sec, same window).
+double flops_per_batch(const fs::path& run) {
+  const auto rows = read_csv(run / "metrics.csv");
+  int n = 0;
+  const double fps = last_value(rows, "train|device|flops_per_sec", &n);
+  EXPECT_GT(n, 0) << "no flops_per_sec in " << run;
+  return fps / last_value(rows, "train|device|batches_per_sec", &n);
+}
+const char* const kTransformer = R"(
+[trainer]
+max_epochs = 1
+log_every_n_steps = 1
+enable_progress_bar = false
+enable_model_summary = false
+accelerator = "cpu"
+[model]
+name = "transformer"
+d_model = 16
+nhead = 2
+dim_feedforward = 32
+num_layers = 2
+dropout = 0.0
+num_classes = 4
+[data]
+name = "synthetic"
+shape = [6, 16]
+num_classes = 4
+num_train = 64
+num_val = 16
+batch_size = 8
+)";
+}  // namespace
+
+TEST(Throughput, FlopsPerSecondAndMfuFromTheModel) {
+  TempDir dir("observability");
+  write_file(dir / "run.toml", kMlp);
+  engine_ok(dir, {"--plugins", "throughput,sleeper", "--set", "trainer.accelerator=\"cpu\"", "--set", "sleeper.seconds=[0.05]",
+                  "--set", "throughput.window_size=4", "--set", "throughput.peak_tflops=1e-6", "--set", "trainer.max_epochs=1"});
+  // mlp 8 -> 16 -> 10 on batches of 16: forward 2*16*(8*16 + 16*10) = 9216 FLOPs; backward
+  // 2*16*8*16 for the first layer (its weight only: the data needs no gradient) + 2*2*16*16*10.
+  EXPECT_NEAR(flops_per_batch(dir / "runs/run/version_0"), 9216.0 + 4096.0 + 10240.0, 1e-6);
+  const auto rows = read_csv(dir / "runs/run/version_0/metrics.csv");
+  int n = 0;
+  const double fps = last_value(rows, "train|device|flops_per_sec", &n);
+  EXPECT_NEAR(last_value(rows, "train|device|mfu", &n), fps / 1e6, 1e-12);  // peak 1e-6 TFLOP/s
+  EXPECT_NEAR(last_value(rows, "train|flops_per_sec", &n), fps, 1e-9);     // one rank
+}
+
+// The models' own counts agree with LibTorch's profiler counting the same step's matrix products
+// (flops = "measure"), so a wrong formula in a model fails here.
+TEST(Throughput, ModelFlopsMatchLibTorchsProfilerCount) {
+  for (const char* model : {"mlp", "transformer"}) {
+    SCOPED_TRACE(model);
+    TempDir a("observability"), b("observability");
+    for (auto* d : {&a, &b}) write_file(*d / "run.toml", std::string(model) == "mlp" ? kMlp : kTransformer);
+    std::vector<std::string> common = {"--plugins", "throughput", "--set", "trainer.accelerator=\"cpu\"", "--set", "trainer.max_epochs=1"};
+    auto with = [&](const char* mode) {
+      auto v = common;
+      v.insert(v.end(), {"--set", std::string("throughput.flops=\"") + mode + "\""});
+      return v;
+    };
+    engine_ok(a, with("model"));
+    auto r = engine_ok(b, with("measure"));
+    EXPECT_NE(r.err.find("throughput: measured"), std::string::npos) << r.err;
+    const double reported = flops_per_batch(a / "runs/run/version_0"), measured = flops_per_batch(b / "runs/run/version_0");
+    EXPECT_GT(reported, 0.0);
+    EXPECT_NEAR(measured / reported, 1.0, 1e-9) << "model " << reported << " vs profiler " << measured;
+  }
+}
+
+TEST(Throughput, ModelWithoutAFlopsReportIsOneClearLine) {
+  TempDir dir("observability");
+  write_file(dir / "run.toml", "[trainer]\nmax_epochs = 1\n[model]\nname = \"cnn\"\n[data]\nname = \"synthetic\"\nshape = [1, 28, 28]\n"
+                               "num_train = 32\nnum_val = 0\nbatch_size = 16\n[throughput]\nflops = \"model\"\n");
+  auto r = run_engine({"run.toml", "--plugins", "throughput"}, dir.path(), {{"OMP_NUM_THREADS", "1"}});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("run.toml:"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("does not report its FLOPs"), std::string::npos) << r.err;
+}
+
+TEST(Throughput, PeakTableKnowsTheCommonGpus) {
+  using ember_tp::ComputeDtype;
+  EXPECT_DOUBLE_EQ(*ember_tp::cuda_peak_flops("NVIDIA H100 80GB HBM3", ComputeDtype::bf16), 989.4e12);
+  EXPECT_DOUBLE_EQ(*ember_tp::cuda_peak_flops("NVIDIA H100 PCIe", ComputeDtype::fp16), 756e12);
+  EXPECT_DOUBLE_EQ(*ember_tp::cuda_peak_flops("NVIDIA H200", ComputeDtype::tf32), 494.7e12);
+  EXPECT_DOUBLE_EQ(*ember_tp::cuda_peak_flops("NVIDIA A100-SXM4-80GB", ComputeDtype::fp32), 19.5e12);
+  EXPECT_DOUBLE_EQ(*ember_tp::cuda_peak_flops("NVIDIA L4", ComputeDtype::bf16), 121e12);
+  EXPECT_FALSE(ember_tp::cuda_peak_flops("Tesla V100-SXM2-16GB", ComputeDtype::bf16));  // no bf16 units
+  EXPECT_FALSE(ember_tp::cuda_peak_flops("Some Future GPU", ComputeDtype::fp32));
+  EXPECT_EQ(ember_tp::compute_dtype("bf16-mixed", "highest"), ComputeDtype::bf16);
+  EXPECT_EQ(ember_tp::compute_dtype("16-mixed", "highest"), ComputeDtype::fp16);
+  EXPECT_EQ(ember_tp::compute_dtype("32-true", "high"), ComputeDtype::tf32);
+  EXPECT_EQ(ember_tp::compute_dtype("32-true", "highest"), ComputeDtype::fp32);
 }

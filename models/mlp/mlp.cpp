@@ -19,6 +19,7 @@
 #include <ember/error.h>
 #include <ember/host.h>
 #include <ember/model.h>
+#include <ember/model_flops.h>
 #include <ember/model_units.h>
 #include <ember/plugin.h>
 
@@ -134,7 +135,7 @@ MlpOptions read_options(const ember::IConfig& cfg) {
   return o;
 }
 
-class Mlp final : public ember::IModel, public ember::IDataParallelModel, public ember::UnitModel {
+class Mlp final : public ember::IModel, public ember::IDataParallelModel, public ember::IModelFlops, public ember::UnitModel {
  public:
   explicit Mlp(const ember::IConfig& cfg)
       : opts_(read_options(cfg)), section_(cfg.section()), net_(std::make_shared<MlpNet>(opts_)) {
@@ -145,7 +146,24 @@ class Mlp final : public ember::IModel, public ember::IDataParallelModel, public
 
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kDataParallelModelIid) == 0) return static_cast<ember::IDataParallelModel*>(this);
+    if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
     return unit_model_interface(iid);
+  }
+  // Per linear layer: forward and weight gradient 2*n*in*out each, the input gradient again
+  // for every layer but the first (the data needs none).
+  double training_flops(const ember::Batch& batch) const override {
+    if (batch.tensors.empty() || batch[0].dim() < 1) return 0.0;
+    const double n = static_cast<double>(batch[0].size(0));
+    double flops = 0.0;
+    int64_t in = opts_.input_size;
+    std::vector<int64_t> widths = opts_.hidden;
+    widths.push_back(opts_.num_classes);
+    for (size_t i = 0; i < widths.size(); ++i) {
+      const double mm = 2.0 * n * static_cast<double>(in) * static_cast<double>(widths[i]);
+      flops += (i == 0 ? 2.0 : 3.0) * mm;
+      in = widths[i];
+    }
+    return flops;
   }
   void set_data_parallel(const std::vector<c10::Device>& devices) override { devices_ = devices; }
 

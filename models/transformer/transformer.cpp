@@ -18,6 +18,7 @@
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/model.h>
+#include <ember/model_flops.h>
 #include <ember/model_units.h>
 #include <ember/plugin.h>
 
@@ -79,21 +80,36 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
   torch::nn::Linear head_{nullptr};
 };
 
-class Transformer final : public ember::IModel, public ember::IDataParallelModel, public ember::UnitModel {
+class Transformer final : public ember::IModel, public ember::IDataParallelModel, public ember::IModelFlops, public ember::UnitModel {
  public:
   explicit Transformer(const ember::IConfig& cfg) : d_model_(cfg.get_int("d_model")), section_(cfg.section()) {
     const int64_t nhead = cfg.get_int("nhead");
     if (d_model_ % nhead != 0)
       throw ember::ConfigError(c10::str("[", section_, "] nhead = ", nhead, " (", cfg.where("nhead"), ") does not divide d_model = ",
                                         d_model_, ": choose heads that split the width evenly, e.g. ", d_model_ % 4 == 0 ? 4 : 1));
-    net_ = std::make_shared<TransformerNet>(d_model_, nhead, cfg.get_int("dim_feedforward"), cfg.get_int("num_layers"),
-                                            ember_models::read_dropout(cfg, "dropout"), cfg.get_int("num_classes"));
+    ff_ = cfg.get_int("dim_feedforward");
+    layers_ = cfg.get_int("num_layers");
+    classes_ = cfg.get_int("num_classes");
+    net_ = std::make_shared<TransformerNet>(d_model_, nhead, ff_, layers_, ember_models::read_dropout(cfg, "dropout"), classes_);
     net_->declare_units(units_);
   }
   torch::nn::Module& module() override { return *net_; }
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kDataParallelModelIid) == 0) return static_cast<ember::IDataParallelModel*>(this);
+    if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
     return unit_model_interface(iid);
+  }
+  // Per layer and sequence of length L (width d, feed-forward f): q/k/v projections 6Ld^2,
+  // scores and weighted values 2L^2d each, output projection 2Ld^2, feed-forward 4Ldf; then the
+  // head on the pooled vector, 2dC. Backward doubles every product except the first layer's
+  // input gradient of its q/k/v projection (the data needs none).
+  double training_flops(const ember::Batch& batch) const override {
+    if (batch.tensors.empty() || batch[0].dim() != 3) return 0.0;
+    const double n = static_cast<double>(batch[0].size(0)), L = static_cast<double>(batch[0].size(1));
+    const double d = static_cast<double>(d_model_), f = static_cast<double>(ff_), c = static_cast<double>(classes_);
+    const double layer = 8.0 * L * d * d + 4.0 * L * L * d + 4.0 * L * d * f;
+    const double forward = static_cast<double>(layers_) * layer + 2.0 * d * c;
+    return n * (3.0 * forward - 6.0 * L * d * d);
   }
   void set_data_parallel(const std::vector<c10::Device>& devices) override { devices_ = devices; }
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override { return step(batch, ctx, Phase::train); }
@@ -110,7 +126,7 @@ class Transformer final : public ember::IModel, public ember::IDataParallelModel
     at::Tensor logits = ember_models::data_parallel_forward(net_, x.to(net_->head_weight().scalar_type()), devices_);
     return ember_models::classification_step(logits, batch[1], phase, ctx, "transformer");
   }
-  int64_t d_model_;
+  int64_t d_model_, ff_ = 0, layers_ = 0, classes_ = 0;
   std::string section_;
   std::shared_ptr<TransformerNet> net_;
   std::vector<c10::Device> devices_;  // set by the dp strategy; < 2 = plain forward

@@ -6,8 +6,12 @@
 //     previous value, in percent of one core (400 = four cores busy)
 //   on a CUDA device: device_stats/cuda_allocated_mb, cuda_reserved_mb, cuda_peak_allocated_mb
 //     (LibTorch's caching allocator, the numbers torch.cuda.memory_allocated/reserved/max_memory_allocated give)
-// MB = 2^20 bytes. GPU utilisation and power (NVML) are not read.
+//     and, through NVML (nvml.h: the driver's libnvidia-ml, loaded at run time), gpu_utilization_percent,
+//     gpu_memory_busy_percent and gpu_power_watts
+// MB = 2^20 bytes.
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <ember/host.h>
 #include <ember/callback_base.h>
 #include <ember/config.h>
 #include <ember/plugin.h>
@@ -18,6 +22,7 @@
 #include <string>
 
 #include "host_stats.h"
+#include "nvml.h"
 
 namespace {
 
@@ -25,6 +30,7 @@ namespace {
 constexpr EmberConfigKey kKeys[] = {
     ember::key::Bool("cpu_stats", "true", "Log host memory and CPU use (Lightning's cpu_stats)."),
     ember::key::Bool("cuda_stats", "true", "Log CUDA memory when the model is on a CUDA device."),
+    ember::key::Bool("nvml", "true", "On a CUDA device, also log GPU utilisation, memory-busy share and power through NVML (the driver's libnvidia-ml)."),
     ember::key::String("prefix", "\"device_stats/\"", "Prefix of every metric name."),
 };
 // clang-format on
@@ -37,8 +43,9 @@ constexpr double kMB = 1024.0 * 1024.0;
 
 class DeviceStats final : public ember::Callback {
  public:
-  explicit DeviceStats(const ember::IConfig& cfg)
-      : cpu_(cfg.get_bool("cpu_stats")), cuda_(cfg.get_bool("cuda_stats")), prefix_(cfg.get_string("prefix")) {}
+  DeviceStats(ember::IHost& host, const ember::IConfig& cfg)
+      : host_(host), cpu_(cfg.get_bool("cpu_stats")), cuda_(cfg.get_bool("cuda_stats")), nvml_wanted_(cfg.get_bool("nvml")),
+        prefix_(cfg.get_string("prefix")) {}
 
   void on_train_start(ember::ITrainer&) override {
     last_wall_ = now();
@@ -72,11 +79,26 @@ class DeviceStats final : public ember::Callback {
         log(t, "cuda_allocated_mb", static_cast<double>(stats.allocated_bytes[all].current) / kMB);
         log(t, "cuda_reserved_mb", static_cast<double>(stats.reserved_bytes[all].current) / kMB);
         log(t, "cuda_peak_allocated_mb", static_cast<double>(stats.allocated_bytes[all].peak) / kMB);
+        if (nvml_wanted_) log_nvml(t, device);
       }
     }
   }
 
  private:
+  void log_nvml(ember::ITrainer& t, const c10::Device& device) {
+    if (!nvml_tried_) {
+      nvml_tried_ = true;
+      const auto* props = at::cuda::getDeviceProperties(device.index());
+      std::string why;
+      nvml_ = ember_ds::Nvml::open(ember_ds::pci_bus_id(props->pciDomainID, props->pciBusID, props->pciDeviceID), &why);
+      if (!nvml_) host_.log(ember::LogLevel::warn, "device_stats: no GPU utilisation or power: " + why + " (set device_stats.nvml = false to silence)");
+    }
+    if (!nvml_) return;
+    const auto r = nvml_->read();
+    if (r.utilization_percent >= 0) log(t, "gpu_utilization_percent", r.utilization_percent);
+    if (r.memory_busy_percent >= 0) log(t, "gpu_memory_busy_percent", r.memory_busy_percent);
+    if (r.power_watts >= 0) log(t, "gpu_power_watts", r.power_watts);
+  }
   void log(ember::ITrainer& t, const char* name, double v) {
     ember::LogOptions o;
     o.on_step = 1;
@@ -84,15 +106,18 @@ class DeviceStats final : public ember::Callback {
     t.log_tensor(prefix_ + name, at::scalar_tensor(v, at::kDouble), o);
   }
 
-  const bool cpu_, cuda_;
+  ember::IHost& host_;
+  const bool cpu_, cuda_, nvml_wanted_;
+  bool nvml_tried_ = false;
+  std::optional<ember_ds::Nvml> nvml_;
   const std::string prefix_;
   double last_wall_ = 0, last_cpu_ = 0;
 };
 
-ember::ICallback* make(ember::IHost&, const ember::IConfig& cfg) { return new DeviceStats(cfg); }
+ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return new DeviceStats(host, cfg); }
 
 }  // namespace
 
 EMBER_PLUGIN(ember::ICallback, "device_stats", "0.1.0", "Apache-2.0",
-             "Lightning's DeviceStatsMonitor: host RSS and CPU use, CUDA memory allocated/reserved/peak.",
+             "Lightning's DeviceStatsMonitor: host RSS and CPU use; CUDA memory allocated/reserved/peak, GPU utilisation and power (NVML).",
              EMBER_CONFIG_KEYS(kKeys), make)

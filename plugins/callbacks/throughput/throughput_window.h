@@ -10,10 +10,11 @@ struct Sample {
   double batches;   // cumulative
   double samples;   // cumulative
   double items;     // cumulative (tokens, ...); < 0 when unknown
+  double flops = -1;  // cumulative; < 0 when unknown
 };
 
 struct Rates {
-  double batches_per_sec = 0, samples_per_sec = 0, items_per_sec = -1;
+  double batches_per_sec = 0, samples_per_sec = 0, items_per_sec = -1, flops_per_sec = -1;
 };
 
 class Window {
@@ -33,6 +34,7 @@ class Window {
     out->batches_per_sec = (b.batches - a.batches) / dt;
     out->samples_per_sec = (b.samples - a.samples) / dt;
     out->items_per_sec = a.items >= 0 && b.items >= 0 ? (b.items - a.items) / dt : -1;
+    out->flops_per_sec = a.flops >= 0 && b.flops >= 0 ? (b.flops - a.flops) / dt : -1;
     return true;
   }
   void clear() { samples_.clear(); }

@@ -14,6 +14,10 @@
 //   ember/data_fetch       on_train_batch_end -> next on_train_batch_start (loading, transfer, logging)
 //   ember/validation       on_validation_start -> on_validation_end
 // A range includes the hooks of the callbacks named after this one.
+//
+// emit_nvtx = true replaces all of that with NVTX ranges for NVIDIA Nsight Systems
+// (torch.autograd.profiler.emit_nvtx): every operator and the ranges above, for the whole
+// training, with nothing written by Ember; run `nsys profile -t cuda,nvtx engine ...` to record them.
 #include <ATen/record_function.h>
 #include <ember/callback_base.h>
 #include <ember/config.h>
@@ -51,6 +55,8 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Bool("with_stack", "false", "Record source locations (C++ frames are not symbolized)."),
     ember::key::Int("row_limit", "20", "Rows of the key-averages table.").at_least(1),
     ember::key::Bool("print", "true", "Log the key-averages table (rank 0)."),
+    ember::key::Bool("emit_nvtx", "false",
+        "Emit NVTX ranges (operators and Ember's phases) for Nsight Systems over the whole training instead of a Kineto trace."),
 };
 // clang-format on
 
@@ -150,11 +156,12 @@ class TorchProfiler final : public ember::Callback {
         memory_(cfg.get_bool("profile_memory")),
         stack_(cfg.get_bool("with_stack")),
         row_limit_(cfg.get_int("row_limit")),
-        print_(cfg.get_bool("print")) {}
+        print_(cfg.get_bool("print")),
+        nvtx_(cfg.get_bool("emit_nvtx")) {}
 
   ~TorchProfiler() override {
     ranges_.clear();
-    if (state_ == State::recording || state_ == State::warming) {
+    if (state_ == State::recording || state_ == State::warming || state_ == State::nvtx) {
       try {
         prof::disableProfiler();
       } catch (...) {
@@ -166,6 +173,13 @@ class TorchProfiler final : public ember::Callback {
     for (const auto& p : t.module().parameters()) {
       cuda_ = p.is_cuda();
       break;
+    }
+    if (nvtx_ && state_ == State::idle) {
+      prof::enableProfiler(torch::profiler::impl::ProfilerConfig(torch::profiler::impl::ProfilerState::NVTX, shapes_), {},
+                           {at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE, at::RecordScope::BACKWARD_FUNCTION});
+      state_ = State::nvtx;
+      if (t.is_global_zero())
+        host_.log(ember::LogLevel::info, "torch_profiler: emitting NVTX ranges for the whole training (record them with `nsys profile -t cuda,nvtx`)");
     }
   }
 
@@ -193,6 +207,11 @@ class TorchProfiler final : public ember::Callback {
   void on_train_epoch_end(ember::ITrainer&) override { end("ember/data_fetch"); }
   void on_train_end(ember::ITrainer& t) override {
     ranges_.clear();
+    if (state_ == State::nvtx) {
+      prof::disableProfiler();
+      state_ = State::done;
+      return;
+    }
     if (state_ == State::recording) finish(t);
     else if (state_ == State::warming) {
       prof::disableProfiler();
@@ -202,11 +221,11 @@ class TorchProfiler final : public ember::Callback {
   void on_exception(ember::ITrainer&) override { ranges_.clear(); }
 
  private:
-  enum class State { idle, warming, recording, done };
+  enum class State { idle, warming, recording, nvtx, done };
 
   // Moves the schedule to batch `batch_` (counted from on_train_start), before the batch runs.
   void advance(ember::ITrainer& t) {
-    if (state_ == State::done) return;
+    if (state_ == State::done || state_ == State::nvtx) return;
     const int64_t len = wait_ + warmup_ + active_;
     const int64_t cycle = batch_ / len, pos = batch_ % len;
     // The batch after a cycle's last active one ends the recording.
@@ -259,7 +278,7 @@ class TorchProfiler final : public ember::Callback {
   }
 
   void begin(const std::string& name) {
-    if (state_ != State::recording) return;
+    if (state_ != State::recording && state_ != State::nvtx) return;
     auto rf = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
     if (rf->isActive()) rf->before(name);
     ranges_.emplace_back(name, std::move(rf));
@@ -277,7 +296,7 @@ class TorchProfiler final : public ember::Callback {
   const int64_t wait_, warmup_, active_, repeat_;
   const bool shapes_, memory_, stack_;
   const int64_t row_limit_;
-  const bool print_;
+  const bool print_, nvtx_;
   bool cuda_ = false;
   State state_ = State::idle;
   int64_t batch_ = 0, cycle_ = 0;
