@@ -208,6 +208,8 @@ TEST(Offload, NotEnoughHostMemoryIsOneLineAtStartUp) {
     EXPECT_NE(r.err.find(std::string("not enough host memory for ") + c.what), std::string::npos) << r.err;
     EXPECT_NE(r.err.find(c.need), std::string::npos) << r.err;
     EXPECT_NE(r.err.find("bytes) available (the cap offload.max_host_memory_mb"), std::string::npos) << r.err;
+    // One line: the error, no statistics of a run that never started.
+    EXPECT_EQ(r.err.find("host optimizer steps"), std::string::npos) << r.err;
     EXPECT_FALSE(fs::exists(dir / "runs/run/version_0/checkpoints/last.ckpt"));
   }
   // A cap that fits trains.

@@ -153,7 +153,7 @@ class ZeroStrategy final : public ember::IStrategy,
       units_ = nullptr;
     }
     std::string line;
-    if (!params_.empty()) {
+    if (ready_) {  // not after a set-up that failed
       // One rank runs no collective: its gathers are copies from the shards, and a group's
       // gradients are its part as they are.
       const bool alone = world() == 1;
@@ -564,7 +564,7 @@ class ZeroStrategy final : public ember::IStrategy,
   std::unordered_map<const void*, size_t> param_of_shard_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
-  bool in_backward_ = false, syncing_ = false, forward_grad_ = false;
+  bool in_backward_ = false, syncing_ = false, forward_grad_ = false, ready_ = false;
   size_t next_ = 0, pending_params_ = 0;
   int64_t host_bytes_ = 0;  // offload: host memory this rank took for masters, gradients, staging
   Stats stats_;
@@ -702,6 +702,7 @@ std::shared_ptr<torch::optim::Optimizer> ZeroStrategy::setup_optimizer(ember::IO
     check_host_memory(need, "the optimizer state");
     host_bytes_ += need;
   }
+  ready_ = true;
   return optimizer_;
 }
 
