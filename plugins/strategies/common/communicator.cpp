@@ -74,7 +74,7 @@ bool Communicator::launch(const ember::LaunchRequest& request, int* exit_code) {
   connect();
   host_.log(ember::LogLevel::info, name_ + ": rank " + std::to_string(info_.rank) + " of " + std::to_string(info_.world) + " (" +
                                        info_.source + ", local rank " + std::to_string(info_.local_rank) + ") on " + device_.str() +
-                                       " with " + backend_->getBackendName());
+                                       " with " + (backend_ ? backend_->getBackendName() : std::string("no collectives (one rank)")));
   return true;
 }
 
@@ -128,6 +128,11 @@ void Communicator::choose_device(const std::string& accelerator) {
   if (backend_name_ == "nccl" && !device_.is_cuda())
     throw ember::ConfigError(where_backend_ + ": " + name_ + ".backend = \"nccl\" needs CUDA devices, but this rank trains on the CPU (use backend = \"mpi\" or \"auto\")");
 #ifndef EMBER_WITH_MPI
+  // One CPU rank needs no collective library: it runs alone (offload on one host, say).
+  if (backend_name_ == "mpi" && info_.world == 1) {
+    backend_name_ = "none";
+    return;
+  }
   if (backend_name_ == "mpi") {
     const std::string why = name_ + ": this build has no Open MPI, so ranks on the CPU cannot communicate (install libopenmpi-dev and openmpi-bin, "
                                     "then rebuild; or train on CUDA devices, which use NCCL)";
@@ -144,6 +149,7 @@ void Communicator::connect() {
   try {
     const bool need_store = backend_name_ == "nccl" ? info_.world > 1 : (!info_.mpi_wired && info_.world > 1);
     if (need_store) store_ = make_store(info_, timeout_);
+    if (backend_name_ == "none") return;  // a single rank without a collective library
     if (backend_name_ == "nccl") {
       if (!store_) store_ = c10::make_intrusive<c10d::HashStore>();
       backend_ = make_nccl_backend(store_, info_.rank, info_.world, timeout_, device_);

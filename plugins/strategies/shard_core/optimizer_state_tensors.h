@@ -10,12 +10,13 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <cstdint>
 #include <functional>
 #include <stdexcept>
 #include <string>
 #include <typeinfo>
 
-namespace ember_sharded {
+namespace ember_shard {
 
 // Calls fn(field name, field) for every tensor field of `state` in a fixed order (the same on
 // every rank), skipping undefined ones (max_exp_avg_sq without amsgrad, a momentum buffer not yet
@@ -42,9 +43,22 @@ inline void for_each_state_tensor(torch::optim::OptimizerParamState& state,
   } else if (auto* a = dynamic_cast<torch::optim::AdagradParamState*>(&state)) {
     visit("sum", a->sum());
   } else {
-    throw std::runtime_error(std::string("sharded: cannot shard the state of this optimizer (state type ") + typeid(state).name() +
+    throw std::runtime_error(std::string("cannot shard or offload the state of this optimizer (state type ") + typeid(state).name() +
                              "); use sgd, adam, adamw, rmsprop or adagrad");
   }
 }
 
-}  // namespace ember_sharded
+// Tensors of the parameter's size the optimizer keeps per parameter of `group` once it stepped
+// (for the host-memory check before the first step, which creates them); 0 for an optimizer not
+// listed above (its state is refused later, by for_each_state_tensor).
+inline int64_t state_tensors_per_element(const torch::optim::OptimizerParamGroup& group) {
+  const auto& o = group.options();
+  if (auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&o)) return a->amsgrad() ? 3 : 2;
+  if (auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(&o)) return w->amsgrad() ? 3 : 2;
+  if (auto* g = dynamic_cast<const torch::optim::SGDOptions*>(&o)) return g->momentum() != 0 ? 1 : 0;
+  if (auto* r = dynamic_cast<const torch::optim::RMSpropOptions*>(&o)) return 1 + (r->momentum() != 0 ? 1 : 0) + (r->centered() ? 1 : 0);
+  if (dynamic_cast<const torch::optim::AdagradOptions*>(&o)) return 1;
+  return 0;
+}
+
+}  // namespace ember_shard
