@@ -138,3 +138,26 @@ TEST(Config, OptimizerRejectsKeysItDoesNotUse) {
     EXPECT_NE(std::string(e.what()).find("optimizer.betas does not apply to sgd"), std::string::npos) << e.what();
   }
 }
+
+// Found by fuzzing under UBSan: a huge integral float read as an integer was an undefined cast.
+TEST(Config, IntegralFloatTooLargeForAnIntegerIsAConfigError) {
+  auto raw = RawConfig::parse("[trainer]\nlimit_train_batches = 1e300\nlimit_val_batches = 4.0\n", "run.toml");
+  auto rc = ResolvedConfig::resolve(raw, schemas(), {});
+  const auto& trainer = rc.section("trainer");
+  EXPECT_EQ(trainer.get_int("limit_val_batches"), 4);
+  EXPECT_THROW(trainer.get_int("limit_train_batches"), ember::ConfigError);
+  EXPECT_EQ(trainer.get_float("limit_train_batches"), 1e300);
+}
+
+// Found by fuzzing: every config error is one line, whatever the user's text holds.
+TEST(Config, ErrorsStayOneLineAndSetMustBeUtf8) {
+  try {
+    RawConfig::parse("[trainer]\nenable_progress_bar = fal\n", "run.toml");
+    ADD_FAILURE() << "parsed";
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+  }
+  RawConfig raw;
+  EXPECT_THROW(raw.add_override("trainer.name=\xff\xfe"), UsageError);
+  EXPECT_NO_THROW(raw.add_override("trainer.name=caf\xc3\xa9"));
+}

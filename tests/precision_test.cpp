@@ -1,14 +1,18 @@
 // Precision handlers on real runs: the loss scaler's skip/backoff/growth sequence with planted
 // inf gradients (also under accumulation), unscaling before clipping, exact resume with the
 // scaler state, a falling and finite loss for every mode on the CNN, and the dtypes each mode
-// promises for parameters, gradients and activations.
+// promises for parameters, gradients and activations, with the process default dtype left alone.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 
 #include <cmath>
 #include <fstream>
+#include <set>
 #include <sstream>
+#include <thread>
+
+#include <ember/precision_util.h>
 
 #include "checkpoint_io.h"
 #include "support.h"
@@ -284,5 +288,72 @@ INSTANTIATE_TEST_SUITE_P(Precision, ModeDtypes,
                          [](const auto& info) {
                            std::string s = info.param.precision;
                            for (auto& ch : s) if (ch == '-') ch = '_';
+                           return "p" + s;
+                         });
+
+// ---------------------------------------------------------------------------------------------
+// The process's default dtype is never switched: it is one global, and loader threads (or
+// anything else) creating tensors while a 16-true / bf16-true / 64-true step runs would get the
+// wrong dtype.
+TEST(DefaultDtype, UniformPrecisionLeavesTheProcessDefaultAlone) {
+  for (const auto dtype : {at::kHalf, at::kBFloat16, at::kDouble}) {
+    ember::UniformPrecision precision(c10::toString(dtype), dtype, "");
+    precision.forward_begin();
+    c10::ScalarType other_thread = at::kByte;
+    std::thread([&] { other_thread = at::empty({1}).scalar_type(); }).join();
+    const c10::ScalarType this_thread = at::empty({1}).scalar_type();
+    precision.forward_end();
+    EXPECT_EQ(other_thread, at::kFloat) << c10::toString(dtype);
+    EXPECT_EQ(this_thread, at::kFloat) << c10::toString(dtype);
+  }
+}
+
+class LoaderThreadDtype : public ::testing::TestWithParam<const char*> {};
+
+// Two loader workers sample the default dtype for 10 ms per batch while each step waits 10 ms
+// inside forward: with a per-forward switch they saw float16/bfloat16 (and built batches in it).
+TEST_P(LoaderThreadDtype, LoaderThreadsSeeFloat32WhileAStepRuns) {
+  const std::string precision = GetParam();
+  TempDir dir("precision");
+  const std::string cfg = R"(
+[trainer]
+max_steps = 12
+enable_progress_bar = false
+enable_model_summary = false
+enable_checkpointing = false
+logger = false
+num_sanity_val_steps = 0
+limit_val_batches = 0
+[model]
+name = "dtype_probe"
+step_sleep_ms = 10
+[data]
+name = "default_dtype_data"
+num_samples = 96
+sample_ms = 10
+batch_size = 8
+num_workers = 2
+[optimizer]
+name = "sgd"
+lr = 0.01
+)";
+  auto run = train(dir, "dt", cfg, {"trainer.precision=\"" + precision + "\""});
+  ASSERT_EQ(run.result.exit_code, 0) << run.result.err;
+  std::set<std::string> loader, model;
+  std::ifstream in(dir / "loader_dtypes.txt");
+  for (std::string l; std::getline(in, l);) loader.insert(l);
+  std::ifstream m(dir / "dtypes.txt");
+  for (std::string l; std::getline(m, l);) model.insert(l);
+  EXPECT_EQ(loader, (std::set<std::string>{"Float"})) << precision;
+  // And the mode itself is intact: parameters, inputs, activations and gradients in its dtype.
+  const std::string want = precision == "16-true" ? "Half" : "BFloat16";
+  for (const char* what : {"param=", "input=", "activation=", "grad="})
+    EXPECT_TRUE(model.count(what + want)) << precision << ": no " << what << want;
+}
+
+INSTANTIATE_TEST_SUITE_P(DefaultDtype, LoaderThreadDtype, ::testing::Values("16-true", "bf16-true"),
+                         [](const auto& info) {
+                           std::string s = info.param;
+                           for (auto& c : s) if (c == '-') c = '_';
                            return "p" + s;
                          });

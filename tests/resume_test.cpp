@@ -6,7 +6,9 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <thread>
 
 #include "checkpoint_io.h"
@@ -249,4 +251,93 @@ TEST(Resume, Sigusr1StopsGracefullyLikeSigterm) {
   auto bad = run_engine({"run.toml", "--set", "trainer.stop_signals=[\"SIGUSR3\"]"}, dir.path());
   EXPECT_EQ(bad.exit_code, 2) << bad.err;
   EXPECT_NE(bad.err.find("unknown signal 'SIGUSR3'"), std::string::npos) << bad.err;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The training position (batch index, current batch) around validations inside an epoch, and a
+// resume from a checkpoint saved between a batch and its validation.
+namespace {
+struct PositionLine {
+  std::string hook;
+  int64_t epoch, step, batch_idx, size;
+  std::string sum;  // %.17g text: compared exactly
+  bool operator==(const PositionLine&) const = default;
+};
+
+std::vector<PositionLine> positions(const fs::path& p) {
+  std::vector<PositionLine> out;
+  std::ifstream in(p);
+  PositionLine l;
+  while (in >> l.hook >> l.epoch >> l.step >> l.batch_idx >> l.size >> l.sum) out.push_back(l);
+  return out;
+}
+
+std::vector<std::string> probe_args(std::vector<std::string> args) {
+  args.insert(args.end(), {"--plugin-path", test_plugin_dir("good").string(), "--plugins", "position_probe"});
+  return args;
+}
+
+// metrics.csv column by step, as text (compared exactly).
+std::map<int64_t, std::string> by_step(const fs::path& csv, const std::string& name) {
+  std::map<int64_t, std::string> out;
+  for (const auto& row : read_csv(csv))
+    if (row.count(name) && !row.at(name).empty()) out[std::stoll(row.at("step"))] = row.at(name);
+  return out;
+}
+}  // namespace
+
+TEST(Resume, ValidationInsideAnEpochHandsBackTheTrainingPosition) {
+  TempDir dir("resume");
+  write_file(dir / "run.toml", kCnn);
+  // 6 training batches of 32, validated after batches 3 and 6; one validation batch of 20.
+  engine_in(dir, probe_args({"run.toml", "--set", "trainer.max_epochs=1", "--set", "trainer.val_check_interval=0.5",
+                             "--set", "data.num_val=20"}));
+  const auto lines = positions(dir / "position.txt");
+  std::vector<PositionLine> batch_ends, epoch_ends, val_ends;
+  for (const auto& l : lines)
+    (l.hook == "on_train_batch_end" ? batch_ends : l.hook == "on_train_epoch_end" ? epoch_ends : val_ends).push_back(l);
+  ASSERT_EQ(batch_ends.size(), 6u);
+  ASSERT_EQ(val_ends.size(), 2u);
+  ASSERT_EQ(epoch_ends.size(), 1u);
+  EXPECT_EQ(val_ends[0].size, 20);  // the validation's own batch while it runs
+  // After the epoch's last validation, callbacks see the last training batch again.
+  const auto& last = batch_ends.back();
+  EXPECT_EQ(epoch_ends[0].batch_idx, 5);
+  EXPECT_EQ(epoch_ends[0].size, last.size);
+  EXPECT_EQ(epoch_ends[0].sum, last.sum);
+}
+
+TEST(Resume, FromAStepCheckpointRunsTheValidationDueAfterIt) {
+  TempDir dir("resume");
+  write_file(dir / "run.toml", kCnn);
+  // Validation after every 3rd batch (steps 3, 6, 9, ...); the checkpoint callback saves at step 9
+  // in on_train_batch_end, before that step's validation.
+  const std::vector<std::string> common = {"--set", "trainer.max_epochs=-1", "--set", "trainer.max_steps=15",
+                                           "--set", "trainer.val_check_interval=0.5",
+                                           "--set", "checkpoint.every_n_train_steps=9", "--set", "checkpoint.save_top_k=-1"};
+  auto args = probe_args({"run.toml"});
+  args.insert(args.end(), common.begin(), common.end());
+  engine_in(dir, args);
+  const auto step9 = dir / "runs/run/version_0/checkpoints/epoch=1-step=9.ckpt";
+  ASSERT_TRUE(fs::exists(step9));
+  EXPECT_TRUE(ember::engine::load_checkpoint_file(step9).at("loops").toGenericDict().at("validation_pending").toBool());
+  args.insert(args.end(), {"--set", "position_probe.path=\"resumed.txt\"", "--resume", step9.string()});
+  auto r = engine_in(dir, args);
+  EXPECT_NE(r.err.find("(batch 3 of the epoch)"), std::string::npos) << r.err;
+  // The resumed run validates at step 9 first, then sees every position the uninterrupted run saw.
+  const auto full = positions(dir / "position.txt");
+  const auto resumed = positions(dir / "resumed.txt");
+  auto from = std::find_if(full.begin(), full.end(), [](const auto& l) { return l.hook == "on_validation_end" && l.step == 9; });
+  ASSERT_NE(from, full.end());
+  EXPECT_EQ(std::vector<PositionLine>(from, full.end()), resumed);
+  // The same validation rows (metrics.csv logs a validation after optimizer step k at step k - 1,
+  // as Lightning does), and the same weights at the end.
+  auto tail = [](std::map<int64_t, std::string> m) {
+    std::erase_if(m, [](const auto& e) { return e.first < 8; });
+    return m;
+  };
+  const auto v0 = dir / "runs/run/version_0", v1 = dir / "runs/run/version_1";
+  EXPECT_EQ(tail(by_step(v0 / "metrics.csv", "val_loss")), tail(by_step(v1 / "metrics.csv", "val_loss")));
+  EXPECT_EQ(tail(by_step(v1 / "metrics.csv", "val_loss")).size(), 3u);  // after steps 9, 12, 15
+  expect_identical(v0 / "checkpoints/last.ckpt", v1 / "checkpoints/last.ckpt");
 }

@@ -13,13 +13,17 @@
 #include <memory>
 #include <sstream>
 #include <stdexcept>
+#include <string_view>
 
 #include <boost/crc.hpp>
+#include <ATen/EmptyTensor.h>
+#include <c10/util/StringUtil.h>
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
 #include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/csrc/jit/serialization/pickler_helper.h>
+#include <torch/csrc/jit/serialization/storage_context.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
 
 namespace fs = std::filesystem;
@@ -184,31 +188,93 @@ std::string read_record_text(caffe2::serialize::PyTorchStreamReader& reader, con
   return std::string(static_cast<const char*>(ptr.get()), size);
 }
 
+// The first line of an error, and of a long one its first sentence (LibTorch's zip reader adds
+// a paragraph of advice).
+std::string short_what(const std::exception& e) {
+  std::string what = e.what();
+  if (auto nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
+  if (what.size() > 120)
+    if (auto dot = what.find(". "); dot != std::string::npos) what.resize(dot);
+  return what.substr(0, 200);
+}
+
 // Checks every payload record against the manifest's CRC32C and size, before anything is
 // unpickled (a damaged pickle must not reach the unpickler). Throws with one line.
-void verify_records(caffe2::serialize::PyTorchStreamReader& reader, const Manifest& m, const FileBytes& bytes,
+void verify_records(caffe2::serialize::PyTorchStreamReader& reader, const Manifest& m, std::string_view bytes,
                     const std::string& where) {
   auto damaged = [&](const std::string& what) -> std::runtime_error {
     return std::runtime_error("checkpoint " + where + " is damaged: " + what +
                               "; it changed after it was written (disk, copy or transfer error): use another checkpoint");
   };
-  std::vector<std::string> listed;
-  for (const auto& r : m.records) {
-    if (!reader.hasRecord(r.name)) throw damaged("record '" + r.name + "' named in the manifest is missing");
-    const size_t size = reader.getRecordSize(r.name);
-    if (size != r.size)
-      throw damaged("record '" + r.name + "' has " + std::to_string(size) + " bytes, the manifest says " + std::to_string(r.size));
-    const size_t offset = reader.getRecordOffset(r.name);
-    if (offset > bytes.size || size > bytes.size - offset) throw damaged("record '" + r.name + "' lies past the end of the file");
-    const uint32_t now = crc32c(bytes.data.get() + offset, size);
-    if (now != r.crc)
-      throw damaged("record '" + r.name + "' (" + std::to_string(size) + " bytes) fails its CRC32C check (stored " + hex32(r.crc) +
-                    ", computed " + hex32(now) + ")");
-    listed.push_back(r.name);
+  // The zip reader's own errors (a damaged local header, an unknown compression method) are
+  // damage too, said in one line naming the file.
+  try {
+    std::vector<std::string> listed;
+    for (const auto& r : m.records) {
+      if (!reader.hasRecord(r.name)) throw damaged("record '" + r.name + "' named in the manifest is missing");
+      const size_t size = reader.getRecordSize(r.name);
+      if (size != r.size)
+        throw damaged("record '" + r.name + "' has " + std::to_string(size) + " bytes, the manifest says " + std::to_string(r.size));
+      const size_t offset = reader.getRecordOffset(r.name);
+      if (offset > bytes.size() || size > bytes.size() - offset) throw damaged("record '" + r.name + "' lies past the end of the file");
+      const uint32_t now = crc32c(bytes.data() + offset, size);
+      if (now != r.crc)
+        throw damaged("record '" + r.name + "' (" + std::to_string(size) + " bytes) fails its CRC32C check (stored " + hex32(r.crc) +
+                      ", computed " + hex32(now) + ")");
+      listed.push_back(r.name);
+    }
+    for (const auto& name : reader.getAllRecords())
+      if (is_payload_record(name) && std::find(listed.begin(), listed.end(), name) == listed.end())
+        throw damaged("record '" + name + "' is not in the manifest");
+  } catch (const c10::Error& e) {
+    throw damaged("its archive cannot be read (" + short_what(e) + ")");
   }
-  for (const auto& name : reader.getAllRecords())
-    if (is_payload_record(name) && std::find(listed.begin(), listed.end(), name) == listed.end())
-      throw damaged("record '" + name + "' is not in the manifest");
+}
+
+// LibTorch's unpickler builds each tensor as a view (offset, sizes, strides) of a storage
+// without checking that the view fits it: a file whose checksums are right but whose pickle is
+// wrong (a writer's bug, a crafted file) would read past the storage when the tensor is copied
+// into the model. Every tensor is checked here against its storage (sized by its record, see
+// load_checkpoint_bytes), and the nesting is bounded (other walks over the value, such as
+// restore_types, recurse). Throws std::invalid_argument.
+void check_loaded_value(const c10::IValue& root) {
+  constexpr size_t kMaxDepth = 256;  // Ember's own checkpoints nest fewer than 10 deep
+  std::vector<std::pair<c10::IValue, size_t>> todo{{root, 0}};  // copies: reference counts only
+  size_t tensors = 0;
+  while (!todo.empty()) {
+    const auto [v, depth] = std::move(todo.back());
+    todo.pop_back();
+    if (depth > kMaxDepth) throw std::invalid_argument("containers nested deeper than " + std::to_string(kMaxDepth));
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      const std::string which = "tensor " + std::to_string(++tensors);
+      if (!t.defined() || t.numel() == 0) continue;
+      if (t.layout() != at::kStrided || !t.device().is_cpu()) throw std::invalid_argument(which + " is not a dense CPU tensor");
+      if (t.storage_offset() < 0) throw std::invalid_argument(which + " has a negative offset");
+      for (const int64_t st : t.strides())
+        if (st < 0) throw std::invalid_argument(which + " has a negative stride");
+      size_t needed = 0;
+      try {
+        needed = at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.dtype().itemsize(), static_cast<size_t>(t.storage_offset()));
+      } catch (const c10::Error&) {
+        throw std::invalid_argument(which + " has a size that overflows");
+      }
+      const size_t have = t.storage() ? t.storage().nbytes() : 0;
+      if (needed > have)
+        throw std::invalid_argument(which + " (sizes " + c10::str(t.sizes()) + ", offset " + std::to_string(t.storage_offset()) +
+                                    ") does not fit its storage of " + std::to_string(have) + " bytes");
+    } else if (v.isGenericDict()) {
+      for (const auto& e : v.toGenericDict()) {
+        todo.emplace_back(e.key(), depth + 1);
+        todo.emplace_back(e.value(), depth + 1);
+      }
+    } else if (v.isList()) {
+      const auto list = v.toList();
+      for (size_t i = 0; i < list.size(); ++i) todo.emplace_back(list.get(i), depth + 1);
+    } else if (v.isTuple()) {
+      for (const auto& e : v.toTupleRef().elements()) todo.emplace_back(e, depth + 1);
+    }
+  }
 }
 
 // Untagged pickles (what torch.load accepts without allow-listing) lose the static types of
@@ -320,15 +386,6 @@ c10::IValue restore_types(const c10::IValue& v, const std::string& record) {
   return out;
 }
 
-// The first line of an error, and of a long one its first sentence (LibTorch's zip reader adds
-// a paragraph of advice).
-std::string short_what(const std::exception& e) {
-  std::string what = e.what();
-  if (auto nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
-  if (what.size() > 120)
-    if (auto dot = what.find(". "); dot != std::string::npos) what.resize(dot);
-  return what.substr(0, 200);
-}
 
 }  // namespace
 
@@ -448,13 +505,17 @@ void save_checkpoint_file(const fs::path& path, const c10::IValue& checkpoint) {
 
 c10::impl::GenericDict load_checkpoint_file(const fs::path& path) {
   const FileBytes bytes = read_whole_file(path);
-  const std::string where = path.string();
+  return load_checkpoint_bytes(bytes.data.get(), bytes.size, path.string());
+}
+
+c10::impl::GenericDict load_checkpoint_bytes(const char* data, size_t size, const std::string& where) {
+  const std::string_view bytes(data, size);
   auto not_a_checkpoint = [&](const std::exception& e) {
     return std::runtime_error("checkpoint " + where + " is corrupt or not a checkpoint (" + short_what(e) + ")");
   };
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
   try {
-    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(std::make_shared<BufferReader>(bytes.data.get(), bytes.size));
+    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(std::make_shared<BufferReader>(data, size));
   } catch (const std::exception& e) {
     throw not_a_checkpoint(e);
   }
@@ -479,14 +540,27 @@ c10::impl::GenericDict load_checkpoint_file(const fs::path& path) {
   }
   c10::IValue value;
   try {
+    // Every storage record is handed to the unpickler with its real size: left to itself, it
+    // sizes a storage by the element count the pickle claims, whatever the record holds.
+    auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();
+    for (const auto& name : reader->getAllRecords()) {
+      if (name.rfind("data/", 0) != 0) continue;
+      auto [ptr, size] = reader->getRecord(name);
+      storages->addStorage(name.substr(5), c10::Storage(c10::Storage::use_byte_size_t(), size, std::move(ptr), nullptr, false));
+    }
     value = torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", std::nullopt, std::nullopt,
-                                              std::nullopt, *reader);
+                                              std::nullopt, *reader, torch::jit::Unpickler::defaultTypeParser, storages);
   } catch (const std::exception& e) {
     throw not_a_checkpoint(e);
   }
-  if (has_manifest && reader->hasRecord(kTypesRecord)) {
+  try {
+    check_loaded_value(value);
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error("checkpoint " + where + " is not a valid checkpoint: " + e.what());
+  }
+  if (has_manifest) {
     try {
-      value = restore_types(value, read_record_text(*reader, kTypesRecord));
+      if (reader->hasRecord(kTypesRecord)) value = restore_types(value, read_record_text(*reader, kTypesRecord));
     } catch (const std::exception& e) {
       throw std::runtime_error("checkpoint " + where + " is not a valid checkpoint: its " + std::string(kTypesRecord) +
                                " record does not fit its contents (" + short_what(e) + ")");
@@ -505,6 +579,35 @@ c10::impl::GenericDict load_checkpoint_file(const fs::path& path) {
     throw std::runtime_error("checkpoint " + where + " is damaged: it lacks its manifest (" + std::string(kManifestRecord) +
                              "), so its checksums cannot be verified: use another checkpoint");
   return dict;
+}
+
+std::string reseal_checkpoint_bytes(std::string_view bytes) {
+  caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BufferReader>(bytes.data(), bytes.size()));
+  Manifest manifest;
+  manifest.format_version = kCheckpointFormatVersion;
+  if (reader.hasRecord(kManifestRecord)) {
+    try {
+      const Manifest old = parse_manifest(read_record_text(reader, kManifestRecord));
+      manifest.format_version = old.format_version;
+      manifest.weights_only = old.weights_only;
+    } catch (const std::invalid_argument&) {
+    }
+  }
+  std::string out;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) -> size_t {
+    out.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  for (const auto& name : reader.getAllRecords()) {
+    if (name == kManifestRecord || !is_payload_record(name)) continue;  // the writer adds its own version records
+    auto [ptr, size] = reader.getRecord(name);
+    writer.writeRecord(name, ptr.get(), size);
+    manifest.records.push_back({crc32c(ptr.get(), size), size, name});
+  }
+  const std::string text = format_manifest(manifest);
+  writer.writeRecord(kManifestRecord, text.data(), text.size());
+  writer.writeEndOfFile();
+  return out;
 }
 
 CheckpointProbe probe_checkpoint_file(const fs::path& path) {

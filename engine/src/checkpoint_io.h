@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace ember::engine {
@@ -26,6 +27,13 @@ void save_checkpoint_file(const std::filesystem::path& path, const c10::IValue& 
 // Throws std::runtime_error naming the path when it is missing, unreadable, damaged (a record
 // fails its checksum) or not an Ember checkpoint.
 c10::impl::GenericDict load_checkpoint_file(const std::filesystem::path& path);
+// The same for a file's bytes already in memory; `where` names it in errors.
+c10::impl::GenericDict load_checkpoint_bytes(const char* data, size_t size, const std::string& where);
+
+// The archive `bytes` with its manifest rewritten to fit its records as they are now: what a file
+// damaged or crafted with its checksums made right looks like (fuzzing and tests: the reader must
+// still fail cleanly). Throws when `bytes` is not a readable archive.
+std::string reseal_checkpoint_bytes(std::string_view bytes);
 
 // What a file is, found cheaply (the manifest only, no tensor data) for files of format 2 and
 // later; older files are loaded whole. Never throws.

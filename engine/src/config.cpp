@@ -50,6 +50,55 @@ std::vector<std::string> split(std::string_view text, char sep) {
   return out;
 }
 
+// Errors name what the user wrote (keys, values, --set text), which may hold line breaks or
+// other control characters: they are escaped, so every error stays one line.
+UsageError usage_error(const std::string& message) {
+  std::string out;
+  out.reserve(message.size());
+  for (const char c : message) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '\n') out += "\\n";
+    else if (c == '\r') out += "\\r";
+    else if (c == '\t') out += "\\t";
+    else if (u < 0x20 || u == 0x7F) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[u >> 4];
+      out += kHex[u & 15];
+    } else out += c;
+  }
+  return UsageError(out);
+}
+
+// Whether `text` is well-formed UTF-8 (what TOML requires of a file; --set text is checked the same).
+bool valid_utf8(std::string_view s) {
+  static constexpr uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};  // smallest code point per length
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t extra = 0;
+    uint32_t cp = c;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    if ((c & 0xE0) == 0xC0) extra = 1, cp = c & 0x1F;
+    else if ((c & 0xF0) == 0xE0) extra = 2, cp = c & 0x0F;
+    else if ((c & 0xF8) == 0xF0) extra = 3, cp = c & 0x07;
+    else return false;
+    if (i + extra >= s.size()) return false;
+    for (size_t k = 1; k <= extra; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    // Overlong forms, surrogates and code points past U+10FFFF are not UTF-8 either.
+    if (cp < kMin[extra] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += extra + 1;
+  }
+  return true;
+}
+
 std::shared_ptr<toml::node> parse_value(const std::string& text) {
   auto tbl = toml::parse("v = " + text);
   return copy_node(*tbl.get("v"));
@@ -187,28 +236,41 @@ std::vector<KeySchema> keys_from_descriptor(const EmberConfigKey* keys, uint32_t
 }
 
 // ---------------------------------------------------------------------------------------------
-RawConfig RawConfig::load(const std::string& path) {
+namespace {
+template <class Parse>
+RawConfig parse_raw(const std::string& path, Parse parse) {
   RawConfig raw;
   raw.path = path;
   try {
-    raw.file = toml::parse_file(path);
+    raw.file = parse();
   } catch (const toml::parse_error& e) {
     const auto& b = e.source().begin;
-    if (b.line == 0) throw UsageError(path + ": " + std::string(e.description()));
-    throw UsageError(path + ":" + std::to_string(b.line) + ":" + std::to_string(b.column) + ": " +
+    if (b.line == 0) throw usage_error(path + ": " + std::string(e.description()));
+    throw usage_error(path + ":" + std::to_string(b.line) + ":" + std::to_string(b.column) + ": " +
                      std::string(e.description()));
   }
   return raw;
 }
+}  // namespace
+
+RawConfig RawConfig::load(const std::string& path) {
+  return parse_raw(path, [&] { return toml::parse_file(path); });
+}
+
+RawConfig RawConfig::parse(std::string_view text, const std::string& path) {
+  return parse_raw(path, [&] { return toml::parse(text, path); });
+}
 
 void RawConfig::add_override(const std::string& assignment) {
+  if (!valid_utf8(assignment))
+    throw usage_error("--set " + assignment + ": not valid UTF-8 (configuration text must be UTF-8, as TOML requires)");
   auto eq = assignment.find('=');
   if (eq == std::string::npos || eq == 0)
-    throw UsageError("--set " + assignment + ": expected section.key=value, e.g. --set trainer.max_epochs=3");
+    throw usage_error("--set " + assignment + ": expected section.key=value, e.g. --set trainer.max_epochs=3");
   std::string lhs = assignment.substr(0, eq), text = assignment.substr(eq + 1);
   auto dot = lhs.find('.');
   if (dot == std::string::npos || dot == 0 || dot + 1 == lhs.size() || lhs.find('.', dot + 1) != std::string::npos)
-    throw UsageError("--set " + assignment + ": expected section.key=value with exactly one dot, e.g. --set optimizer.lr=0.01");
+    throw usage_error("--set " + assignment + ": expected section.key=value with exactly one dot, e.g. --set optimizer.lr=0.01");
   std::shared_ptr<toml::node> value;
   try {
     value = parse_value(text);
@@ -246,10 +308,10 @@ std::vector<std::string> RawConfig::plugin_list() const {
   const toml::node* n = file.get("plugins");
   if (!n) return out;
   if (!n->is_array())
-    throw UsageError(position(*n, path) + ": plugins: expected an array of plugin names, e.g. plugins = [\"csv\", \"checkpoint\"]");
+    throw usage_error(position(*n, path) + ": plugins: expected an array of plugin names, e.g. plugins = [\"csv\", \"checkpoint\"]");
   for (const auto& e : *n->as_array()) {
     if (!e.is_string())
-      throw UsageError(position(e, path) + ": plugins: expected plugin names (strings), got " + describe(e));
+      throw usage_error(position(e, path) + ": plugins: expected plugin names (strings), got " + describe(e));
     out.push_back(e.as_string()->get());
   }
   return out;
@@ -279,8 +341,9 @@ int64_t Section::get_int(std::string_view key) const {
   const auto& n = node(key);
   if (n.is_integer()) return n.as_integer()->get();
   if (n.is_floating_point()) {
+    // Only integral values int64 can hold: casting 1e300 would be undefined (found by fuzzing).
     double v = n.as_floating_point()->get();
-    if (std::floor(v) == v) return static_cast<int64_t>(v);
+    if (std::floor(v) == v && v >= -0x1p63 && v < 0x1p63) return static_cast<int64_t>(v);
   }
   throw ConfigError(schema_->name + "." + std::string(key) + " is not an integer");
 }
@@ -347,15 +410,15 @@ ResolvedConfig ResolvedConfig::resolve(const RawConfig& raw, std::vector<Section
     std::string name(k.str());
     if (name == "plugins") continue;
     if (!node.is_table())
-      throw UsageError(position(node, path) + ": '" + name + "' is not a section; settings belong in a table such as [trainer]" +
+      throw usage_error(position(node, path) + ": '" + name + "' is not a section; settings belong in a table such as [trainer]" +
                        did_you_mean(name, section_names));
     if (std::find(section_names.begin(), section_names.end(), name) == section_names.end())
-      throw UsageError(position(node, path) + ": unknown section [" + name + "]" + did_you_mean(name, section_names) +
+      throw usage_error(position(node, path) + ": unknown section [" + name + "]" + did_you_mean(name, section_names) +
                        "; a plugin's section is only valid when the plugin is loaded (--plugins or plugins = [...])");
   }
   for (const auto& o : raw.overrides) {
     if (std::find(section_names.begin(), section_names.end(), o.section) == section_names.end())
-      throw UsageError("--set " + o.text + ": unknown section '" + o.section + "'" + did_you_mean(o.section, section_names));
+      throw usage_error("--set " + o.text + ": unknown section '" + o.section + "'" + did_you_mean(o.section, section_names));
   }
 
   for (const auto& schema : rc.schemas_) {
@@ -367,13 +430,13 @@ ResolvedConfig ResolvedConfig::resolve(const RawConfig& raw, std::vector<Section
       for (const auto& [k, node] : *tbl) {
         std::string key(k.str());
         if (!schema->find(key))
-          throw UsageError(position(node, path) + ": " + schema->name + "." + key + ": unknown key" +
+          throw usage_error(position(node, path) + ": " + schema->name + "." + key + ": unknown key" +
                            did_you_mean(key, key_names) + "; `engine config` lists the valid keys");
       }
     }
     for (const auto& o : raw.overrides)
       if (o.section == schema->name && !schema->find(o.key))
-        throw UsageError("--set " + o.text + ": unknown key '" + o.key + "' in [" + schema->name + "]" +
+        throw usage_error("--set " + o.text + ": unknown key '" + o.key + "' in [" + schema->name + "]" +
                          did_you_mean(o.key, key_names));
 
     for (const auto& k : schema->keys) {
@@ -394,7 +457,7 @@ ResolvedConfig ResolvedConfig::resolve(const RawConfig& raw, std::vector<Section
       if (entry.value) {
         if (auto err = check_value(k, *entry.value); !err.empty()) {
           std::string where = over ? entry.where : entry.where;
-          throw UsageError(where + ": " + schema->name + "." + k.key + ": " + err +
+          throw usage_error(where + ": " + schema->name + "." + k.key + ": " + err +
                            (entry.where == "default" ? " (a bug in the plugin's schema)" : ""));
         }
       }

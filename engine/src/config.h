@@ -51,6 +51,8 @@ struct RawConfig {
   std::vector<Override> overrides;
 
   static RawConfig load(const std::string& path);             // throws UsageError with file:line:col
+  // The same for TOML text already in memory; `path` names it in positions and errors.
+  static RawConfig parse(std::string_view text, const std::string& path);
   void add_override(const std::string& assignment);           // "section.key=value"
   // A raw string value (override first, then file) before validation; used to pick plugins.
   std::optional<std::string> peek_string(std::string_view section, std::string_view key) const;

@@ -328,9 +328,23 @@ void Trainer::train_epoch() {
   const int64_t accum = settings_.accumulate_grad_batches;
   window_accum_ = accum;
   bool validated_last = false;
-  auto pass = train_loader_->pass(epoch_, start, n - start);
+  if (validation_pending_ && validation_enabled()) {
+    // Resumed from a checkpoint saved between a batch and the validation due after it (the
+    // checkpoint callback's every_n_train_steps saves in on_train_batch_end): run it now, as the
+    // uninterrupted run did, so its metrics and what monitors decide from them are not lost.
+    evaluate(Split::val, Stage::validate, num_val_batches_);
+    validated_last = true;
+    stage_ = Stage::fit;
+    if (strategy.world_size() > 1 &&
+        strategy.reduce(at::scalar_tensor(stop_requested_ ? 1.0 : 0.0, at::kDouble), ReduceOp::max).item<double>() > 0 &&
+        !stop_requested_)
+      request_stop("another rank asked to stop");
+  }
+  validation_pending_ = false;
+  const int64_t first = stop_requested_ ? n : start;
+  auto pass = train_loader_->pass(epoch_, first, n - first);
   Batch batch;
-  for (int64_t b = start; b < n; ++b) {
+  for (int64_t b = first; b < n; ++b) {
     if (!pass->next(batch)) break;
     batch_idx_ = b;
     current_batch_ = precision.convert_input(strategy.batch_to_device(std::move(batch)));
@@ -353,12 +367,15 @@ void Trainer::train_epoch() {
     }
     batches_done_ = b + 1;
     ++total_batch_idx_;
+    // Decided before on_train_batch_end: a checkpoint saved there records that this batch's
+    // validation is still to run, and a resume from it runs that validation first.
+    const int64_t counter = settings_.check_val_every_n_epoch == 0 ? total_batch_idx_ : b + 1;
+    validation_pending_ = validation_enabled() && epoch_validates() && counter % val_every == 0;
     call_hook(Hook::on_train_batch_end);
     if (do_step && global_step_ % settings_.log_every_n_steps == 0) publish(metrics_.take_step_values());
     progress_.update(b + 1, [&] { return metrics_.progress_values(); });
     validated_last = false;
-    const int64_t counter = settings_.check_val_every_n_epoch == 0 ? total_batch_idx_ : b + 1;
-    if (validation_enabled() && epoch_validates() && counter % val_every == 0) {
+    if (validation_pending_) {
       evaluate(Split::val, Stage::validate, num_val_batches_);
       validated_last = true;
       stage_ = Stage::fit;
@@ -409,10 +426,22 @@ void Trainer::evaluate(Split split, Stage stage, int64_t max_batches) {
   const bool sanity = stage == Stage::sanity_check;
   auto* loader = test ? test_loader_.get() : val_loader_.get();
   if (!loader || max_batches <= 0) return;
-  const Stage previous = stage_;
-  // A validation pass inside a training epoch must leave the training position as it found it
-  // (callbacks read batch_idx() in on_train_epoch_end).
-  const int64_t previous_batch_idx = batch_idx_;
+  // A validation pass inside a training epoch hands the training position back as it found it,
+  // also when a hook throws: callbacks read batch_idx() and current_batch() in
+  // on_train_epoch_end, after the epoch's last validation.
+  struct TrainingPosition {
+    Trainer& t;
+    Stage stage;
+    int64_t batch_idx;
+    Batch batch;
+    explicit TrainingPosition(Trainer& trainer)
+        : t(trainer), stage(trainer.stage_), batch_idx(trainer.batch_idx_), batch(std::move(trainer.current_batch_)) {}
+    ~TrainingPosition() {
+      t.stage_ = stage;
+      t.batch_idx_ = batch_idx;
+      t.current_batch_ = std::move(batch);
+    }
+  } position(*this);
   stage_ = stage;
   const bool was_training = module().is_training();
   call_hook(test ? Hook::on_test_start : Hook::on_validation_start);
@@ -446,11 +475,11 @@ void Trainer::evaluate(Split split, Stage stage, int64_t max_batches) {
     auto values = metrics_.finish_epoch(stage, [&](const at::Tensor& t, ReduceOp op) { return strategy.reduce(t, op); });
     publish(values);
     progress.finish(format_metrics(values));
+    // Published: a checkpoint saved from here on does not ask its resume to validate again.
+    if (stage == Stage::validate) validation_pending_ = false;
   }
   call_hook(test ? Hook::on_test_end : Hook::on_validation_end);
   if (was_training) module().train();
-  stage_ = previous;
-  batch_idx_ = previous_batch_idx;
 }
 
 void Trainer::fit() {
@@ -620,6 +649,7 @@ c10::impl::GenericDict Trainer::checkpoint_meta(bool weights_only) const {
   loops.insert("epoch_finished", epoch_finished_);
   loops.insert("global_step", global_step_);
   loops.insert("total_batch_idx", total_batch_idx_);
+  loops.insert("validation_pending", validation_pending_);
   ck.insert("loops", loops);
   c10::impl::GenericDict rng(c10::StringType::get(), c10::AnyType::get());
   rng.insert("cpu", at::detail::getDefaultCPUGenerator().get_state());
@@ -743,6 +773,10 @@ void Trainer::restore(const std::filesystem::path& file, bool weights_only, bool
   global_step_ = loops.at("global_step").toInt();
   total_batch_idx_ = loops.at("total_batch_idx").toInt();
   resume_batch_ = epoch_finished_ ? 0 : batches_done_;
+  // Checkpoints written before this key existed were saved after their validation.
+  validation_pending_ = !epoch_finished_ && loops.contains("validation_pending") && loops.at("validation_pending").toBool();
+  // The position a resumed run starts from: the last finished batch of the epoch.
+  batch_idx_ = epoch_finished_ ? 0 : std::max<int64_t>(batches_done_ - 1, 0);
   try {
     if (!sharded_dir) state_->load_full_optimizer_state(tensor_bytes(ck.at("optimizer").toTensor()));
   } catch (const c10::Error& e) {

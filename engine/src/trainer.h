@@ -184,6 +184,7 @@ class Trainer final : public ITrainer {
   int64_t batches_done_ = 0;      // training batches finished in the current epoch
   bool epoch_finished_ = false;   // all batches and epoch-end validation of epoch_ are done
   int64_t resume_batch_ = 0;      // batches of epoch_ to skip after a mid-epoch resume
+  bool validation_pending_ = false;  // the last batch's validation is due and has not published yet
   int64_t num_train_batches_ = 0, num_val_batches_ = 0, num_test_batches_ = 0;
   bool stop_requested_ = false;
   std::string stop_reason_;

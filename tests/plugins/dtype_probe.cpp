@@ -1,6 +1,8 @@
 // Test model: a two-layer MLP that writes, once, the dtypes a precision mode produced: the input
 // it was given, the hidden activation (what autocast decides), the loss, the parameters (in the
 // first training step) and the gradients (in on_before_optimizer_step). One "key=value" per line.
+// `step_sleep_ms` keeps each step inside forward a while (DefaultDtype tests: what loader threads
+// see while a step runs).
 #include <ember/config.h>
 #include <ember/model.h>
 #include <ember/plugin.h>
@@ -8,9 +10,11 @@
 #include <c10/core/ScalarType.h>
 #include <torch/nn.h>
 
+#include <chrono>
 #include <fstream>
 #include <set>
 #include <string>
+#include <thread>
 
 namespace {
 
@@ -18,6 +22,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::String("path", "\"dtypes.txt\"", "File the dtypes are written to."),
     ember::key::Int("input_size", "16", "Features per sample.").at_least(1),
     ember::key::Int("num_classes", "4", "Classes.").at_least(2),
+    ember::key::Int("step_sleep_ms", "0", "Milliseconds each training step waits inside forward.").at_least(0),
 };
 
 struct Net : torch::nn::Module {
@@ -31,11 +36,14 @@ struct Net : torch::nn::Module {
 class DtypeProbe final : public ember::IModel {
  public:
   explicit DtypeProbe(const ember::IConfig& cfg)
-      : path_(cfg.get_string("path")), net_(std::make_shared<Net>(cfg.get_int("input_size"), cfg.get_int("num_classes"))) {}
+      : path_(cfg.get_string("path")),
+        net_(std::make_shared<Net>(cfg.get_int("input_size"), cfg.get_int("num_classes"))),
+        sleep_(cfg.get_int("step_sleep_ms")) {}
   torch::nn::Module& module() override { return *net_; }
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
     at::Tensor x = batch[0].flatten(1);
     at::Tensor hidden = torch::relu(net_->fc1(x));
+    if (sleep_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_));
     at::Tensor logits = net_->fc2(hidden);
     at::Tensor loss = torch::nn::functional::cross_entropy(logits, batch[1]);
     record("input", x.scalar_type());
@@ -61,6 +69,7 @@ class DtypeProbe final : public ember::IModel {
   }
   std::string path_;
   std::shared_ptr<Net> net_;
+  int64_t sleep_;
   std::set<std::string> seen_;
 };
 

@@ -3,7 +3,6 @@
 // than failing mid-epoch or silently running in another precision).
 #pragma once
 #include <ATen/ATen.h>
-#include <c10/core/DefaultDtype.h>
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -59,9 +58,11 @@ inline void check_precision_supported(const std::string& mode, const c10::Device
 }
 
 // A handler whose parameters, inputs and math all share one dtype (fp64, "16-true", "bf16-true"):
-// no autocast, no loss scaling, every step taken. During forward the default dtype is that dtype
-// too, so tensors a model creates in its step match its parameters (Lightning's DoublePrecision
-// and HalfPrecision do the same).
+// no autocast, no loss scaling, every step taken. The module is converted once and every batch is
+// cast; the process's default dtype is left alone. (Lightning's DoublePrecision/HalfPrecision set
+// it around each forward, but it is one global: data-loader threads and anything else running at
+// that moment would create tensors in the wrong dtype.) A model that creates tensors in its step
+// takes the dtype from its input or its parameters (`x.options()`), as the bundled models do.
 class UniformPrecision : public IPrecision {
  public:
   UniformPrecision(std::string mode, c10::ScalarType dtype, std::string alternative)
@@ -71,11 +72,8 @@ class UniformPrecision : public IPrecision {
     module.to(dtype_);
   }
   Batch convert_input(Batch batch) override { return cast_floating(std::move(batch), dtype_); }
-  void forward_begin() override {
-    saved_default_ = c10::get_default_dtype();
-    c10::set_default_dtype(caffe2::TypeMeta::fromScalarType(dtype_));
-  }
-  void forward_end() override { c10::set_default_dtype(saved_default_); }
+  void forward_begin() override {}
+  void forward_end() override {}
   void backward(const at::Tensor& loss) override { loss.backward(); }
   bool optimizer_step(IOptimizerStep& step) override {
     step.closure();
@@ -88,7 +86,6 @@ class UniformPrecision : public IPrecision {
   std::string mode_;
   c10::ScalarType dtype_;
   std::string alternative_;
-  caffe2::TypeMeta saved_default_ = c10::get_default_dtype();
 };
 
 }  // namespace ember

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Builds Ember with sanitizers into build dirs of their own and runs the tests under them
+# (docs/build.md, "Sanitizers"):
+#   scripts/sanitize.sh asan [CTEST ARGS...]   AddressSanitizer + UBSan, the whole suite (build-asan/)
+#   scripts/sanitize.sh tsan [CTEST ARGS...]   ThreadSanitizer, the loader, ddp and signal tests (build-tsan/)
+#   scripts/sanitize.sh all                    both
+# Extra ctest arguments narrow a run, e.g. `scripts/sanitize.sh asan -R Resume`. A sanitizer report
+# fails the process that made it (exit code 66 for TSan, an abort for ASan/UBSan), so the test fails.
+# EMBER_SANITIZE_JOBS sets the build's and ctest's parallelism (default: nproc).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+which=${1:-all}
+[ $# -gt 0 ] && shift
+case "$which" in asan|tsan|all) ;; *) echo "usage: scripts/sanitize.sh asan|tsan|all [ctest args...]" >&2; exit 2 ;; esac
+torch_prefix=$(bash scripts/setup.sh | tail -n 1)
+jobs=${EMBER_SANITIZE_JOBS:-$(nproc)}
+supp="$root/tests/sanitizers"
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+
+build() {  # dir, EMBER_SANITIZE value
+  if [ ! -f "$1/CMakeCache.txt" ]; then
+    cmake -S . -B "$1" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
+      -DEMBER_SANITIZE="$2" >/dev/null
+  fi
+  cmake --build "$1" -j"$jobs"
+}
+
+# LibTorch is not instrumented. Reports stop the process (abort_on_error, halt_on_error) so the
+# test fails. The suppression files start empty: an entry is added only for a report inside
+# LibTorch or a system library, with a comment saying why (docs/build.md, "Sanitizers").
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:check_initialization_order=1"
+export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
+export TSAN_OPTIONS="suppressions=$supp/tsan.supp:second_deadlock_stack=1"
+
+status=0
+if [ "$which" = asan ] || [ "$which" = all ]; then
+  build build-asan "address,undefined"
+  start=$(date +%s)
+  ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 1800 "$@" || status=1
+  echo "asan+ubsan: tests $(( $(date +%s) - start ))s"
+fi
+if [ "$which" = tsan ] || [ "$which" = all ]; then
+  build build-tsan thread
+  start=$(date +%s)
+  # The threads of Ember's own code: the data loader's workers, ddp/sharded's ranks and their
+  # communicator and watchdog threads, the signal handling around them.
+  filter=(-R 'DataLoader|DataParallel|Ddp|DistributedBuffers|Sigterm|Sigusr1|DefaultDtype')
+  [ $# -gt 0 ] && filter=()
+  ctest --test-dir build-tsan --output-on-failure -j"$jobs" --timeout 1800 "${filter[@]}" "$@" || status=1
+  echo "tsan: tests $(( $(date +%s) - start ))s"
+fi
+exit $status

@@ -1,0 +1,50 @@
+// Test callback: writes the training position callbacks see, one line per hook it watches:
+//   <hook> <epoch> <global_step> <batch_idx> <current batch size> <sum of the batch's inputs>
+// at on_train_batch_end, on_validation_end (not while sanity checking) and on_train_epoch_end.
+// Resume tests compare these lines between an uninterrupted and a resumed run.
+#include <ember/callback_base.h>
+#include <ember/plugin.h>
+#include <ember/trainer.h>
+
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+namespace {
+
+constexpr EmberConfigKey kKeys[] = {
+    ember::key::String("path", "\"position.txt\"", "File the lines are appended to."),
+};
+
+class PositionProbe final : public ember::ICallback {
+ public:
+  explicit PositionProbe(const ember::IConfig& cfg) : out_(cfg.get_string("path"), std::ios::app) {}
+
+  void on_hook(ember::Hook hook, ember::ITrainer& t) override {
+    if (hook != ember::Hook::on_train_batch_end && hook != ember::Hook::on_train_epoch_end &&
+        hook != ember::Hook::on_validation_end)
+      return;
+    if (hook == ember::Hook::on_validation_end && t.sanity_checking()) return;
+    const ember::Batch& b = t.current_batch();
+    double sum = 0;
+    if (!b.tensors.empty() && b.tensors[0].defined()) sum = b.tensors[0].to(at::kDouble).sum().item<double>();
+    char line[256];
+    std::snprintf(line, sizeof line, "%s %lld %lld %lld %lld %.17g\n", ember::hook_name(hook),
+                  static_cast<long long>(t.current_epoch()), static_cast<long long>(t.global_step()),
+                  static_cast<long long>(t.batch_idx()), static_cast<long long>(b.size), sum);
+    out_ << line;
+    out_.flush();
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+ember::ICallback* make(ember::IHost&, const ember::IConfig& cfg) { return new PositionProbe(cfg); }
+
+}  // namespace
+
+EMBER_PLUGIN(ember::ICallback, "position_probe", "0.0.1", "Apache-2.0", "Test: records the training position hooks see.",
+             EMBER_CONFIG_KEYS(kKeys), make)
