@@ -45,7 +45,8 @@ def process_seconds():
     with open("/proc/uptime") as f:
         uptime = float(f.read().split()[0])
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-# Smoke test of the bench itself: at most this many training batches per epoch (all sides).
+# Smoke test of the bench itself: at most this many training batches per epoch, and one
+# evaluation batch (all sides).
 LIMIT = int(os.environ.get("SPEEDRUN_LIMIT_BATCHES", "0")) or None
 
 
@@ -195,12 +196,13 @@ def plain(r, device):
         net.eval()
         correct = 0
         with torch.no_grad():
-            for b in range(0, len(tx), r.eval_batch_size):
+            for b in range(0, r.eval_batch_size if LIMIT else len(tx), r.eval_batch_size):
                 with autocast():
                     logits = net(tx[b:b + r.eval_batch_size].contiguous(memory_format=fmt))
                 correct += (logits.argmax(1) == ty[b:b + r.eval_batch_size]).sum().item()
         train_time += time.perf_counter() - t0
-        print(f"epoch {epoch} {train_time:.2f} {correct / len(tx):.4f} {time.perf_counter() - start:.2f}", flush=True)
+        print(f"epoch {epoch} {train_time:.2f} {correct / (r.eval_batch_size if LIMIT else len(tx)):.4f} "
+              f"{time.perf_counter() - start:.2f}", flush=True)
     print(f"summary samples_per_sec {samples / train_time:.1f} peak_rss_mb {peak_rss_mb():.0f}"
           + (f" peak_cuda_mb {torch.cuda.max_memory_allocated() / 2**20:.0f}" if device.startswith("cuda") else "")
           + f" process_s {process_seconds():.1f}", flush=True)
@@ -273,7 +275,7 @@ def lightning(r, device):
     loader = lambda ds: torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False)  # noqa: E731
     trainer = pl.Trainer(max_epochs=r.epochs, accelerator="gpu" if device.startswith("cuda") else "cpu", devices=1,
                          callbacks=[Timing()], default_root_dir=os.environ.get("SPEEDRUN_WORK", "."),
-                         limit_train_batches=LIMIT)
+                         limit_train_batches=LIMIT, limit_val_batches=1 if LIMIT else None)
     trainer.fit(Module(), loader(train), loader(test))
     print(f"summary samples_per_sec {state['samples'] / state['train_time']:.1f} peak_rss_mb {peak_rss_mb():.0f}"
           + (f" peak_cuda_mb {torch.cuda.max_memory_allocated() / 2**20:.0f}" if device.startswith("cuda") else "")
@@ -289,7 +291,7 @@ def ember(path, engine_argv):
 
     t0 = time.perf_counter()
     if LIMIT:
-        engine_argv = engine_argv + ["--set", f"trainer.limit_train_batches={LIMIT}"]
+        engine_argv = engine_argv + ["--set", f"trainer.limit_train_batches={LIMIT}", "--set", "trainer.limit_val_batches=1"]
     proc = subprocess.Popen(engine_argv + [path], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     start = None
     train_time = 0.0
