@@ -36,7 +36,7 @@ constexpr EmberConfigKey kTrainerKeys[] = {
     Int("devices", "1", "Devices (processes for ddp) per node.").at_least(1),
     Int("num_nodes", "1", "Machines taking part in the run.").at_least(1),
     String("strategy", "\"single_device\"", "Strategy plugin: single_device, or another installed strategy."),
-    String("precision", "\"32-true\"", "Precision: 64-true, 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true (or 64, 32, 16, bf16), or a precision plugin name."),
+    String("precision", "\"32-true\"", "Precision: 64-true, 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true (or 64, 32, 16, bf16), auto (the fastest the device runs well, printed at start-up), or a precision plugin name."),
     String("default_root_dir", "\"runs\"", "Folder under which runs are written: <default_root_dir>/<name>/version_<n>."),
     String("name", nullptr, "Experiment name; unset = the config file's name without extension."),
     Int("version", nullptr, "Run version folder to use; unset = the next free version_<n>.").at_least(0),
@@ -47,7 +47,11 @@ constexpr EmberConfigKey kTrainerKeys[] = {
     Bool("test_after_fit", "false", "Run the test split after fit, on the checkpoint named by test_ckpt."),
     String("test_ckpt", "\"best\"", "Weights to test after fit: best or last checkpoint, or the weights in memory (current).").choices("best|last|current"),
     StringList("stop_signals", "[\"SIGINT\", \"SIGTERM\", \"SIGUSR1\"]", "Signals that stop training after the current optimizer step, save last.ckpt and exit with 128+signal (SIGUSR1: Slurm's warning before the time limit, sbatch --signal=B:USR1@120). Any of SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT, SIGXCPU."),
-    Int("num_threads", "0", "CPU threads for LibTorch's intra-op parallelism; 0 = LibTorch's default.").at_least(0),
+    Int("num_threads", "0", "CPU threads for LibTorch's intra-op parallelism; 0 = OMP_NUM_THREADS when set, else the CPUs this process may use (sched_getaffinity), shared by the node's CPU processes.").at_least(0),
+    Bool("flush_denormal", "true", "Flush denormal floats to zero on the CPU (torch.set_flush_denormal): x86 computes them up to 100x slower, and training drives many weights and gradients there."),
+    String("float32_matmul_precision", "\"highest\"", "torch.set_float32_matmul_precision: highest (full float32), high (TF32 on CUDA tensor cores), medium (also bfloat16 passes).").choices("highest|high|medium"),
+    Bool("benchmark", nullptr, "torch.backends.cudnn.benchmark (Lightning's Trainer(benchmark)): time the cuDNN algorithms for each new input shape and keep the fastest; unset = on unless deterministic."),
+    Bool("channels_last", "false", "Keep 4-d parameters and input batches in channels-last (NHWC) memory format, which oneDNN and cuDNN convolutions run faster on many devices."),
 };
 
 constexpr EmberConfigKey kOptimizerKeys[] = {
@@ -78,6 +82,8 @@ constexpr EmberConfigKey kDataBaseKeys[] = {
     Bool("drop_last", "false", "Drop the last incomplete training batch."),
     Int("num_workers", "0", "Threads that prepare batches ahead of the training loop; 0 = on the loop's thread.").at_least(0),
     Int("prefetch_factor", "2", "Batches each worker prepares ahead.").at_least(1),
+    String("on_device", "\"auto\"", "Keep the data set on the training GPU so batches are gathered there (data plugins that support it, e.g. fashion_mnist): auto = when it takes at most a quarter of the GPU's memory, true = always (an error if the plugin cannot), false = never. No effect on the CPU, where the data already is.").choices("auto|true|false"),
+    Bool("pin_memory", "true", "On CUDA: copy host batches from pinned memory, asynchronously on a side stream, one batch ahead of the step. No effect on the CPU or for data kept on the device."),
 };
 
 SectionSchema make(const char* name, const char* description, const EmberConfigKey* keys, size_t n) {

@@ -20,6 +20,7 @@
 #include "config.h"
 #include "engine_schema.h"
 #include "log.h"
+#include "numerics.h"
 #include "plugin_registry.h"
 #include "sharded_checkpoint.h"
 #include "trainer.h"
@@ -56,6 +57,7 @@ struct Plan {
   const PluginInfo* data = nullptr;
   std::vector<const PluginInfo*> callbacks, loggers;
   ResolvedConfig config;
+  std::string auto_precision_note;  // what trainer.precision = "auto" chose and why ("" otherwise)
 };
 
 std::optional<bool> peek_bool(const RawConfig& raw, std::string_view section, std::string_view key) {
@@ -134,7 +136,7 @@ Plan make_plan(const RunRequest& req) {
       std::string hint;
       if (kind_id == EMBER_KIND_PRECISION)
         hint = "; trainer.precision takes 64-true, 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, the aliases 64, 32, "
-               "16, bf16, or a precision plugin's name";
+               "16, bf16, auto, or a precision plugin's name";
       throw UsageError((where.empty() ? std::string("default ") + section + "." + key : where) + ": " + e.what() + hint);
     }
     if (info->descriptor->kind != kind_id)
@@ -144,6 +146,12 @@ Plan make_plan(const RunRequest& req) {
   };
   auto strategy_cfg = plan.raw.peek_string("trainer", "strategy");
   auto precision_cfg = plan.raw.peek_string("trainer", "precision");
+  if (precision_cfg && *precision_cfg == "auto") {
+    const auto choice = choose_auto_precision(
+        detect_device_for_precision(plan.raw.peek_string("trainer", "accelerator").value_or("auto")));
+    plan.auto_precision_note = "precision auto: " + choice.precision + " (" + choice.reason + ")";
+    precision_cfg = choice.precision;
+  }
   if (precision_cfg) precision_cfg = precision_plugin_for(*precision_cfg);
   plan.strategy = choose(EMBER_KIND_STRATEGY, strategies, "trainer", "strategy", strategy_cfg, "single_device");
   plan.precision = choose(EMBER_KIND_PRECISION, precisions, "trainer", "precision", precision_cfg, "fp32");
@@ -211,7 +219,7 @@ Plan make_plan(const RunRequest& req) {
   const auto& t = plan.config.section("trainer");
   if (t.get_string("strategy") != plan.strategy->name) plan.config.set("trainer", "strategy", plan.strategy->name, "--plugins");
   if (precision_plugin_for(t.get_string("precision")) != plan.precision->name)
-    plan.config.set("trainer", "precision", plan.precision->name, "--plugins");
+    plan.config.set("trainer", "precision", plan.precision->name, plan.auto_precision_note.empty() ? "--plugins" : "auto");
   if (max_time) plan.config.set("timer", "duration", *max_time, set_where(plan.raw, "trainer", "max_time"));
   return plan;
 }
@@ -353,7 +361,15 @@ int run_training(const RunRequest& req) {
   const auto seed = static_cast<uint64_t>(trainer_cfg.get_int("seed"));
   torch::manual_seed(seed);
   if (torch::cuda::is_available()) torch::cuda::manual_seed_all(seed);
-  if (trainer_cfg.get_int("num_threads") > 0) at::set_num_threads(static_cast<int>(trainer_cfg.get_int("num_threads")));
+  {
+    const bool on_cpu = plugins.strategy.object->root_device().is_cpu();
+    const int64_t local = plugins.strategy.object->world_size() > 1 ? launch.devices : 1;
+    const std::string numerics = apply_numerics(numerics_settings(trainer_cfg, on_cpu, local));
+    if (rank == 0) {
+      log::info(numerics);
+      if (!plan.auto_precision_note.empty()) log::info(plan.auto_precision_note);
+    }
+  }
   if (trainer_cfg.get_bool("deterministic")) at::globalContext().setDeterministicAlgorithms(true, false);
 
   make(plugins.data, plan.data, cfg.section("data"));

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
@@ -16,6 +17,7 @@
 #include <sstream>
 
 #include "checkpoint_io.h"
+#include "device_feed.h"
 #include "optimizer_factory.h"
 #include "sharded_checkpoint.h"
 #include "engine_schema.h"
@@ -200,11 +202,16 @@ void Trainer::setup() {
   eval_batch_size_set_ = d.has("eval_batch_size");
   if (eval_batch_size_set_) eval_opts_.batch_size = d.get_int("eval_batch_size");
   build_loaders();
+  feed_options_.pin_memory = d.get_bool("pin_memory");
+  feed_options_.channels_last = config_.section("trainer").get_bool("channels_last");
 
   // Lightning's order (docs/strategy.md): the precision handler converts the module, the strategy
   // places/wraps/shards it, then the strategy builds the optimizer over what it trains. A
   // contract-1 strategy gets its old order through the adapter.
   auto& model = *plugins_.model.object;
+  // Before the precision handler and the strategy: their dtype casts and placement keep the
+  // memory format.
+  if (feed_options_.channels_last) to_channels_last(model.module());
   OptimizerFactory factory(model, plugins_.model.name, config_.section("optimizer"));
   state_ = static_cast<IModelStateStrategy*>(strategy.query_interface(kModelStateStrategyIid));
   if (state_ != nullptr) {
@@ -216,7 +223,34 @@ void Trainer::setup() {
   state_->setup_module(model);
   optimizer_ = state_->setup_optimizer(factory);
   if (!optimizer_) throw RunError("strategy '" + plugins_.strategy.name + "' built no optimizer (a plugin bug)");
+  place_data(d);
   attach_plugins(this);
+}
+
+// data.on_device: a data set that fits is moved to the training GPU once, so batches are gathered
+// (and augmented) there. Nothing to do on the CPU, where the data already is.
+void Trainer::place_data(const Section& d) {
+  const std::string mode = d.get_string("on_device");
+  const c10::Device device = plugins_.strategy.object->root_device();
+  if (mode == "false" || !device.is_cuda()) return;
+  auto* placeable = static_cast<IDeviceData*>(plugins_.data.object->query_interface(kDeviceDataIid));
+  if (placeable == nullptr) {
+    if (mode == "true")
+      throw UsageError(d.where("on_device") + ": data.on_device = true, but data plugin '" + plugins_.data.name +
+                       "' cannot keep its samples on a device (it does not implement ember::IDeviceData); use auto or false");
+    return;
+  }
+  const int64_t bytes = placeable->device_bytes();
+  const int64_t total = static_cast<int64_t>(at::cuda::getDeviceProperties(device.index())->totalGlobalMem);
+  const bool fits = bytes <= total / 4;
+  const std::string size = std::to_string(bytes >> 20) + " MB";
+  if (mode == "auto" && !fits) {
+    log::info("data.on_device = auto: " + size + " of data is more than a quarter of " + device.str() +
+              "'s memory; batches are copied from the host");
+    return;
+  }
+  placeable->move_to(device);
+  log::info("data: " + size + " kept on " + device.str() + " (data.on_device = " + mode + ")");
 }
 
 // (Re)builds the loaders from train_opts_/eval_opts_ (at setup, and when a tuner changes the
@@ -343,11 +377,12 @@ void Trainer::train_epoch() {
   validation_pending_ = false;
   const int64_t first = stop_requested_ ? n : start;
   auto pass = train_loader_->pass(epoch_, first, n - first);
+  DeviceFeed feed(*pass, strategy, precision, feed_options_);
   Batch batch;
   for (int64_t b = first; b < n; ++b) {
-    if (!pass->next(batch)) break;
+    if (!feed.next(batch)) break;
     batch_idx_ = b;
-    current_batch_ = precision.convert_input(strategy.batch_to_device(std::move(batch)));
+    current_batch_ = std::move(batch);
     call_hook(Hook::on_train_batch_start);
     const bool is_last = b + 1 == n;
     const bool do_step = (b + 1) % accum == 0 || is_last;
@@ -452,11 +487,12 @@ void Trainer::evaluate(Split split, Stage stage, int64_t max_batches) {
   {
     torch::NoGradGuard no_grad;
     auto pass = loader->pass(0, 0, max_batches);
+    DeviceFeed feed(*pass, strategy, precision, feed_options_);
     Batch batch;
     int64_t b = 0;
-    while (pass->next(batch)) {
+    while (feed.next(batch)) {
       batch_idx_ = b;
-      current_batch_ = precision.convert_input(strategy.batch_to_device(std::move(batch)));
+      current_batch_ = std::move(batch);
       call_hook(test ? Hook::on_test_batch_start : Hook::on_validation_batch_start);
       {
         StepContextImpl ctx(*this, stage, b, current_batch_.size);
@@ -854,9 +890,10 @@ void Trainer::for_each_batch(Split split, int64_t max_batches, const std::functi
   auto& strategy = *plugins_.strategy.object;
   auto& precision = *plugins_.precision.object;
   auto pass = loader->pass(split == Split::train ? epoch_ : 0, 0, n);
+  DeviceFeed feed(*pass, strategy, precision, feed_options_);
   Batch batch;
-  while (pass->next(batch))
-    if (!fn(precision.convert_input(strategy.batch_to_device(std::move(batch))))) break;
+  while (feed.next(batch))
+    if (!fn(batch)) break;
 }
 
 namespace {

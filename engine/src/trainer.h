@@ -21,6 +21,7 @@
 #include "config.h"
 #include "contract1_strategy_state.h"
 #include "data_loader.h"
+#include "device_feed.h"
 #include "metrics.h"
 #include "progress.h"
 
@@ -155,6 +156,7 @@ class Trainer final : public ITrainer {
   at::Tensor run_micro_batch(const Batch& batch, bool first_in_window, bool sync);
   void publish(const std::vector<std::pair<std::string, double>>& values);
   void build_loaders();
+  void place_data(const Section& data);
   void attach_plugins(ITrainer* trainer);
   void restore(const std::filesystem::path& checkpoint, bool weights_only, bool announce);
   int64_t limit_batches(int64_t available, double limit, bool is_count) const;
@@ -175,6 +177,7 @@ class Trainer final : public ITrainer {
   std::unique_ptr<Contract1StrategyState> contract1_;
   std::unique_ptr<DataLoader> train_loader_, val_loader_, test_loader_;
   LoaderOptions train_opts_, eval_opts_;
+  FeedOptions feed_options_;
   bool eval_batch_size_set_ = false;
   MetricStore metrics_;
   Progress progress_;

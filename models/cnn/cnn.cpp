@@ -4,6 +4,11 @@
 //   conv3x3(in, c1) -> relu -> maxpool2 -> conv3x3(c1, c2) -> relu -> maxpool2 -> dropout
 //   -> flatten -> linear(c2 * (size/4)^2, hidden) -> relu -> dropout -> linear(hidden, classes)
 //
+// architecture = "speedrun" is another, faster-to-accuracy network for the same inputs (the
+// Fashion-MNIST speed-run, configs/fashion_mnist_speedrun.toml): five 3x3 conv -> batch-norm ->
+// relu layers of widths w, 2w, 2w, 4w, 4w with a 2x2 max-pool after the 2nd and 4th, a global
+// max-pool and one linear layer (bench/speedrun.py builds the same network in PyTorch).
+//
 // Batch: tensors[0] = images float [N, C, H, W], tensors[1] = labels int64 [N].
 #include <cstdint>
 #include <cstring>
@@ -37,11 +42,15 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Float("dropout_conv", "0.25", "Dropout probability after the convolutions, in [0, 1).").at_least(0.0).below(1.0),
     ember::key::Float("dropout_fc", "0.5", "Dropout probability after the hidden layer, in [0, 1).").at_least(0.0).below(1.0),
     ember::key::Int("num_classes", "10", "Number of classes: the width of the output layer.").at_least(2),
+    ember::key::String("architecture", "\"classic\"", "classic: the MNIST-tutorial network (conv1_channels, conv2_channels, hidden, dropout_*); speedrun: five conv + batch-norm layers of width `width` (no dropout).").choices("classic|speedrun"),
+    ember::key::Int("width", "16", "Base width of the speedrun architecture (its layers have width, 2x, 2x, 4x, 4x channels).").at_least(1),
+    ember::key::Float("label_smoothing", "0.0", "Label smoothing of the training cross-entropy (PyTorch's label_smoothing), in [0, 1).").at_least(0.0).below(1.0),
 };
 
 struct CnnOptions {
-  int64_t in_channels, image_size, conv1_channels, conv2_channels, hidden, num_classes;
-  double dropout_conv, dropout_fc;
+  int64_t in_channels, image_size, conv1_channels, conv2_channels, hidden, num_classes, width;
+  double dropout_conv, dropout_fc, label_smoothing;
+  bool speedrun;
 };
 
 // Cloneable so that torch::nn::parallel::replicate can copy it onto other devices (dp): clone()
@@ -79,6 +88,38 @@ class CnnNet : public torch::nn::Cloneable<CnnNet> {
   torch::nn::Linear fc2{nullptr};
 };
 
+// architecture = "speedrun". Parameters: conv1..conv5 (no bias: batch-norm follows), bn1..bn5, fc.
+class SpeedrunNet : public torch::nn::Cloneable<SpeedrunNet> {
+ public:
+  explicit SpeedrunNet(const CnnOptions& o) : o_(o) { reset(); }
+
+  void reset() override {
+    const int64_t w = o_.width;
+    const int64_t widths[] = {o_.in_channels, w, 2 * w, 2 * w, 4 * w, 4 * w};
+    convs.clear();
+    bns.clear();
+    for (int i = 0; i < 5; ++i) {
+      convs.push_back(register_module("conv" + std::to_string(i + 1),
+                                      torch::nn::Conv2d(torch::nn::Conv2dOptions(widths[i], widths[i + 1], 3).padding(1).bias(false))));
+      bns.push_back(register_module("bn" + std::to_string(i + 1), torch::nn::BatchNorm2d(widths[i + 1])));
+    }
+    fc = register_module("fc", torch::nn::Linear(4 * w, o_.num_classes));
+  }
+
+  at::Tensor forward(at::Tensor x) {
+    for (size_t i = 0; i < convs.size(); ++i) {
+      x = torch::relu(bns[i](convs[i](x)));
+      if (i == 1 || i == 3) x = torch::max_pool2d(x, 2);
+    }
+    return fc(torch::amax(x, {2, 3}));
+  }
+
+  CnnOptions o_;
+  std::vector<torch::nn::Conv2d> convs;
+  std::vector<torch::nn::BatchNorm2d> bns;
+  torch::nn::Linear fc{nullptr};
+};
+
 CnnOptions read_options(const ember::IConfig& cfg) {
   CnnOptions o{};
   o.in_channels = cfg.get_int("in_channels");
@@ -89,15 +130,27 @@ CnnOptions read_options(const ember::IConfig& cfg) {
   o.num_classes = cfg.get_int("num_classes");
   o.dropout_conv = ember_models::read_dropout(cfg, "dropout_conv");
   o.dropout_fc = ember_models::read_dropout(cfg, "dropout_fc");
+  o.speedrun = cfg.get_string("architecture") == "speedrun";
+  o.width = cfg.get_int("width");
+  o.label_smoothing = cfg.get_float("label_smoothing");
+  if (o.label_smoothing >= 1.0)
+    throw ember::ConfigError(c10::str("[", cfg.section(), "] label_smoothing = ", o.label_smoothing, " (",
+                                      cfg.where("label_smoothing"), ") must be below 1: use a value in [0, 1), e.g. 0.1"));
   return o;
 }
 
 class Cnn final : public ember::IModel, public ember::IDataParallelModel {
  public:
   explicit Cnn(const ember::IConfig& cfg)
-      : opts_(read_options(cfg)), section_(cfg.section()), net_(std::make_shared<CnnNet>(opts_)) {}
+      : opts_(read_options(cfg)), section_(cfg.section()) {
+    if (opts_.speedrun) speedrun_ = std::make_shared<SpeedrunNet>(opts_);
+    else net_ = std::make_shared<CnnNet>(opts_);
+  }
 
-  torch::nn::Module& module() override { return *net_; }
+  torch::nn::Module& module() override {
+    if (speedrun_) return *speedrun_;
+    return *net_;
+  }
 
   void* query_interface(const char* iid) override {
     return std::strcmp(iid, ember::kDataParallelModelIid) == 0 ? static_cast<ember::IDataParallelModel*>(this) : nullptr;
@@ -121,8 +174,11 @@ class Cnn final : public ember::IModel, public ember::IDataParallelModel {
     check_images(images);
     // Follow the parameters' dtype, so a module converted to reduced precision accepts the
     // float32 images a data module produces (a no-op otherwise).
-    at::Tensor logits = ember_models::data_parallel_forward(net_, images.to(net_->conv1->weight.scalar_type()), devices_);
-    return ember_models::classification_step(logits, batch[1], phase, ctx, "cnn");
+    at::Tensor logits =
+        speedrun_ ? ember_models::data_parallel_forward(speedrun_, images.to(speedrun_->convs[0]->weight.scalar_type()), devices_)
+                  : ember_models::data_parallel_forward(net_, images.to(net_->conv1->weight.scalar_type()), devices_);
+    return ember_models::classification_step(logits, batch[1], phase, ctx, "cnn",
+                                             phase == Phase::train ? opts_.label_smoothing : 0.0);
   }
 
   // The first linear layer's width is fixed by in_channels and image_size; a mismatch would
@@ -138,7 +194,8 @@ class Cnn final : public ember::IModel, public ember::IDataParallelModel {
 
   CnnOptions opts_;
   std::string section_;
-  std::shared_ptr<CnnNet> net_;
+  std::shared_ptr<CnnNet> net_;             // architecture = "classic"
+  std::shared_ptr<SpeedrunNet> speedrun_;   // architecture = "speedrun"
   std::vector<c10::Device> devices_;  // set by the dp strategy; < 2 = plain forward
 };
 

@@ -75,8 +75,11 @@ inline double read_dropout(const ember::IConfig& cfg, const char* key) {
 // <phase>_acc and returns the loss (still attached to the graph when training).
 // Logs tensors, never .item(): the values may live on the GPU and the engine reads them back
 // only when it actually reports, so a step never waits for the device.
+// `label_smoothing` > 0 mixes the one-hot targets with the uniform distribution (PyTorch's
+// cross_entropy(label_smoothing=...)).
 inline at::Tensor classification_step(const at::Tensor& logits, const at::Tensor& labels,
-                                      Phase phase, ember::IStepContext& ctx, const char* model) {
+                                      Phase phase, ember::IStepContext& ctx, const char* model,
+                                      double label_smoothing = 0.0) {
   // Shapes and dtypes are host-side metadata: checking them costs no device sync.
   if (labels.dim() != 1 || labels.size(0) != logits.size(0) ||
       !at::isIntegralType(labels.scalar_type(), /*includeBool=*/false)) {
@@ -86,7 +89,9 @@ inline at::Tensor classification_step(const at::Tensor& logits, const at::Tensor
   }
   // The loss is computed in float32 even when the forward ran in reduced precision: the
   // log-softmax is where half precision loses the most.
-  at::Tensor loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat), labels.to(torch::kLong));
+  at::Tensor loss = torch::nn::functional::cross_entropy(
+      logits.to(torch::kFloat), labels.to(torch::kLong),
+      torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(label_smoothing));
   // A metric, not part of the graph.
   at::Tensor acc = (logits.detach().argmax(1) == labels).to(torch::kFloat).mean();
 

@@ -2,8 +2,15 @@
 // read from the gzip-compressed idx files of the Debian package dataset-fashion-mnist.
 //
 // Splits: train and val come from the 60,000 training images (val_split of them, picked by a
-// permutation seeded with trainer.seed), test is the 10,000 t10k images.
+// permutation seeded with trainer.seed), test is the 10,000 t10k images (val_on_test = true
+// validates on them instead: what a speed-run measures).
 // Batch: tensors[0] = images float [N, 1, 28, 28], tensors[1] = labels int64 [N].
+//
+// By default the images are kept as normalized float32, so a batch costs one index_select per
+// tensor; `store = "uint8"` keeps a quarter of the memory and converts each batch. Training
+// batches can be augmented (augment_flip, augment_crop_padding), deterministically. With
+// data.on_device the engine moves the samples to the training device (ember::IDeviceData), where
+// batches are then gathered and augmented.
 #include <zlib.h>
 
 #include <algorithm>
@@ -25,6 +32,9 @@
 #include <ember/error.h>
 #include <ember/host.h>
 #include <ember/plugin.h>
+#include <ember/trainer.h>
+
+#include "../common/image_augment.h"
 
 namespace {
 
@@ -33,6 +43,10 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Float("val_split", "0.1", "Fraction of the 60,000 training images held out for validation, in [0, 1).").at_least(0.0).below(1.0),
     ember::key::Bool("normalize", "true", "Standardize pixels with the data set's mean and std (0.2860, 0.3530)."),
     ember::key::Int("limit_train_samples", "0", "Keep at most this many training samples (after the validation split); 0 keeps all.").at_least(0),
+    ember::key::Bool("val_on_test", "false", "Validate on the 10,000 test images (time-to-test-accuracy speed-runs); set val_split = 0 with it to train on all 60,000."),
+    ember::key::String("store", "\"float32\"", "In-memory form of the images: float32 (normalized once at load; a batch is one index_select; 4 bytes a pixel) or uint8 (a quarter of the memory; each batch converted).").choices("float32|uint8"),
+    ember::key::Bool("augment_flip", "false", "Flip training images left-right with probability 1/2 (seeded by trainer.seed, the epoch and the batch)."),
+    ember::key::Int("augment_crop_padding", "0", "Pad training images by this many pixels (black) and crop them back to 28x28 at a random offset; 0 = no crop.").at_least(0).at_most(14),
 };
 
 constexpr uint32_t kImagesMagic = 2051;  // idx: unsigned bytes, 3 dimensions
@@ -110,10 +124,9 @@ class GzFile {
   gzFile file_ = nullptr;
 };
 
-// Images stay uint8 in memory (a quarter of the float size); get_batch converts only the
-// samples it returns.
+// Images as read: uint8 [N, 1, 28, 28]; setup() converts them when store = "float32".
 struct Samples {
-  at::Tensor images;  // uint8 [N, 1, 28, 28]
+  at::Tensor images;  // uint8 or normalized float32 [N, 1, 28, 28]
   at::Tensor labels;  // int64 [N]
 };
 
@@ -166,7 +179,7 @@ Samples load(const std::filesystem::path& root, const char* images_file, const c
   return s;
 }
 
-class FashionMnist final : public ember::IDataModule {
+class FashionMnist final : public ember::IDataModule, public ember::IDeviceData, public ember::ITrainerAware {
  public:
   FashionMnist(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
@@ -174,7 +187,13 @@ class FashionMnist final : public ember::IDataModule {
         root_(cfg.get_string("root")),
         val_split_(cfg.get_float("val_split")),
         normalize_(cfg.get_bool("normalize")),
-        limit_train_(cfg.get_int("limit_train_samples")) {
+        limit_train_(cfg.get_int("limit_train_samples")),
+        val_on_test_(cfg.get_bool("val_on_test")),
+        store_float_(cfg.get_string("store") == "float32") {
+    augment_.flip = cfg.get_bool("augment_flip");
+    augment_.crop_padding = cfg.get_int("augment_crop_padding");
+    // Padding is black: 0 before normalization.
+    augment_.pad_value = normalize_ ? -kMean / kStd : 0.0;
     // The schema's maximum is inclusive; a split of 1 would leave nothing to train on.
     if (val_split_ >= 1.0) {
       throw ember::ConfigError(c10::str("[", section_, "] val_split = ", val_split_, " (", cfg.where("val_split"),
@@ -197,12 +216,15 @@ class FashionMnist final : public ember::IDataModule {
     // The limit applies after the split, so the validation set does not change with it.
     if (limit_train_ > 0 && limit_train_ < train_idx.size(0)) train_idx = train_idx.narrow(0, 0, limit_train_);
 
-    slot(ember::Split::train) = {train.images.index_select(0, train_idx), train.labels.index_select(0, train_idx)};
-    slot(ember::Split::val) = {train.images.index_select(0, val_idx), train.labels.index_select(0, val_idx)};
-    slot(ember::Split::test) = std::move(test);
+    seed_ = setup.seed;
+    slot(ember::Split::train) = {stored(train.images.index_select(0, train_idx)), train.labels.index_select(0, train_idx)};
+    slot(ember::Split::test) = {stored(test.images), test.labels};
+    if (val_on_test_) slot(ember::Split::val) = slot(ember::Split::test);  // shares the tensors
+    else slot(ember::Split::val) = {stored(train.images.index_select(0, val_idx)), train.labels.index_select(0, val_idx)};
     host_.log(ember::LogLevel::info,
               c10::str("fashion_mnist: ", size(ember::Split::train), " train, ", size(ember::Split::val), " val, ",
-                       size(ember::Split::test), " test images from ", root_.string()));
+                       size(ember::Split::test), " test images from ", root_.string(),
+                       val_on_test_ ? " (validating on the test images)" : ""));
   }
 
   int64_t size(ember::Split split) const override {
@@ -218,16 +240,53 @@ class FashionMnist final : public ember::IDataModule {
                                      " before setup() or on a split that does not exist"));
     }
     // Wraps the caller's indices without copying; index_select only reads them (and checks bounds).
-    const at::Tensor idx = torch::from_blob(const_cast<int64_t*>(indices), {count}, torch::kLong);
-    at::Tensor images = s->images.index_select(0, idx).to(torch::kFloat).div_(255.0);
-    if (normalize_) images.sub_(kMean).div_(kStd);
+    at::Tensor idx = torch::from_blob(const_cast<int64_t*>(indices), {count}, torch::kLong);
+    if (!s->labels.device().is_cpu()) idx = idx.to(s->labels.device());
+    at::Tensor images = s->images.index_select(0, idx);
+    if (!store_float_) images = pixels(images);
+    if (split == ember::Split::train && augment_.enabled()) {
+      // The same samples in the same epoch get the same augmentation, however the batch was
+      // loaded (worker thread, resumed run).
+      const int64_t epoch = trainer_ != nullptr ? trainer_->current_epoch() : 0;
+      const uint64_t seed = ember_models::hash_indices(indices, count) ^ (seed_ * 0x9E3779B97F4A7C15ull) ^
+                            (static_cast<uint64_t>(epoch) * 0xBF58476D1CE4E5B9ull);
+      images = ember_models::augment_images(images, augment_, seed);
+    }
     ember::Batch batch;
     batch.tensors = {std::move(images), s->labels.index_select(0, idx)};
     batch.size = count;
     return batch;
   }
 
+ void* query_interface(const char* iid) override {
+    if (std::strcmp(iid, ember::kDeviceDataIid) == 0) return static_cast<ember::IDeviceData*>(this);
+    if (std::strcmp(iid, ember::kTrainerAwareIid) == 0) return static_cast<ember::ITrainerAware*>(this);
+    return nullptr;
+  }
+  void attach_trainer(ember::ITrainer* trainer) override { trainer_ = trainer; }
+
+  int64_t device_bytes() const override {
+    int64_t bytes = 0;
+    for (size_t i = 0; i < splits_.size(); ++i) {
+      if (val_on_test_ && i == static_cast<size_t>(ember::Split::val)) continue;  // shared with test
+      if (splits_[i].labels.defined()) bytes += splits_[i].images.nbytes() + splits_[i].labels.nbytes();
+    }
+    return bytes;
+  }
+  void move_to(const c10::Device& device) override {
+    for (auto& s : splits_)
+      if (s.labels.defined()) s = {s.images.to(device), s.labels.to(device)};
+  }
+
  private:
+  // uint8 pixels -> float32 in [0, 1], normalized when asked.
+  at::Tensor pixels(const at::Tensor& raw) const {
+    at::Tensor images = raw.to(torch::kFloat).div_(255.0);
+    if (normalize_) images.sub_(kMean).div_(kStd);
+    return images;
+  }
+  at::Tensor stored(const at::Tensor& raw) const { return store_float_ ? pixels(raw) : raw; }
+
   const Samples* find(ember::Split split) const {
     const auto i = static_cast<size_t>(split);
     return i < splits_.size() ? &splits_[i] : nullptr;
@@ -240,6 +299,11 @@ class FashionMnist final : public ember::IDataModule {
   double val_split_;
   bool normalize_;
   int64_t limit_train_;
+  bool val_on_test_;
+  bool store_float_;
+  ember_models::ImageAugment augment_;
+  uint64_t seed_ = 0;
+  ember::ITrainer* trainer_ = nullptr;
   std::array<Samples, 3> splits_;  // indexed by ember::Split
 };
 

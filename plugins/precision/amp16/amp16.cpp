@@ -42,7 +42,8 @@ class Amp16 final : public ember::IPrecision, public ember::ITrainerAware {
     if (device.is_cpu())
       host_.log(ember::LogLevel::warn,
                 "amp16 on cpu: float16 autocast works, but most CPU float16 kernels are slower than float32; "
-                "bf16 (\"bf16-mixed\") is usually the faster mixed precision on a CPU");
+                "bf16 (\"bf16-mixed\") is usually the faster mixed precision on a CPU, and trainer.precision = "
+                "\"auto\" picks the fastest precision this device runs well");
     scaler_.to(device);
   }
   ember::Batch convert_input(ember::Batch batch) override { return ember::cast_floating(std::move(batch), at::kFloat); }
