@@ -134,20 +134,24 @@ std::vector<Row> read_csv(const std::string& path, const std::string& text_col, 
   return rows;
 }
 
-std::vector<Row> read_rows(const std::string& given, const std::string& key, const ember::IConfig& cfg) {
+// Checks the setting (the file exists, its extension is known) before anything heavy starts.
+std::string data_file(const std::string& key, const ember::IConfig& cfg) {
+  const std::string given = cfg.get_string(key);
   const std::filesystem::path path = ember_text::resolve_asset(given);
   if (!std::filesystem::is_regular_file(path))
     throw ember::ConfigError(c10::str("[", cfg.section(), "] ", key, " = \"", given, "\" (", cfg.where(key), "): file not found (also looked in ",
                                       ember_text::cache_dir().string(), "): give a .csv or .jsonl file; run scripts/setup.sh for small_fine_foods"));
   const std::string ext = path.extension().string();
-  const std::string text_col = cfg.get_string("text_column"), label_col = cfg.get_string("label_column");
-  std::vector<Row> rows;
-  if (ext == ".jsonl" || ext == ".ndjson") rows = read_jsonl(path.string(), text_col, label_col);
-  else if (ext == ".csv") rows = read_csv(path.string(), text_col, label_col);
-  else
+  if (ext != ".jsonl" && ext != ".ndjson" && ext != ".csv")
     throw ember::ConfigError(c10::str("[", cfg.section(), "] ", key, " = \"", given, "\" (", cfg.where(key),
                                       "): unknown extension '", ext, "': use a .csv or .jsonl file"));
-  if (rows.empty()) throw ember::RunError(c10::str(path.string(), ": holds no texts"));
+  return path.string();
+}
+
+std::vector<Row> read_rows(const std::string& path, const std::string& text_col, const std::string& label_col) {
+  std::vector<Row> rows = std::filesystem::path(path).extension() == ".csv" ? read_csv(path, text_col, label_col)
+                                                                              : read_jsonl(path, text_col, label_col);
+  if (rows.empty()) throw ember::RunError(c10::str(path, ": holds no texts"));
   return rows;
 }
 
@@ -167,28 +171,32 @@ class TextClassification final : public ember::IDataModule {
     if (val_split_ >= 1.0)
       throw ember::ConfigError(c10::str("[", section_, "] val_split = ", val_split_, " (", cfg.where("val_split"),
                                         ") leaves no training texts: use a fraction in [0, 1), e.g. 0.1"));
-    // Files are read here, so a wrong path or column fails before anything heavy starts.
-    train_rows_ = read_rows(cfg.get_string("train_file"), "train_file", cfg);
-    if (!cfg.get_string("val_file").empty()) val_rows_ = read_rows(cfg.get_string("val_file"), "val_file", cfg);
-    if (!cfg.get_string("test_file").empty()) test_rows_ = read_rows(cfg.get_string("test_file"), "test_file", cfg);
+    // Paths and the vocabulary are checked here, before anything heavy starts; the files'
+    // contents are read by setup().
+    train_file_ = data_file("train_file", cfg);
+    if (!cfg.get_string("val_file").empty()) val_file_ = data_file("val_file", cfg);
+    if (!cfg.get_string("test_file").empty()) test_file_ = data_file("test_file", cfg);
+    text_column_ = cfg.get_string("text_column");
+    label_column_ = cfg.get_string("label_column");
     const auto tok_dir = ember_text::resolve_asset(cfg.get_string("tokenizer_dir"));
     tokenizer_.emplace(ember_text::WordPieceTokenizer::from_folder(tok_dir.string()));
     labels_ = cfg.get_string_list("labels");
+  }
+
+  void setup(const ember::DataSetup& setup) override {
+    const std::vector<Row> train_rows = read_rows(train_file_, text_column_, label_column_);
     if (labels_.empty()) {
       std::set<std::string> names;
-      for (const auto& r : train_rows_) names.insert(r.label);
+      for (const auto& r : train_rows) names.insert(r.label);
       labels_.assign(names.begin(), names.end());
     }
     for (size_t i = 0; i < labels_.size(); ++i) label_ids_[labels_[i]] = static_cast<int64_t>(i);
     if (labels_.size() < 2)
-      throw ember::ConfigError(c10::str("[", section_, "] the training file has ", labels_.size(),
-                                        " label(s): classification needs at least two (check label_column)"));
-  }
-
-  void setup(const ember::DataSetup& setup) override {
-    Samples train = encode(train_rows_, "train_file");
-    if (!val_rows_.empty()) {
-      slot(ember::Split::val) = encode(val_rows_, "val_file");
+      throw ember::RunError(c10::str(train_file_, ": holds ", labels_.size(), " label(s) in column \"", label_column_,
+                                     "\": classification needs at least two (check label_column)"));
+    Samples train = encode(train_rows, train_file_);
+    if (!val_file_.empty()) {
+      slot(ember::Split::val) = encode(read_rows(val_file_, text_column_, label_column_), val_file_);
     } else {
       const auto n = static_cast<int64_t>(train.ids.size());
       const int64_t n_val = std::min<int64_t>(n - 1, std::llround(val_split_ * static_cast<double>(n)));
@@ -204,7 +212,7 @@ class TextClassification final : public ember::IDataModule {
       train = subset(train, first.data(), limit_train_);
     }
     slot(ember::Split::train) = std::move(train);
-    if (!test_rows_.empty()) slot(ember::Split::test) = encode(test_rows_, "test_file");
+    if (!test_file_.empty()) slot(ember::Split::test) = encode(read_rows(test_file_, text_column_, label_column_), test_file_);
     std::string names;
     for (size_t i = 0; i < labels_.size(); ++i) names += c10::str(i ? ", " : "", labels_[i], "=", i);
     host_.log(ember::LogLevel::info,
@@ -239,13 +247,13 @@ class TextClassification final : public ember::IDataModule {
   }
 
  private:
-  Samples encode(const std::vector<Row>& rows, const char* key) {
+  Samples encode(const std::vector<Row>& rows, const std::string& path) {
     Samples s;
     std::vector<int64_t> labels;
     for (const auto& r : rows) {
       const auto it = label_ids_.find(r.label);
       if (it == label_ids_.end())
-        throw ember::RunError(c10::str("[", section_, "] ", key, " line ", r.line, ": label \"", r.label,
+        throw ember::RunError(c10::str(path, ":", r.line, ": label \"", r.label,
                                        "\" is not among the labels (", c10::Join(", ", labels_), "): add it to [", section_, "] labels"));
       std::vector<int64_t> full = tokenizer_->encode(r.text);
       if (static_cast<int64_t>(full.size()) > max_length_) {
@@ -270,7 +278,7 @@ class TextClassification final : public ember::IDataModule {
   std::string section_;
   double val_split_;
   int64_t max_length_, limit_train_;
-  std::vector<Row> train_rows_, val_rows_, test_rows_;
+  std::string train_file_, val_file_, test_file_, text_column_, label_column_;
   std::optional<ember_text::WordPieceTokenizer> tokenizer_;
   std::vector<std::string> labels_;
   std::map<std::string, int64_t> label_ids_;
