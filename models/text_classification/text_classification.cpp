@@ -1,0 +1,295 @@
+// text_classification: labelled texts from CSV or JSONL files, tokenized once at setup with the
+// model's WordPiece vocabulary (models/text/wordpiece.h) and cut to max_length.
+//
+// Files: CSV with a header row (RFC 4180 quoting, read by libcsv) or JSONL (one JSON object a
+// line), picked by the file's extension. Label names map to ids in the order of `labels`, or
+// sorted when it is not given. Splits: train; val from val_file, else val_split of train (a
+// permutation seeded with trainer.seed); test from test_file (optional).
+// Batch: tensors[0] = input_ids int64 [N, L], tensors[1] = labels int64 [N],
+// tensors[2] = attention_mask int64 [N, L], where L is the longest sequence of the batch.
+#include <csv.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/StringUtil.h>
+#include <nlohmann/json.hpp>
+#include <torch/types.h>
+
+#include <ember/config.h>
+#include <ember/data.h>
+#include <ember/error.h>
+#include <ember/host.h>
+#include <ember/plugin.h>
+
+#include "asset_path.h"
+#include "wordpiece.h"
+
+namespace {
+
+constexpr EmberConfigKey kKeys[] = {
+    ember::key::String("train_file", nullptr, "Training texts: a .csv (header row) or .jsonl file. A relative path not found from the working folder is looked up in the Ember cache ($EMBER_CACHE, default ~/.cache/ember)."),
+    ember::key::String("val_file", "\"\"", "Validation texts; empty: hold out val_split of train_file."),
+    ember::key::String("test_file", "\"\"", "Test texts; empty: no test split."),
+    ember::key::String("text_column", "\"text\"", "Column (CSV) or field (JSONL) holding the text."),
+    ember::key::String("label_column", "\"label\"", "Column or field holding the label (a name, or an integer)."),
+    ember::key::StringList("labels", "[]", "Label names in id order; empty: the training file's names, sorted."),
+    ember::key::Float("val_split", "0.1", "Fraction of train_file held out for validation when val_file is empty, in [0, 1).").at_least(0.0).below(1.0),
+    ember::key::String("tokenizer_dir", "\"all-minilm-l6-v2\"", "Folder with the model's vocab.txt (and tokenizer_config.json); a bare name is a folder in the Ember cache."),
+    ember::key::Int("max_length", "128", "Most tokens per text, [CLS] and [SEP] included; longer texts are cut.").at_least(2),
+    ember::key::Int("limit_train_samples", "0", "Keep at most this many training texts (after the validation split); 0 keeps all.").at_least(0),
+};
+
+struct Row {
+  std::string text, label;
+  int64_t line = 0;
+};
+
+[[noreturn]] void file_error(const std::string& path, int64_t line, const std::string& what) {
+  throw ember::RunError(c10::str(path, ":", line, ": ", what));
+}
+
+std::vector<Row> read_jsonl(const std::string& path, const std::string& text_col, const std::string& label_col) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<Row> rows;
+  std::string line;
+  int64_t n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      file_error(path, n, c10::str("not a JSON object (", e.what(), "): JSONL needs one object a line"));
+    }
+    if (!j.is_object()) file_error(path, n, "not a JSON object: JSONL needs one object a line");
+    if (!j.contains(text_col) || !j[text_col].is_string())
+      file_error(path, n, c10::str("no string field \"", text_col, "\": set text_column to the field holding the text"));
+    if (!j.contains(label_col) || !(j[label_col].is_string() || j[label_col].is_number_integer()))
+      file_error(path, n, c10::str("no string or integer field \"", label_col, "\": set label_column to the field holding the label"));
+    Row r;
+    r.text = j[text_col].get<std::string>();
+    r.label = j[label_col].is_string() ? j[label_col].get<std::string>() : std::to_string(j[label_col].get<int64_t>());
+    r.line = n;
+    rows.push_back(std::move(r));
+  }
+  return rows;
+}
+
+// libcsv hands over fields and row ends through callbacks; this collects them.
+struct CsvCollector {
+  std::vector<std::vector<std::string>> records;
+  std::vector<std::string> current;
+  static void field(void* s, size_t len, void* self) {
+    static_cast<CsvCollector*>(self)->current.emplace_back(static_cast<const char*>(s), s == nullptr ? 0 : len);
+  }
+  static void row(int, void* self) {
+    auto* c = static_cast<CsvCollector*>(self);
+    c->records.push_back(std::move(c->current));
+    c->current.clear();
+  }
+};
+
+std::vector<Row> read_csv(const std::string& path, const std::string& text_col, const std::string& label_col) {
+  std::ifstream in(path, std::ios::binary);
+  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  csv_parser p{};
+  if (csv_init(&p, CSV_STRICT | CSV_STRICT_FINI | CSV_APPEND_NULL) != 0) throw ember::RunError(path + ": cannot start the CSV parser");
+  CsvCollector c;
+  const size_t done = csv_parse(&p, data.data(), data.size(), CsvCollector::field, CsvCollector::row, &c);
+  const bool ok = done == data.size() && csv_fini(&p, CsvCollector::field, CsvCollector::row, &c) == 0;
+  const std::string err = ok ? "" : csv_strerror(csv_error(&p));
+  csv_free(&p);
+  if (!ok) {
+    const int64_t line = 1 + std::count(data.begin(), data.begin() + static_cast<std::ptrdiff_t>(std::min(done, data.size())), '\n');
+    file_error(path, line, c10::str("malformed CSV (", err, "): quote fields that hold commas, quotes or newlines"));
+  }
+  if (c.records.empty()) file_error(path, 1, "empty file: a CSV file needs a header row naming its columns");
+  const auto& header = c.records.front();
+  auto column = [&](const std::string& name, const char* key) {
+    const auto it = std::find(header.begin(), header.end(), name);
+    if (it == header.end()) file_error(path, 1, c10::str("no column \"", name, "\" in the header: set ", key, " to one of its columns"));
+    return static_cast<size_t>(it - header.begin());
+  };
+  const size_t ti = column(text_col, "text_column"), li = column(label_col, "label_column");
+  std::vector<Row> rows;
+  for (size_t r = 1; r < c.records.size(); ++r) {
+    const auto& rec = c.records[r];
+    if (rec.size() != header.size())
+      file_error(path, static_cast<int64_t>(r + 1), c10::str("record ", r, " has ", rec.size(), " fields, the header ", header.size()));
+    rows.push_back({rec[ti], rec[li], static_cast<int64_t>(r + 1)});
+  }
+  return rows;
+}
+
+// Checks the setting (the file exists, its extension is known) before anything heavy starts.
+std::string data_file(const std::string& key, const ember::IConfig& cfg) {
+  const std::string given = cfg.get_string(key);
+  const std::filesystem::path path = ember_text::resolve_asset(given);
+  if (!std::filesystem::is_regular_file(path))
+    throw ember::ConfigError(c10::str("[", cfg.section(), "] ", key, " = \"", given, "\" (", cfg.where(key), "): file not found (also looked in ",
+                                      ember_text::cache_dir().string(), "): give a .csv or .jsonl file; run scripts/setup.sh for small_fine_foods"));
+  const std::string ext = path.extension().string();
+  if (ext != ".jsonl" && ext != ".ndjson" && ext != ".csv")
+    throw ember::ConfigError(c10::str("[", cfg.section(), "] ", key, " = \"", given, "\" (", cfg.where(key),
+                                      "): unknown extension '", ext, "': use a .csv or .jsonl file"));
+  return path.string();
+}
+
+std::vector<Row> read_rows(const std::string& path, const std::string& text_col, const std::string& label_col) {
+  std::vector<Row> rows = std::filesystem::path(path).extension() == ".csv" ? read_csv(path, text_col, label_col)
+                                                                              : read_jsonl(path, text_col, label_col);
+  if (rows.empty()) throw ember::RunError(c10::str(path, ": holds no texts"));
+  return rows;
+}
+
+struct Samples {
+  std::vector<std::vector<int64_t>> ids;
+  at::Tensor labels;  // int64 [N]
+};
+
+class TextClassification final : public ember::IDataModule {
+ public:
+  TextClassification(ember::IHost& host, const ember::IConfig& cfg)
+      : host_(host),
+        section_(cfg.section()),
+        val_split_(cfg.get_float("val_split")),
+        max_length_(cfg.get_int("max_length")),
+        limit_train_(cfg.get_int("limit_train_samples")) {
+    if (val_split_ >= 1.0)
+      throw ember::ConfigError(c10::str("[", section_, "] val_split = ", val_split_, " (", cfg.where("val_split"),
+                                        ") leaves no training texts: use a fraction in [0, 1), e.g. 0.1"));
+    // Paths and the vocabulary are checked here, before anything heavy starts; the files'
+    // contents are read by setup().
+    train_file_ = data_file("train_file", cfg);
+    if (!cfg.get_string("val_file").empty()) val_file_ = data_file("val_file", cfg);
+    if (!cfg.get_string("test_file").empty()) test_file_ = data_file("test_file", cfg);
+    text_column_ = cfg.get_string("text_column");
+    label_column_ = cfg.get_string("label_column");
+    const auto tok_dir = ember_text::resolve_asset(cfg.get_string("tokenizer_dir"));
+    tokenizer_.emplace(ember_text::WordPieceTokenizer::from_folder(tok_dir.string()));
+    labels_ = cfg.get_string_list("labels");
+  }
+
+  void setup(const ember::DataSetup& setup) override {
+    const std::vector<Row> train_rows = read_rows(train_file_, text_column_, label_column_);
+    if (labels_.empty()) {
+      std::set<std::string> names;
+      for (const auto& r : train_rows) names.insert(r.label);
+      labels_.assign(names.begin(), names.end());
+    }
+    for (size_t i = 0; i < labels_.size(); ++i) label_ids_[labels_[i]] = static_cast<int64_t>(i);
+    if (labels_.size() < 2)
+      throw ember::RunError(c10::str(train_file_, ": holds ", labels_.size(), " label(s) in column \"", label_column_,
+                                     "\": classification needs at least two (check label_column)"));
+    Samples train = encode(train_rows, train_file_);
+    if (!val_file_.empty()) {
+      slot(ember::Split::val) = encode(read_rows(val_file_, text_column_, label_column_), val_file_);
+    } else {
+      const auto n = static_cast<int64_t>(train.ids.size());
+      const int64_t n_val = std::min<int64_t>(n - 1, std::llround(val_split_ * static_cast<double>(n)));
+      at::Generator gen = at::detail::createCPUGenerator(setup.seed);
+      const at::Tensor perm = torch::randperm(n, gen, torch::kLong);
+      const auto* p = perm.data_ptr<int64_t>();
+      slot(ember::Split::val) = subset(train, p, n_val);
+      train = subset(train, p + n_val, n - n_val);
+    }
+    if (limit_train_ > 0 && limit_train_ < static_cast<int64_t>(train.ids.size())) {
+      std::vector<int64_t> first(static_cast<size_t>(limit_train_));
+      std::iota(first.begin(), first.end(), 0);
+      train = subset(train, first.data(), limit_train_);
+    }
+    slot(ember::Split::train) = std::move(train);
+    if (!test_file_.empty()) slot(ember::Split::test) = encode(read_rows(test_file_, text_column_, label_column_), test_file_);
+    std::string names;
+    for (size_t i = 0; i < labels_.size(); ++i) names += c10::str(i ? ", " : "", labels_[i], "=", i);
+    host_.log(ember::LogLevel::info,
+              c10::str("text_classification: ", size(ember::Split::train), " train, ", size(ember::Split::val), " val, ",
+                       size(ember::Split::test), " test texts; labels ", names, "; ", truncated_, " text(s) cut to ", max_length_, " tokens"));
+  }
+
+  int64_t size(ember::Split split) const override {
+    const Samples& s = splits_.at(static_cast<size_t>(split));
+    return static_cast<int64_t>(s.ids.size());
+  }
+
+  // Pads to the longest text of this batch. Reads only what setup() built: thread-safe.
+  ember::Batch get_batch(ember::Split split, const int64_t* indices, int64_t count) const override {
+    const Samples& s = splits_.at(static_cast<size_t>(split));
+    size_t longest = 0;
+    for (int64_t i = 0; i < count; ++i) longest = std::max(longest, s.ids.at(static_cast<size_t>(indices[i])).size());
+    at::Tensor ids = torch::full({count, static_cast<int64_t>(longest)}, tokenizer_->pad_id(), torch::kLong);
+    at::Tensor mask = torch::zeros({count, static_cast<int64_t>(longest)}, torch::kLong);
+    auto* id_p = ids.data_ptr<int64_t>();
+    auto* mask_p = mask.data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i) {
+      const auto& t = s.ids[static_cast<size_t>(indices[i])];
+      std::copy(t.begin(), t.end(), id_p + i * static_cast<int64_t>(longest));
+      std::fill_n(mask_p + i * static_cast<int64_t>(longest), t.size(), 1);
+    }
+    const at::Tensor idx = torch::from_blob(const_cast<int64_t*>(indices), {count}, torch::kLong);
+    ember::Batch batch;
+    batch.tensors = {std::move(ids), s.labels.index_select(0, idx), std::move(mask)};
+    batch.size = count;
+    return batch;
+  }
+
+ private:
+  Samples encode(const std::vector<Row>& rows, const std::string& path) {
+    Samples s;
+    std::vector<int64_t> labels;
+    for (const auto& r : rows) {
+      const auto it = label_ids_.find(r.label);
+      if (it == label_ids_.end())
+        throw ember::RunError(c10::str(path, ":", r.line, ": label \"", r.label,
+                                       "\" is not among the labels (", c10::Join(", ", labels_), "): add it to [", section_, "] labels"));
+      std::vector<int64_t> full = tokenizer_->encode(r.text);
+      if (static_cast<int64_t>(full.size()) > max_length_) {
+        ++truncated_;
+        full = tokenizer_->encode(r.text, max_length_);
+      }
+      s.ids.push_back(std::move(full));
+      labels.push_back(it->second);
+    }
+    s.labels = torch::tensor(labels, torch::kLong);
+    return s;
+  }
+  static Samples subset(const Samples& from, const int64_t* idx, int64_t n) {
+    Samples s;
+    for (int64_t i = 0; i < n; ++i) s.ids.push_back(from.ids[static_cast<size_t>(idx[i])]);
+    s.labels = from.labels.index_select(0, torch::from_blob(const_cast<int64_t*>(idx), {n}, torch::kLong)).clone();
+    return s;
+  }
+  Samples& slot(ember::Split split) { return splits_.at(static_cast<size_t>(split)); }
+
+  ember::IHost& host_;
+  std::string section_;
+  double val_split_;
+  int64_t max_length_, limit_train_;
+  std::string train_file_, val_file_, test_file_, text_column_, label_column_;
+  std::optional<ember_text::WordPieceTokenizer> tokenizer_;
+  std::vector<std::string> labels_;
+  std::map<std::string, int64_t> label_ids_;
+  int64_t truncated_ = 0;
+  std::array<Samples, 3> splits_;  // indexed by ember::Split
+};
+
+ember::IDataModule* make(ember::IHost& host, const ember::IConfig& cfg) { return new TextClassification(host, cfg); }
+
+}  // namespace
+
+EMBER_PLUGIN(ember::IDataModule, "text_classification", "0.1.0", "Apache-2.0",
+             "Labelled texts from CSV/JSONL, WordPiece-tokenized, padded per batch to the longest text.",
+             EMBER_CONFIG_KEYS(kKeys), make)

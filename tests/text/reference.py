@@ -1,0 +1,78 @@
+"""Reference outputs of Hugging Face's own implementations for tests/text_test.cpp.
+
+  reference.py tokenize TOKENIZER_JSON OUT_JSONL IN_JSONL...   ids of every "review"/"text" field
+  reference.py tiny-bert OUT_DIR                               random 2-layer BERT/DistilBERT + logits
+"""
+import json
+import pathlib
+import sys
+
+
+def tokenize(tokenizer_json, out, inputs):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    tok.no_truncation()
+    tok.no_padding()
+    with open(out, "w", encoding="utf-8") as f:
+        for path in inputs:
+            for line in open(path, encoding="utf-8"):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                text = row["review"] if "review" in row else row["text"]
+                f.write(json.dumps(tok.encode(text).ids) + "\n")
+
+
+def tiny_bert(out_dir):
+    import torch
+    from safetensors.torch import save_file
+    from transformers import BertConfig, BertForSequenceClassification, DistilBertConfig, DistilBertForSequenceClassification
+
+    torch.manual_seed(0)
+    out = pathlib.Path(out_dir)
+    ids = torch.randint(5, 100, (3, 7))
+    ids[:, 0] = 1
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0  # padded rows
+    mask[2, 3:] = 0
+    ids[mask == 0] = 0
+    cases = {}
+    for kind in ("bert", "distilbert"):
+        if kind == "bert":
+            cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=48, max_position_embeddings=16, num_labels=3)
+            model = BertForSequenceClassification(cfg)
+        else:
+            cfg = DistilBertConfig(vocab_size=100, dim=32, n_layers=2, n_heads=4, hidden_dim=48,
+                                   max_position_embeddings=16, num_labels=3)
+            model = DistilBertForSequenceClassification(cfg)
+        model.eval()
+        # Non-trivial LayerNorm and bias values, so a swapped or skipped tensor changes the logits.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "LayerNorm" in name or "layer_norm" in name or name.endswith("bias"):
+                    p.add_(torch.randn_like(p) * 0.1)
+        folder = out / kind
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg.to_json_file(folder / "config.json")
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+        with torch.no_grad():
+            pooler_logits = model(input_ids=ids, attention_mask=mask).logits
+            base = model.bert if kind == "bert" else model.distilbert
+            hidden = base(input_ids=ids, attention_mask=mask).last_hidden_state
+            m = mask.unsqueeze(-1).float()
+            mean = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            mean_logits = model.classifier(mean)
+        cases[kind] = {"pooler": pooler_logits.tolist(), "mean": mean_logits.tolist()}
+    json.dump({"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "logits": cases},
+              open(out / "reference.json", "w"))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "tokenize":
+        tokenize(sys.argv[2], sys.argv[3], sys.argv[4:])
+    elif sys.argv[1] == "tiny-bert":
+        tiny_bert(sys.argv[2])
+    else:
+        sys.exit(f"unknown command {sys.argv[1]}")

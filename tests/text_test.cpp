@@ -1,0 +1,307 @@
+// Text fine-tuning parts: the WordPiece tokenizer (unit cases, and identical ids to Hugging Face's
+// `tokenizers` on every text of small_fine_foods), the BERT-family network (identical logits to
+// transformers' BERT and DistilBERT), safetensors reading/writing and its errors, and the bert +
+// text_classification plugins on real engine runs.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "asset_path.h"
+#include "bert_net.h"
+#include "safetensors_file.h"
+#include "support.h"
+#include "wordpiece.h"
+
+using namespace ember::test;
+namespace fs = std::filesystem;
+using ember_text::WordPieceTokenizer;
+
+namespace {
+
+// A vocabulary small enough to reason about; ids are line numbers.
+const std::vector<std::string> kVocab = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world", "!",  ",",
+                                         "un",    "##aff", "##able", "cafe", "中",     "a",     "##a",   "i",  "'",
+                                         "s",     "great", "bad",   "food",  "is",     "the",   "not",   "."};
+
+int64_t id(const std::string& token) {
+  return std::find(kVocab.begin(), kVocab.end(), token) - kVocab.begin();
+}
+
+void write_vocab(const fs::path& dir, const std::vector<std::string>& vocab = kVocab) {
+  fs::create_directories(dir);
+  std::string text;
+  for (const auto& t : vocab) text += t + "\n";
+  write_file(dir / "vocab.txt", text);
+}
+
+std::vector<int64_t> ids(std::initializer_list<const char*> tokens) {
+  std::vector<int64_t> out;
+  for (const char* t : tokens) out.push_back(id(t));
+  return out;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST(WordPiece, NormalizesSplitsAndPiecesLikeBertTokenizer) {
+  TempDir dir("wordpiece_unit");
+  write_vocab(dir.path());
+  const auto tok = WordPieceTokenizer::from_folder(dir.path().string());
+  EXPECT_EQ(tok.encode("Hello, World!"), ids({"[CLS]", "hello", ",", "world", "!", "[SEP]"}));
+  EXPECT_EQ(tok.encode("unaffable"), ids({"[CLS]", "un", "##aff", "##able", "[SEP]"}));
+  EXPECT_EQ(tok.encode("Caf\xC3\xA9"), ids({"[CLS]", "cafe", "[SEP]"}));             // NFD, accent stripped, lower-cased
+  EXPECT_EQ(tok.encode("\xE4\xB8\xAD\xE6\x96\x87"), ids({"[CLS]", "中", "[UNK]", "[SEP]"}));  // CJK: one word each
+  EXPECT_EQ(tok.encode("hel\x01lo\tworld\xEF\xBF\xBD"), ids({"[CLS]", "hello", "world", "[SEP]"}));  // control, U+FFFD removed
+  EXPECT_EQ(tok.encode("hello [MASK] world"), ids({"[CLS]", "hello", "[MASK]", "world", "[SEP]"}));
+  EXPECT_EQ(tok.encode("\xC4\xB0"), ids({"[CLS]", "i", "[SEP]"}));                   // U+0130: full lowercase mapping
+  EXPECT_EQ(tok.encode("unaffablex"), ids({"[CLS]", "[UNK]", "[SEP]"}));             // one unpieceable word = one [UNK]
+  EXPECT_EQ(tok.encode(std::string(100, 'a')).size(), 102u);                         // a ##a ##a ... within the limit
+  EXPECT_EQ(tok.encode(std::string(101, 'a')), ids({"[CLS]", "[UNK]", "[SEP]"}));    // over max_input_chars_per_word
+  EXPECT_EQ(tok.encode("hello, world! great food", 4), ids({"[CLS]", "hello", ",", "[SEP]"}));
+  EXPECT_EQ(tok.encode("hello", 2), ids({"[CLS]", "[SEP]"}));
+  EXPECT_EQ(tok.encode(""), ids({"[CLS]", "[SEP]"}));
+  // tokenizer_config.json turns lower-casing (and so accent stripping) off.
+  write_file(dir / "tokenizer_config.json", R"({"do_lower_case": false})");
+  const auto cased = WordPieceTokenizer::from_folder(dir.path().string());
+  EXPECT_EQ(cased.encode("Hello hello"), ids({"[CLS]", "[UNK]", "hello", "[SEP]"}));
+}
+
+TEST(WordPiece, MissingOrForeignVocabularyIsOneClearError) {
+  TempDir dir("wordpiece_errors");
+  std::string e = error_of([&] { WordPieceTokenizer::from_folder(dir.path().string()); });
+  EXPECT_NE(e.find((dir / "vocab.txt").string() + " not found"), std::string::npos) << e;
+  write_vocab(dir.path(), {"[PAD]", "[CLS]", "[SEP]", "hello"});
+  e = error_of([&] { WordPieceTokenizer::from_folder(dir.path().string()); });
+  EXPECT_NE(e.find("vocab.txt: the vocabulary has no [UNK] token"), std::string::npos) << e;
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+}
+
+#ifdef EMBER_TEST_PYTHON
+// Every review of small_fine_foods (train and test) plus hand-picked hard cases, tokenized by the
+// `tokenizers` package from all-MiniLM-L6-v2's tokenizer.json and by Ember from its vocab.txt.
+TEST(WordPiece, IdenticalIdsToHuggingFaceTokenizersOnSmallFineFoods) {
+  const fs::path model = ember_text::cache_dir() / "all-minilm-l6-v2";
+  const fs::path foods = ember_text::cache_dir() / "small_fine_foods";
+  ASSERT_TRUE(fs::exists(model / "tokenizer.json") && fs::exists(foods / "train.jsonl"))
+      << "run scripts/setup.sh: it installs all-MiniLM-L6-v2 and small_fine_foods into " << ember_text::cache_dir();
+  TempDir dir("wordpiece_parity");
+  const std::vector<std::string> hard = {
+      "Caf\xC3\xA9 na\xC3\xAFve \xC3\x85ngstr\xC3\xB6m r\xC3\xA9sum\xC3\xA9 \xC4\xB0stanbul \xC3\x9F",  // accents, İ, ß
+      "\xE6\x88\x91\xE5\x96\x9C\xE6\xAC\xA2\xE5\x90\x83 sushi\xE3\x81\x8C\xE5\xA5\xBD\xE3\x81\x8D",      // CJK and kana
+      "tabs\tnew\nlines\r\n zero\xE2\x80\x8Bwidth nbsp\xC2\xA0space \x07" "bell",                          // whitespace, Cf, Cc
+      "[CLS] inside [SEP] text [UNK][MASK]x", "$5.99!!! <br /><br />50% off... #1 (great) {ok} ~fine~ a+b=c",
+      "\xE2\x80\x9Cquoted\xE2\x80\x9D \xE2\x80\x94 dash \xE2\x80\xA6 \xC2\xBFqu\xC3\xA9? \xCE\xA3\xCE\xBF\xCF\x86\xCE\xAF\xCE\xB1",
+      std::string(150, 'x') + " " + std::string(99, 'b'), "emoji \xF0\x9F\x98\x80\xF0\x9F\x8D\x95 ok"};
+  {
+    std::ofstream f(dir / "hard.jsonl");
+    for (const auto& h : hard) f << nlohmann::json{{"text", h}}.dump() << "\n";
+  }
+  std::vector<fs::path> inputs = {foods / "train.jsonl", foods / "test.jsonl", dir / "hard.jsonl"};
+  auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/text/reference.py").string(), "tokenize",
+                        (model / "tokenizer.json").string(), (dir / "ids.jsonl").string(), inputs[0].string(),
+                        inputs[1].string(), inputs[2].string()},
+                       dir.path(), {}, 600);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto tok = WordPieceTokenizer::from_folder(model.string());
+  std::ifstream expected(dir / "ids.jsonl");
+  int64_t compared = 0;
+  for (const auto& input : inputs) {
+    std::ifstream in(input);
+    std::string line, want;
+    int64_t n = 0;
+    while (std::getline(in, line)) {
+      ++n;
+      const auto row = nlohmann::json::parse(line);
+      const std::string text = row.contains("review") ? row["review"] : row["text"];
+      ASSERT_TRUE(std::getline(expected, want)) << "python wrote fewer rows than " << input << " holds";
+      const auto ref = nlohmann::json::parse(want).get<std::vector<int64_t>>();
+      ASSERT_EQ(tok.encode(text), ref) << input << ":" << n << ": " << text;
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 4000 + 1000 + static_cast<int64_t>(hard.size()));
+}
+
+// A random 2-layer BERT and DistilBERT from transformers, saved as safetensors: Ember's network
+// gives the same logits with the checkpoint's pooler head and with mean pooling.
+TEST(BertNet, SameLogitsAsTransformersForBertAndDistilBert) {
+  TempDir dir("bert_parity");
+  auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/text/reference.py").string(), "tiny-bert",
+                        dir.path().string()},
+                       dir.path(), {}, 600);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::ifstream f(dir / "reference.json");
+  const auto ref = nlohmann::json::parse(f);
+  const auto to_tensor = [](const nlohmann::json& j, at::ScalarType t) {
+    std::vector<std::vector<double>> rows = j.get<std::vector<std::vector<double>>>();
+    at::Tensor out = at::empty({static_cast<int64_t>(rows.size()), static_cast<int64_t>(rows[0].size())}, at::kDouble);
+    for (size_t i = 0; i < rows.size(); ++i)
+      for (size_t k = 0; k < rows[i].size(); ++k) out[i][k] = rows[i][k];
+    return out.to(t);
+  };
+  const at::Tensor input_ids = to_tensor(ref["input_ids"], at::kLong);
+  const at::Tensor mask = to_tensor(ref["attention_mask"], at::kLong);
+  for (const std::string kind : {"bert", "distilbert"}) {
+    for (const std::string pooling : {"pooler", "mean"}) {
+      const auto config = ember_text::BertConfig::from_json_file((dir / kind / "config.json").string());
+      ember_text::BertHead head;
+      head.pooling = pooling == "mean" ? ember_text::Pooling::mean : ember_text::Pooling::pooler;
+      head.num_classes = 3;
+      ember_text::BertClassifierNet net(config, head);
+      const auto unused = net.load_safetensors((dir / kind / "model.safetensors").string());
+      if (pooling == "pooler") EXPECT_TRUE(unused.empty()) << kind << ": unused " << unused.front();
+      net.eval();
+      torch::NoGradGuard no_grad;
+      const at::Tensor logits = net.forward(input_ids, mask);
+      const at::Tensor want = to_tensor(ref["logits"][kind][pooling], at::kFloat);
+      EXPECT_LT((logits - want).abs().max().item<double>(), 1e-5) << kind << " " << pooling << "\n" << logits << "\n" << want;
+    }
+  }
+}
+#endif
+
+namespace {
+
+void write_tiny_bert_config(const fs::path& dir, int64_t vocab) {
+  fs::create_directories(dir);
+  write_file(dir / "config.json", nlohmann::json{{"model_type", "bert"}, {"vocab_size", vocab}, {"hidden_size", 16},
+                                                 {"num_hidden_layers", 2}, {"num_attention_heads", 2},
+                                                 {"intermediate_size", 24}, {"max_position_embeddings", 64}}
+                                      .dump());
+}
+
+std::vector<std::pair<std::string, at::Tensor>> state(ember_text::BertClassifierNet& net) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : net.named_parameters()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+}  // namespace
+
+TEST(BertNet, SafetensorsRoundTripAndBadFilesAreOneClearError) {
+  TempDir dir("bert_weights");
+  write_tiny_bert_config(dir.path(), 30);
+  const auto config = ember_text::BertConfig::from_json_file((dir / "config.json").string());
+  ember_text::BertClassifierNet a(config, {}), b(config, {});
+  const auto weights = (dir / "model.safetensors").string();
+  ember_text::write_safetensors(weights, state(a));
+  EXPECT_TRUE(b.load_safetensors(weights).empty());
+  for (const auto& [name, t] : state(a)) EXPECT_TRUE(t.equal(b.named_parameters()[name])) << name;
+
+  // A missing tensor, a mis-shaped one, a truncated file and a file that is not safetensors.
+  auto without = state(a);
+  without.erase(without.begin() + 7);
+  const std::string dropped = without.size() ? state(a)[7].first : "";
+  ember_text::write_safetensors(weights, without);
+  std::string e = error_of([&] { b.load_safetensors(weights); });
+  EXPECT_NE(e.find("missing tensor '" + dropped + "'"), std::string::npos) << e;
+  auto reshaped = state(a);
+  reshaped[3].second = at::zeros({5});
+  ember_text::write_safetensors(weights, reshaped);
+  e = error_of([&] { b.load_safetensors(weights); });
+  EXPECT_NE(e.find("tensor '" + reshaped[3].first + "' has shape [5]"), std::string::npos) << e;
+  ember_text::write_safetensors(weights, state(a));
+  fs::resize_file(weights, fs::file_size(weights) - 100);
+  e = error_of([&] { b.load_safetensors(weights); });
+  EXPECT_NE(e.find(weights + ": not a valid safetensors file"), std::string::npos) << e;
+  EXPECT_NE(e.find("truncated"), std::string::npos) << e;
+  write_file(weights, "this is not a weights file at all");
+  e = error_of([&] { b.load_safetensors(weights); });
+  EXPECT_NE(e.find(weights + ": not a valid safetensors file"), std::string::npos) << e;
+  for (const auto& msg : {e}) EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  // An unsupported architecture in config.json.
+  write_file(dir / "config.json", R"({"model_type": "gpt2", "vocab_size": 10})");
+  e = error_of([&] { ember_text::BertConfig::from_json_file((dir / "config.json").string()); });
+  EXPECT_NE(e.find("model_type \"gpt2\" is not supported"), std::string::npos) << e;
+}
+
+namespace {
+
+// A tiny random-weight BERT folder (no Python) and texts whose label is readable from a word.
+void write_tiny_task(const TempDir& dir) {
+  write_vocab(dir / "model");
+  write_tiny_bert_config(dir / "model", static_cast<int64_t>(kVocab.size()));
+  std::string csv = "id,text,label\n";
+  std::string jsonl;
+  const char* texts[][2] = {{"the food is great!", "good"},  {"great, great food.", "good"}, {"the food is bad", "poor"},
+                            {"bad. not great", "poor"},      {"i'd say \"great\"", "good"},   {"bad, bad, bad!", "poor"}};
+  for (int rep = 0; rep < 4; ++rep)
+    for (const auto& t : texts) {
+      std::string quoted = t[0];
+      for (size_t p = quoted.find('"'); p != std::string::npos; p = quoted.find('"', p + 2)) quoted.insert(p, "\"");
+      csv += std::to_string(rep) + ",\"" + quoted + "\"," + t[1] + "\n";
+      jsonl += nlohmann::json{{"sentence", t[0]}, {"y", t[1]}}.dump() + "\n";
+    }
+  write_file(dir / "train.csv", csv);
+  write_file(dir / "test.jsonl", jsonl);
+}
+
+std::string tiny_run(const TempDir& dir, const std::string& data_keys = "") {
+  return "[trainer]\nmax_epochs = 2\nenable_progress_bar = false\nenable_model_summary = false\ntest_after_fit = true\n"
+         "[model]\nname = \"bert\"\nmodel_dir = \"" + (dir / "model").string() + "\"\npretrained = false\n"
+         "[data]\nname = \"text_classification\"\nbatch_size = 8\ntrain_file = \"" + (dir / "train.csv").string() +
+         "\"\ntest_file = \"" + (dir / "test.jsonl").string() + "\"\ntokenizer_dir = \"" + (dir / "model").string() +
+         "\"\nmax_length = 8\nval_split = 0.25\n" + data_keys + "[optimizer]\nname = \"adamw\"\nlr = 0.001\n";
+}
+
+}  // namespace
+
+// CSV train file (quoted fields with commas and quotes), JSONL test file with other column names:
+// not allowed without naming the columns; the engine trains and tests a random-weight BERT.
+TEST(TextClassification, TrainsAndTestsATinyBertThroughTheEngine) {
+  TempDir dir("text_classification_run");
+  write_tiny_task(dir);
+  write_file(dir / "run.toml", tiny_run(dir));
+  auto r = run_engine({"run.toml"}, dir.path());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("test.jsonl:1: no string field \"text\": set text_column"), std::string::npos) << r.err;
+  // The test file's own names: JSONL rows {"sentence", "y"}; CSV rows {"text", "label"} are the defaults.
+  std::string run = tiny_run(dir);
+  run.replace(run.find("test.jsonl"), 10, "train.csv");
+  write_file(dir / "run.toml", run);
+  r = run_engine({"run.toml"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("18 train, 6 val, 24 test texts; labels good=0, poor=1; 8 text(s) cut to 8 tokens"), std::string::npos) << r.err;
+  const auto rows = read_csv(dir / "runs/run/version_0/metrics.csv");
+  bool tested = false;
+  for (const auto& row : rows)
+    if (row.count("test_acc") && !row.at("test_acc").empty()) tested = true;
+  EXPECT_TRUE(tested);
+}
+
+TEST(TextClassification, BadWeightsLabelsAndFilesAreOneLineErrors) {
+  TempDir dir("text_classification_errors");
+  write_tiny_task(dir);
+  std::string run = tiny_run(dir);
+  run.replace(run.find("pretrained = false"), 18, "pretrained = true");
+  write_file(dir / "run.toml", run);
+  write_file(dir / "test.jsonl", R"({"text": "great", "label": "good"})" "\n");
+  write_file(dir / "model/model.safetensors", "garbage");
+  auto r = run_engine({"run.toml"}, dir.path());
+  EXPECT_EQ(r.exit_code, 2);  // the model plugin cannot be created
+  EXPECT_NE(r.err.find("model.safetensors: not a valid safetensors file"), std::string::npos) << r.err;
+  // A test label the training file never had.
+  write_file(dir / "run.toml", tiny_run(dir, "text_column = \"sentence\"\nlabel_column = \"y\"\n"));
+  write_file(dir / "train.csv", "sentence,y\ngreat,good\nbad,poor\ngreat food,good\nbad food,poor\n");
+  write_file(dir / "test.jsonl", R"({"sentence": "great", "y": "good"})" "\n" R"({"sentence": "meh", "y": "neutral"})" "\n");
+  r = run_engine({"run.toml"}, dir.path());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("test.jsonl:2: label \"neutral\" is not among the labels (good, poor)"), std::string::npos) << r.err;
+  // A CSV field with a stray quote.
+  write_file(dir / "train.csv", "sentence,y\n\"great\" food\",good\n");
+  r = run_engine({"run.toml"}, dir.path());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("train.csv:2: malformed CSV"), std::string::npos) << r.err;
+}
