@@ -3,7 +3,7 @@
 
 #include <ATen/ATen.h>
 
-#include "config.h"
+#include "run_config.h"
 #include "engine_schema.h"
 #include "support.h"
 

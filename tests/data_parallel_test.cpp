@@ -23,7 +23,7 @@
 
 #include "../models/common/data_parallel.h"
 #include "checkpoint_io.h"
-#include "config.h"
+#include "run_config.h"
 #include "plugin_registry.h"
 #include "support.h"
 

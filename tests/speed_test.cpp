@@ -21,7 +21,7 @@
 
 #include "../models/common/image_augment.h"
 #include "checkpoint_support.h"
-#include "config.h"
+#include "run_config.h"
 #include "device_feed.h"
 #include "engine_schema.h"
 #include "numerics.h"

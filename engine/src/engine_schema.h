@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "config.h"
+#include "run_config.h"
 
 namespace torch::optim { class Optimizer; }
 

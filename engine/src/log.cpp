@@ -31,11 +31,14 @@ spdlog::level::level_enum to_spd(Level level) {
 
 }  // namespace
 
+void set_rank(int rank) {
+  logger()->set_pattern(rank == 0 ? std::string("[%H:%M:%S] %^%l%$ %v")
+                                  : "[%H:%M:%S] [rank " + std::to_string(rank) + "] %^%l%$ %v");
+}
+
 void init(int rank, Level level) {
-  auto& l = logger();
-  l->set_pattern(rank == 0 ? std::string("[%H:%M:%S] %^%l%$ %v")
-                           : "[%H:%M:%S] [rank " + std::to_string(rank) + "] %^%l%$ %v");
-  l->set_level(to_spd(level));
+  set_rank(rank);
+  logger()->set_level(to_spd(level));
 }
 
 void set_level(Level level) { logger()->set_level(to_spd(level)); }

@@ -10,6 +10,8 @@ enum class Level { debug, info, warn, error, off };
 // Sets the rank shown in every line ("[rank 1]" on non-zero ranks) and the minimum level.
 void init(int rank, Level level);
 void set_level(Level level);
+// Sets the rank shown in every line, keeping the level (--quiet / --verbose survive the launch).
+void set_rank(int rank);
 void write(Level level, std::string_view message);
 
 inline void debug(std::string_view m) { write(Level::debug, m); }

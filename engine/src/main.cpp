@@ -11,11 +11,11 @@
 
 #include <ember/error.h>
 
-#include "config.h"
+#include "run_config.h"
 #include "log.h"
 #include "plot.h"
 #include "plugin_registry.h"
-#include "run.h"
+#include "commands.h"
 #include "version.h"
 
 namespace po = boost::program_options;
@@ -27,6 +27,9 @@ const char* kUsage =
     "usage:\n"
     "  engine [--plugins a,b,...] [--set section.key=value ...] [--resume last|best|PATH] run.toml\n"
     "      train (fit, then test when trainer.test_after_fit is set)\n"
+    "  engine validate|test [--ckpt best|last|PATH] [--plugins ...] [--set ...] run.toml\n"
+    "      one validation or test pass (Lightning's trainer.validate/test) over a checkpoint's weights;\n"
+    "      best/last: the newest run of this config that saved one; no --ckpt: the model as set up\n"
     "  engine config [--plugins ...] [--set ...] run.toml   print the resolved configuration as TOML\n"
     "  engine plugins list                                   list the plugins found\n"
     "  engine plugins info NAME                              a plugin's kind, version, file and config keys\n"
@@ -56,6 +59,7 @@ int run(int argc, char** argv) {
       ("plugins,p", po::value<std::vector<std::string>>()->composing(), "plugins to load, comma-separated (repeatable)")
       ("set,s", po::value<std::vector<std::string>>()->composing(), "override a config value: section.key=value (repeatable)")
       ("resume", po::value<std::string>(), "resume training: last, best, or a checkpoint file")
+      ("ckpt", po::value<std::string>(), "engine validate/test: the weights to evaluate: best, last, or a checkpoint file")
       ("plugin-path", po::value<std::vector<std::string>>()->composing(), "extra folder to search for plugins (repeatable)")
       ("output,o", po::value<std::string>(), "engine plot: the PNG file to write")
       ("quiet,q", "only warnings and errors")
@@ -114,6 +118,14 @@ int run(int argc, char** argv) {
     req.config_path = args[1];
     return print_config(req, std::cout);
   }
+  if (args[0] == "validate" || args[0] == "test") {
+    if (args.size() != 2) throw UsageError("expected `engine " + args[0] + " [--ckpt best|last|PATH] run.toml`");
+    if (!req.resume.empty()) throw UsageError("--resume continues training; `engine " + args[0] + "` takes --ckpt best|last|PATH");
+    req.config_path = args[1];
+    return evaluate_checkpoint(req, args[0] == "test" ? ember::Split::test : ember::Split::val,
+                               vm.count("ckpt") ? vm["ckpt"].as<std::string>() : std::string());
+  }
+  if (vm.count("ckpt")) throw UsageError("--ckpt is for `engine validate|test`; to continue training from a checkpoint use --resume");
   if (args.size() != 1) throw UsageError("expected one config file, got " + std::to_string(args.size()) + " arguments");
   req.config_path = args[0];
   return run_training(req);

@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "config.h"
+#include "run_config.h"
 
 namespace ember::engine {
 

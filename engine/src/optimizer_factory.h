@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "config.h"
+#include "run_config.h"
 
 namespace ember::engine {
 

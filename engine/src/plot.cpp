@@ -26,7 +26,7 @@
 
 #include <ember/error.h>
 
-#include "config.h"
+#include "run_config.h"
 
 #ifdef EMBER_WITH_CAIRO
 namespace ember::engine {

@@ -9,7 +9,7 @@
 #include <boost/dll/shared_library.hpp>
 #include <boost/dll/runtime_symbol_info.hpp>
 
-#include "config.h"
+#include "run_config.h"
 #include "not_built_plugins.h"
 
 #ifndef EMBER_BUILD_PLUGIN_DIR

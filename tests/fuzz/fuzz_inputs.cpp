@@ -8,7 +8,7 @@
 #include <memory>
 
 #include "checkpoint_io.h"
-#include "config.h"
+#include "run_config.h"
 #include "engine_schema.h"
 #include "plugin_registry.h"
 

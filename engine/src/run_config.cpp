@@ -1,4 +1,4 @@
-#include "config.h"
+#include "run_config.h"
 
 #include <algorithm>
 #include <cmath>

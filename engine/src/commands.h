@@ -4,21 +4,18 @@
 #include <string>
 #include <vector>
 
+#include <ember/types.h>
+
+#include "run_request.h"
+
 namespace ember::engine {
 
-struct RunRequest {
-  std::string config_path;
-  std::vector<std::string> plugins;       // --plugins (comma lists already split)
-  std::vector<std::string> sets;          // --set section.key=value
-  std::vector<std::string> plugin_paths;  // --plugin-path
-  std::string resume;                     // --resume last|best|PATH
-  std::vector<std::string> argv;          // the engine's own command line (for launchers)
-  // `engine checkpoint consolidate`: restore `resume` (a sharded directory), write this file, stop.
-  std::string consolidate_to;
-};
 
 // `engine run.toml`: fit, then test when the config asks. Returns the exit code.
 int run_training(const RunRequest& request);
+// `engine validate|test [--ckpt best|last|PATH] run.toml`: one validation or test pass over the
+// checkpoint's weights ("" = the freshly set-up model), results printed. Returns the exit code.
+int evaluate_checkpoint(const RunRequest& request, Split split, const std::string& checkpoint);
 // `engine checkpoint consolidate DIR OUT.ckpt`: the single-file checkpoint of a sharded checkpoint
 // directory (what single_device and Python read), made by restoring DIR into the run's own
 // configuration on one process.

@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "config.h"
+#include "run_config.h"
 #include "contract1_strategy_state.h"
 #include "data_loader.h"
 #include "device_feed.h"
@@ -65,17 +65,10 @@ struct TrainerSettings {
   static TrainerSettings from(const Section& trainer);
 };
 
-// The stop signals (trainer.stop_signals: SIGINT, SIGTERM and Slurm's SIGUSR1 by default) make
-// the loop stop after the current optimizer step, with the usual epoch-end work (the checkpoint
-// callback saves last.ckpt, mid-epoch position included), so `--resume last` goes on exactly
-// where the run was interrupted. stop_signal() is the signal received, 0 if none.
-void install_stop_signal_handlers(const std::vector<int>& signals);
-int stop_signal();
-
-class Trainer final : public ITrainer {
+class TrainingLoop final : public ITrainer {
  public:
-  Trainer(IHost& host, const ResolvedConfig& config, RunPlugins plugins, std::filesystem::path run_dir);
-  ~Trainer() override;
+  TrainingLoop(IHost& host, const ResolvedConfig& config, RunPlugins plugins, std::filesystem::path run_dir);
+  ~TrainingLoop() override;
 
   // Builds loaders and the optimizer, places the model; call once before fit/test.
   void setup();
@@ -84,6 +77,9 @@ class Trainer final : public ITrainer {
   void fit();
   // Runs the test split; returns the test metrics.
   std::vector<std::pair<std::string, double>> test();
+  // Runs the validation split on its own (Lightning's trainer.validate); returns the val metrics.
+  std::vector<std::pair<std::string, double>> validate();
+  const std::vector<Named<ICallback>>& callbacks() const { return plugins_.callbacks; }
   // Resolves "best"/"last" through the callbacks that store checkpoints ("" when none has one).
   std::string locate_checkpoint(const std::string& alias) const;
   void finalize(const std::string& status);

@@ -1,4 +1,4 @@
-#include "trainer.h"
+#include "training_loop.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -22,6 +22,7 @@
 #include "sharded_checkpoint.h"
 #include "engine_schema.h"
 #include "log.h"
+#include "stop_signals.h"
 #include "version.h"
 
 namespace ember::engine {
@@ -30,7 +31,7 @@ namespace ember::engine {
 // What a model's step sees: self.log(...) goes to the metric store, tagged with the stage.
 class StepContextImpl final : public IStepContext {
  public:
-  StepContextImpl(Trainer& t, Stage stage, int64_t batch_idx, int64_t batch_size)
+  StepContextImpl(TrainingLoop& t, Stage stage, int64_t batch_idx, int64_t batch_size)
       : t_(t), stage_(stage), batch_idx_(batch_idx), batch_size_(batch_size) {}
   void log(std::string_view name, const at::Tensor& value, const LogOptions& o) override {
     if (!t_.quiet_) t_.metrics_.log(std::string(name), value, o, stage_, batch_size_);
@@ -42,7 +43,7 @@ class StepContextImpl final : public IStepContext {
   int64_t batch_idx() const override { return batch_idx_; }
 
  private:
-  Trainer& t_;
+  TrainingLoop& t_;
   Stage stage_;
   int64_t batch_idx_, batch_size_;
 };
@@ -50,7 +51,7 @@ class StepContextImpl final : public IStepContext {
 // The optimizer step the strategy and precision handler drive (docs/step.md).
 class OptimizerStepImpl final : public IOptimizerStep {
  public:
-  OptimizerStepImpl(Trainer& t, const Batch& batch, bool first_in_window)
+  OptimizerStepImpl(TrainingLoop& t, const Batch& batch, bool first_in_window)
       : t_(t), batch_(batch), first_(first_in_window) {}
   at::Tensor closure() override {
     t_.closure_ran_ = true;
@@ -66,33 +67,11 @@ class OptimizerStepImpl final : public IOptimizerStep {
   torch::optim::Optimizer& optimizer() override { return *t_.optimizer_; }
 
  private:
-  Trainer& t_;
+  TrainingLoop& t_;
   const Batch& batch_;
   bool first_;
 };
 
-namespace {
-// Set by the stop signals (trainer.stop_signals, see install_stop_signal_handlers); read after
-// every training batch.
-std::atomic<int> g_stop_signal{0};
-
-std::string signal_name(int sig) {
-  const char* abbrev = sigabbrev_np(sig);
-  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
-}
-
-void on_stop_signal(int sig) {
-  g_stop_signal.store(sig);
-  // A second signal ends the process at once.
-  std::signal(sig, SIG_DFL);
-}
-}  // namespace
-
-void install_stop_signal_handlers(const std::vector<int>& signals) {
-  for (int sig : signals) std::signal(sig, on_stop_signal);
-}
-
-int stop_signal() { return g_stop_signal.load(); }
 
 namespace {
 // The forward region of a step: the strategy's (parameters gathered) around the precision
@@ -155,7 +134,7 @@ TrainerSettings TrainerSettings::from(const Section& t) {
   return s;
 }
 
-Trainer::Trainer(IHost& host, const ResolvedConfig& config, RunPlugins plugins, std::filesystem::path run_dir)
+TrainingLoop::TrainingLoop(IHost& host, const ResolvedConfig& config, RunPlugins plugins, std::filesystem::path run_dir)
     : host_(host),
       config_(config),
       plugins_(std::move(plugins)),
@@ -163,10 +142,10 @@ Trainer::Trainer(IHost& host, const ResolvedConfig& config, RunPlugins plugins, 
       settings_(TrainerSettings::from(config.section("trainer"))),
       progress_(settings_.enable_progress_bar && plugins_.strategy.object->rank() == 0, Progress::stderr_is_tty()) {}
 
-Trainer::~Trainer() { attach_plugins(nullptr); }
+TrainingLoop::~TrainingLoop() { attach_plugins(nullptr); }
 
 // Hands the trainer to plugins that asked for it (ITrainerAware), or takes it back (nullptr).
-void Trainer::attach_plugins(ITrainer* trainer) {
+void TrainingLoop::attach_plugins(ITrainer* trainer) {
   if (trainer == nullptr && !attached_) return;
   attached_ = trainer != nullptr;
   auto attach = [&](IPluginObject& o) {
@@ -180,12 +159,12 @@ void Trainer::attach_plugins(ITrainer* trainer) {
   for (auto& l : plugins_.loggers) attach(*l.object);
 }
 
-int64_t Trainer::limit_batches(int64_t available, double limit, bool is_count) const {
+int64_t TrainingLoop::limit_batches(int64_t available, double limit, bool is_count) const {
   if (is_count) return std::min<int64_t>(available, static_cast<int64_t>(limit));
   return static_cast<int64_t>(static_cast<double>(available) * limit);
 }
 
-void Trainer::setup() {
+void TrainingLoop::setup() {
   auto& strategy = *plugins_.strategy.object;
   const auto& d = config_.section("data");
   train_opts_.batch_size = d.get_int("batch_size");
@@ -229,7 +208,7 @@ void Trainer::setup() {
 
 // data.on_device: a data set that fits is moved to the training GPU once, so batches are gathered
 // (and augmented) there. Nothing to do on the CPU, where the data already is.
-void Trainer::place_data(const Section& d) {
+void TrainingLoop::place_data(const Section& d) {
   const std::string mode = d.get_string("on_device");
   const c10::Device device = plugins_.strategy.object->root_device();
   if (mode == "false" || !device.is_cuda()) return;
@@ -255,7 +234,7 @@ void Trainer::place_data(const Section& d) {
 
 // (Re)builds the loaders from train_opts_/eval_opts_ (at setup, and when a tuner changes the
 // batch size) and the per-epoch batch counts after limit_*_batches.
-void Trainer::build_loaders() {
+void TrainingLoop::build_loaders() {
   auto& data = *plugins_.data.object;
   train_loader_.reset();
   val_loader_.reset();
@@ -274,25 +253,25 @@ void Trainer::build_loaders() {
                      "); lower it, or set check_val_every_n_epoch = 0 to count batches across epochs");
 }
 
-bool Trainer::metric(std::string_view name, double* value) const {
+bool TrainingLoop::metric(std::string_view name, double* value) const {
   auto v = metrics_.get(std::string(name));
   if (!v) return false;
   if (value) *value = *v;
   return true;
 }
 
-void Trainer::request_stop(std::string_view reason) {
+void TrainingLoop::request_stop(std::string_view reason) {
   if (!stop_requested_) log::info("stopping: " + std::string(reason));
   stop_requested_ = true;
   stop_reason_ = reason;
 }
 
-void Trainer::log_metric(std::string_view name, double value) {
+void TrainingLoop::log_metric(std::string_view name, double value) {
   metrics_.set(std::string(name), value);
   publish({{std::string(name), value}});
 }
 
-void Trainer::publish(const std::vector<std::pair<std::string, double>>& values) {
+void TrainingLoop::publish(const std::vector<std::pair<std::string, double>>& values) {
   if (values.empty() || plugins_.loggers.empty()) return;
   auto row = values;
   row.emplace_back("epoch", static_cast<double>(epoch_));
@@ -303,7 +282,7 @@ void Trainer::publish(const std::vector<std::pair<std::string, double>>& values)
 
 // Lightning's order: callbacks (non-monitoring, then monitoring), then the model; except in
 // on_train_epoch_end, where the model runs between the two groups (docs/hooks.md).
-void Trainer::call_hook(Hook hook) {
+void TrainingLoop::call_hook(Hook hook) {
   if (quiet_) return;
   for (auto& c : plugins_.callbacks)
     if (!c.object->monitors_metrics()) c.object->on_hook(hook, *this);
@@ -313,13 +292,13 @@ void Trainer::call_hook(Hook hook) {
   if (hook != Hook::on_train_epoch_end) plugins_.model.object->on_hook(hook, *this);
 }
 
-bool Trainer::validation_enabled() const { return val_loader_ && num_val_batches_ > 0; }
+bool TrainingLoop::validation_enabled() const { return val_loader_ && num_val_batches_ > 0; }
 
-bool Trainer::epoch_validates() const {
+bool TrainingLoop::epoch_validates() const {
   return settings_.check_val_every_n_epoch == 0 || (epoch_ + 1) % settings_.check_val_every_n_epoch == 0;
 }
 
-at::Tensor Trainer::run_micro_batch(const Batch& batch, bool first_in_window, bool sync) {
+at::Tensor TrainingLoop::run_micro_batch(const Batch& batch, bool first_in_window, bool sync) {
   auto& precision = *plugins_.precision.object;
   at::Tensor loss;
   {
@@ -343,7 +322,7 @@ at::Tensor Trainer::run_micro_batch(const Batch& batch, bool first_in_window, bo
   return current_loss_;
 }
 
-void Trainer::train_epoch() {
+void TrainingLoop::train_epoch() {
   auto& strategy = *plugins_.strategy.object;
   auto& precision = *plugins_.precision.object;
   const int64_t n = num_train_batches_;
@@ -416,7 +395,7 @@ void Trainer::train_epoch() {
       stage_ = Stage::fit;
     }
     // Only after an optimizer step: a partly accumulated gradient is not part of a checkpoint.
-    int sig = do_step && !stop_requested_ ? g_stop_signal.load() : 0;
+    int sig = do_step && !stop_requested_ ? stop_signal() : 0;
     // Every decision that ends the loop is agreed by all ranks at the same optimizer step
     // (Lightning's reduce_boolean_decision, "any rank"): a signal one rank received, or a stop a
     // callback asked for on one rank only. A rank that stopped alone would leave the others
@@ -428,7 +407,7 @@ void Trainer::train_epoch() {
       if (!stop_requested_ && sig == 0 && votes[1].item<double>() > 0) request_stop("another rank asked to stop");
     }
     if (sig != 0)
-      request_stop(signal_name(sig) + " received: finishing this step, saving, then exiting (send it again to quit at once)");
+      request_stop(stop_signal_name(sig) + " received: finishing this step, saving, then exiting (send it again to quit at once)");
     const bool max_steps_hit = settings_.max_steps >= 0 && global_step_ >= settings_.max_steps;
     if (max_steps_hit || stop_requested_) {
       // Stopping early: validate once more so monitors see the state being stopped at.
@@ -453,7 +432,7 @@ void Trainer::train_epoch() {
   progress_.finish(format_metrics(summary));
 }
 
-void Trainer::evaluate(Split split, Stage stage, int64_t max_batches) {
+void TrainingLoop::evaluate(Split split, Stage stage, int64_t max_batches) {
   auto& strategy = *plugins_.strategy.object;
   auto& precision = *plugins_.precision.object;
   auto& model = *plugins_.model.object;
@@ -465,11 +444,11 @@ void Trainer::evaluate(Split split, Stage stage, int64_t max_batches) {
   // also when a hook throws: callbacks read batch_idx() and current_batch() in
   // on_train_epoch_end, after the epoch's last validation.
   struct TrainingPosition {
-    Trainer& t;
+    TrainingLoop& t;
     Stage stage;
     int64_t batch_idx;
     Batch batch;
-    explicit TrainingPosition(Trainer& trainer)
+    explicit TrainingPosition(TrainingLoop& trainer)
         : t(trainer), stage(trainer.stage_), batch_idx(trainer.batch_idx_), batch(std::move(trainer.current_batch_)) {}
     ~TrainingPosition() {
       t.stage_ = stage;
@@ -518,7 +497,7 @@ void Trainer::evaluate(Split split, Stage stage, int64_t max_batches) {
   if (was_training) module().train();
 }
 
-void Trainer::fit() {
+void TrainingLoop::fit() {
   if (!train_loader_ || num_train_batches_ == 0)
     throw RunError("data '" + plugins_.data.name + "' has no training batches (train split empty, or limit_train_batches = 0)");
   stage_ = Stage::fit;
@@ -567,13 +546,23 @@ void Trainer::fit() {
   stage_ = Stage::none;
 }
 
-std::vector<std::pair<std::string, double>> Trainer::test() {
+std::vector<std::pair<std::string, double>> TrainingLoop::test() {
   if (!test_loader_ || num_test_batches_ == 0)
     throw RunError("data '" + plugins_.data.name + "' has no test batches (test split empty, or limit_test_batches = 0)");
   evaluate(Split::test, Stage::test, num_test_batches_);
   std::vector<std::pair<std::string, double>> out;
   for (const auto& [k, v] : metrics_.callback_metrics())
     if (k.starts_with("test")) out.emplace_back(k, v);
+  return out;
+}
+
+std::vector<std::pair<std::string, double>> TrainingLoop::validate() {
+  if (!val_loader_ || num_val_batches_ == 0)
+    throw RunError("data '" + plugins_.data.name + "' has no validation batches (validation split empty, or limit_val_batches = 0)");
+  evaluate(Split::val, Stage::validate, num_val_batches_);
+  std::vector<std::pair<std::string, double>> out;
+  for (const auto& [k, v] : metrics_.callback_metrics())
+    if (k.starts_with("val")) out.emplace_back(k, v);
   return out;
 }
 
@@ -588,11 +577,11 @@ std::string locate_checkpoint(const std::vector<Named<ICallback>>& callbacks, co
   return "";
 }
 
-std::string Trainer::locate_checkpoint(const std::string& alias) const {
+std::string TrainingLoop::locate_checkpoint(const std::string& alias) const {
   return engine::locate_checkpoint(plugins_.callbacks, alias, run_dir_.string());
 }
 
-void Trainer::setup_loggers(bool resuming) {
+void TrainingLoop::setup_loggers(bool resuming) {
   const std::string toml = config_.to_toml();
   for (auto& l : plugins_.loggers) {
     l.object->setup(*this, resuming, global_step_);
@@ -600,7 +589,7 @@ void Trainer::setup_loggers(bool resuming) {
   }
 }
 
-void Trainer::notify_exception() {
+void TrainingLoop::notify_exception() {
   try {
     call_hook(Hook::on_exception);
   } catch (const std::exception& e) {
@@ -608,7 +597,7 @@ void Trainer::notify_exception() {
   }
 }
 
-void Trainer::finalize(const std::string& status) {
+void TrainingLoop::finalize(const std::string& status) {
   for (auto& l : plugins_.loggers) {
     try {
       l.object->finalize(status);
@@ -623,279 +612,7 @@ void Trainer::finalize(const std::string& status) {
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Checkpoints (docs/checkpoint.md has the layout).
-namespace {
-at::Tensor bytes_tensor(const std::string& s) {
-  auto t = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
-  std::memcpy(t.data_ptr(), s.data(), s.size());
-  return t;
-}
-
-std::string tensor_bytes(const at::Tensor& t) {
-  auto c = t.contiguous().to(at::kCPU);
-  return std::string(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel()));
-}
-}  // namespace
-
-c10::IValue Trainer::plugin_states() const {
-  c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
-  auto put = [&](const std::string& key, const IPluginObject& o) {
-    auto s = o.state_dict();
-    if (!s.isNone()) out.insert(key, s);
-  };
-  put("strategy", *plugins_.strategy.object);
-  put("precision", *plugins_.precision.object);
-  put("model", *plugins_.model.object);
-  put("data", *plugins_.data.object);
-  return out;
-}
-
-IShardedCheckpoint* Trainer::sharded_checkpoint() const {
-  if (contract1_) return nullptr;
-  return static_cast<IShardedCheckpoint*>(plugins_.strategy.object->query_interface(kShardedCheckpointIid));
-}
-
-// Everything a checkpoint holds but the model's and the optimizer's state (docs/checkpoint.md).
-c10::impl::GenericDict Trainer::checkpoint_meta(bool weights_only) const {
-  c10::impl::GenericDict ck(c10::StringType::get(), c10::AnyType::get());
-  ck.insert("format", std::string(kCheckpointFormat));
-  ck.insert("format_version", kCheckpointFormatVersion);
-  ck.insert("ember_version", std::string(kEmberVersion));
-  ck.insert("torch_version", std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
-                                 std::to_string(TORCH_VERSION_PATCH));
-  ck.insert("sdk_abi", std::to_string(EMBER_SDK_ABI_MAJOR) + "." + std::to_string(EMBER_SDK_ABI_MINOR));
-  ck.insert("epoch", epoch_);
-  ck.insert("global_step", global_step_);
-  ck.insert("weights_only", weights_only);
-  ck.insert("config", config_.to_toml());
-  c10::Dict<std::string, std::string> versions;
-  auto add_version = [&](const std::string& n, const std::string& v) { versions.insert(n, v); };
-  add_version(plugins_.strategy.name, plugins_.strategy.version);
-  add_version(plugins_.precision.name, plugins_.precision.version);
-  add_version(plugins_.model.name, plugins_.model.version);
-  add_version(plugins_.data.name, plugins_.data.version);
-  for (const auto& c : plugins_.callbacks) add_version(c.name, c.version);
-  for (const auto& l : plugins_.loggers) add_version(l.name, l.version);
-  ck.insert("plugin_versions", versions);
-  if (weights_only) return ck;
-  c10::impl::GenericDict loops(c10::StringType::get(), c10::AnyType::get());
-  loops.insert("epoch", epoch_);
-  loops.insert("batches_done", batches_done_);
-  loops.insert("epoch_finished", epoch_finished_);
-  loops.insert("global_step", global_step_);
-  loops.insert("total_batch_idx", total_batch_idx_);
-  loops.insert("validation_pending", validation_pending_);
-  ck.insert("loops", loops);
-  c10::impl::GenericDict rng(c10::StringType::get(), c10::AnyType::get());
-  rng.insert("cpu", at::detail::getDefaultCPUGenerator().get_state());
-  c10::List<at::Tensor> cuda_states;
-  if (torch::cuda::is_available())
-    for (int64_t i = 0; i < static_cast<int64_t>(torch::cuda::device_count()); ++i)
-      cuda_states.push_back(at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i))).get_state());
-  rng.insert("cuda", cuda_states);
-  ck.insert("rng", rng);
-  ck.insert("plugins", plugin_states());
-  c10::impl::GenericDict callbacks(c10::StringType::get(), c10::AnyType::get());
-  for (const auto& c : plugins_.callbacks) {
-    auto s = c.object->state_dict();
-    if (!s.isNone()) callbacks.insert(c.name, s);
-  }
-  ck.insert("callbacks", callbacks);
-  c10::impl::GenericDict loggers(c10::StringType::get(), c10::AnyType::get());
-  for (const auto& l : plugins_.loggers) {
-    auto s = l.object->state_dict();
-    if (!s.isNone()) loggers.insert(l.name, s);
-  }
-  ck.insert("loggers", loggers);
-  return ck;
-}
-
-void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
-  call_hook(Hook::on_save_checkpoint);
-  auto& strategy = *plugins_.strategy.object;
-  if (auto* sharded = sharded_checkpoint(); sharded && sharded->sharded_checkpoints() && !weights_only) {
-    // One part per rank, nothing gathered (sharded_checkpoint.h has the layout and the commit).
-    const c10::IValue part = sharded->sharded_state();
-    c10::IValue meta;
-    if (is_global_zero()) {
-      auto ck = checkpoint_meta(false);
-      c10::impl::GenericDict layout(c10::StringType::get(), c10::AnyType::get());
-      layout.insert("world_size", world_size());
-      layout.insert("strategy", plugins_.strategy.name);
-      ck.insert("sharded", layout);
-      meta = ck;
-    }
-    ShardedWrite how;
-    how.rank = rank();
-    how.world = world_size();
-    how.max_over_ranks = [&](double v) { return strategy.reduce(at::scalar_tensor(v, at::kDouble), ReduceOp::max).item<double>(); };
-    write_sharded_checkpoint(path, part, meta, how);
-    return;
-  }
-  // The model and optimizer state come from the strategy (gathered where it shards); every rank
-  // takes part, only rank 0 builds and writes the checkpoint.
-  auto model_state = state_->full_model_state(/*rank0_only=*/true);
-  std::string optimizer_state = weights_only ? std::string() : state_->full_optimizer_state(/*rank0_only=*/true);
-  std::exception_ptr error;
-  if (is_global_zero()) {
-    try {
-      auto ck = checkpoint_meta(weights_only);
-      ck.insert("state_dict", model_state);
-      if (!weights_only) ck.insert("optimizer", bytes_tensor(optimizer_state));
-      save_checkpoint_file(path, ck);
-    } catch (...) {
-      error = std::current_exception();
-    }
-  }
-  // Rank 0's failure (read-only folder, full disk) ends every rank now, with that reason on rank 0,
-  // instead of leaving the others to time out in the next collective.
-  if (world_size() > 1 &&
-      strategy.reduce(at::scalar_tensor(error ? 1.0 : 0.0, at::kDouble), ReduceOp::max).item<double>() > 0 && !error)
-    throw RunError("rank 0 could not write checkpoint " + path + " (its log says why); stopping with it");
-  if (error) std::rethrow_exception(error);
-}
-
-void Trainer::write_consolidated(const std::string& path, c10::impl::GenericDict meta) {
-  auto model_state = state_->full_model_state(/*rank0_only=*/true);
-  const std::string optimizer_state = state_->full_optimizer_state(/*rank0_only=*/true);
-  c10::impl::GenericDict ck(c10::StringType::get(), c10::AnyType::get());
-  for (const auto& e : meta)
-    if (e.key().toStringRef() != "sharded") ck.insert(e.key(), e.value());
-  ck.insert("state_dict", model_state);
-  ck.insert("optimizer", bytes_tensor(optimizer_state));
-  save_checkpoint_file(path, ck);
-}
-
-void Trainer::restore(const std::filesystem::path& file, bool weights_only) { restore(file, weights_only, true); }
-
-void Trainer::restore(const std::filesystem::path& file, bool weights_only, bool announce) {
-  const std::string where = "checkpoint " + file.string();
-  const bool sharded_dir = is_sharded_checkpoint(file);
-  c10::impl::GenericDict ck(c10::StringType::get(), c10::AnyType::get());
-  if (sharded_dir) {
-    ck = read_sharded_meta(file);
-    auto layout = ck.at("sharded").toGenericDict();
-    const int64_t saved_world = layout.at("world_size").toInt();
-    auto* sharded = sharded_checkpoint();
-    if (sharded == nullptr)
-      throw RunError(where + " is a sharded checkpoint directory (" + std::to_string(saved_world) + " parts, written by '" +
-                     layout.at("strategy").toStringRef() + "'); resume it with that strategy, or make one file of it first: engine checkpoint consolidate " +
-                     file.string() + " OUT.ckpt");
-    try {
-      sharded->load_sharded_state(saved_world, [&](int64_t k) { return read_sharded_part(file, k); });
-    } catch (const RunError& e) {
-      throw RunError(where + ": " + e.what());
-    } catch (const c10::Error& e) {
-      throw RunError(where + ": its state does not fit this run (" + std::string(e.what_without_backtrace()).substr(0, 160) +
-                     "); resume with the same model and [optimizer] settings");
-    }
-  } else {
-    ck = load_checkpoint_file(file);
-    if (!ck.contains("state_dict")) throw RunError(where + " has no state_dict");
-    try {
-      state_->load_full_model_state(c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict()));
-    } catch (const RunError& e) {
-      throw RunError(where + ": " + e.what());
-    }
-  }
-  if (weights_only) return;
-  if (!ck.contains("loops") || (!sharded_dir && !ck.contains("optimizer")))
-    throw RunError(where + " holds weights only (save_weights_only); it can be tested but not resumed");
-  auto loops = ck.at("loops").toGenericDict();
-  epoch_ = loops.at("epoch").toInt();
-  batches_done_ = loops.at("batches_done").toInt();
-  epoch_finished_ = loops.at("epoch_finished").toBool();
-  global_step_ = loops.at("global_step").toInt();
-  total_batch_idx_ = loops.at("total_batch_idx").toInt();
-  resume_batch_ = epoch_finished_ ? 0 : batches_done_;
-  // Checkpoints written before this key existed were saved after their validation.
-  validation_pending_ = !epoch_finished_ && loops.contains("validation_pending") && loops.at("validation_pending").toBool();
-  // The position a resumed run starts from: the last finished batch of the epoch.
-  batch_idx_ = epoch_finished_ ? 0 : std::max<int64_t>(batches_done_ - 1, 0);
-  try {
-    if (!sharded_dir) state_->load_full_optimizer_state(tensor_bytes(ck.at("optimizer").toTensor()));
-  } catch (const c10::Error& e) {
-    throw RunError(where + ": optimizer state does not fit this optimizer (" + std::string(e.what_without_backtrace()).substr(0, 160) +
-                   "); resume with the same [optimizer] settings");
-  }
-  auto rng = ck.at("rng").toGenericDict();
-  at::Generator cpu_gen = at::detail::getDefaultCPUGenerator();  // a handle on the global generator
-  cpu_gen.set_state(rng.at("cpu").toTensor());
-  auto cuda = rng.at("cuda").toTensorList();
-  if (torch::cuda::is_available())
-    for (size_t i = 0; i < cuda.size() && i < torch::cuda::device_count(); ++i)
-    {
-      at::Generator gen = at::globalContext().defaultGenerator(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i)));
-      gen.set_state(cuda.get(i));
-    }
-  auto plugin_state = ck.at("plugins").toGenericDict();
-  auto restore_one = [&](const std::string& key, IPluginObject& o) {
-    if (plugin_state.contains(key)) o.load_state_dict(plugin_state.at(key));
-  };
-  restore_one("strategy", *plugins_.strategy.object);
-  restore_one("precision", *plugins_.precision.object);
-  restore_one("model", *plugins_.model.object);
-  restore_one("data", *plugins_.data.object);
-  auto callbacks = ck.at("callbacks").toGenericDict();
-  for (auto& c : plugins_.callbacks)
-    if (callbacks.contains(c.name)) c.object->load_state_dict(callbacks.at(c.name));
-  auto loggers = ck.at("loggers").toGenericDict();
-  for (auto& l : plugins_.loggers)
-    if (loggers.contains(l.name)) l.object->load_state_dict(loggers.at(l.name));
-  call_hook(Hook::on_load_checkpoint);
-  if (announce)
-    log::info("resumed from " + file.string() + " at epoch " + std::to_string(epoch_) + ", step " + std::to_string(global_step_) +
-            (epoch_finished_ ? " (end of epoch)" : " (batch " + std::to_string(batches_done_) + " of the epoch)"));
-}
-
-}  // namespace ember::engine
-
-namespace ember::engine {
-
-// ---------------------------------------------------------------------------------------------
-// SDK 1.1: what tuners, schedulers, precision handlers and averaging callbacks need.
-
-void Trainer::log_tensor(std::string_view name, const at::Tensor& value, const LogOptions& options) {
-  if (quiet_) return;
-  metrics_.log(std::string(name), value.detach(), options, stage_ == Stage::none ? Stage::fit : stage_, 1);
-}
-
-void Trainer::set_accumulate_grad_batches(int64_t factor) {
-  if (factor < 1) throw RunError("accumulate_grad_batches must be >= 1, got " + std::to_string(factor));
-  settings_.accumulate_grad_batches = factor;
-}
-
-void Trainer::set_batch_size(int64_t size) {
-  if (size < 1) throw RunError("batch size must be >= 1, got " + std::to_string(size));
-  train_opts_.batch_size = size;
-  if (!eval_batch_size_set_) eval_opts_.batch_size = size;
-  build_loaders();
-}
-
-int64_t Trainer::num_batches(Split split) const {
-  switch (split) {
-    case Split::train: return num_train_batches_;
-    case Split::val: return num_val_batches_;
-    case Split::test: return num_test_batches_;
-  }
-  return 0;
-}
-
-void Trainer::for_each_batch(Split split, int64_t max_batches, const std::function<bool(const Batch&)>& fn) {
-  const DataLoader* loader = split == Split::train ? train_loader_.get() : split == Split::val ? val_loader_.get() : test_loader_.get();
-  int64_t n = num_batches(split);
-  if (max_batches >= 0) n = std::min(n, max_batches);
-  if (!loader || n <= 0) return;
-  auto& strategy = *plugins_.strategy.object;
-  auto& precision = *plugins_.precision.object;
-  auto pass = loader->pass(split == Split::train ? epoch_ : 0, 0, n);
-  DeviceFeed feed(*pass, strategy, precision, feed_options_);
-  Batch batch;
-  while (feed.next(batch))
-    if (!fn(batch)) break;
-}
-
+// Tuner work (SDK 1.1): one training step or forward pass with no hooks and nothing logged.
 namespace {
 // Sets a value for the lifetime of a scope and restores the old one (exceptions included).
 template <class T>
@@ -907,7 +624,7 @@ struct ValueScope {
 };
 }  // namespace
 
-at::Tensor Trainer::run_trial_step(const Batch& batch, bool* skipped) {
+at::Tensor TrainingLoop::run_trial_step(const Batch& batch, bool* skipped) {
   ValueScope<bool> quiet(quiet_, true);
   ValueScope<int64_t> accum(window_accum_, 1);
   module().train();
@@ -921,20 +638,13 @@ at::Tensor Trainer::run_trial_step(const Batch& batch, bool* skipped) {
   return current_loss_;
 }
 
-at::Tensor Trainer::run_forward(const Batch& batch) {
+at::Tensor TrainingLoop::run_forward(const Batch& batch) {
   ValueScope<bool> quiet(quiet_, true);
   torch::NoGradGuard no_grad;
   StepContextImpl ctx(*this, Stage::fit, batch_idx_, batch.size);
   ForwardRegion region(*state_, *plugins_.precision.object, /*grad_enabled=*/false);
   at::Tensor loss = plugins_.model.object->training_step(batch, ctx);
   return loss.defined() ? loss.detach() : loss;
-}
-
-void Trainer::load_checkpoint(const std::string& path) { restore(path, /*weights_only=*/false, /*announce=*/false); }
-
-void Trainer::run_validation() {
-  if (!validation_enabled()) return;
-  evaluate(Split::val, Stage::validate, num_val_batches_);
 }
 
 }  // namespace ember::engine

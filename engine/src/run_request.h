@@ -1,0 +1,40 @@
+// What a run is asked to do: the config (a file or TOML text), plugin names, overrides, resume,
+// and objects the program made itself. `engine` fills it from its command line; the library's
+// ember::Run from RunOptions.
+#pragma once
+#include <ember/callback.h>
+#include <ember/data.h>
+#include <ember/logger.h>
+#include <ember/model.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ember::engine {
+
+// Objects a program made itself, used in place of the plugins [model] name, [data] name and the
+// callback/logger plugins would give. Their own settings come from the program, not the config.
+struct ProvidedObjects {
+  std::shared_ptr<IModel> model;
+  std::shared_ptr<IDataModule> data;
+  std::vector<std::shared_ptr<ICallback>> callbacks;
+  std::vector<std::shared_ptr<ILogger>> loggers;
+};
+
+struct RunRequest {
+  std::string config_path;                // the run.toml; with config_text, only its name in messages
+  std::string config_text;                // TOML text in memory instead of reading config_path
+  std::vector<std::string> plugins;       // --plugins (comma lists already split)
+  std::vector<std::string> sets;          // --set section.key=value
+  std::vector<std::string> plugin_paths;  // --plugin-path
+  std::string resume;                     // --resume last|best|PATH
+  std::vector<std::string> argv;          // the program's own command line (launchers re-run it)
+  // `engine checkpoint consolidate`: restore `resume` (a sharded directory), write this file, stop.
+  std::string consolidate_to;
+  ProvidedObjects provided;
+  // Stop signals are process-wide: the `engine` command installs them, a library user opts in.
+  bool stop_signal_handlers = true;
+};
+
+}  // namespace ember::engine

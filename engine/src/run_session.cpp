@@ -1,0 +1,210 @@
+#include "run_session.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <torch/cuda.h>
+#include <torch/utils.h>
+
+#include <fstream>
+
+#include "checkpoint_io.h"
+#include "log.h"
+#include "numerics.h"
+#include "sharded_checkpoint.h"
+#include "stop_signals.h"
+
+namespace fs = std::filesystem;
+
+namespace ember::engine {
+
+RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(req) {
+  if (!req.consolidate_to.empty()) {  // only the model's and optimizer's state are converted: no callbacks, no loggers
+    plan_.callbacks.clear();
+    plan_.loggers.clear();
+    request_.provided.callbacks.clear();
+    request_.provided.loggers.clear();
+  }
+  if (!req.resume.empty() && req.resume != "last" && req.resume != "best") {
+    std::error_code ec;
+    if (!fs::is_regular_file(req.resume, ec) && !is_sharded_checkpoint(req.resume))
+      throw UsageError("--resume " + req.resume + ": no such checkpoint file (give a .ckpt path, or last / best)");
+  }
+  const auto& cfg = plan_.config;
+  const auto& trainer_cfg = cfg.section("trainer");
+  parse_stop_signals(trainer_cfg);  // a bad entry is a config error before anything starts
+
+  RunPlugins plugins;
+  auto make = [&](auto& slot, const PluginInfo* info, const IConfig& section) { make_plugin_object(slot, *info, host_, section); };
+  make(plugins.strategy, plan_.strategy, cfg.section(plan_.strategy->name));
+  LaunchRequest launch;
+  launch.argv = req.argv;
+  launch.devices = trainer_cfg.get_int("devices");
+  launch.num_nodes = trainer_cfg.get_int("num_nodes");
+  launch.accelerator = trainer_cfg.get_string("accelerator");
+  if (!plugins.strategy.object->launch(launch, &launcher_exit_code_)) return;
+  const int64_t rank = plugins.strategy.object->rank();
+  log::set_rank(static_cast<int>(rank));
+
+  // Global numerics before any plugin builds tensors.
+  const auto seed = static_cast<uint64_t>(trainer_cfg.get_int("seed"));
+  torch::manual_seed(seed);
+  if (torch::cuda::is_available()) torch::cuda::manual_seed_all(seed);
+  {
+    const bool on_cpu = plugins.strategy.object->root_device().is_cpu();
+    const int64_t local = plugins.strategy.object->world_size() > 1 ? launch.devices : 1;
+    const std::string numerics = apply_numerics(numerics_settings(trainer_cfg, on_cpu, local));
+    if (rank == 0) {
+      log::info(numerics);
+      if (!plan_.auto_precision_note.empty()) log::info(plan_.auto_precision_note);
+    }
+  }
+  if (trainer_cfg.get_bool("deterministic")) at::globalContext().setDeterministicAlgorithms(true, false);
+
+  if (req.provided.data) {
+    plugins.data = {"data object", "", req.provided.data};
+  } else {
+    make(plugins.data, plan_.data, cfg.section("data"));
+  }
+  plugins.data.object->setup(DataSetup{seed, rank, plugins.strategy.object->world_size()});
+  if (req.provided.model) plugins.model = {"model object", "", req.provided.model};
+  else make(plugins.model, plan_.model, cfg.section("model"));
+  make(plugins.precision, plan_.precision, cfg.section(plan_.precision->name));
+  for (const auto* c : plan_.callbacks) {
+    Named<ICallback> n;
+    make(n, c, cfg.section(c->name));
+    plugins.callbacks.push_back(std::move(n));
+  }
+  for (const auto& c : request_.provided.callbacks) plugins.callbacks.push_back({"callback object", "", c});
+  if (rank == 0) {
+    for (const auto* l : plan_.loggers) {
+      Named<ILogger> n;
+      make(n, l, cfg.section(l->name));
+      plugins.loggers.push_back(std::move(n));
+    }
+    for (const auto& l : request_.provided.loggers) plugins.loggers.push_back({"logger object", "", l});
+  }
+
+  // Run folder: <root>/<name>/version_<n>; `--resume last|best` continues the newest run that
+  // has such a checkpoint, in its own folder.
+  const std::string test_ckpt = trainer_cfg.get_string("test_ckpt");
+  const bool resume_located = req.resume == "last" || req.resume == "best";  // choose_run_folder says what is missing
+  if (!resume_located && trainer_cfg.get_bool("test_after_fit") && test_ckpt != "current" && !has_checkpoint_locator(plugins.callbacks))
+    throw UsageError(trainer_cfg.where("test_ckpt") + ": trainer.test_ckpt = \"" + test_ckpt +
+                     "\" needs a checkpoint callback (enable checkpointing, or set test_ckpt = \"current\")");
+  folder_ = choose_run_folder(runs_base(), run_version(), req.resume, plugins.callbacks, *plugins.strategy.object);
+  loop_ = std::make_unique<TrainingLoop>(host_, cfg, std::move(plugins), folder_.dir);
+  guarded([&] {
+    loop_->setup();
+    if (!folder_.checkpoint.empty()) loop_->restore(folder_.checkpoint, /*weights_only=*/false);
+  });
+}
+
+RunSession::~RunSession() {
+  if (loop_ && !finished_) {
+    try {
+      finish("success");
+    } catch (const std::exception& e) {
+      log::warn(std::string("finishing the run failed: ") + e.what());
+    }
+  }
+}
+
+fs::path RunSession::runs_base() const {
+  const auto& t = plan_.config.section("trainer");
+  const std::string name = t.has("name") ? t.get_string("name")
+                           : request_.config_path.empty() ? "default" : fs::path(request_.config_path).stem().string();
+  return fs::path(t.get_string("default_root_dir")) / name;
+}
+
+std::optional<int64_t> RunSession::run_version() const {
+  const auto& t = plan_.config.section("trainer");
+  return t.has("version") ? std::optional<int64_t>(t.get_int("version")) : std::nullopt;
+}
+
+template <class F>
+auto RunSession::guarded(F&& f) -> decltype(f()) {
+  if (finished_) throw RunError("this run has already finished; make a new one to train or evaluate again");
+  try {
+    return f();
+  } catch (...) {
+    loop_->notify_exception();
+    finished_ = true;
+    loop_->finalize("failed");
+    throw;
+  }
+}
+
+void RunSession::start_logging() {
+  if (loggers_started_) return;
+  loggers_started_ = true;
+  if (loop_->is_global_zero()) {
+    std::ofstream(folder_.dir / "config.toml") << plan_.config.to_toml();
+    log::info("run folder " + folder_.dir.string());
+  }
+  // Loggers of a run resumed in its own folder continue its files; fresh folders (including a
+  // resume from an explicit path) start new ones.
+  loop_->setup_loggers(folder_.resume_in_place);
+}
+
+FitOutcome RunSession::fit() {
+  return guarded([&] {
+    FitOutcome out;
+    // A run resumed in its own folder that already reached max_epochs/max_steps: nothing to
+    // train again, and nothing is added to its logs (a requeued job that already ended).
+    if (folder_.resume_in_place && loop_->fit_done()) {
+      log::info("the run in " + folder_.dir.string() + " already finished (epoch " + std::to_string(loop_->current_epoch()) +
+                ", step " + std::to_string(loop_->global_step()) +
+                "): nothing to do; raise trainer.max_epochs or trainer.max_steps to train on");
+      out.already_finished = true;
+      return out;
+    }
+    start_logging();
+    if (request_.stop_signal_handlers) install_stop_signal_handlers(parse_stop_signals(plan_.config.section("trainer")));
+    loop_->fit();
+    if ((out.stop_signal = stop_signal())) {
+      finished_ = true;
+      loop_->finalize("interrupted");
+      log::warn("interrupted; continue with --resume last");
+    }
+    return out;
+  });
+}
+
+MetricValues RunSession::evaluate(Split split, const std::string& checkpoint) {
+  return guarded([&] {
+    if (!checkpoint.empty()) {
+      std::string path = checkpoint;
+      if (checkpoint == "best" || checkpoint == "last") {
+        // This run's own checkpoint first (after fit), else the newest earlier run's.
+        path = loop_->locate_checkpoint(checkpoint);
+        if (path.empty()) path = find_checkpoint_in_runs(runs_base(), run_version(), checkpoint, loop_->callbacks()).string();
+        if (path.empty())
+          throw RunError("no '" + checkpoint + "' checkpoint in " + folder_.dir.string() + " or an earlier run under " +
+                         runs_base().string() + " (train first, or give the checkpoint's path)");
+      } else {
+        std::error_code ec;
+        if (!fs::is_regular_file(path, ec) && !is_sharded_checkpoint(path))
+          throw UsageError("--ckpt " + path + ": no such checkpoint file (give a .ckpt path, or best / last)");
+      }
+      log::info(std::string(split == Split::test ? "testing " : "validating ") + (path == checkpoint ? "" : checkpoint + " checkpoint ") + path);
+      loop_->restore(path, /*weights_only=*/true);
+    }
+    start_logging();
+    return split == Split::test ? loop_->test() : loop_->validate();
+  });
+}
+
+MetricValues RunSession::validate(const std::string& checkpoint) { return evaluate(Split::val, checkpoint); }
+MetricValues RunSession::test(const std::string& checkpoint) { return evaluate(Split::test, checkpoint); }
+
+void RunSession::write_consolidated(const std::string& path) {
+  guarded([&] { loop_->write_consolidated(path, read_sharded_meta(folder_.checkpoint)); });
+}
+
+void RunSession::finish(const std::string& status) {
+  if (finished_) return;
+  finished_ = true;
+  loop_->finalize(status);
+}
+
+}  // namespace ember::engine
