@@ -62,7 +62,7 @@ int run_training(const RunRequest& req) {
   return 0;
 }
 
-int evaluate_checkpoint(const RunRequest& req, Split split, const std::string& checkpoint) {
+int evaluate_checkpoint(const RunRequest& req, Split split, const std::string& checkpoint, bool predict) {
   if (!checkpoint.empty() && checkpoint != "best" && checkpoint != "last") {
     std::error_code ec;
     if (!fs::is_regular_file(checkpoint, ec) && !is_sharded_checkpoint(checkpoint))
@@ -70,8 +70,12 @@ int evaluate_checkpoint(const RunRequest& req, Split split, const std::string& c
   }
   RunSession session(req);
   if (!session.is_rank()) return session.launcher_exit_code();
-  auto results = split == Split::test ? session.test(checkpoint) : session.validate(checkpoint);
-  if (session.loop().is_global_zero()) print_results(results);
+  if (predict) {
+    session.predict(checkpoint);
+  } else {
+    auto results = split == Split::test ? session.test(checkpoint) : session.validate(checkpoint);
+    if (session.loop().is_global_zero()) print_results(results);
+  }
   session.finish("success");
   return 0;
 }

@@ -13,9 +13,10 @@ namespace ember::engine {
 
 // `engine run.toml`: fit, then test when the config asks. Returns the exit code.
 int run_training(const RunRequest& request);
-// `engine validate|test [--ckpt best|last|PATH] run.toml`: one validation or test pass over the
-// checkpoint's weights ("" = the freshly set-up model), results printed. Returns the exit code.
-int evaluate_checkpoint(const RunRequest& request, Split split, const std::string& checkpoint);
+// `engine validate|test|predict [--ckpt best|last|PATH] run.toml`: one validation or test pass
+// over the checkpoint's weights ("" = the freshly set-up model), results printed; or (predict)
+// the predictions for data.predict_split in <run folder>/predictions.csv. Returns the exit code.
+int evaluate_checkpoint(const RunRequest& request, Split split, const std::string& checkpoint, bool predict = false);
 // `engine checkpoint consolidate DIR OUT.ckpt`: the single-file checkpoint of a sharded checkpoint
 // directory (what single_device and Python read), made by restoring DIR into the run's own
 // configuration on one process.

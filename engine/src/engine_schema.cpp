@@ -23,6 +23,7 @@ constexpr EmberConfigKey kTrainerKeys[] = {
     Number("limit_train_batches", "1.0", "Batches per training epoch: a float is a fraction of the epoch, an int a count.").at_least(0),
     Number("limit_val_batches", "1.0", "Validation batches per run: fraction (float) or count (int); 0 disables validation.").at_least(0),
     Number("limit_test_batches", "1.0", "Test batches: fraction (float) or count (int).").at_least(0),
+    Number("limit_predict_batches", "1.0", "`engine predict` batches: fraction (float) or count (int).").at_least(0),
     Number("val_check_interval", "1.0", "Validate every this fraction of an epoch (float) or every this many training batches (int).").above(0),
     Int("check_val_every_n_epoch", "1", "Validate every n epochs; 0 = count val_check_interval batches across epochs (Lightning's None).").at_least(0),
     Int("num_sanity_val_steps", "2", "Validation batches run before training to catch bugs early; -1 = all, 0 = none.").at_least(-1),
@@ -83,6 +84,7 @@ constexpr EmberConfigKey kDataBaseKeys[] = {
     Int("num_workers", "0", "Threads that prepare batches ahead of the training loop; 0 = on the loop's thread.").at_least(0),
     Int("prefetch_factor", "2", "Batches each worker prepares ahead.").at_least(1),
     String("on_device", "\"auto\"", "Keep the data set on the training GPU so batches are gathered there (data plugins that support it, e.g. fashion_mnist): auto = when it takes at most a quarter of the GPU's memory, true = always (an error if the plugin cannot), false = never. No effect on the CPU, where the data already is.").choices("auto|true|false"),
+    String("predict_split", "\"test\"", "The split `engine predict` writes predictions for.").choices("train|val|test"),
     Bool("pin_memory", "true", "On CUDA: copy host batches from pinned memory, asynchronously on a side stream, one batch ahead of the step. No effect on the CPU or for data kept on the device."),
 };
 

@@ -27,9 +27,10 @@ const char* kUsage =
     "usage:\n"
     "  engine [--plugins a,b,...] [--set section.key=value ...] [--resume last|best|PATH] run.toml\n"
     "      train (fit, then test when trainer.test_after_fit is set)\n"
-    "  engine validate|test [--ckpt best|last|PATH] [--plugins ...] [--set ...] run.toml\n"
-    "      one validation or test pass (Lightning's trainer.validate/test) over a checkpoint's weights;\n"
-    "      best/last: the newest run of this config that saved one; no --ckpt: the model as set up\n"
+    "  engine validate|test|predict [--ckpt best|last|PATH] [--plugins ...] [--set ...] run.toml\n"
+    "      one validation or test pass (Lightning's trainer.validate/test) over a checkpoint's weights, or\n"
+    "      predictions.csv for data.predict_split (trainer.predict); best/last: the newest run of this\n"
+    "      config that saved one; no --ckpt: the model as set up\n"
     "  engine config [--plugins ...] [--set ...] run.toml   print the resolved configuration as TOML\n"
     "  engine plugins list                                   list the plugins found\n"
     "  engine plugins info NAME                              a plugin's kind, version, file and config keys\n"
@@ -59,7 +60,7 @@ int run(int argc, char** argv) {
       ("plugins,p", po::value<std::vector<std::string>>()->composing(), "plugins to load, comma-separated (repeatable)")
       ("set,s", po::value<std::vector<std::string>>()->composing(), "override a config value: section.key=value (repeatable)")
       ("resume", po::value<std::string>(), "resume training: last, best, or a checkpoint file")
-      ("ckpt", po::value<std::string>(), "engine validate/test: the weights to evaluate: best, last, or a checkpoint file")
+      ("ckpt", po::value<std::string>(), "engine validate/test/predict: the weights to evaluate: best, last, or a checkpoint file")
       ("plugin-path", po::value<std::vector<std::string>>()->composing(), "extra folder to search for plugins (repeatable)")
       ("output,o", po::value<std::string>(), "engine plot: the PNG file to write")
       ("quiet,q", "only warnings and errors")
@@ -118,14 +119,14 @@ int run(int argc, char** argv) {
     req.config_path = args[1];
     return print_config(req, std::cout);
   }
-  if (args[0] == "validate" || args[0] == "test") {
+  if (args[0] == "validate" || args[0] == "test" || args[0] == "predict") {
     if (args.size() != 2) throw UsageError("expected `engine " + args[0] + " [--ckpt best|last|PATH] run.toml`");
     if (!req.resume.empty()) throw UsageError("--resume continues training; `engine " + args[0] + "` takes --ckpt best|last|PATH");
     req.config_path = args[1];
     return evaluate_checkpoint(req, args[0] == "test" ? ember::Split::test : ember::Split::val,
-                               vm.count("ckpt") ? vm["ckpt"].as<std::string>() : std::string());
+                               vm.count("ckpt") ? vm["ckpt"].as<std::string>() : std::string(), args[0] == "predict");
   }
-  if (vm.count("ckpt")) throw UsageError("--ckpt is for `engine validate|test`; to continue training from a checkpoint use --resume");
+  if (vm.count("ckpt")) throw UsageError("--ckpt is for `engine validate|test|predict`; to continue training from a checkpoint use --resume");
   if (args.size() != 1) throw UsageError("expected one config file, got " + std::to_string(args.size()) + " arguments");
   req.config_path = args[0];
   return run_training(req);

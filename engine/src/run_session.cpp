@@ -5,7 +5,12 @@
 #include <torch/cuda.h>
 #include <torch/utils.h>
 
+#include <cxxabi.h>
+
+#include <cstdlib>
 #include <fstream>
+#include <map>
+#include <typeinfo>
 
 #include "checkpoint_io.h"
 #include "log.h"
@@ -16,6 +21,26 @@
 namespace fs = std::filesystem;
 
 namespace ember::engine {
+namespace {
+
+// A program-made object's name in logs and checkpoints (its state is saved under it): its C++
+// type, numbered when several objects share one, so the same program resumes the same states.
+template <class T>
+std::vector<Named<T>> name_objects(const std::vector<std::shared_ptr<T>>& objects) {
+  std::vector<Named<T>> out;
+  std::map<std::string, int> seen;
+  for (const auto& o : objects) {
+    if (!o) throw UsageError("a callback or logger object given to the run is null");
+    int status = 0;
+    std::unique_ptr<char, void (*)(void*)> demangled(abi::__cxa_demangle(typeid(*o).name(), nullptr, nullptr, &status), std::free);
+    std::string name = status == 0 && demangled ? demangled.get() : typeid(*o).name();
+    if (const int n = ++seen[name]; n > 1) name += "#" + std::to_string(n);
+    out.push_back({name, "", o});
+  }
+  return out;
+}
+
+}  // namespace
 
 RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(req) {
   if (!req.consolidate_to.empty()) {  // only the model's and optimizer's state are converted: no callbacks, no loggers
@@ -74,14 +99,14 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
     make(n, c, cfg.section(c->name));
     plugins.callbacks.push_back(std::move(n));
   }
-  for (const auto& c : request_.provided.callbacks) plugins.callbacks.push_back({"callback object", "", c});
+  for (auto& c : name_objects(request_.provided.callbacks)) plugins.callbacks.push_back(std::move(c));
   if (rank == 0) {
     for (const auto* l : plan_.loggers) {
       Named<ILogger> n;
       make(n, l, cfg.section(l->name));
       plugins.loggers.push_back(std::move(n));
     }
-    for (const auto& l : request_.provided.loggers) plugins.loggers.push_back({"logger object", "", l});
+    for (auto& l : name_objects(request_.provided.loggers)) plugins.loggers.push_back(std::move(l));
   }
 
   // Run folder: <root>/<name>/version_<n>; `--resume last|best` continues the newest run that
@@ -170,27 +195,45 @@ FitOutcome RunSession::fit() {
   });
 }
 
+void RunSession::restore_weights(const std::string& checkpoint, const char* purpose) {
+  if (checkpoint.empty()) return;
+  std::string path = checkpoint;
+  if (checkpoint == "best" || checkpoint == "last") {
+    // This run's own checkpoint first (after fit), else the newest earlier run's.
+    path = loop_->locate_checkpoint(checkpoint);
+    if (path.empty()) path = find_checkpoint_in_runs(runs_base(), run_version(), checkpoint, loop_->callbacks()).string();
+    if (path.empty())
+      throw RunError("no '" + checkpoint + "' checkpoint in " + folder_.dir.string() + " or an earlier run under " +
+                     runs_base().string() + " (train first, or give the checkpoint's path)");
+  } else {
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec) && !is_sharded_checkpoint(path))
+      throw UsageError("--ckpt " + path + ": no such checkpoint file (give a .ckpt path, or best / last)");
+  }
+  log::info(std::string(purpose) + " " + (path == checkpoint ? "" : checkpoint + " checkpoint ") + path);
+  loop_->restore(path, /*weights_only=*/true);
+}
+
 MetricValues RunSession::evaluate(Split split, const std::string& checkpoint) {
   return guarded([&] {
-    if (!checkpoint.empty()) {
-      std::string path = checkpoint;
-      if (checkpoint == "best" || checkpoint == "last") {
-        // This run's own checkpoint first (after fit), else the newest earlier run's.
-        path = loop_->locate_checkpoint(checkpoint);
-        if (path.empty()) path = find_checkpoint_in_runs(runs_base(), run_version(), checkpoint, loop_->callbacks()).string();
-        if (path.empty())
-          throw RunError("no '" + checkpoint + "' checkpoint in " + folder_.dir.string() + " or an earlier run under " +
-                         runs_base().string() + " (train first, or give the checkpoint's path)");
-      } else {
-        std::error_code ec;
-        if (!fs::is_regular_file(path, ec) && !is_sharded_checkpoint(path))
-          throw UsageError("--ckpt " + path + ": no such checkpoint file (give a .ckpt path, or best / last)");
-      }
-      log::info(std::string(split == Split::test ? "testing " : "validating ") + (path == checkpoint ? "" : checkpoint + " checkpoint ") + path);
-      loop_->restore(path, /*weights_only=*/true);
-    }
+    restore_weights(checkpoint, split == Split::test ? "testing" : "validating");
     start_logging();
     return split == Split::test ? loop_->test() : loop_->validate();
+  });
+}
+
+fs::path RunSession::predict(const std::string& checkpoint) {
+  return guarded([&] {
+    restore_weights(checkpoint, "predicting with");
+    const std::string name = plan_.config.section("data").get_string("predict_split");
+    const Split split = name == "train" ? Split::train : name == "val" ? Split::val : Split::test;
+    if (loop_->is_global_zero()) {
+      std::ofstream(folder_.dir / "config.toml") << plan_.config.to_toml();
+      log::info("run folder " + folder_.dir.string());
+    }
+    const fs::path csv = folder_.dir / "predictions.csv";
+    loop_->predict(split, csv);
+    return csv;
   });
 }
 

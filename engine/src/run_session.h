@@ -43,6 +43,8 @@ class RunSession {
   // "best"/"last" = located by the checkpoint callback in this run's folder, else a file.
   MetricValues validate(const std::string& checkpoint);
   MetricValues test(const std::string& checkpoint);
+  // Predictions for data.predict_split into <run folder>/predictions.csv (one process).
+  std::filesystem::path predict(const std::string& checkpoint);
   // `engine checkpoint consolidate`: writes the single-file checkpoint of the restored state.
   void write_consolidated(const std::string& path);
   void finish(const std::string& status = "success");
@@ -57,6 +59,7 @@ class RunSession {
   template <class F>
   auto guarded(F&& f) -> decltype(f());
   MetricValues evaluate(Split split, const std::string& checkpoint);
+  void restore_weights(const std::string& checkpoint, const char* purpose);  // "" = keep the current weights
   void start_logging();  // config.toml in the run folder, loggers set up (once)
   std::filesystem::path runs_base() const;  // <default_root_dir>/<name>
   std::optional<int64_t> run_version() const;

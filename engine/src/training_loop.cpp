@@ -18,6 +18,7 @@
 
 #include "checkpoint_io.h"
 #include "device_feed.h"
+#include "forward_region.h"
 #include "optimizer_factory.h"
 #include "sharded_checkpoint.h"
 #include "engine_schema.h"
@@ -72,27 +73,7 @@ class OptimizerStepImpl final : public IOptimizerStep {
   bool first_;
 };
 
-
 namespace {
-// The forward region of a step: the strategy's (parameters gathered) around the precision
-// handler's (autocast). Both ends run even when the step throws.
-struct ForwardRegion {
-  IModelStateStrategy& s;
-  IPrecision& p;
-  ForwardRegion(IModelStateStrategy& state, IPrecision& precision, bool grad_enabled) : s(state), p(precision) {
-    s.forward_begin(grad_enabled);
-    try {
-      p.forward_begin();
-    } catch (...) {
-      s.forward_end();
-      throw;
-    }
-  }
-  ~ForwardRegion() {
-    p.forward_end();
-    s.forward_end();
-  }
-};
 
 std::string epoch_label(int64_t epoch, int64_t max_epochs) {
   return "Epoch " + std::to_string(epoch) + (max_epochs >= 0 ? "/" + std::to_string(max_epochs - 1) : "");
@@ -117,6 +98,9 @@ TrainerSettings TrainerSettings::from(const Section& t) {
   fraction_ok("limit_train_batches", s.limit_train, s.limit_train_is_count);
   fraction_ok("limit_val_batches", s.limit_val, s.limit_val_is_count);
   fraction_ok("limit_test_batches", s.limit_test, s.limit_test_is_count);
+  s.limit_predict = t.get_float("limit_predict_batches");
+  s.limit_predict_is_count = t.is_integer("limit_predict_batches");
+  fraction_ok("limit_predict_batches", s.limit_predict, s.limit_predict_is_count);
   s.val_check_interval = t.get_float("val_check_interval");
   s.val_check_is_count = t.is_integer("val_check_interval");
   fraction_ok("val_check_interval", s.val_check_interval, s.val_check_is_count);

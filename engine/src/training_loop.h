@@ -51,8 +51,8 @@ std::string locate_checkpoint(const std::vector<Named<ICallback>>& callbacks, co
 // [trainer] values the loop reads, with Lightning's derived defaults applied.
 struct TrainerSettings {
   int64_t max_epochs = 1000, max_steps = -1;
-  double limit_train = 1.0, limit_val = 1.0, limit_test = 1.0;
-  bool limit_train_is_count = false, limit_val_is_count = false, limit_test_is_count = false;
+  double limit_train = 1.0, limit_val = 1.0, limit_test = 1.0, limit_predict = 1.0;
+  bool limit_train_is_count = false, limit_val_is_count = false, limit_test_is_count = false, limit_predict_is_count = false;
   double val_check_interval = 1.0;
   bool val_check_is_count = false;
   int64_t check_val_every_n_epoch = 1, num_sanity_val_steps = 2, accumulate_grad_batches = 1;
@@ -80,6 +80,10 @@ class TrainingLoop final : public ITrainer {
   // Runs the validation split on its own (Lightning's trainer.validate); returns the val metrics.
   std::vector<std::pair<std::string, double>> validate();
   const std::vector<Named<ICallback>>& callbacks() const { return plugins_.callbacks; }
+  // Lightning's trainer.predict: the model's predictions for every sample of `split` (up to
+  // limit_predict_batches), written to `csv` atomically (id, prediction, then one column per
+  // class probability or output). One process only. No hooks fire. Returns the rows written.
+  int64_t predict(Split split, const std::filesystem::path& csv);
   // Resolves "best"/"last" through the callbacks that store checkpoints ("" when none has one).
   std::string locate_checkpoint(const std::string& alias) const;
   void finalize(const std::string& status);

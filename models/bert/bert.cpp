@@ -17,6 +17,7 @@
 #include <ember/model.h>
 #include <ember/model_units.h>
 #include <ember/plugin.h>
+#include <ember/predict.h>
 
 #include "../common/classification.h"
 #include "asset_path.h"
@@ -41,7 +42,7 @@ ember_text::Pooling parse_pooling(const std::string& s) {
   return ember_text::Pooling::mean;
 }
 
-class Bert final : public ember::IModel, public ember::UnitModel {
+class Bert final : public ember::IModel, public ember::UnitModel, public ember::IPredictingModel {
  public:
   Bert(ember::IHost& host, const ember::IConfig& cfg) {
     const auto dir = ember_text::resolve_asset(cfg.get_string("model_dir"));
@@ -67,7 +68,12 @@ class Bert final : public ember::IModel, public ember::UnitModel {
     net_->declare_units(units_);
   }
   torch::nn::Module& module() override { return *net_; }
-  void* query_interface(const char* iid) override { return unit_model_interface(iid); }
+  void* query_interface(const char* iid) override {
+    if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
+    return unit_model_interface(iid);
+  }
+  at::Tensor predict_step(const ember::Batch& batch) override { return logits(batch).to(at::kFloat).softmax(1); }
+  bool predicts_classes() const override { return true; }
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override { return step(batch, ctx, Phase::train); }
   void validation_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::val); }
   void test_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::test); }
@@ -75,13 +81,16 @@ class Bert final : public ember::IModel, public ember::UnitModel {
  private:
   at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
     ember_models::require_inputs_and_targets(batch, "bert");
+    return ember_models::classification_step(logits(batch), batch[1], phase, ctx, "bert");
+  }
+  at::Tensor logits(const ember::Batch& batch) {
+    if (batch.tensors.empty()) throw ember::RunError("bert: got a batch without token ids");
     const at::Tensor& ids = batch[0];
     if (ids.dim() != 2 || at::isFloatingType(ids.scalar_type()))
       throw ember::RunError(c10::str("bert: got inputs ", ids.scalar_type(), " ", ids.sizes(),
                                      ", expected token ids int64 [N, seq_len]: use a text data module (text_classification)"));
     const at::Tensor mask = batch.tensors.size() > 2 ? batch[2] : ids.ne(pad_id_);
-    at::Tensor logits = net_->forward(ids.to(at::kLong), mask);
-    return ember_models::classification_step(logits, batch[1], phase, ctx, "bert");
+    return net_->forward(ids.to(at::kLong), mask);
   }
   std::shared_ptr<ember_text::BertClassifierNet> net_;
   int64_t pad_id_ = 0;

@@ -25,6 +25,7 @@
 #include <ember/host.h>
 #include <ember/model.h>
 #include <ember/plugin.h>
+#include <ember/predict.h>
 
 #include "../common/classification.h"
 #include "../common/data_parallel.h"
@@ -139,7 +140,7 @@ CnnOptions read_options(const ember::IConfig& cfg) {
   return o;
 }
 
-class Cnn final : public ember::IModel, public ember::IDataParallelModel {
+class Cnn final : public ember::IModel, public ember::IDataParallelModel, public ember::IPredictingModel {
  public:
   explicit Cnn(const ember::IConfig& cfg)
       : opts_(read_options(cfg)), section_(cfg.section()) {
@@ -153,8 +154,12 @@ class Cnn final : public ember::IModel, public ember::IDataParallelModel {
   }
 
   void* query_interface(const char* iid) override {
-    return std::strcmp(iid, ember::kDataParallelModelIid) == 0 ? static_cast<ember::IDataParallelModel*>(this) : nullptr;
+    if (std::strcmp(iid, ember::kDataParallelModelIid) == 0) return static_cast<ember::IDataParallelModel*>(this);
+    if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
+    return nullptr;
   }
+  at::Tensor predict_step(const ember::Batch& batch) override { return logits(batch).to(at::kFloat).softmax(1); }
+  bool predicts_classes() const override { return true; }
   void set_data_parallel(const std::vector<c10::Device>& devices) override { devices_ = devices; }
 
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
@@ -170,15 +175,18 @@ class Cnn final : public ember::IModel, public ember::IDataParallelModel {
  private:
   at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
     ember_models::require_inputs_and_targets(batch, "cnn");
+    return ember_models::classification_step(logits(batch), batch[1], phase, ctx, "cnn",
+                                             phase == Phase::train ? opts_.label_smoothing : 0.0);
+  }
+
+  at::Tensor logits(const ember::Batch& batch) {
+    if (batch.tensors.empty()) throw ember::RunError("cnn: got a batch without images");
     const at::Tensor& images = batch[0];
     check_images(images);
     // Follow the parameters' dtype, so a module converted to reduced precision accepts the
     // float32 images a data module produces (a no-op otherwise).
-    at::Tensor logits =
-        speedrun_ ? ember_models::data_parallel_forward(speedrun_, images.to(speedrun_->convs[0]->weight.scalar_type()), devices_)
-                  : ember_models::data_parallel_forward(net_, images.to(net_->conv1->weight.scalar_type()), devices_);
-    return ember_models::classification_step(logits, batch[1], phase, ctx, "cnn",
-                                             phase == Phase::train ? opts_.label_smoothing : 0.0);
+    return speedrun_ ? ember_models::data_parallel_forward(speedrun_, images.to(speedrun_->convs[0]->weight.scalar_type()), devices_)
+                     : ember_models::data_parallel_forward(net_, images.to(net_->conv1->weight.scalar_type()), devices_);
   }
 
   // The first linear layer's width is fixed by in_channels and image_size; a mismatch would

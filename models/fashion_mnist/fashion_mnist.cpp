@@ -32,6 +32,7 @@
 #include <ember/error.h>
 #include <ember/host.h>
 #include <ember/plugin.h>
+#include <ember/predict.h>
 #include <ember/trainer.h>
 
 #include "../common/image_augment.h"
@@ -179,7 +180,8 @@ Samples load(const std::filesystem::path& root, const char* images_file, const c
   return s;
 }
 
-class FashionMnist final : public ember::IDataModule, public ember::IDeviceData, public ember::ITrainerAware {
+class FashionMnist final : public ember::IDataModule, public ember::IDeviceData, public ember::ITrainerAware,
+                           public ember::IPredictionNames {
  public:
   FashionMnist(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
@@ -261,8 +263,14 @@ class FashionMnist final : public ember::IDataModule, public ember::IDeviceData,
  void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kDeviceDataIid) == 0) return static_cast<ember::IDeviceData*>(this);
     if (std::strcmp(iid, ember::kTrainerAwareIid) == 0) return static_cast<ember::ITrainerAware*>(this);
+    if (std::strcmp(iid, ember::kPredictionNamesIid) == 0) return static_cast<ember::IPredictionNames*>(this);
     return nullptr;
   }
+  // Zalando's class names, in label order (the data set's README).
+  std::vector<std::string> class_names() const override {
+    return {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"};
+  }
+  std::string sample_id(ember::Split, int64_t) const override { return ""; }  // the index within the split
   void attach_trainer(ember::ITrainer* trainer) override { trainer_ = trainer; }
 
   int64_t device_bytes() const override {

@@ -22,6 +22,7 @@
 #include <ember/model_flops.h>
 #include <ember/model_units.h>
 #include <ember/plugin.h>
+#include <ember/predict.h>
 
 #include "../common/classification.h"
 #include "../common/data_parallel.h"
@@ -135,7 +136,8 @@ MlpOptions read_options(const ember::IConfig& cfg) {
   return o;
 }
 
-class Mlp final : public ember::IModel, public ember::IDataParallelModel, public ember::IModelFlops, public ember::UnitModel {
+class Mlp final : public ember::IModel, public ember::IDataParallelModel, public ember::IModelFlops, public ember::UnitModel,
+                  public ember::IPredictingModel {
  public:
   explicit Mlp(const ember::IConfig& cfg)
       : opts_(read_options(cfg)), section_(cfg.section()), net_(std::make_shared<MlpNet>(opts_)) {
@@ -147,8 +149,15 @@ class Mlp final : public ember::IModel, public ember::IDataParallelModel, public
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kDataParallelModelIid) == 0) return static_cast<ember::IDataParallelModel*>(this);
     if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
+    if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
     return unit_model_interface(iid);
   }
+  // Classification: class probabilities; regression: the outputs.
+  at::Tensor predict_step(const ember::Batch& batch) override {
+    at::Tensor out = outputs(batch);
+    return opts_.task == Task::classification ? out.to(at::kFloat).softmax(1) : out;
+  }
+  bool predicts_classes() const override { return opts_.task == Task::classification; }
   // Per linear layer: forward and weight gradient 2*n*in*out each, the input gradient again
   // for every layer but the first (the data needs none).
   double training_flops(const ember::Batch& batch) const override {
@@ -180,6 +189,15 @@ class Mlp final : public ember::IModel, public ember::IDataParallelModel, public
  private:
   at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
     ember_models::require_inputs_and_targets(batch, "mlp");
+    at::Tensor out = outputs(batch);
+    if (opts_.task == Task::classification) {
+      return ember_models::classification_step(out, batch[1], phase, ctx, "mlp");
+    }
+    return regression_step(out, batch[1], phase, ctx);
+  }
+
+  at::Tensor outputs(const ember::Batch& batch) {
+    if (batch.tensors.empty()) throw ember::RunError("mlp: got a batch without inputs");
     const at::Tensor& inputs = batch[0];
     // Compare the flattened width with input_size here: the mismatch would otherwise be an
     // opaque matmul shape error.
@@ -191,11 +209,7 @@ class Mlp final : public ember::IModel, public ember::IDataParallelModel, public
     }
     // Follow the parameters' dtype, so a module converted to reduced precision accepts float32
     // inputs (a no-op otherwise).
-    at::Tensor out = ember_models::data_parallel_forward(net_, inputs.to(net_->head_weight().scalar_type()), devices_);
-    if (opts_.task == Task::classification) {
-      return ember_models::classification_step(out, batch[1], phase, ctx, "mlp");
-    }
-    return regression_step(out, batch[1], phase, ctx);
+    return ember_models::data_parallel_forward(net_, inputs.to(net_->head_weight().scalar_type()), devices_);
   }
 
   // Mean squared error against float targets [N, num_classes]; logs only <phase>_loss (there is

@@ -32,6 +32,7 @@
 #include <ember/error.h>
 #include <ember/host.h>
 #include <ember/plugin.h>
+#include <ember/predict.h>
 
 #include "asset_path.h"
 #include "wordpiece.h"
@@ -157,10 +158,11 @@ std::vector<Row> read_rows(const std::string& path, const std::string& text_col,
 
 struct Samples {
   std::vector<std::vector<int64_t>> ids;
+  std::vector<std::string> origins;  // "<file>:<line>" of each text: its id in predictions
   at::Tensor labels;  // int64 [N]
 };
 
-class TextClassification final : public ember::IDataModule {
+class TextClassification final : public ember::IDataModule, public ember::IPredictionNames {
  public:
   TextClassification(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
@@ -220,6 +222,14 @@ class TextClassification final : public ember::IDataModule {
                        size(ember::Split::test), " test texts; labels ", names, "; ", truncated_, " text(s) cut to ", max_length_, " tokens"));
   }
 
+  void* query_interface(const char* iid) override {
+    return std::strcmp(iid, ember::kPredictionNamesIid) == 0 ? static_cast<ember::IPredictionNames*>(this) : nullptr;
+  }
+  std::vector<std::string> class_names() const override { return labels_; }
+  std::string sample_id(ember::Split split, int64_t index) const override {
+    return splits_.at(static_cast<size_t>(split)).origins.at(static_cast<size_t>(index));
+  }
+
   int64_t size(ember::Split split) const override {
     const Samples& s = splits_.at(static_cast<size_t>(split));
     return static_cast<int64_t>(s.ids.size());
@@ -261,6 +271,7 @@ class TextClassification final : public ember::IDataModule {
         full = tokenizer_->encode(r.text, max_length_);
       }
       s.ids.push_back(std::move(full));
+      s.origins.push_back(c10::str(std::filesystem::path(path).filename().string(), ":", r.line));
       labels.push_back(it->second);
     }
     s.labels = torch::tensor(labels, torch::kLong);
@@ -268,7 +279,10 @@ class TextClassification final : public ember::IDataModule {
   }
   static Samples subset(const Samples& from, const int64_t* idx, int64_t n) {
     Samples s;
-    for (int64_t i = 0; i < n; ++i) s.ids.push_back(from.ids[static_cast<size_t>(idx[i])]);
+    for (int64_t i = 0; i < n; ++i) {
+      s.ids.push_back(from.ids[static_cast<size_t>(idx[i])]);
+      s.origins.push_back(from.origins[static_cast<size_t>(idx[i])]);
+    }
     s.labels = from.labels.index_select(0, torch::from_blob(const_cast<int64_t*>(idx), {n}, torch::kLong)).clone();
     return s;
   }

@@ -21,6 +21,7 @@
 #include <ember/model_flops.h>
 #include <ember/model_units.h>
 #include <ember/plugin.h>
+#include <ember/predict.h>
 
 #include "../common/classification.h"
 #include "../common/data_parallel.h"
@@ -80,7 +81,8 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
   torch::nn::Linear head_{nullptr};
 };
 
-class Transformer final : public ember::IModel, public ember::IDataParallelModel, public ember::IModelFlops, public ember::UnitModel {
+class Transformer final : public ember::IModel, public ember::IDataParallelModel, public ember::IModelFlops, public ember::UnitModel,
+                          public ember::IPredictingModel {
  public:
   explicit Transformer(const ember::IConfig& cfg) : d_model_(cfg.get_int("d_model")), section_(cfg.section()) {
     const int64_t nhead = cfg.get_int("nhead");
@@ -97,8 +99,11 @@ class Transformer final : public ember::IModel, public ember::IDataParallelModel
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kDataParallelModelIid) == 0) return static_cast<ember::IDataParallelModel*>(this);
     if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
+    if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
     return unit_model_interface(iid);
   }
+  at::Tensor predict_step(const ember::Batch& batch) override { return logits(batch).to(at::kFloat).softmax(1); }
+  bool predicts_classes() const override { return true; }
   // Per layer and sequence of length L (width d, feed-forward f): q/k/v projections 6Ld^2,
   // scores and weighted values 2L^2d each, output projection 2Ld^2, feed-forward 4Ldf; then the
   // head on the pooled vector, 2dC. Backward doubles every product except the first layer's
@@ -119,12 +124,15 @@ class Transformer final : public ember::IModel, public ember::IDataParallelModel
  private:
   at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
     ember_models::require_inputs_and_targets(batch, "transformer");
+    return ember_models::classification_step(logits(batch), batch[1], phase, ctx, "transformer");
+  }
+  at::Tensor logits(const ember::Batch& batch) {
+    if (batch.tensors.empty()) throw ember::RunError("transformer: got a batch without inputs");
     const at::Tensor& x = batch[0];
     if (x.dim() != 3 || x.size(2) != d_model_)
       throw ember::RunError(c10::str("transformer: got inputs of shape ", x.sizes(), ", expected [N, seq_len, ", d_model_,
                                      "]: set [", section_, "] d_model to the data's last dimension"));
-    at::Tensor logits = ember_models::data_parallel_forward(net_, x.to(net_->head_weight().scalar_type()), devices_);
-    return ember_models::classification_step(logits, batch[1], phase, ctx, "transformer");
+    return ember_models::data_parallel_forward(net_, x.to(net_->head_weight().scalar_type()), devices_);
   }
   int64_t d_model_, ff_ = 0, layers_ = 0, classes_ = 0;
   std::string section_;
