@@ -7,7 +7,7 @@
 //     picks on this machine, and bf16's start-up warning on a CPU without native bfloat16;
 //   - fashion_mnist: float32 store = uint8 store, validation on the test images, deterministic
 //     augmentation (the same with and without loader workers), the speedrun cnn;
-//   - image augmentation (models/common/image_augment.h): flips and crops are what they claim.
+//   - image augmentation (<ember/model_support/image_augment.h>): flips and crops are what they claim.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -19,7 +19,7 @@
 #include <filesystem>
 #include <string>
 
-#include "../models/common/image_augment.h"
+#include <ember/model_support/image_augment.h>
 #include "checkpoint_support.h"
 #include "config.h"
 #include "device_feed.h"

@@ -18,7 +18,7 @@
 #include <ember/model_units.h>
 #include <ember/plugin.h>
 
-#include "../common/classification.h"
+#include <ember/model_support/classification.h>
 #include "asset_path.h"
 #include "bert_net.h"
 

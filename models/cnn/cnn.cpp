@@ -26,8 +26,8 @@
 #include <ember/model.h>
 #include <ember/plugin.h>
 
-#include "../common/classification.h"
-#include "../common/data_parallel.h"
+#include <ember/model_support/classification.h>
+#include <ember/model_support/data_parallel.h>
 
 namespace {
 

@@ -34,7 +34,7 @@
 #include <ember/plugin.h>
 #include <ember/trainer.h>
 
-#include "../common/image_augment.h"
+#include <ember/model_support/image_augment.h>
 
 namespace {
 
