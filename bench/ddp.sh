@@ -12,15 +12,13 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 engine=${ENGINE:-$root/build/engine/engine}
 work=$(mktemp -d /tmp/ember-bench-ddp-XXXXXX)
 trap 'rm -rf "$work"' EXIT
-cat > "$work/run.toml" <<TOML
-[trainer]
-max_epochs = -1
-num_sanity_val_steps = 0
-enable_progress_bar = false
-enable_model_summary = false
-enable_checkpointing = false
-logger = false
-num_threads = $threads
+# shellcheck source=bench/common.sh
+source "$root/bench/common.sh"
+CALC_DIGITS=6
+{
+  train_only_trainer_toml
+  echo "num_threads = $threads"
+  cat <<TOML
 [model]
 name = "mlp"
 input_size = 784
@@ -39,7 +37,7 @@ shuffle = true
 name = "sgd"
 lr = 0.01
 TOML
-calc() { awk "BEGIN { printf \"%.6f\", $* }"; }
+} > "$work/run.toml"
 short=20
 long=220
 run() {  # variant steps -> seconds

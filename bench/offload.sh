@@ -20,7 +20,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD:-$root/build}
 engine=${ENGINE:-$build/engine/engine}
 mode=${1:-all}
-calc() { awk "BEGIN { printf \"%.3f\", $* }"; }
+# shellcheck source=bench/common.sh
+source "$root/bench/common.sh"
 work=$(mktemp -d /tmp/ember-bench-offload-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 has_cuda=$(nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
@@ -40,23 +41,11 @@ host_part() {
 
 write_run() {  # layers d_model nhead seq batch steps
   local layers=$1 d=$2 nhead=$3 seq=$4 batch=$5
-  cat > "$work/run.toml" <<TOML
-[trainer]
-max_epochs = -1
-num_sanity_val_steps = 0
-enable_progress_bar = false
-enable_model_summary = false
-enable_checkpointing = false
-logger = false
-precision = "${PRECISION:-32-true}"
-[model]
-name = "transformer"
-d_model = $d
-nhead = $nhead
-dim_feedforward = $((4 * d))
-num_layers = $layers
-dropout = 0.0
-num_classes = 10
+  {
+    train_only_trainer_toml
+    echo "precision = \"${PRECISION:-32-true}\""
+    transformer_model_toml "$layers" "$d" "$nhead"
+    cat <<TOML
 [data]
 name = "synthetic"
 shape = [$seq, $d]
@@ -69,6 +58,7 @@ batch_size = $batch
 name = "adamw"
 lr = 0.0001
 TOML
+  } > "$work/run.toml"
 }
 
 variant_args() {  # variant -> engine arguments

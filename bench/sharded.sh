@@ -17,23 +17,13 @@ engine=${ENGINE:-$root/build/engine/engine}
 probe_dir=${PROBE_DIR:-$root/build/test-plugins/good}
 work=$(mktemp -d /tmp/ember-bench-sharded-XXXXXX)
 trap 'rm -rf "$work"' EXIT
-cat > "$work/run.toml" <<TOML
-[trainer]
-max_epochs = -1
-num_sanity_val_steps = 0
-enable_progress_bar = false
-enable_model_summary = false
-enable_checkpointing = false
-logger = false
-num_threads = 1
-[model]
-name = "transformer"
-d_model = $d
-nhead = 8
-dim_feedforward = $((4 * d))
-num_layers = $layers
-dropout = 0.0
-num_classes = 10
+# shellcheck source=bench/common.sh
+source "$root/bench/common.sh"
+{
+  train_only_trainer_toml
+  echo "num_threads = 1"
+  transformer_model_toml "$layers" "$d" 8
+  cat <<TOML
 [data]
 name = "synthetic"
 shape = [16, $d]
@@ -46,7 +36,7 @@ batch_size = 2
 name = "adamw"
 lr = 0.0001
 TOML
-calc() { awk "BEGIN { printf \"%.3f\", $* }"; }
+} > "$work/run.toml"
 run() {  # name ranks steps [args...] -> seconds; the probe's lines stay in $work/err
   local ranks=$2 steps=$3 start end
   shift 3

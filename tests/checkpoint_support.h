@@ -1,14 +1,19 @@
 // Reading what a run left behind in a checkpoint, for tests that compare weights.
 #pragma once
+#include <gtest/gtest.h>
+
 #include <ATen/ATen.h>
 
 #include <filesystem>
+#include <limits>
 #include <map>
+#include <ostream>
 #include <string>
 #include <vector>
 
 #include "checkpoint_io.h"
 #include "sharded_checkpoint.h"
+#include "support.h"
 
 namespace ember::test {
 
@@ -44,6 +49,49 @@ inline std::map<std::string, at::Tensor> weights(const std::filesystem::path& ck
   auto ck = ember::engine::load_checkpoint_file(ckpt);
   for (const auto& e : ck.at("state_dict").toGenericDict()) out[e.key().toStringRef()] = e.value().toTensor();
   return out;
+}
+
+// last.ckpt of a run started from <dir>/run.toml (the run is named after the file).
+inline std::filesystem::path last_checkpoint(const TempDir& dir, int version = 0) {
+  return dir / ("runs/run/version_" + std::to_string(version) + "/checkpoints/last.ckpt");
+}
+
+// The largest element difference between the weights of two checkpoints, with the name of the
+// tensor where it is (printed when a comparison fails); compares as a number:
+// EXPECT_LE(max_weight_difference(a, b), 1e-5). Both must hold the same, non-empty set of
+// tensors with the same shapes (a test failure otherwise).
+struct WeightDifference {
+  double value = 0;
+  std::string name;
+  operator double() const { return value; }  // NOLINT: compared directly in EXPECT_LE
+};
+inline std::ostream& operator<<(std::ostream& os, const WeightDifference& d) {
+  return os << d.value << " ('" << d.name << "')";
+}
+
+inline WeightDifference max_weight_difference(const std::filesystem::path& a, const std::filesystem::path& b) {
+  for (const auto& p : {a, b})
+    if (!std::filesystem::exists(p)) {
+      ADD_FAILURE() << "no checkpoint at " << p;
+      return {std::numeric_limits<double>::infinity(), "(missing checkpoint)"};
+    }
+  auto wa = weights(a), wb = weights(b);
+  EXPECT_EQ(wa.size(), wb.size());
+  EXPECT_FALSE(wa.empty());
+  WeightDifference worst;
+  for (const auto& [name, t] : wa) {
+    if (!wb.count(name)) {
+      ADD_FAILURE() << name << " is in " << a << " but not in " << b;
+      continue;
+    }
+    if (t.sizes() != wb.at(name).sizes()) {
+      ADD_FAILURE() << name << ": shape " << t.sizes() << " vs " << wb.at(name).sizes();
+      continue;
+    }
+    const double d = (t.to(at::kDouble) - wb.at(name).to(at::kDouble)).abs().max().item<double>();
+    if (d > worst.value) worst = {d, name};
+  }
+  return worst;
 }
 
 }  // namespace ember::test

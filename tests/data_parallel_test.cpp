@@ -1,5 +1,5 @@
 // dp's multi-device path (SDK 1.1 IDataParallelModel). Without a GPU the replicas run on CPU
-// "devices": models/common/data_parallel.h splits the batch, replicates the module, runs the
+// "devices": <ember/model_support/data_parallel.h> splits the batch, replicates the module, runs the
 // replicas on their own threads under the caller's thread-local state and gathers the outputs,
 // with the same code it runs on GPUs. The bundled models are loaded as plugins, as the engine
 // loads them, and must be cloneable (replicate's requirement) with their parameter names intact.
@@ -21,7 +21,7 @@
 #include <set>
 #include <thread>
 
-#include "../models/common/data_parallel.h"
+#include <ember/model_support/data_parallel.h>
 #include "checkpoint_io.h"
 #include "run_config.h"
 #include "plugin_registry.h"

@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <regex>
 
 #include "checkpoint_io.h"
 #include "checkpoint_support.h"
@@ -25,53 +24,9 @@ namespace {
 // 64 samples: 2 ranks x batch 8 and 1 rank x batch 16 both see 4 batches per epoch, and the
 // single-device batch k holds exactly the samples of the two ranks' batch k (the loader deals
 // shuffled sample i to rank i % 2).
-const char* kRun = R"(
-[trainer]
-# CPU ranks (Open MPI) compared with single_device on the same device, also where a GPU is present.
-accelerator = "cpu"
-max_epochs = 2
-num_sanity_val_steps = 0
-enable_progress_bar = false
-enable_model_summary = false
-log_every_n_steps = 1
-[model]
-name = "mlp"
-input_size = 32
-hidden = [24, 16]
-num_classes = 4
-[data]
-name = "synthetic"
-shape = [32]
-num_classes = 4
-num_train = 64
-num_val = 16
-num_test = 0
-batch_size = 8
-shuffle = true
-[optimizer]
-name = "sgd"
-lr = 0.1
-momentum = 0.9
-)";
-
-void expect_close(const fs::path& a, const fs::path& b, double tol) {
-  ASSERT_TRUE(fs::exists(a)) << a;
-  ASSERT_TRUE(fs::exists(b)) << b;
-  auto wa = weights(a), wb = weights(b);
-  ASSERT_EQ(wa.size(), wb.size());
-  for (const auto& [name, t] : wa) {
-    const double diff = (t - wb.at(name)).abs().max().item<double>();
-    EXPECT_LE(diff, tol) << name << " differs by " << diff;
-  }
-}
-
-fs::path last(const TempDir& d) { return d / "runs/run/version_0/checkpoints/last.ckpt"; }
-
-ProcessResult engine_ok(const TempDir& dir, std::vector<std::string> args, int timeout_s = 180) {
-  auto r = run_engine(args, dir.path(), {}, timeout_s);
-  EXPECT_EQ(r.exit_code, 0) << r.err;
-  return r;
-}
+const std::string kRun = synthetic_mlp_toml({.accelerator = "cpu", .hidden = "[24, 16]", .num_train = 64,
+                                             .num_val = 16, .batch_size = 8}) +
+                         "[optimizer]\nname = \"sgd\"\nlr = 0.1\nmomentum = 0.9\n";
 
 int free_port() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -85,18 +40,12 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
-int64_t count_of(const std::string& text, const std::string& pattern) {
-  std::smatch m;
-  if (!std::regex_search(text, m, std::regex(pattern))) return -1;
-  return std::stoll(m[1].str());
-}
-
 // The single-device reference: one process, batch 16.
 void reference(const TempDir& dir, std::vector<std::string> extra = {}) {
   write_file(dir / "run.toml", kRun);
   std::vector<std::string> args = {"run.toml", "--set", "data.batch_size=16"};
   args.insert(args.end(), extra.begin(), extra.end());
-  engine_ok(dir, args);
+  run_engine_ok(dir, args);
 }
 
 // Every ddp test here runs CPU ranks, which talk through Open MPI.
@@ -112,12 +61,12 @@ TEST_F(Ddp, TwoRanksMatchSingleDeviceWithTheDoubledBatch) {
   reference(single);
   write_file(ddp / "run.toml", kRun);
   // Small buckets: several of them, so some must start while backward still runs.
-  auto r = engine_ok(ddp, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "ddp.bucket_cap_mb=0.001"});
-  expect_close(last(single), last(ddp), 1e-5);
+  auto r = run_engine_ok(ddp, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "ddp.bucket_cap_mb=0.001"});
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(ddp)), 1e-5);
   // 8 optimizer steps, one gradient sync each; buckets overlapped backward.
-  EXPECT_EQ(count_of(r.err, R"((\d+) gradient syncs)"), 8) << r.err;
-  EXPECT_GT(count_of(r.err, R"(in (\d+) buckets)"), 1) << r.err;
-  EXPECT_GT(count_of(r.err, R"((\d+) started while backward was still running)"), 0) << r.err;
+  EXPECT_EQ(count_in_log(r.err, R"((\d+) gradient syncs)"), 8) << r.err;
+  EXPECT_GT(count_in_log(r.err, R"(in (\d+) buckets)"), 1) << r.err;
+  EXPECT_GT(count_in_log(r.err, R"((\d+) started while backward was still running)"), 0) << r.err;
   // Only rank 0 writes: one run folder, one metrics file; metrics were reduced over both ranks.
   EXPECT_FALSE(fs::exists(ddp / "runs/run/version_1"));
   auto rows = read_csv(ddp / "runs/run/version_0/metrics.csv");
@@ -129,11 +78,11 @@ TEST_F(Ddp, TwoRanksMatchSingleDeviceWithAccumulation) {
   TempDir single("ddp"), ddp("ddp");
   reference(single, {"--set", "trainer.accumulate_grad_batches=2"});
   write_file(ddp / "run.toml", kRun);
-  auto r = engine_ok(ddp, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.accumulate_grad_batches=2"});
-  expect_close(last(single), last(ddp), 1e-5);
+  auto r = run_engine_ok(ddp, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.accumulate_grad_batches=2"});
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(ddp)), 1e-5);
   // 8 micro-batches, 4 optimizer steps: gradients are communicated only on the 4 steps.
-  EXPECT_EQ(count_of(r.err, R"((\d+) gradient syncs)"), 4) << r.err;
-  EXPECT_EQ(count_of(r.err, R"((\d+) bucket all-reduces)"), 4) << r.err;
+  EXPECT_EQ(count_in_log(r.err, R"((\d+) gradient syncs)"), 4) << r.err;
+  EXPECT_EQ(count_in_log(r.err, R"((\d+) bucket all-reduces)"), 4) << r.err;
 }
 
 // ddp composes with the precision handlers: under autocast the two ranks still end where one
@@ -149,8 +98,8 @@ TEST_P(DdpPrecision, TwoRanksMatchSingleDevice) {
   const std::string prec = std::string("trainer.precision=\"") + GetParam() + "\"";
   reference(single, {"--set", prec});
   write_file(ddp / "run.toml", kRun);
-  engine_ok(ddp, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", prec});
-  expect_close(last(single), last(ddp), 2e-2);
+  run_engine_ok(ddp, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", prec});
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(ddp)), 2e-2);
   if (std::string(GetParam()) == "16-mixed") {
     auto rows = read_csv(ddp / "runs/run/version_0/metrics.csv");
     ASSERT_FALSE(rows.empty());
@@ -178,7 +127,7 @@ TEST_F(Ddp, TorchrunStyleEnvironmentJoins) {
     auto res = wait_process(ranks[static_cast<size_t>(r)], 180);
     EXPECT_EQ(res.exit_code, 0) << "rank " << r << ": " << res.err;
   }
-  expect_close(last(single), last(ddp), 1e-5);
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(ddp)), 1e-5);
 }
 
 TEST_F(Ddp, MpirunStartedRanksJoin) {
@@ -198,7 +147,7 @@ TEST_F(Ddp, MpirunStartedRanksJoin) {
   auto r = run_process(argv, ddp.path(), {{"OMP_NUM_THREADS", "1"}}, 180);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE((r.out + r.err).find("(mpirun"), std::string::npos) << r.err;
-  expect_close(last(single), last(ddp), 1e-5);
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(ddp)), 1e-5);
 }
 
 TEST_F(Ddp, KilledRankEndsTheJobWithinTheTimeout) {
@@ -238,16 +187,16 @@ TEST_F(Ddp, ResumeMatchesAnUninterruptedRun) {
   TempDir full("ddp"), split("ddp");
   write_file(full / "run.toml", kRun);
   write_file(split / "run.toml", kRun);
-  engine_ok(full, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.max_epochs=3"});
-  engine_ok(split, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.max_epochs=1"});
-  auto r = engine_ok(split, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.max_epochs=3", "--resume", "last"});
+  run_engine_ok(full, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.max_epochs=3"});
+  run_engine_ok(split, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.max_epochs=1"});
+  auto r = run_engine_ok(split, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.max_epochs=3", "--resume", "last"});
   EXPECT_NE(r.err.find("resumed from"), std::string::npos) << r.err;
-  expect_close(last(full), last(split), 0.0);
+  EXPECT_LE(max_weight_difference(last_checkpoint(full), last_checkpoint(split)), 0.0);
   // The strategy's own state (the world size it ran on) is part of the checkpoint.
-  auto ck = ember::engine::load_checkpoint_file(last(split));
+  auto ck = ember::engine::load_checkpoint_file(last_checkpoint(split));
   EXPECT_EQ(ck.at("plugins").toGenericDict().at("strategy").toGenericDict().at("world_size").toInt(), 2);
   // Resumed on one rank: said out loud.
-  auto one = engine_ok(split, {"--plugins", "ddp", "run.toml", "--set", "trainer.max_epochs=4", "--resume", "last"});
+  auto one = run_engine_ok(split, {"--plugins", "ddp", "run.toml", "--set", "trainer.max_epochs=4", "--resume", "last"});
   EXPECT_NE(one.err.find("written by 2 ranks and is resumed on 1"), std::string::npos) << one.err;
 }
 
@@ -311,7 +260,7 @@ weight_decay = 0.1
   ASSERT_EQ(b.exit_code, 0) << b.err;
   // single_device leaves the spare layer alone (no gradient); a zero gradient under ddp would let
   // Adam's weight decay move it, and this comparison would fail.
-  expect_close(last(single), last(ddp), 1e-5);
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(ddp)), 1e-5);
   auto e = run_engine({"--plugin-path", good, "--plugins", "ddp", "run.toml", "--set", "trainer.devices=2", "--set", "ddp.timeout=10.0"},
                       strict.path(), {}, 120);
   EXPECT_NE(e.exit_code, 0);
@@ -334,7 +283,7 @@ TEST_F(Ddp, StopAskedOnOneRankStopsEveryRankAtTheSameStep) {
   EXPECT_NE(r.err.find("[rank 1] info stopping: chaos: asked on rank 1 only"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("stopping: another rank asked to stop"), std::string::npos) << r.err;
   // Asked at the start of step 1's batch: that step completes, then both ranks stop.
-  auto ck = ember::engine::load_checkpoint_file(last(dir));
+  auto ck = ember::engine::load_checkpoint_file(last_checkpoint(dir));
   EXPECT_EQ(ck.at("global_step").toInt(), 2);
 }
 

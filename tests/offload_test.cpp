@@ -22,60 +22,18 @@ namespace {
 // 72 samples, global batch 24 (1 rank x 24, 2 ranks x 12: the same samples per step). The mlp's
 // hidden layers are units (fetched one at a time with offload_params); 23 and 17 make uneven
 // shards with 2 ranks.
-const char* kRun = R"(
-[trainer]
-max_epochs = 2
-num_sanity_val_steps = 0
-enable_progress_bar = false
-enable_model_summary = false
-log_every_n_steps = 1
-[model]
-name = "mlp"
-input_size = 32
-hidden = [23, 17]
-num_classes = 4
-[data]
-name = "synthetic"
-shape = [32]
-num_classes = 4
-num_train = 72
-num_val = 24
-num_test = 0
-batch_size = 24
-shuffle = true
-[optimizer]
-)";
+const std::string kRun =
+    synthetic_mlp_toml({.hidden = "[23, 17]", .num_train = 72, .num_val = 24, .batch_size = 24}) + "[optimizer]\n";
 const char* kAdamW = "name = \"adamw\"\nlr = 0.01\nweight_decay = 0.01\n";
 const char* kSgd = "name = \"sgd\"\nlr = 0.1\nmomentum = 0.9\n";
 
-void write_run(const TempDir& dir, const char* optimizer = kAdamW) { write_file(dir / "run.toml", std::string(kRun) + optimizer); }
-
-double max_difference(const fs::path& a, const fs::path& b) {
-  auto wa = weights(a), wb = weights(b);
-  EXPECT_EQ(wa.size(), wb.size());
-  double worst = 0;
-  for (const auto& [name, t] : wa) {
-    EXPECT_TRUE(wb.count(name)) << name;
-    if (!wb.count(name)) continue;
-    EXPECT_EQ(t.sizes(), wb.at(name).sizes()) << name;
-    worst = std::max(worst, (t.to(at::kDouble) - wb.at(name).to(at::kDouble)).abs().max().item<double>());
-  }
-  return worst;
-}
-
-fs::path last(const TempDir& d) { return d / "runs/run/version_0/checkpoints/last.ckpt"; }
-
-ProcessResult engine_ok(const TempDir& dir, const std::vector<std::string>& args, int timeout_s = 240) {
-  auto r = run_engine(args, dir.path(), {}, timeout_s);
-  EXPECT_EQ(r.exit_code, 0) << r.err;
-  return r;
-}
+void write_run(const TempDir& dir, const char* optimizer = kAdamW) { write_file(dir / "run.toml", kRun + optimizer); }
 
 ProcessResult single(const TempDir& dir, std::vector<std::string> extra = {}, const char* optimizer = kAdamW) {
   write_run(dir, optimizer);
   std::vector<std::string> args = {"run.toml"};
   args.insert(args.end(), extra.begin(), extra.end());
-  return engine_ok(dir, args);
+  return run_engine_ok(dir, args);
 }
 
 ProcessResult offload(const TempDir& dir, bool params, std::vector<std::string> extra = {}, const char* optimizer = kAdamW) {
@@ -83,13 +41,7 @@ ProcessResult offload(const TempDir& dir, bool params, std::vector<std::string> 
   std::vector<std::string> args = {"--plugins", "offload", "run.toml", "--set", "offload.timeout=30.0",
                                    "--set", std::string("offload.offload_params=") + (params ? "true" : "false")};
   args.insert(args.end(), extra.begin(), extra.end());
-  return engine_ok(dir, args);
-}
-
-int64_t count_of(const std::string& text, const std::string& pattern) {
-  std::smatch m;
-  if (!std::regex_search(text, m, std::regex(pattern))) return -1;
-  return std::stoll(m[1].str());
+  return run_engine_ok(dir, args);
 }
 
 class OffloadModes : public ::testing::TestWithParam<bool> {};
@@ -105,13 +57,13 @@ TEST_P(OffloadModes, MatchesSingleDevice) {
     TempDir ref("offload"), dir("offload");
     single(ref, {}, optimizer);
     auto r = offload(dir, params, {"--set", "offload.bucket_cap_mb=0.0001"}, optimizer);
-    EXPECT_LE(max_difference(last(ref), last(dir)), 1e-6) << optimizer;
+    EXPECT_LE(max_weight_difference(last_checkpoint(ref), last_checkpoint(dir)), 1e-6) << optimizer;
     EXPECT_NE(r.err.find("masters, gradients and optimizer state in host memory"), std::string::npos) << r.err;
-    EXPECT_EQ(count_of(r.err, R"((\d+) host optimizer steps)"), 6) << r.err;
-    EXPECT_GT(count_of(r.err, R"(\((\d+) while backward was still running)"), 0) << r.err;
+    EXPECT_EQ(count_in_log(r.err, R"((\d+) host optimizer steps)"), 6) << r.err;
+    EXPECT_GT(count_in_log(r.err, R"(\((\d+) while backward was still running)"), 0) << r.err;
     if (params) {
       EXPECT_NE(r.err.find("one unit at a time"), std::string::npos) << r.err;
-      EXPECT_GT(count_of(r.err, R"(\((\d+) prefetched\))"), 0) << r.err;
+      EXPECT_GT(count_in_log(r.err, R"(\((\d+) prefetched\))"), 0) << r.err;
     }
   }
 }
@@ -125,9 +77,9 @@ TEST_P(OffloadModes, AccumulationAndClippingMatchSingleDevice) {
   TempDir ref("offload"), dir("offload");
   single(ref, extra);
   auto r = offload(dir, params, extra);
-  EXPECT_LE(max_difference(last(ref), last(dir)), 1e-6);
+  EXPECT_LE(max_weight_difference(last_checkpoint(ref), last_checkpoint(dir)), 1e-6);
   // 6 micro-batches per epoch, 3 steps: every micro-batch's gradients went to the host.
-  EXPECT_EQ(count_of(r.err, R"((\d+) host optimizer steps)"), 6) << r.err;
+  EXPECT_EQ(count_in_log(r.err, R"((\d+) host optimizer steps)"), 6) << r.err;
 }
 
 INSTANTIATE_TEST_SUITE_P(Offload, OffloadModes, ::testing::Values(false, true),
@@ -143,7 +95,7 @@ TEST(Offload, MixedPrecisionMatchesSingleDevice) {
     TempDir ref("offload"), dir("offload");
     single(ref, mode);
     offload(dir, true, mode);
-    EXPECT_LE(max_difference(last(ref), last(dir)), 1e-6) << precision;
+    EXPECT_LE(max_weight_difference(last_checkpoint(ref), last_checkpoint(dir)), 1e-6) << precision;
   }
   const std::vector<std::string> bf16 = {"--set", "trainer.precision=\"bf16-mixed\""};
   TempDir ref("offload"), dir("offload"), other("offload");
@@ -155,12 +107,12 @@ TEST(Offload, MixedPrecisionMatchesSingleDevice) {
   auto lone = bf16;
   lone.insert(lone.end(), {"--set", "data.batch_size=12"});
   single(other, lone);
-  const double close = max_difference(last(ref), last(dir));
-  const double broken = max_difference(last(ref), last(other));
+  const double close = max_weight_difference(last_checkpoint(ref), last_checkpoint(dir));
+  const double broken = max_weight_difference(last_checkpoint(ref), last_checkpoint(other));
   EXPECT_LE(close, 0.02);
   EXPECT_GT(broken, 0.02) << "the tolerance would not catch a wrong step";
   // The checkpoint holds the fp32 masters, not the bf16 device weights.
-  auto w = weights(last(dir)).at("fc1.weight");
+  auto w = weights(last_checkpoint(dir)).at("fc1.weight");
   EXPECT_EQ(w.scalar_type(), at::kFloat);
   EXPECT_GT((w - w.to(at::kBFloat16).to(at::kFloat)).abs().max().item<double>(), 0.0) << "masters were rounded to bf16";
 }
@@ -174,18 +126,18 @@ TEST(Offload, ResumeIsExactAndCrossesStrategies) {
   const std::vector<std::string> epoch1 = {"--set", "trainer.max_epochs=1"};
   TempDir dir("offload"), to_single("offload"), from_single("offload");
   offload(dir, true, epoch1);
-  fs::copy_file(last(dir), to_single / "offload.ckpt");
+  fs::copy_file(last_checkpoint(dir), to_single / "offload.ckpt");
   auto r = offload(dir, true, {"--resume", "last"});
   EXPECT_NE(r.err.find("resumed from"), std::string::npos) << r.err;
-  EXPECT_LE(max_difference(last(ref), last(dir)), 1e-6);
+  EXPECT_LE(max_weight_difference(last_checkpoint(ref), last_checkpoint(dir)), 1e-6);
 
   auto s = single(to_single, {"--resume", "offload.ckpt"});
   EXPECT_NE(s.err.find("resumed from"), std::string::npos) << s.err;
-  EXPECT_LE(max_difference(last(ref), last(to_single)), 1e-6);
+  EXPECT_LE(max_weight_difference(last_checkpoint(ref), last_checkpoint(to_single)), 1e-6);
 
   single(from_single, epoch1);
   offload(from_single, false, {"--resume", "last"});
-  EXPECT_LE(max_difference(last(ref), last(from_single)), 1e-6);
+  EXPECT_LE(max_weight_difference(last_checkpoint(ref), last_checkpoint(from_single)), 1e-6);
 }
 
 // The start-up check: with a cap below what the masters and gradients need, or below what the
@@ -229,7 +181,7 @@ TEST(Offload, TwoRanksEachOffloadTheirShard) {
     TempDir dir("offload");
     auto r = offload(dir, params, {"--set", "trainer.devices=2", "--set", "data.batch_size=12", "--set", "offload.bucket_cap_mb=0.0001",
                                    "--set", "trainer.accelerator=\"cpu\""});
-    EXPECT_LE(max_difference(last(ref), last(dir)), 1e-5) << "offload_params " << params;
+    EXPECT_LE(max_weight_difference(last_checkpoint(ref), last_checkpoint(dir)), 1e-5) << "offload_params " << params;
     std::regex part(R"(this rank trains (\d+) of (\d+) elements)");
     int64_t sum = 0, total = 0, ranks = 0;
     for (std::sregex_iterator it(r.err.begin(), r.err.end(), part), end; it != end; ++it) {

@@ -4,7 +4,8 @@
 # train with the installed engine loading it. Then do the same for every plugin folder under
 # plugins/callbacks and plugins/schedulers: one generated project add_subdirectory()s them all
 # against the installed SDK, its builds replace the installed copies, and the installed engine
-# must load each of them.
+# must load each of them. The schedulers, swa, ema and lr_monitor link Ember::support, so their
+# builds prove that the support headers and target are installed and exported with the SDK.
 #   out_of_tree.sh <ember build dir> <scratch dir>
 set -euo pipefail
 build=$1
@@ -47,6 +48,8 @@ grep -q "hello from out of tree: epoch 1 ended at step" err.txt || { cat err.txt
 echo "out-of-tree plugin built against the installed SDK and loaded by the installed engine"
 
 # The project's own callback and scheduler plugins, built the same way.
+test -f "$prefix/include/ember/support/lr_schedule.h" || { echo "the SDK install has no <ember/support/lr_schedule.h>"; exit 1; }
+grep -q 'Ember::support' "$prefix"/lib*/cmake/EmberSDK/EmberSDKTargets.cmake || { echo "EmberSDKTargets.cmake exports no Ember::support"; exit 1; }
 bundled="$work/bundled"
 mkdir -p "$bundled"
 names=()

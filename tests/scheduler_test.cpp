@@ -10,14 +10,15 @@
 #include <string>
 #include <vector>
 
+#include <ember/support/lr_schedule.h>
+#include <ember/support/weight_averaging.h>
+
 #include "checkpoint_io.h"
-#include "lr_formulas.h"
 #include "checkpoint_support.h"
 #include "support.h"
-#include "swa_math.h"
 
 using namespace ember::test;
-using namespace ember_sched;
+using namespace ember::support;
 namespace fs = std::filesystem;
 
 namespace {
@@ -130,13 +131,13 @@ TEST(SchedulerFormula, CosineWithWarmupStepAndSwalrMatchPyTorch) {
   EXPECT_EQ(cosine_warmup(c, 15), 0.0);  // stays at eta_min after the schedule
   expect_all_near({0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025, 0.025, 0.0125, 0.0125},
                   [&](int64_t t) { return step_lr(0.1, 3, 0.5, t); }, "step");
-  using ember_swa::AnnealStrategy;
+  using ember::support::AnnealStrategy;
   expect_all_near({0.05, 0.04000000000000001, 0.020000000000000007, 0.01, 0.01, 0.01, 0.01},
-                  [&](int64_t e) { return ember_swa::swalr(0.05, 0.01, e, 3, AnnealStrategy::cos); }, "SWALR cos");
+                  [&](int64_t e) { return ember::support::swalr(0.05, 0.01, e, 3, AnnealStrategy::cos); }, "SWALR cos");
   expect_all_near({0.05, 0.04000000000000001, 0.030000000000000006, 0.020000000000000004, 0.01, 0.01, 0.01},
-                  [&](int64_t e) { return ember_swa::swalr(0.05, 0.01, e, 4, AnnealStrategy::linear); }, "SWALR linear");
+                  [&](int64_t e) { return ember::support::swalr(0.05, 0.01, e, 4, AnnealStrategy::linear); }, "SWALR linear");
   expect_all_near({0.01, 0.01, 0.01, 0.01, 0.01},
-                  [&](int64_t e) { return ember_swa::swalr(0.05, 0.01, e, 0, AnnealStrategy::cos); }, "SWALR at once");
+                  [&](int64_t e) { return ember::support::swalr(0.05, 0.01, e, 0, AnnealStrategy::cos); }, "SWALR at once");
 }
 
 TEST(SchedulerFormula, ReduceOnPlateauMatchesPyTorch) {

@@ -22,75 +22,20 @@ namespace {
 // every optimizer step (the loader deals shuffled sample i to rank i % world). The mlp's hidden
 // layers are units (gathered one at a time under stage 3); 23 and 17 make every parameter's size
 // indivisible by 2 and by 3, so shards are padded.
-const char* kRun = R"(
-[trainer]
-# CPU ranks (Open MPI) compared with single_device on the same device, also where a GPU is present.
-accelerator = "cpu"
-max_epochs = 2
-num_sanity_val_steps = 0
-enable_progress_bar = false
-enable_model_summary = false
-log_every_n_steps = 1
-[model]
-name = "mlp"
-input_size = 32
-hidden = [23, 17]
-num_classes = 4
-[data]
-name = "synthetic"
-shape = [32]
-num_classes = 4
-num_train = 72
-num_val = 24
-num_test = 0
-batch_size = 24
-shuffle = true
-[optimizer]
-)";
+const std::string kRun = synthetic_mlp_toml({.accelerator = "cpu", .hidden = "[23, 17]", .num_train = 72,
+                                             .num_val = 24, .batch_size = 24}) +
+                         "[optimizer]\n";
 const char* kSgd = "name = \"sgd\"\nlr = 0.1\nmomentum = 0.9\n";
 const char* kAdam = "name = \"adam\"\nlr = 0.01\n";
 
-void write_run(const TempDir& dir, const char* optimizer = kSgd) { write_file(dir / "run.toml", std::string(kRun) + optimizer); }
-
-// The largest element difference between the weights of two checkpoints (printed as the worst
-// tensor's name when a test fails).
-struct Difference {
-  double value = 0;
-  std::string name;
-  operator double() const { return value; }  // NOLINT: compared directly in EXPECT_LE
-};
-std::ostream& operator<<(std::ostream& os, const Difference& d) { return os << d.value << " ('" << d.name << "')"; }
-
-Difference max_difference(const fs::path& a, const fs::path& b) {
-  auto wa = weights(a), wb = weights(b);
-  EXPECT_EQ(wa.size(), wb.size());
-  Difference worst;
-  for (const auto& [name, t] : wa) {
-    EXPECT_TRUE(wb.count(name)) << name;
-    if (!wb.count(name)) continue;
-    EXPECT_EQ(t.sizes(), wb.at(name).sizes()) << name;
-    const double d = (t.to(at::kDouble) - wb.at(name).to(at::kDouble)).abs().max().item<double>();
-    if (d > worst.value) worst = {d, name};
-  }
-  return worst;
-}
-
-fs::path last(const TempDir& d, int version = 0) {
-  return d / ("runs/run/version_" + std::to_string(version) + "/checkpoints/last.ckpt");
-}
-
-ProcessResult engine_ok(const TempDir& dir, std::vector<std::string> args, int timeout_s = 240) {
-  auto r = run_engine(args, dir.path(), {}, timeout_s);
-  EXPECT_EQ(r.exit_code, 0) << r.err;
-  return r;
-}
+void write_run(const TempDir& dir, const char* optimizer = kSgd) { write_file(dir / "run.toml", kRun + optimizer); }
 
 // single_device with the global batch (24).
 void reference(const TempDir& dir, std::vector<std::string> extra = {}, const char* optimizer = kSgd) {
   write_run(dir, optimizer);
   std::vector<std::string> args = {"run.toml"};
   args.insert(args.end(), extra.begin(), extra.end());
-  engine_ok(dir, args);
+  run_engine_ok(dir, args);
 }
 
 // sharded with `ranks` ranks of batch 24 / ranks.
@@ -101,13 +46,7 @@ ProcessResult sharded(const TempDir& dir, int stage, int ranks, std::vector<std:
                                    "--set", "sharded.stage=" + std::to_string(stage),
                                    "--set", "data.batch_size=" + std::to_string(24 / ranks)};
   args.insert(args.end(), extra.begin(), extra.end());
-  return engine_ok(dir, args);
-}
-
-int64_t count_of(const std::string& text, const std::string& pattern) {
-  std::smatch m;
-  if (!std::regex_search(text, m, std::regex(pattern))) return -1;
-  return std::stoll(m[1].str());
+  return run_engine_ok(dir, args);
 }
 
 struct StageRanks {
@@ -134,10 +73,10 @@ TEST_P(ShardedStages, MatchSingleDeviceWithTheGlobalBatch) {
   // Tiny groups: the parameters outside units are reduce-scattered in several pieces, some of
   // them while backward still runs.
   auto r = sharded(dir, stage, ranks, {"--set", "sharded.bucket_cap_mb=0.0001"});
-  EXPECT_LE(max_difference(last(single), last(dir)), 1e-5);
-  EXPECT_GT(count_of(r.err, R"((\d+) reduce-scatters)"), 0) << r.err;
-  EXPECT_GT(count_of(r.err, R"(\((\d+) started while backward was still running\))"), 0) << r.err;
-  if (stage == 3) EXPECT_GT(count_of(r.err, R"(\((\d+) prefetched\))"), 0) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(dir)), 1e-5);
+  EXPECT_GT(count_in_log(r.err, R"((\d+) reduce-scatters)"), 0) << r.err;
+  EXPECT_GT(count_in_log(r.err, R"(\((\d+) started while backward was still running\))"), 0) << r.err;
+  if (stage == 3) EXPECT_GT(count_in_log(r.err, R"(\((\d+) prefetched\))"), 0) << r.err;
   // Every rank trains its part: together they hold every element exactly once.
   std::regex part(R"(this rank trains (\d+) of (\d+) elements)");
   int64_t sum = 0, total = 0;
@@ -174,8 +113,8 @@ TEST_F(Sharded, AccumulationAndClippingMatchSingleDevice) {
     std::vector<std::string> args = {"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=30.0", "--set", "trainer.devices=2",
                                      "--set", "sharded.stage=" + std::to_string(stage)};
     args.insert(args.end(), a.begin(), a.end());
-    engine_ok(dir, args);
-    EXPECT_LE(max_difference(last(single), last(dir)), 1e-5) << "stage " << stage;
+    run_engine_ok(dir, args);
+    EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(dir)), 1e-5) << "stage " << stage;
   }
 }
 
@@ -186,20 +125,20 @@ TEST_F(Sharded, CheckpointResumesOnAnotherWorldSizeAndUnderSingleDevice) {
   reference(single, {}, kAdam);
   const std::vector<std::string> epoch1 = {"--set", "trainer.max_epochs=1"};
   sharded(three, 3, 2, epoch1, kAdam);
-  fs::copy_file(last(three), one / "two_ranks.ckpt");
+  fs::copy_file(last_checkpoint(three), one / "two_ranks.ckpt");
   auto r = sharded(three, 3, 3, {"--resume", "last"}, kAdam);
   EXPECT_NE(r.err.find("re-sharded onto 3"), std::string::npos) << r.err;
-  EXPECT_LE(max_difference(last(single), last(three)), 1e-5);
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(three)), 1e-5);
   write_run(one, kAdam);
-  auto o = engine_ok(one, {"run.toml", "--resume", "two_ranks.ckpt"});
+  auto o = run_engine_ok(one, {"run.toml", "--resume", "two_ranks.ckpt"});
   EXPECT_NE(o.err.find("resumed from"), std::string::npos) << o.err;
-  EXPECT_LE(max_difference(last(single), last(one)), 1e-5) << o.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(one)), 1e-5) << o.err;
   // And the other way: single_device's checkpoint resumes under sharding.
   TempDir back("sharded");
   write_run(back, kAdam);
-  engine_ok(back, {"run.toml", "--set", "trainer.max_epochs=1"});
+  run_engine_ok(back, {"run.toml", "--set", "trainer.max_epochs=1"});
   sharded(back, 2, 3, {"--resume", "last"}, kAdam);
-  EXPECT_LE(max_difference(last(single), last(back)), 1e-5);
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(back)), 1e-5);
 }
 
 // amp16 and bf16 under stage 3 agree with single_device in the same precision within a tolerance
@@ -213,8 +152,8 @@ TEST_F(Sharded, MixedPrecisionMatchesSingleDeviceWithinTolerance) {
     auto lone = mode;
     lone.insert(lone.end(), {"--set", "data.batch_size=12"});
     reference(alone, lone);
-    const Difference synced = max_difference(last(single), last(dir));
-    const Difference unsynced = max_difference(last(single), last(alone));
+    const WeightDifference synced = max_weight_difference(last_checkpoint(single), last_checkpoint(dir));
+    const WeightDifference unsynced = max_weight_difference(last_checkpoint(single), last_checkpoint(alone));
     EXPECT_LE(synced, 0.02) << precision;
     EXPECT_GT(unsynced, 0.02) << precision << ": the tolerance would not catch a missing synchronisation";
   }
@@ -230,7 +169,7 @@ TEST_F(Sharded, TricksUnderStage3MatchSingleDevice) {
   TempDir single("sharded"), dir("sharded");
   reference(single, tricks);
   auto r = sharded(dir, 3, 2, tricks);
-  EXPECT_LE(max_difference(last(single), last(dir)), 1e-5);
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(dir)), 1e-5);
   int ckpts = 0;
   for (const auto& e : fs::directory_iterator(dir / "runs/run/version_0/checkpoints")) ckpts += e.path().extension() == ".ckpt";
   EXPECT_EQ(ckpts, 3) << "top-2 plus last";
@@ -239,7 +178,7 @@ TEST_F(Sharded, TricksUnderStage3MatchSingleDevice) {
                                         "--set", "swa.swa_lrs=[0.05]"};
   reference(swa_single, swa);
   sharded(swa_dir, 3, 3, swa);
-  EXPECT_LE(max_difference(last(swa_single), last(swa_dir)), 1e-5);
+  EXPECT_LE(max_weight_difference(last_checkpoint(swa_single), last_checkpoint(swa_dir)), 1e-5);
 }
 
 TEST_F(Sharded, BadSettingsAreOneClearLine) {
@@ -312,7 +251,7 @@ TEST_F(Sharded, StateMemoryPerRankShrinksWithEachStage) {
     std::vector<std::string> args = {"--plugin-path", test_plugin_dir("good").string(), "run.toml", "--set", "trainer.devices=2",
                                      "--set", "data.batch_size=12", "--set", "trainer.max_epochs=1", "--set", "model.hidden=[64, 64]"};
     args.insert(args.end(), strategy.begin(), strategy.end());
-    auto r = engine_ok(dir, args);
+    auto r = run_engine_ok(dir, args);
     std::smatch m;
     EXPECT_TRUE(std::regex_search(r.err, m, probe)) << r.err;
     return m.empty() ? int64_t{0} : std::stoll(m[1].str());
@@ -338,7 +277,7 @@ TEST_F(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
   auto epoch1 = sharded_ckpt;
   epoch1.insert(epoch1.end(), {"--set", "trainer.max_epochs=1"});
   sharded(dir, 3, 2, epoch1, kAdam);
-  const fs::path saved = last(dir);
+  const fs::path saved = last_checkpoint(dir);
   ASSERT_TRUE(fs::is_directory(saved)) << saved;
   for (const char* f : {"meta.ckpt", "rank0.ckpt", "rank1.ckpt"}) EXPECT_TRUE(fs::is_regular_file(saved / f)) << f;
   EXPECT_FALSE(fs::exists(saved.parent_path() / ".last.ckpt.partial"));
@@ -352,7 +291,7 @@ TEST_F(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
     write_run(r, kAdam);
     auto out = sharded(r, 2, ranks, {"--resume", (keep / "two_ranks.ckpt").string()}, kAdam);
     EXPECT_NE(out.err.find("resumed from"), std::string::npos) << out.err;
-    EXPECT_LE(max_difference(last(single), last(r)), 1e-5) << ranks << " ranks";
+    EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(r)), 1e-5) << ranks << " ranks";
   }
   // single_device cannot read parts: it says what to do.
   TempDir plain("sharded");
@@ -367,8 +306,8 @@ TEST_F(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
   EXPECT_EQ(whole.at("fc1.weight").sizes(), (std::vector<int64_t>{23, 32}));
   TempDir from_whole("sharded");
   write_run(from_whole, kAdam);
-  engine_ok(from_whole, {"run.toml", "--resume", (keep / "whole.ckpt").string()});
-  EXPECT_LE(max_difference(last(single), last(from_whole)), 1e-5);
+  run_engine_ok(from_whole, {"run.toml", "--resume", (keep / "whole.ckpt").string()});
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(from_whole)), 1e-5);
 }
 
 // A rank killed while a sharded checkpoint is being saved leaves the previous one whole: the job
@@ -388,5 +327,5 @@ TEST_F(Sharded, KilledMidSaveKeepsThePreviousCheckpoint) {
                             dir.path(), {}, 180);
   ASSERT_EQ(meta_ok.exit_code, 0) << meta_ok.err;
   EXPECT_NE(meta_ok.err.find("at epoch 0, step 3"), std::string::npos) << meta_ok.err;
-  EXPECT_LE(max_difference(last(single), last(dir)), 1e-5);
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(dir)), 1e-5);
 }

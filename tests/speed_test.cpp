@@ -7,7 +7,7 @@
 //     picks on this machine, and bf16's start-up warning on a CPU without native bfloat16;
 //   - fashion_mnist: float32 store = uint8 store, validation on the test images, deterministic
 //     augmentation (the same with and without loader workers), the speedrun cnn;
-//   - image augmentation (models/common/image_augment.h): flips and crops are what they claim.
+//   - image augmentation (<ember/model_support/image_augment.h>): flips and crops are what they claim.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -19,7 +19,7 @@
 #include <filesystem>
 #include <string>
 
-#include "../models/common/image_augment.h"
+#include <ember/model_support/image_augment.h>
 #include "checkpoint_support.h"
 #include "run_config.h"
 #include "device_feed.h"
@@ -33,30 +33,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-double max_weight_difference(const fs::path& a, const fs::path& b) {
-  auto wa = weights(a), wb = weights(b);
-  EXPECT_EQ(wa.size(), wb.size());
-  EXPECT_FALSE(wa.empty());
-  double worst = 0;
-  for (const auto& [name, t] : wa) {
-    if (!wb.count(name)) {
-      ADD_FAILURE() << name;
-      continue;
-    }
-    worst = std::max(worst, (t.to(at::kDouble) - wb.at(name).to(at::kDouble)).abs().max().item<double>());
-  }
-  return worst;
-}
-
-fs::path last(const TempDir& d) { return d / "runs/run/version_0/checkpoints/last.ckpt"; }
-
 ProcessResult train(const TempDir& dir, const std::string& config, std::vector<std::string> extra) {
   write_file(dir / "run.toml", config);
   std::vector<std::string> args = {"run.toml"};
   args.insert(args.end(), extra.begin(), extra.end());
-  auto r = run_engine(args, dir.path(), {}, 300);
-  EXPECT_EQ(r.exit_code, 0) << r.err;
-  return r;
+  return run_engine_ok(dir, args, 300);
 }
 
 // A small CNN on generated images: convolutions (channels-last), batch-norm-free.
@@ -94,7 +75,7 @@ void expect_same_weights(const std::string& config, const std::string& fast, con
   TempDir a("speed"), b("speed");
   train(a, config, {"--set", fast});
   train(b, config, {"--set", plain});
-  EXPECT_LE(max_weight_difference(last(a), last(b)), tol) << fast << " vs " << plain;
+  EXPECT_LE(max_weight_difference(last_checkpoint(a), last_checkpoint(b)), tol) << fast << " vs " << plain;
 }
 
 std::string one_line(std::string e) {

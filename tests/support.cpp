@@ -5,9 +5,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <gtest/gtest.h>
+
 #include <chrono>
 #include <fstream>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -147,6 +150,31 @@ std::vector<std::map<std::string, std::string>> read_csv(const fs::path& p) {
     rows.push_back(row);
   }
   return rows;
+}
+
+ProcessResult run_engine_ok(const TempDir& dir, const std::vector<std::string>& args, int timeout_s) {
+  auto r = run_engine(args, dir.path(), {}, timeout_s);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return r;
+}
+
+int64_t count_in_log(const std::string& text, const std::string& pattern) {
+  std::smatch m;
+  if (!std::regex_search(text, m, std::regex(pattern))) return -1;
+  return std::stoll(m[1].str());
+}
+
+std::string synthetic_mlp_toml(const SyntheticMlpRun& run) {
+  std::ostringstream t;
+  t << "[trainer]\n";
+  if (!run.accelerator.empty()) t << "accelerator = \"" << run.accelerator << "\"\n";
+  t << "max_epochs = 2\nnum_sanity_val_steps = 0\nenable_progress_bar = false\nenable_model_summary = false\n"
+       "log_every_n_steps = 1\n"
+       "[model]\nname = \"mlp\"\ninput_size = 32\nhidden = "
+    << run.hidden << "\nnum_classes = 4\n"
+    << "[data]\nname = \"synthetic\"\nshape = [32]\nnum_classes = 4\nnum_train = " << run.num_train
+    << "\nnum_val = " << run.num_val << "\nnum_test = 0\nbatch_size = " << run.batch_size << "\nshuffle = true\n";
+  return t.str();
 }
 
 }  // namespace ember::test

@@ -1,6 +1,7 @@
 // Helpers shared by the tests: running the real `engine` binary with a hard time limit, temp
 // folders, and reading the files a run leaves behind.
 #pragma once
+#include <cstdint>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -58,5 +59,25 @@ class TempDir {
 void write_file(const std::filesystem::path& p, const std::string& text);
 std::string read_file(const std::filesystem::path& p);
 std::vector<std::map<std::string, std::string>> read_csv(const std::filesystem::path& p);
+
+// run_engine in `dir` that must succeed (a test failure with the engine's stderr otherwise).
+ProcessResult run_engine_ok(const TempDir& dir, const std::vector<std::string>& args, int timeout_s = 240);
+
+// The number that the first match of `pattern` captures in its group 1 (e.g. R"((\d+) gradient
+// syncs)" in an engine's stderr), -1 without a match.
+int64_t count_in_log(const std::string& text, const std::string& pattern);
+
+// The [trainer], [model] and [data] sections of the small run the strategy tests compare with
+// single_device: the mlp on synthetic data (32 features, 4 classes, shuffled, no test split), two
+// epochs, every step logged, no sanity check, progress bar or summary. The test adds the
+// [optimizer] section.
+struct SyntheticMlpRun {
+  // "cpu" keeps CPU ranks (Open MPI) and single_device on the same device also where a GPU is
+  // present; empty leaves the accelerator to the engine.
+  std::string accelerator;
+  std::string hidden = "[23, 17]";
+  int num_train = 72, num_val = 24, batch_size = 24;
+};
+std::string synthetic_mlp_toml(const SyntheticMlpRun& run);
 
 }  // namespace ember::test

@@ -13,10 +13,11 @@
 #include <string>
 #include <vector>
 
+#include <ember/support/lr_schedule.h>
+#include <ember/support/weight_averaging.h>
+
 #include "checkpoint_io.h"
-#include "lr_formulas.h"
 #include "support.h"
-#include "swa_math.h"
 
 using namespace ember::test;
 namespace fs = std::filesystem;
@@ -138,7 +139,7 @@ dir = "snaps"
   ASSERT_EQ(lr.size(), 20u);
   for (const auto& [step, v] : lr) {
     const int64_t epoch = step / 4;
-    const double expected = epoch < 2 ? 0.1 : ember_swa::swalr(0.1, 0.05, epoch - 2, 2, ember_swa::AnnealStrategy::cos);
+    const double expected = epoch < 2 ? 0.1 : ember::support::swalr(0.1, 0.05, epoch - 2, 2, ember::support::AnnealStrategy::cos);
     EXPECT_NEAR(v, expected, 1e-12) << "step " << step;
   }
   // The final validation ran on the averaged weights (a second val row at the last step), and the
@@ -151,7 +152,7 @@ dir = "snaps"
 }
 
 TEST(Swa, TakesTheRateOverFromCyclicLrInEitherPluginOrder) {
-  ember_sched::CyclicParams p;
+  ember::support::CyclicParams p;
   p.base_lr = 0.01;
   p.max_lr = 0.2;
   p.step_size_up = 3;
@@ -174,11 +175,11 @@ cycle_momentum = false
     ASSERT_EQ(r.result.exit_code, 0) << plugins << ": " << r.result.err;
     auto lr = column(r.dir, "lr-SGD");
     ASSERT_EQ(lr.size(), 20u) << plugins;
-    const double lr0 = ember_sched::cyclic_lr(p, 12);  // the rate in place when SWA starts (after 12 steps)
+    const double lr0 = ember::support::cyclic_lr(p, 12);  // the rate in place when SWA starts (after 12 steps)
     for (const auto& [step, v] : lr) {
       const int64_t epoch = step / 4;
-      const double expected = epoch < 3 ? ember_sched::cyclic_lr(p, step)
-                                        : ember_swa::swalr(lr0, 0.02, epoch - 3, 1, ember_swa::AnnealStrategy::linear);
+      const double expected = epoch < 3 ? ember::support::cyclic_lr(p, step)
+                                        : ember::support::swalr(lr0, 0.02, epoch - 3, 1, ember::support::AnnealStrategy::linear);
       EXPECT_NEAR(v, expected, 1e-12) << plugins << " at step " << step;
     }
   }

@@ -19,7 +19,7 @@
 #include <ember/plugin.h>
 #include <ember/predict.h>
 
-#include "../common/classification.h"
+#include <ember/model_support/classification.h>
 #include "asset_path.h"
 #include "bert_net.h"
 

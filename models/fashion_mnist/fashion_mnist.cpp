@@ -35,7 +35,7 @@
 #include <ember/predict.h>
 #include <ember/trainer.h>
 
-#include "../common/image_augment.h"
+#include <ember/model_support/image_augment.h>
 
 namespace {
 

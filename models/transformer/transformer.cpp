@@ -23,8 +23,8 @@
 #include <ember/plugin.h>
 #include <ember/predict.h>
 
-#include "../common/classification.h"
-#include "../common/data_parallel.h"
+#include <ember/model_support/classification.h>
+#include <ember/model_support/data_parallel.h>
 
 namespace {
 

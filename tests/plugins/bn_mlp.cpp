@@ -8,7 +8,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/module.h>
 
-#include "../../models/common/classification.h"
+#include <ember/model_support/classification.h>
 
 namespace {
 

@@ -7,7 +7,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 
-#include "../../models/common/classification.h"
+#include <ember/model_support/classification.h>
 
 namespace {
 

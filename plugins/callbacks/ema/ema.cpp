@@ -24,14 +24,14 @@
 #include <string>
 #include <vector>
 
-#include "../../schedulers/common/state_util.h"
-#include "../swa/swa_math.h"
-#include "../swa/weights.h"
+#include <ember/support/plugin_state.h>
+#include <ember/support/weight_averaging.h>
+#include <ember/support/weight_copies.h>
 
 namespace {
 
-using namespace ember_swa;
-using ember_sched::StateReader;
+using namespace ember::support;
+using ember::support::StateReader;
 
 // clang-format off
 constexpr EmberConfigKey kKeys[] = {
@@ -113,13 +113,13 @@ class Ema final : public ember::Callback {
   }
 
   c10::IValue state_dict() const override {
-    auto d = ember_sched::new_state();
+    auto d = ember::support::new_state();
     d.insert("n_averaged", n_averaged_);
     d.insert("latest_update_step", latest_update_step_);
     d.insert("use_buffers", use_buffers_);
-    d.insert("averaged", ember_sched::tensor_list(cpu_clones(averaged_)));
+    d.insert("averaged", ember::support::tensor_list(cpu_clones(averaged_)));
     // While the average is in the model (during a save), the model's own weights are here.
-    d.insert("model", ember_sched::tensor_list(cpu_clones(stash_)));
+    d.insert("model", ember::support::tensor_list(cpu_clones(stash_)));
     return d;
   }
 

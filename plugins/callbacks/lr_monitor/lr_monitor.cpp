@@ -18,11 +18,11 @@
 #include <utility>
 #include <vector>
 
-#include "../../schedulers/common/param_groups.h"
+#include <ember/support/param_groups.h>
 
 namespace {
 
-using namespace ember_sched;
+using namespace ember::support;
 
 // clang-format off
 constexpr EmberConfigKey kKeys[] = {

@@ -36,15 +36,15 @@
 #include <string>
 #include <vector>
 
-#include "../../schedulers/common/param_groups.h"
-#include "../../schedulers/common/state_util.h"
-#include "swa_math.h"
-#include "weights.h"
+#include <ember/support/param_groups.h>
+#include <ember/support/plugin_state.h>
+#include <ember/support/weight_averaging.h>
+#include <ember/support/weight_copies.h>
 
 namespace {
 
-using namespace ember_swa;
-using ember_sched::StateReader;
+using namespace ember::support;
+using ember::support::StateReader;
 
 // clang-format off
 constexpr EmberConfigKey kKeys[] = {
@@ -80,7 +80,7 @@ class Swa final : public ember::Callback {
         throw ember::ConfigError("[" + name_ + "] swa_epoch_start is a fraction but trainer.max_epochs is unlimited: give an epoch (an integer) or set max_epochs");
       swa_start_ = static_cast<int64_t>(static_cast<double>(t.max_epochs()) * start_value_);  // Lightning: int(max_epochs * f)
     }
-    const size_t groups = ember_sched::num_groups(t.optimizer());
+    const size_t groups = ember::support::num_groups(t.optimizer());
     if (swa_lrs_.size() != 1 && swa_lrs_.size() != groups)
       throw ember::ConfigError("[" + name_ + "] swa_lrs has " + std::to_string(swa_lrs_.size()) + " values but the optimizer has " +
                                std::to_string(groups) + " param groups: give one value, or one per group");
@@ -100,7 +100,7 @@ class Swa final : public ember::Callback {
     if (t.current_epoch() < swa_start_) return;
     if (!started_) {
       started_ = true;
-      lr0_ = ember_sched::get_lrs(t.optimizer());
+      lr0_ = ember::support::get_lrs(t.optimizer());
       host_.log(ember::LogLevel::info, name_ + ": averaging from epoch " + std::to_string(t.current_epoch()) +
                                            "; the learning rate now follows SWALR");
     }
@@ -150,15 +150,15 @@ class Swa final : public ember::Callback {
   }
 
   c10::IValue state_dict() const override {
-    auto d = ember_sched::new_state();
+    auto d = ember::support::new_state();
     d.insert("n_averaged", n_averaged_);
     d.insert("latest_update_epoch", latest_update_epoch_);
     d.insert("started", started_);
-    d.insert("lr0", ember_sched::double_list(lr0_));
-    d.insert("averaged", ember_sched::tensor_list(cpu_clones(averaged_)));
+    d.insert("lr0", ember::support::double_list(lr0_));
+    d.insert("averaged", ember::support::tensor_list(cpu_clones(averaged_)));
     d.insert("transferred", transferred_);
-    d.insert("model_params", ember_sched::tensor_list(cpu_clones(raw_params_)));
-    d.insert("model_buffers", ember_sched::tensor_list(cpu_clones(raw_buffers_)));
+    d.insert("model_params", ember::support::tensor_list(cpu_clones(raw_params_)));
+    d.insert("model_buffers", ember::support::tensor_list(cpu_clones(raw_buffers_)));
     return d;
   }
 
@@ -189,10 +189,10 @@ class Swa final : public ember::Callback {
   void write_lr(ember::ITrainer& t) {
     auto& opt = t.optimizer();
     const int64_t e = t.current_epoch() - swa_start_;
-    for (size_t g = 0; g < ember_sched::num_groups(opt); ++g) {
+    for (size_t g = 0; g < ember::support::num_groups(opt); ++g) {
       const double swa_lr = swa_lrs_.size() == 1 ? swa_lrs_[0] : swa_lrs_[g];
       const double lr0 = g < lr0_.size() ? lr0_[g] : lr0_.back();
-      ember_sched::set_lr(opt, g, swalr(lr0, swa_lr, e, annealing_epochs_, strategy_));
+      ember::support::set_lr(opt, g, swalr(lr0, swa_lr, e, annealing_epochs_, strategy_));
     }
   }
 

@@ -3,12 +3,12 @@
 // (Lightning's estimated_stepping_batches, or max_epochs for the epoch interval).
 #include <ember/plugin.h>
 
-#include "../common/lr_formulas.h"
-#include "../common/scheduler_base.h"
+#include <ember/support/closed_form_scheduler.h>
+#include <ember/support/lr_schedule.h>
 
 namespace {
 
-using namespace ember_sched;
+using namespace ember::support;
 
 // clang-format off
 constexpr EmberConfigKey kKeys[] = {

@@ -1,14 +1,14 @@
 // Plugin "cyclic_lr": torch.optim.lr_scheduler.CyclicLR (triangular, triangular2, exp_range) with
 // optional momentum cycling, stepped after every optimizer step. A callback that writes the
-// optimizer's param-group learning rates (see ../common/scheduler_base.h for when).
+// optimizer's param-group learning rates (see <ember/support/closed_form_scheduler.h> for when).
 #include <ember/plugin.h>
 
-#include "../common/lr_formulas.h"
-#include "../common/scheduler_base.h"
+#include <ember/support/closed_form_scheduler.h>
+#include <ember/support/lr_schedule.h>
 
 namespace {
 
-using namespace ember_sched;
+using namespace ember::support;
 
 // clang-format off
 constexpr EmberConfigKey kKeys[] = {

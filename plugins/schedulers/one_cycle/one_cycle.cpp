@@ -1,15 +1,15 @@
 // Plugin "one_cycle": torch.optim.lr_scheduler.OneCycleLR, stepped after every optimizer step.
-// total_steps defaults to Lightning's estimated_stepping_batches (see ../common/scheduler_base.h).
+// total_steps defaults to Lightning's estimated_stepping_batches (see <ember/support/closed_form_scheduler.h>).
 #include <ember/plugin.h>
 
 #include <stdexcept>
 
-#include "../common/lr_formulas.h"
-#include "../common/scheduler_base.h"
+#include <ember/support/closed_form_scheduler.h>
+#include <ember/support/lr_schedule.h>
 
 namespace {
 
-using namespace ember_sched;
+using namespace ember::support;
 
 // clang-format off
 constexpr EmberConfigKey kKeys[] = {

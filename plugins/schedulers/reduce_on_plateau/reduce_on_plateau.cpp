@@ -21,13 +21,13 @@
 #include <string>
 #include <vector>
 
-#include "../common/lr_formulas.h"
-#include "../common/param_groups.h"
-#include "../common/state_util.h"
+#include <ember/support/lr_schedule.h>
+#include <ember/support/param_groups.h>
+#include <ember/support/plugin_state.h>
 
 namespace {
 
-using namespace ember_sched;
+using namespace ember::support;
 
 // clang-format off
 constexpr EmberConfigKey kKeys[] = {

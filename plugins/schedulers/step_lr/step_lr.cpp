@@ -2,12 +2,12 @@
 // step_size epochs (or optimizer steps with interval = "step").
 #include <ember/plugin.h>
 
-#include "../common/lr_formulas.h"
-#include "../common/scheduler_base.h"
+#include <ember/support/closed_form_scheduler.h>
+#include <ember/support/lr_schedule.h>
 
 namespace {
 
-using namespace ember_sched;
+using namespace ember::support;
 
 // clang-format off
 constexpr EmberConfigKey kKeys[] = {

@@ -10,7 +10,7 @@
 
 #include <ember/error.h>
 
-namespace ember_sched {
+namespace ember::support {
 
 using StateDict = c10::impl::GenericDict;
 
@@ -84,4 +84,4 @@ inline c10::List<at::Tensor> tensor_list(const std::vector<at::Tensor>& v) {
   return out;
 }
 
-}  // namespace ember_sched
+}  // namespace ember::support

@@ -26,10 +26,10 @@
 
 #include <torch/optim/optimizer.h>
 
-#include "param_groups.h"
-#include "state_util.h"
+#include <ember/support/param_groups.h>
+#include <ember/support/plugin_state.h>
 
-namespace ember_sched {
+namespace ember::support {
 
 enum class Interval { step, epoch };
 
@@ -160,4 +160,4 @@ class ClosedFormScheduler : public ember::Callback {
   int64_t count_ = 0;
 };
 
-}  // namespace ember_sched
+}  // namespace ember::support

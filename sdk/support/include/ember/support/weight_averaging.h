@@ -1,5 +1,6 @@
-// The arithmetic of stochastic weight averaging, header-only so tests/swa_test.cpp checks it
-// directly: torch.optim.swa_utils.SWALR's learning rate, and AveragedModel's running means.
+// The arithmetic of weight averaging (the swa and ema plugins), header-only so tests/swa_test.cpp
+// checks it directly: torch.optim.swa_utils.SWALR's learning rate, and AveragedModel's running
+// means (SWA and EMA).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -8,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace ember_swa {
+namespace ember::support {
 
 enum class AnnealStrategy { cos, linear };
 
@@ -48,4 +49,4 @@ inline void ema_update(std::vector<at::Tensor>& averaged, const std::vector<at::
   }
 }
 
-}  // namespace ember_swa
+}  // namespace ember::support

@@ -15,7 +15,7 @@
 
 #include <ember/trainer.h>
 
-namespace ember_swa {
+namespace ember::support {
 
 // The tensors the strategy trains (parameters, or this rank's shards of them under a sharding
 // strategy: averaging is element-wise, so each rank averages what it holds), then (with_buffers)
@@ -102,4 +102,4 @@ inline int64_t update_batch_norm(ember::ITrainer& t) {
   return static_cast<int64_t>(saved.size());
 }
 
-}  // namespace ember_swa
+}  // namespace ember::support

@@ -18,7 +18,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
-namespace ember_sched {
+namespace ember::support {
 
 // The optimizer's class name as Lightning's LearningRateMonitor spells it ("SGD", "Adam", ...).
 inline std::string optimizer_name(const torch::optim::Optimizer& o) {
@@ -84,4 +84,4 @@ inline std::optional<double> get_weight_decay(const torch::optim::Optimizer& o, 
   return std::nullopt;
 }
 
-}  // namespace ember_sched
+}  // namespace ember::support

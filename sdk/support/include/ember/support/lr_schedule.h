@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-namespace ember_sched {
+namespace ember::support {
 
 inline constexpr double kPi = 3.14159265358979323846;
 
@@ -207,4 +207,4 @@ inline bool plateau_step(const PlateauParams& p, PlateauState& s, double current
   return reduced;
 }
 
-}  // namespace ember_sched
+}  // namespace ember::support
