@@ -90,7 +90,7 @@ TOML
               "Ember, same Adam (optimizer.fused=false; csv logger, progress lines):ember" \
               "Ember, same Adam, logger off:bare" "Ember defaults (ATen's fused Adam; csv logger, progress lines):fused" \
               "plain PyTorch loop (Python):torch" "PyTorch Lightning 2.6 Trainer:light"; do
-    name=${pair%%:*}; file=${pair##*:}
+    name=${pair%:*}; file=${pair##*:}  # names may hold colons: the file is after the last one
     read -r tmin tmed < <(stats "$work/$file")
     awk -v name="$name" -v a="$tmin" -v m="$tmed" -v ba="$bmin" -v bm="$bmed" -v s="$steps" \
       'BEGIN { printf "| %s | %.3f | %.3f | %.3f | %.3f |\n", name, 1000 * a / s, 1000 * m / s, a / ba, m / bm }'
