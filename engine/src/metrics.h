@@ -1,7 +1,9 @@
-// Metrics logged by models and callbacks (Lightning's self.log). Values stay tensors on their
-// device; they are read back to the host only when the engine publishes them (every
+// Metrics logged by models and callbacks (Lightning's self.log). Values on a device stay tensors
+// there; they are read back to the host only when the engine publishes them (every
 // log_every_n_steps steps, at progress refresh and at epoch end), so a step never waits on the
-// device just because something was logged.
+// device just because something was logged. Values on the CPU (and numbers) are read at once and
+// accumulated as doubles: there is no device to wait for, and a tensor op per logged value costs
+// more than a small model's whole step does (bench/overhead.sh). Both give the same numbers.
 #pragma once
 #include <ember/types.h>
 
@@ -19,6 +21,7 @@ class MetricStore {
   // Records a value from a step of `stage` (fit, validate, test, sanity_check).
   void log(const std::string& name, const at::Tensor& value, const LogOptions& options, Stage stage,
            int64_t batch_size);
+  void log(const std::string& name, double value, const LogOptions& options, Stage stage, int64_t batch_size);
 
   // Latest per-step values (name or name_step), read back now. Clears the pending step values.
   std::vector<std::pair<std::string, double>> take_step_values();
@@ -37,14 +40,23 @@ class MetricStore {
   const std::map<std::string, double>& callback_metrics() const { return callback_metrics_; }
 
  private:
+  // A logged scalar: a tensor on a device, or a number already on the host.
+  struct Value {
+    at::Tensor device;  // undefined for a host value
+    double host = 0;
+    double read() const;  // reads a device value back (waits for the device)
+  };
   struct StepValue {
-    at::Tensor value;
+    Value value;
     bool prog_bar = false;
     bool logger = true;
   };
   struct Accumulator {
-    at::Tensor sum;       // weighted sum (mean/sum) or running extreme (max/min)
-    double weight = 0;    // total batch size (mean)
+    // Weighted sum (mean/sum) or running extreme (max/min): a device tensor while values come
+    // from a device, else the host number host_sum.
+    at::Tensor sum;
+    double host_sum = 0;
+    double weight = 0;    // total batch size (mean); 0 until the first value
     Reduce reduce = Reduce::mean;
     bool prog_bar = false;
     bool logger = true;
@@ -52,6 +64,8 @@ class MetricStore {
     std::string key;      // name or name_epoch
     std::string plain;    // the name as logged
   };
+  void record(const std::string& name, const Value& value, const LogOptions& options, Stage stage, int64_t batch_size);
+  static void accumulate(Accumulator& acc, const Value& value, double weight);
   std::map<std::string, StepValue> step_values_;           // key -> latest value
   std::map<std::string, bool> step_prog_bar_;              // keys shown on the progress bar
   std::map<int, std::map<std::string, Accumulator>> epoch_;  // stage -> name -> accumulator

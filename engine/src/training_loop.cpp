@@ -38,7 +38,7 @@ class StepContextImpl final : public IStepContext {
     if (!t_.quiet_) t_.metrics_.log(std::string(name), value, o, stage_, batch_size_);
   }
   void log(std::string_view name, double value, const LogOptions& o) override {
-    if (!t_.quiet_) t_.metrics_.log(std::string(name), at::scalar_tensor(value, at::kDouble), o, stage_, batch_size_);
+    if (!t_.quiet_) t_.metrics_.log(std::string(name), value, o, stage_, batch_size_);
   }
   Stage stage() const override { return stage_; }
   int64_t batch_idx() const override { return batch_idx_; }

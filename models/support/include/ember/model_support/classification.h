@@ -2,8 +2,10 @@
 // models log the same names with the same options (what callbacks and the progress bar look for).
 // Header-only: each plugin .so compiles its own copy, nothing is shared at run time.
 #pragma once
+#include <cmath>
 #include <string>
 
+#include <ATen/Dispatch.h>
 #include <c10/util/StringUtil.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/types.h>
@@ -71,10 +73,34 @@ inline double read_dropout(const ember::IConfig& cfg, const char* key) {
   return p;
 }
 
+// The share of rows of `logits` [N, C] (on the CPU) whose largest entry sits at the row's label,
+// exactly as (logits.argmax(1) == labels).to(kFloat).mean() computes it: the first largest on ties,
+// NaN counting as the largest, the mean rounded to float. Counted in a plain loop: for the small
+// batches where per-step cost shows, argmax/eq/to/mean (four dispatched ops and allocations) cost
+// more than the rest of the step's metric work together (bench/overhead.sh).
+inline double cpu_accuracy(const at::Tensor& logits, const at::Tensor& labels) {
+  const int64_t n = logits.size(0);
+  const auto label = labels.accessor<int64_t, 1>();
+  int64_t correct = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "cpu_accuracy", [&] {
+    const auto rows = logits.accessor<scalar_t, 2>();
+    auto is_nan = [](scalar_t v) { return std::isnan(static_cast<double>(v)); };
+    for (int64_t i = 0; i < n; ++i) {
+      const auto row = rows[i];
+      int64_t best = 0;
+      for (int64_t j = 1; j < row.size(0) && !is_nan(row[best]); ++j)
+        if (is_nan(row[j]) || row[j] > row[best]) best = j;
+      correct += best == label[i] ? 1 : 0;
+    }
+  });
+  return static_cast<double>(static_cast<float>(correct) / static_cast<float>(n));
+}
+
 // Cross-entropy of `logits` [N, C] against class indices `labels` [N]; logs <phase>_loss and
 // <phase>_acc and returns the loss (still attached to the graph when training).
 // Logs tensors, never .item(): the values may live on the GPU and the engine reads them back
-// only when it actually reports, so a step never waits for the device.
+// only when it actually reports, so a step never waits for the device (on the CPU the accuracy
+// is counted on the host: nothing to wait for).
 // `label_smoothing` > 0 mixes the one-hot targets with the uniform distribution (PyTorch's
 // cross_entropy(label_smoothing=...)).
 inline at::Tensor classification_step(const at::Tensor& logits, const at::Tensor& labels,
@@ -89,16 +115,19 @@ inline at::Tensor classification_step(const at::Tensor& logits, const at::Tensor
   }
   // The loss is computed in float32 even when the forward ran in reduced precision: the
   // log-softmax is where half precision loses the most.
+  const at::Tensor targets = labels.to(torch::kLong);
   at::Tensor loss = torch::nn::functional::cross_entropy(
-      logits.to(torch::kFloat), labels.to(torch::kLong),
+      logits.to(torch::kFloat), targets,
       torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(label_smoothing));
-  // A metric, not part of the graph.
-  at::Tensor acc = (logits.detach().argmax(1) == labels).to(torch::kFloat).mean();
 
   const std::string prefix = phase_name(phase);
   // Detached: a logged value must not keep this step's graph alive until the engine reads it.
   ctx.log(prefix + "_loss", loss.detach(), loss_log_options(phase));
-  ctx.log(prefix + "_acc", acc, accuracy_log_options(phase));
+  // A metric, not part of the graph.
+  if (logits.is_cpu() && logits.dim() == 2 && logits.size(1) > 0)
+    ctx.log(prefix + "_acc", cpu_accuracy(logits, targets), accuracy_log_options(phase));
+  else
+    ctx.log(prefix + "_acc", (logits.detach().argmax(1) == labels).to(torch::kFloat).mean(), accuracy_log_options(phase));
   return loss;
 }
 
