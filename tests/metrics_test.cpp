@@ -10,7 +10,7 @@
 #include <limits>
 #include <vector>
 
-#include "../models/common/classification.h"
+#include <ember/model_support/classification.h>
 #include "metrics.h"
 
 using namespace ember::engine;
