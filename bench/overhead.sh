@@ -3,6 +3,8 @@
 # threads, trained by
 #   - a hand-written LibTorch loop (bench/handwritten_loop.cpp): the baseline,
 #   - Ember (engine + plugins) with its defaults (csv logger, progress lines) and with the logger off,
+#   - the same hand-written loop on ember::Fabric (bench/fabric_loop.cpp, libember.so, single_device,
+#     32-true) with the same optimizer kernel (torch::optim::Adam, the plain per-tensor path),
 #   - a plain PyTorch loop and PyTorch Lightning (bench/overhead.py), on the same LibTorch wheel.
 # Two models: `cnn` (models/cnn's default widths: compute-bound, ~100 ms/step on one core) and
 # `mlp` (32 -> 32 -> 10, batch 32: so small that per-step framework overhead is what is measured).
@@ -19,7 +21,7 @@ cd "$root"
 rounds=${1:-3}; threads=${2:-1}
 build=${EMBER_BUILD_DIR:-build}
 torch_prefix=$(bash scripts/setup.sh | tail -n 1)
-cmake --build "$build" --target engine bench_handwritten_loop ember_plugin_cnn ember_plugin_mlp ember_plugin_synthetic \
+cmake --build "$build" --target engine bench_handwritten_loop bench_fabric_loop ember_plugin_cnn ember_plugin_mlp ember_plugin_synthetic \
   ember_plugin_single_device ember_plugin_fp32 ember_plugin_csv >/dev/null
 python=$(cd "$torch_prefix/../../../../../.." && pwd)/bin/python   # the venv that holds the torch wheel
 [ -x "$python" ] || python=python3
@@ -63,9 +65,10 @@ name = "adam"
 lr = 0.002
 TOML
   local v
-  for v in base ember bare torch light; do : > "$work/$v"; done
+  for v in base fabric ember bare torch light; do : > "$work/$v"; done
   for _ in $(seq "$rounds"); do
     "$build/bench/bench_handwritten_loop" "$model" "$n" "$bs" "$epochs" "$threads" | epoch_times >> "$work/base"
+    "$build/bench/bench_fabric_loop" "$model" "$n" "$bs" "$epochs" "$threads" 2>/dev/null | epoch_times >> "$work/fabric"
     (cd "$work" && "$root/$build/engine/engine" bench.toml 2>&1 | ember_epochs | epoch_times) >> "$work/ember"
     (cd "$work" && "$root/$build/engine/engine" bench.toml --set trainer.logger=false 2>&1 | ember_epochs | epoch_times) >> "$work/bare"
     "$python" bench/overhead.py torch "$model" "$n" "$bs" "$epochs" "$threads" | epoch_times >> "$work/torch"
@@ -78,7 +81,7 @@ TOML
   echo "| variant | best ms/step | median ms/step | best vs hand-written | median vs hand-written |"
   echo "|---|---|---|---|---|"
   local name file
-  for pair in "hand-written LibTorch loop (C++):base" "Ember (csv logger, progress lines):ember" "Ember (logger off):bare" \
+  for pair in "hand-written LibTorch loop (C++):base" "the same loop on ember::Fabric (plain Adam, as the hand-written):fabric" "Ember (csv logger, progress lines):ember" "Ember (logger off):bare" \
               "plain PyTorch loop (Python):torch" "PyTorch Lightning 2.6 Trainer:light"; do
     name=${pair%%:*}; file=${pair##*:}
     read -r tmin tmed < <(stats "$work/$file")
