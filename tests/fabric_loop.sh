@@ -19,8 +19,8 @@ command -v ninja >/dev/null && gen=(-G Ninja)
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S "$src/examples/fabric_loop" -B "$work/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$prefix" -DTorch_DIR="$TORCH_DIR" "${launcher[@]}" >/dev/null
-cmake --build "$work/build" >/dev/null
+  -DCMAKE_PREFIX_PATH="$prefix" -DTorch_DIR="$TORCH_DIR" "${launcher[@]}" > "$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
+cmake --build "$work/build" > "$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
 exe="$work/build/fabric_loop"
 # Linked against the installed libember.so, with no toml++/spdlog/Boost of its own.
 ldd "$exe" | grep -q "libember.so.* => $prefix/lib/libember.so" || { ldd "$exe"; exit 1; }

@@ -192,7 +192,7 @@ void train(ember::Fabric& f, const Args& a) {
     at::Tensor loss;
     {
       auto region = f.autocast();
-      loss = torch::cross_entropy(net->forward(x), y);
+      loss = torch::nn::functional::cross_entropy(net->forward(x), y);
     }
     f.backward(loss);
     f.optimizer_step();
