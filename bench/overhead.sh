@@ -81,7 +81,7 @@ TOML
   echo "| variant | best ms/step | median ms/step | best vs hand-written | median vs hand-written |"
   echo "|---|---|---|---|---|"
   local name file
-  for pair in "hand-written LibTorch loop (C++):base" "the same loop on ember::Fabric (plain Adam, as the hand-written):fabric" "Ember (csv logger, progress lines):ember" "Ember (logger off):bare" \
+  for pair in "hand-written LibTorch loop (C++):base" "the same loop on Ember Fabric (plain Adam, as hand-written):fabric" "Ember (csv logger, progress lines):ember" "Ember (logger off):bare" \
               "plain PyTorch loop (Python):torch" "PyTorch Lightning 2.6 Trainer:light"; do
     name=${pair%%:*}; file=${pair##*:}
     read -r tmin tmed < <(stats "$work/$file")
