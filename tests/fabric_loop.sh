@@ -36,6 +36,12 @@ run() {  # name, args...: runs the example, keeps its output in <name>.out / <na
   timeout 300 "$exe" "${common[@]}" "$@" > "$name.out" 2> "$name.err" || { echo "fabric_loop $* failed:"; cat "$name.err"; exit 1; }
 }
 
+# The plugins are the installed ones, found next to libember.so (dladdr), not the build tree's.
+LD_DEBUG=files timeout 120 "$exe" --strategy single_device --accelerator cpu --synthetic --limit 256 --batch 32 --steps 2 \
+  > located.out 2> located.err || { cat located.err | grep -v "^ *[0-9]*:" ; exit 1; }
+grep -q "file=$prefix/lib/ember/plugins/libsingle_device.so" located.err ||
+  { echo "single_device was not loaded from $prefix/lib/ember/plugins:"; grep "plugins/lib" located.err; exit 1; }
+
 run full --steps 40 --weights full
 cat full.out
 read -r first last < <(sed -n 's/.*loss \([0-9.]*\) -> \([0-9.]*\).*/\1 \2/p' full.out)
