@@ -188,6 +188,10 @@ TEST(Fabric, SaveLoadRoundTripContinuesIdentically) {
   auto net = make_net(11);
   f.setup(net, adam());
   fabric_steps(f, *net, d, 5);
+  const auto full = f.full_model_state();
+  ASSERT_EQ(full.size(), 4u);
+  EXPECT_TRUE(full.at("fc1.weight").equal(net->fc1->weight.detach()));
+  EXPECT_TRUE(full.at("head.bias").equal(net->head->bias.detach()));
   ember::FabricState state;
   state.global_step = 5;
   state.epoch = 0;

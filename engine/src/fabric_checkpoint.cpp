@@ -32,6 +32,11 @@ c10::impl::GenericDict string_dict() { return c10::impl::GenericDict(c10::String
 
 }  // namespace
 
+c10::Dict<std::string, at::Tensor> Fabric::full_model_state(bool rank0_only) {
+  impl_->require_setup("full_model_state");
+  return impl_->state->full_model_state(rank0_only);
+}
+
 void Fabric::save(const std::string& path, const FabricState& state) {
   auto& d = *impl_;
   d.ensure_launched();

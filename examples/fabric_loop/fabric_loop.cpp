@@ -218,8 +218,9 @@ void train(ember::Fabric& f, const Args& a) {
   if (!a.save.empty()) f.save(a.save, {.global_step = step, .epoch = std::max<int64_t>(step - 1, 0) / per_epoch});
   if (!a.weights.empty()) {
     std::ofstream out(a.weights + ".rank" + std::to_string(f.rank()), std::ios::binary);
-    for (const auto& p : net->parameters()) {
-      auto c = p.detach().to(at::kCPU, at::kFloat).contiguous();
+    // Gathered by the strategy: under sharded (ZeRO-3) the module holds only shards between steps.
+    for (const auto& entry : f.full_model_state()) {
+      auto c = entry.value().to(at::kFloat).contiguous();
       out.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.numel() * sizeof(float)));
     }
   }

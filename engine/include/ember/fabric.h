@@ -192,6 +192,12 @@ class EMBER_API Fabric {
   // Seeds LibTorch's global generators (CPU and every GPU); the only global state Fabric touches.
   void seed_everything(uint64_t seed);
 
+  // Every parameter and buffer of the set-up module, whole, on the CPU, by name (gathered by the
+  // strategy). Collective: every rank calls it; with rank0_only, ranks other than 0 get an empty
+  // dict. Read weights through this, not module->parameters(): under a sharding strategy (ZeRO-3)
+  // the module's own parameters are only materialised inside the forward region.
+  c10::Dict<std::string, at::Tensor> full_model_state(bool rank0_only = false);
+
   // Writes `state` (and the set-up model and optimizer, gathered by the strategy) to `path` in the
   // engine's checkpoint format, atomically; only rank 0 writes, every rank must call it.
   void save(const std::string& path, const FabricState& state = {});
