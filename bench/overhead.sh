@@ -3,6 +3,8 @@
 # threads, trained by
 #   - a hand-written LibTorch loop (bench/handwritten_loop.cpp) stepping torch::optim::Adam: the
 #     baseline,
+#   - the same hand-written loop on ember::Fabric (bench/fabric_loop.cpp, libember.so, single_device,
+#     32-true) with the same optimizer kernel (torch::optim::Adam, the plain per-tensor path),
 #   - Ember (engine + plugins) with the same Adam kernel (optimizer.fused = false): with its default
 #     csv logger and progress lines (the like-for-like row: the engine's own overhead), and with
 #     the logger off,
@@ -25,7 +27,7 @@ cd "$root"
 rounds=${1:-3}; threads=${2:-1}
 build=${EMBER_BUILD_DIR:-build}
 torch_prefix=$(bash scripts/setup.sh | tail -n 1)
-cmake --build "$build" --target engine bench_handwritten_loop ember_plugin_cnn ember_plugin_mlp ember_plugin_synthetic \
+cmake --build "$build" --target engine bench_handwritten_loop bench_fabric_loop ember_plugin_cnn ember_plugin_mlp ember_plugin_synthetic \
   ember_plugin_single_device ember_plugin_fp32 ember_plugin_csv >/dev/null
 python=$(cd "$torch_prefix/../../../../../.." && pwd)/bin/python   # the venv that holds the torch wheel
 [ -x "$python" ] || python=python3
@@ -69,9 +71,10 @@ name = "adam"
 lr = 0.002
 TOML
   local v
-  for v in base ember bare fused torch light; do : > "$work/$v"; done
+  for v in base fabric ember bare fused torch light; do : > "$work/$v"; done
   for _ in $(seq "$rounds"); do
     "$build/bench/bench_handwritten_loop" "$model" "$n" "$bs" "$epochs" "$threads" | epoch_times >> "$work/base"
+    "$build/bench/bench_fabric_loop" "$model" "$n" "$bs" "$epochs" "$threads" 2>/dev/null | epoch_times >> "$work/fabric"
     (cd "$work" && "$root/$build/engine/engine" bench.toml --set optimizer.fused=false 2>&1 | ember_epochs | epoch_times) >> "$work/ember"
     (cd "$work" && "$root/$build/engine/engine" bench.toml --set optimizer.fused=false --set trainer.logger=false 2>&1 |
       ember_epochs | epoch_times) >> "$work/bare"
@@ -87,6 +90,7 @@ TOML
   echo "|---|---|---|---|---|"
   local name file
   for pair in "hand-written LibTorch loop (C++, torch::optim::Adam):base" \
+              "the same loop on Ember Fabric (plain Adam, as hand-written):fabric" \
               "Ember, same Adam (optimizer.fused=false; csv logger, progress lines):ember" \
               "Ember, same Adam, logger off:bare" "Ember defaults (ATen's fused Adam; csv logger, progress lines):fused" \
               "plain PyTorch loop (Python):torch" "PyTorch Lightning 2.6 Trainer:light"; do

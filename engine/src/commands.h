@@ -1,9 +1,11 @@
-// The engine's commands, callable from main() and from tests.
+// The engine's commands, callable from main() and from tests. Exported from libember.so (EMBER_API)
+// for the `engine` binary only; they are not part of the library's public API.
 #pragma once
 #include <ostream>
 #include <string>
 #include <vector>
 
+#include <ember/library.h>
 #include <ember/types.h>
 
 #include "run_request.h"
@@ -12,19 +14,19 @@ namespace ember::engine {
 
 
 // `engine run.toml`: fit, then test when the config asks. Returns the exit code.
-int run_training(const RunRequest& request);
+EMBER_API int run_training(const RunRequest& request);
 // `engine validate|test|predict [--ckpt best|last|PATH] run.toml`: one validation or test pass
 // over the checkpoint's weights ("" = the freshly set-up model), results printed; or (predict)
 // the predictions for data.predict_split in <run folder>/predictions.csv. Returns the exit code.
-int evaluate_checkpoint(const RunRequest& request, Split split, const std::string& checkpoint, bool predict = false);
+EMBER_API int evaluate_checkpoint(const RunRequest& request, Split split, const std::string& checkpoint, bool predict = false);
 // `engine checkpoint consolidate DIR OUT.ckpt`: the single-file checkpoint of a sharded checkpoint
 // directory (what single_device and Python read), made by restoring DIR into the run's own
 // configuration on one process.
-int consolidate_checkpoint(const RunRequest& request, const std::string& dir, const std::string& out);
+EMBER_API int consolidate_checkpoint(const RunRequest& request, const std::string& dir, const std::string& out);
 // `engine config run.toml`: prints the resolved configuration.
-int print_config(const RunRequest& request, std::ostream& out);
+EMBER_API int print_config(const RunRequest& request, std::ostream& out);
 // `engine plugins list` / `engine plugins info NAME`.
-int list_plugins(const std::vector<std::string>& plugin_paths, std::ostream& out);
-int plugin_info(const std::string& name, const std::vector<std::string>& plugin_paths, std::ostream& out);
+EMBER_API int list_plugins(const std::vector<std::string>& plugin_paths, std::ostream& out);
+EMBER_API int plugin_info(const std::string& name, const std::vector<std::string>& plugin_paths, std::ostream& out);
 
 }  // namespace ember::engine

@@ -138,9 +138,9 @@ Plan make_plan(const RunRequest& req) {
       throw UsageError(set_where(plan.raw, section, "name") + ": " + kind + ".name = \"" + *n + "\", but the program provides its own " +
                        kind + " object; drop [" + kind + "] name");
   };
-  if (req.provided.model) provided("model", models);
+  if (req.provided.model || req.program_loop) provided("model", models);
   else plan.model = choose(EMBER_KIND_MODEL, models, "model", "name", plan.raw.peek_string("model", "name"), "");
-  if (req.provided.data) provided("data", datas);
+  if (req.provided.data || req.program_loop) provided("data", datas);
   else plan.data = choose(EMBER_KIND_DATA, datas, "data", "name", plan.raw.peek_string("data", "name"), "");
 
   // Defaults, as Lightning's logger=True / enable_checkpointing=True.

@@ -15,6 +15,9 @@
 #ifndef EMBER_BUILD_PLUGIN_DIR
 #define EMBER_BUILD_PLUGIN_DIR ""
 #endif
+#ifndef EMBER_LIBRARY_PLUGIN_RELDIR
+#define EMBER_LIBRARY_PLUGIN_RELDIR "ember/plugins"
+#endif
 #ifndef EMBER_INSTALL_PLUGIN_RELDIR
 #define EMBER_INSTALL_PLUGIN_RELDIR "../lib/ember/plugins"
 #endif
@@ -196,9 +199,18 @@ std::vector<fs::path> PluginRegistry::default_search_paths(const std::vector<std
   };
   for (const auto& p : explicit_paths) add_list(p);
   if (const char* env = std::getenv("EMBER_PLUGIN_PATH")) add_list(env);
+  // The installed folder, found from the module that holds this code (dladdr): libember.so in
+  // <prefix>/lib finds <prefix>/lib/ember/plugins whichever program loaded it; then from the
+  // executable (<prefix>/bin/../lib/ember/plugins), for programs that link the engine statically.
+  auto add_unique = [&](const fs::path& p) {
+    if (std::find(paths.begin(), paths.end(), p) == paths.end()) paths.push_back(p);
+  };
   std::error_code ec;
+  auto lib_dir = boost::dll::this_line_location(ec).parent_path();
+  if (!ec) add_unique(fs::weakly_canonical(lib_dir / EMBER_LIBRARY_PLUGIN_RELDIR, ec));
+  ec.clear();
   auto exe_dir = boost::dll::program_location(ec).parent_path();
-  if (!ec) paths.push_back(fs::weakly_canonical(exe_dir / EMBER_INSTALL_PLUGIN_RELDIR, ec));
+  if (!ec) add_unique(fs::weakly_canonical(exe_dir / EMBER_INSTALL_PLUGIN_RELDIR, ec));
   if (std::strlen(EMBER_BUILD_PLUGIN_DIR) > 0) paths.emplace_back(EMBER_BUILD_PLUGIN_DIR);
   return paths;
 }

@@ -4,6 +4,7 @@
 #include <ember/abi.h>
 #include <ember/config.h>
 #include <ember/host.h>
+#include <ember/library.h>
 
 #include <filesystem>
 #include <functional>
@@ -35,7 +36,8 @@ struct PluginInfo {
 class PluginRegistry {
  public:
   // Search order: explicit paths (--plugin-path), EMBER_PLUGIN_PATH, the installed folder next to
-  // the executable, the build tree. The first file named lib<name>.so wins.
+  // libember.so (or next to the executable that links the engine statically), the build tree.
+  // The first file named lib<name>.so wins.
   explicit PluginRegistry(std::vector<std::filesystem::path> search_paths);
 
   static std::vector<std::filesystem::path> default_search_paths(const std::vector<std::string>& explicit_paths);
@@ -58,7 +60,7 @@ class PluginRegistry {
   std::map<std::string, std::unique_ptr<PluginInfo>> loaded_;
 };
 
-class PluginError : public std::runtime_error {
+class EMBER_API PluginError : public std::runtime_error {  // exported: `engine` catches it by type
  public:
   using std::runtime_error::runtime_error;
 };

@@ -4,6 +4,7 @@
 #include <ember/abi.h>
 #include <ember/config.h>
 #include <ember/error.h>
+#include <ember/library.h>
 
 #include <map>
 #include <memory>
@@ -16,7 +17,7 @@
 namespace ember::engine {
 
 // A bad configuration or command line: printed as one line, exit code 2.
-class UsageError : public std::runtime_error {
+class EMBER_API UsageError : public std::runtime_error {  // exported: `engine` catches it by type
  public:
   using std::runtime_error::runtime_error;
 };

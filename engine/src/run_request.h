@@ -35,6 +35,9 @@ struct RunRequest {
   ProvidedObjects provided;
   // Stop signals are process-wide: the `engine` command installs them, a library user opts in.
   bool stop_signal_handlers = true;
+  // ember::Fabric: the program runs its own loop, so no model or data is planned (as if the
+  // program provided both objects).
+  bool program_loop = false;
 };
 
 }  // namespace ember::engine

@@ -20,6 +20,7 @@
 #pragma once
 #include <ember/callback.h>
 #include <ember/data.h>
+#include <ember/library.h>
 #include <ember/logger.h>
 #include <ember/model.h>
 #include <ember/predict.h>
@@ -62,7 +63,7 @@ struct FitResult {
   std::string best_checkpoint, last_checkpoint;  // "" when none was saved
 };
 
-class Run {
+class EMBER_API Run {
  public:
   // Validates the configuration, loads the plugins, starts the ranks (multi-process strategies),
   // seeds, builds every object, chooses the run folder and restores `resume`. Throws
@@ -104,7 +105,7 @@ class Run {
 // `metrics`, evaluation also logs what it returns, prefixed with val_/test_ (e.g. {"acc", ...}).
 // With `predict` (one row per sample: class probabilities when `predicts_classes`), the model can
 // predict (Run::predict, `engine predict`).
-class ModuleModel final : public IModel, public IPredictingModel {
+class EMBER_API ModuleModel final : public IModel, public IPredictingModel {
  public:
   using LossFn = std::function<at::Tensor(torch::nn::Module& module, const Batch& batch)>;
   using MetricsFn = std::function<std::vector<std::pair<std::string, at::Tensor>>(torch::nn::Module& module, const Batch& batch)>;
@@ -130,7 +131,7 @@ class ModuleModel final : public IModel, public IPredictingModel {
 
 // In-memory tensors as a data module: each split is a list of tensors with the same first
 // dimension (e.g. {inputs, targets}); an empty list means the split has no data.
-class TensorData final : public IDataModule {
+class EMBER_API TensorData final : public IDataModule {
  public:
   TensorData(std::vector<at::Tensor> train, std::vector<at::Tensor> val = {}, std::vector<at::Tensor> test = {});
   void setup(const DataSetup&) override {}

@@ -1,0 +1,398 @@
+// ember::Fabric in process, on single_device (engine/include/ember/fabric.h): the same weights as a
+// hand-written LibTorch loop, amp16's skipped step, clipping, save/load, logging, the distributed
+// sampler against PyTorch's, bad input as one-line errors, and `engine --resume` of a Fabric
+// checkpoint (the one test here that runs the engine binary).
+#include <gtest/gtest.h>
+
+#include <ember/error.h>
+#include <ember/fabric.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+#include "checkpoint_io.h"
+#include "support.h"
+
+namespace {
+
+using ember::test::TempDir;
+
+// The mlp model plugin's parameter names and shapes (input_size 8, hidden [4], 10 classes), so the
+// engine can resume what Fabric saved.
+struct Net : torch::nn::Module {
+  Net() {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 4));
+    head = register_module("head", torch::nn::Linear(4, 10));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(torch::relu(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, head{nullptr};
+};
+
+std::shared_ptr<Net> make_net(uint64_t seed) {
+  torch::manual_seed(seed);
+  return std::make_shared<Net>();
+}
+
+struct Data {
+  at::Tensor x, y;
+};
+Data make_data(int64_t n) {
+  torch::manual_seed(1234);
+  return {torch::randn({n, 8}), torch::randint(0, 10, {n})};
+}
+
+ember::OptimizerFactory adam(double lr = 1e-2) {
+  return [lr](std::vector<at::Tensor> p) {
+    return std::make_shared<torch::optim::Adam>(std::move(p), torch::optim::AdamOptions(lr));
+  };
+}
+
+std::vector<at::Tensor> weights(torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+double max_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double d = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
+  return d;
+}
+
+// Trains `steps` batches of 16 with Fabric's loop.
+void fabric_steps(ember::Fabric& f, Net& net, const Data& d, int64_t steps, int64_t first = 0) {
+  for (int64_t s = first; s < first + steps; ++s) {
+    auto x = f.to_device(d.x.narrow(0, (s * 16) % d.x.size(0), 16));
+    auto y = f.to_device(d.y.narrow(0, (s * 16) % d.y.size(0), 16));
+    f.zero_grad();
+    at::Tensor loss;
+    {
+      auto region = f.autocast();
+      loss = torch::cross_entropy_loss(net.forward(x), y);
+    }
+    f.backward(loss);
+    EXPECT_TRUE(f.optimizer_step());
+  }
+}
+
+TEST(Fabric, SingleDeviceFp32MatchesHandWrittenLoop) {
+  const Data d = make_data(128);
+  auto reference = make_net(7);
+  torch::optim::Adam ref_opt(reference->parameters(), torch::optim::AdamOptions(1e-2));
+  for (int64_t s = 0; s < 24; ++s) {
+    auto x = d.x.narrow(0, (s * 16) % 128, 16), y = d.y.narrow(0, (s * 16) % 128, 16);
+    ref_opt.zero_grad();
+    auto loss = torch::cross_entropy_loss(reference->forward(x), y);
+    loss.backward();
+    ref_opt.step();
+  }
+
+  ember::Fabric f({.accelerator = "cpu", .strategy = "single_device", .precision = "32-true"});
+  auto net = make_net(7);
+  f.setup(net, adam());
+  EXPECT_EQ(f.world_size(), 1);
+  EXPECT_TRUE(f.is_global_zero());
+  EXPECT_EQ(f.device().type(), c10::kCPU);
+  EXPECT_EQ(f.strategy_name(), "single_device");
+  EXPECT_EQ(f.precision_name(), "fp32");
+  fabric_steps(f, *net, d, 24);
+  EXPECT_LE(max_difference(weights(*reference), weights(*net)), 1e-6);
+  EXPECT_GT(max_difference(weights(*make_net(7)), weights(*net)), 1e-3);  // it did train
+}
+
+TEST(Fabric, Amp16SkipsTheStepOnAnInfGradientAndBacksOff) {
+  const Data d = make_data(32);
+  ember::Fabric f({.accelerator = "cpu", .strategy = "single_device", .precision = "16-mixed",
+                   .plugin_config = "[amp16]\ninit_scale = 1024.0\n"});
+  EXPECT_EQ(f.precision_name(), "amp16");
+  auto net = make_net(3);
+  f.setup(net, adam());
+  auto step = [&](bool poison) {
+    f.zero_grad();
+    at::Tensor loss;
+    {
+      auto region = f.autocast();
+      loss = torch::cross_entropy_loss(net->forward(f.to_device(d.x.narrow(0, 0, 16))), d.y.narrow(0, 0, 16));
+    }
+    f.backward(loss);
+    if (poison) net->head->weight.mutable_grad().view(-1)[0] = std::numeric_limits<float>::infinity();
+    return f.optimizer_step();
+  };
+  const auto before = weights(*net);
+  EXPECT_FALSE(step(true));
+  EXPECT_EQ(max_difference(before, weights(*net)), 0.0);  // skipped: nothing moved
+  EXPECT_TRUE(step(false));
+  EXPECT_GT(max_difference(before, weights(*net)), 0.0);
+  // The scale backed off from 1024 to 512 on the inf step: amp16's state, saved with the checkpoint
+  // and restored by load().
+  TempDir tmp("fabric_amp16");
+  auto scaler_state = [](const std::filesystem::path& file) {
+    auto ck = ember::engine::load_checkpoint_file(file);
+    return ck.at("plugins").toGenericDict().at("precision").toGenericDict();
+  };
+  f.save((tmp / "a.ckpt").string());
+  auto saved = scaler_state(tmp / "a.ckpt");
+  EXPECT_EQ(saved.at("scale").toDouble(), 512.0);
+  EXPECT_EQ(saved.at("skipped_steps").toInt(), 1);
+  ember::Fabric g({.accelerator = "cpu", .precision = "16-mixed"});
+  auto copy = make_net(0);
+  g.setup(copy, adam());
+  g.load((tmp / "a.ckpt").string());
+  EXPECT_EQ(max_difference(weights(*net), weights(*copy)), 0.0);
+  g.save((tmp / "b.ckpt").string());
+  EXPECT_EQ(scaler_state(tmp / "b.ckpt").at("scale").toDouble(), 512.0);
+}
+
+TEST(Fabric, ClipGradientsByNormAndByValue) {
+  const Data d = make_data(16);
+  for (auto algorithm : {ember::ClipAlgorithm::norm, ember::ClipAlgorithm::value}) {
+    ember::Fabric f({.accelerator = "cpu"});
+    auto net = make_net(5);
+    f.setup(net, [](std::vector<at::Tensor> p) {
+      return std::make_shared<torch::optim::SGD>(std::move(p), torch::optim::SGDOptions(1.0));
+    });
+    const auto before = weights(*net);
+    f.zero_grad();
+    at::Tensor loss;
+    {
+      auto region = f.autocast();
+      loss = 1000.0 * torch::cross_entropy_loss(net->forward(d.x), d.y);
+    }
+    f.backward(loss);
+    f.clip_gradients(0.01, algorithm);
+    ASSERT_TRUE(f.optimizer_step());
+    // SGD with lr 1 moves every weight by exactly minus its (clipped) gradient.
+    double sq = 0, max_abs = 0;
+    auto after = weights(*net);
+    for (size_t i = 0; i < after.size(); ++i) {
+      auto delta = (after[i] - before[i]).to(at::kDouble);
+      sq += delta.pow(2).sum().item<double>();
+      max_abs = std::max(max_abs, delta.abs().max().item<double>());
+    }
+    if (algorithm == ember::ClipAlgorithm::norm) {
+      EXPECT_NEAR(std::sqrt(sq), 0.01, 1e-5);
+    } else {
+      EXPECT_NEAR(max_abs, 0.01, 1e-6);
+      EXPECT_GT(std::sqrt(sq), 0.01);  // value clipping does not bound the norm
+    }
+  }
+}
+
+TEST(Fabric, SaveLoadRoundTripContinuesIdentically) {
+  TempDir tmp("fabric_save_load");
+  const Data d = make_data(128);
+  const std::string path = (tmp / "state.ckpt").string();
+  ember::Fabric f({.accelerator = "cpu"});
+  auto net = make_net(11);
+  f.setup(net, adam());
+  fabric_steps(f, *net, d, 5);
+  const auto full = f.full_model_state();
+  ASSERT_EQ(full.size(), 4u);
+  EXPECT_TRUE(full.at("fc1.weight").equal(net->fc1->weight.detach()));
+  EXPECT_TRUE(full.at("head.bias").equal(net->head->bias.detach()));
+  ember::FabricState state;
+  state.global_step = 5;
+  state.epoch = 0;
+  state.values["iteration"] = int64_t{5};
+  state.values["best"] = 0.25;
+  state.values["ema"] = torch::arange(4, at::kFloat);
+  f.save(path, state);
+  fabric_steps(f, *net, d, 3, 5);  // the original goes on
+
+  ember::Fabric g({.accelerator = "cpu"});
+  auto copy = make_net(99);  // other initial weights: load must replace them
+  g.setup(copy, adam());
+  auto loaded = g.load(path);
+  EXPECT_TRUE(loaded.model);
+  EXPECT_TRUE(loaded.optimizer);
+  EXPECT_EQ(loaded.global_step, 5);
+  EXPECT_EQ(loaded.values.at("iteration").toInt(), 5);
+  EXPECT_DOUBLE_EQ(loaded.values.at("best").toDouble(), 0.25);
+  EXPECT_TRUE(loaded.values.at("ema").toTensor().equal(torch::arange(4, at::kFloat)));
+  fabric_steps(g, *copy, d, 3, 5);  // with the loaded Adam moments, the same three steps
+  EXPECT_EQ(max_difference(weights(*net), weights(*copy)), 0.0);
+
+  // A damaged file is refused with one line naming it.
+  {
+    std::string bytes = ember::test::read_file(path);
+    bytes[bytes.size() / 2] ^= 0x5a;
+    ember::test::write_file(tmp / "damaged.ckpt", bytes);
+  }
+  try {
+    g.load((tmp / "damaged.ckpt").string());
+    FAIL() << "a damaged checkpoint loaded";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("damaged.ckpt"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+  }
+}
+
+TEST(Fabric, EngineResumesAFabricCheckpoint) {
+  TempDir tmp("fabric_engine_resume");
+  const Data d = make_data(64);
+  {
+    ember::Fabric f({.accelerator = "cpu"});
+    auto net = make_net(2);
+    f.setup(net, adam(1e-3));
+    fabric_steps(f, *net, d, 4);
+    f.save((tmp / "fabric.ckpt").string(), {.global_step = 4, .epoch = 0});
+  }
+  ember::test::write_file(tmp / "run.toml", R"(
+[trainer]
+max_epochs = 2
+enable_progress_bar = false
+enable_model_summary = false
+[model]
+name = "mlp"
+input_size = 8
+hidden = [4]
+[data]
+name = "synthetic"
+shape = [8]
+num_train = 64
+num_val = 0
+num_test = 0
+batch_size = 16
+)");
+  auto r = ember::test::run_engine({"--resume", "fabric.ckpt", "run.toml"}, tmp.path(), {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("resumed from fabric.ckpt at epoch 0, step 4"), std::string::npos) << r.err;
+  // Epoch 1 only (4 batches): the last checkpoint is at step 8.
+  auto rows = ember::test::read_csv(tmp / "runs/run/version_0/metrics.csv");
+  ASSERT_FALSE(rows.empty());
+  EXPECT_EQ(rows.back().at("epoch"), "1");
+  EXPECT_TRUE(std::filesystem::exists(tmp / "runs/run/version_0/checkpoints/epoch=1-step=8.ckpt")) << r.err;
+}
+
+TEST(Fabric, LogsThroughALoggerPluginOnRankZero) {
+  TempDir tmp("fabric_log");
+  std::string dir;
+  {
+    ember::Fabric f({.accelerator = "cpu", .loggers = {"csv"}, .root_dir = tmp.path().string(), .name = "own_loop"});
+    f.log("loss", 2.5, 0);
+    f.log_dict({{"loss", 1.5}, {"acc", 0.75}}, 1);
+    dir = f.log_dir();
+  }
+  EXPECT_EQ(dir, (tmp.path() / "own_loop" / "version_0").string());
+  auto rows = ember::test::read_csv(std::filesystem::path(dir) / "metrics.csv");
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[0].at("step"), "0");
+  EXPECT_EQ(std::stod(rows[0].at("loss")), 2.5);
+  EXPECT_EQ(std::stod(rows[1].at("acc")), 0.75);
+}
+
+TEST(Fabric, ContractOneStrategyGoesThroughTheAdapter) {
+  const Data d = make_data(64);
+  ember::Fabric f({.accelerator = "cpu", .strategy = "contract1_strategy",
+                   .plugin_paths = {ember::test::test_plugin_dir("good").string()}});
+  auto net = make_net(4);
+  auto reference = make_net(4);
+  torch::optim::Adam ref_opt(reference->parameters(), torch::optim::AdamOptions(1e-2));
+  f.setup(net, adam());
+  fabric_steps(f, *net, d, 4);
+  for (int64_t s = 0; s < 4; ++s) {
+    ref_opt.zero_grad();
+    torch::cross_entropy_loss(reference->forward(d.x.narrow(0, s * 16, 16)), d.y.narrow(0, s * 16, 16)).backward();
+    ref_opt.step();
+  }
+  EXPECT_LE(max_difference(weights(*reference), weights(*net)), 1e-6);
+}
+
+TEST(Fabric, DistributedSamplerMatchesPyTorch) {
+  // torch.utils.data.DistributedSampler(range(10), num_replicas=3, seed=7), set_epoch(2), PyTorch 2.11.
+  const std::vector<std::vector<int64_t>> padded = {{0, 7, 9, 3}, {5, 6, 1, 0}, {8, 2, 4, 5}};
+  const std::vector<std::vector<int64_t>> dropped = {{0, 7, 9}, {5, 6, 1}, {8, 2, 4}};
+  for (int64_t r = 0; r < 3; ++r) {
+    ember::DistributedSampler a(10, 3, r, true, 7, false), b(10, 3, r, true, 7, true);
+    a.set_epoch(2);
+    b.set_epoch(2);
+    EXPECT_EQ(a.indices(), padded[static_cast<size_t>(r)]);
+    EXPECT_EQ(b.indices(), dropped[static_cast<size_t>(r)]);
+    EXPECT_EQ(a.num_samples(), 4);
+    EXPECT_EQ(b.num_samples(), 3);
+  }
+  ember::DistributedSampler s(10, 2, 1, false);
+  EXPECT_EQ(s.indices(), (std::vector<int64_t>{1, 3, 5, 7, 9}));
+  ember::DistributedSampler e0(100, 1, 0, true, 1), e1(100, 1, 0, true, 1);
+  e1.set_epoch(1);
+  EXPECT_NE(e0.indices(), e1.indices());  // a new order every epoch
+  EXPECT_THROW(ember::DistributedSampler(10, 2, 2), ember::ConfigError);
+}
+
+// One line, naming what was wrong.
+template <class E = ember::ConfigError, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no error thrown";
+  return "";
+}
+
+TEST(Fabric, BadInputsAreOneLineErrors) {
+  auto m = error_of([] { ember::Fabric f({.strategy = "dpp"}); });
+  EXPECT_NE(m.find("FabricOptions.strategy"), std::string::npos) << m;
+  EXPECT_NE(m.find("ddp"), std::string::npos) << m;  // did you mean
+  m = error_of([] { ember::Fabric f({.precision = "bf17-mixed"}); });
+  EXPECT_NE(m.find("FabricOptions.precision"), std::string::npos) << m;
+  EXPECT_NE(m.find("bf16-mixed"), std::string::npos) << m;  // the accepted strings
+  m = error_of([] { ember::Fabric f({.strategy = "fp32"}); });
+  EXPECT_NE(m.find("is a precision plugin, not a strategy plugin"), std::string::npos) << m;
+  m = error_of([] { ember::Fabric f({.plugin_config = "[single_device]\nbogus = 1\n"}); });
+  EXPECT_NE(m.find("FabricOptions.plugin_config:2"), std::string::npos) << m;
+  EXPECT_NE(m.find("bogus"), std::string::npos) << m;
+  m = error_of([] { ember::Fabric f({.precision = "16-mixed", .plugin_config = "[amp16]\ninit_scale = \"big\"\n"}); });
+  EXPECT_NE(m.find("FabricOptions.plugin_config:2"), std::string::npos) << m;
+  m = error_of([] { ember::Fabric f({.plugin_config = "[ddp\n"}); });
+  EXPECT_NE(m.find("FabricOptions.plugin_config:1"), std::string::npos) << m;
+  m = error_of([] { ember::Fabric f({.plugin_config = "[trainer]\nmax_epochs = 3\n"}); });
+  EXPECT_NE(m.find("[trainer] is an engine section"), std::string::npos) << m;
+  m = error_of([] { ember::Fabric f({.devices = 0}); });
+  EXPECT_NE(m.find("FabricOptions.devices = 0"), std::string::npos) << m;
+  m = error_of([] { ember::Fabric f({.loggers = {"checkpoint"}}); });
+  EXPECT_NE(m.find("Fabric runs no callbacks"), std::string::npos) << m;
+
+  // Calls in the wrong order.
+  ember::Fabric f({.accelerator = "cpu"});
+  m = error_of<ember::RunError>([&] { f.zero_grad(); });
+  EXPECT_NE(m.find("call setup("), std::string::npos) << m;
+  auto net = make_net(1);
+  f.setup(net, adam());
+  m = error_of<ember::RunError>([&] { f.optimizer_step(); });
+  EXPECT_NE(m.find("call backward(loss) first"), std::string::npos) << m;
+  m = error_of<ember::RunError>([&] { f.setup(net, adam()); });
+  EXPECT_NE(m.find("called twice"), std::string::npos) << m;
+  m = error_of<ember::RunError>([&] { f.backward(torch::ones({2}, torch::requires_grad())); });
+  EXPECT_NE(m.find("scalar"), std::string::npos) << m;
+  m = error_of([&] { f.clip_gradients(0.0); });
+  EXPECT_NE(m.find("must be > 0"), std::string::npos) << m;
+  ember::Fabric two({.accelerator = "cpu", .strategy = "ddp", .devices = 2});
+  m = error_of<ember::RunError>([&] { two.setup(make_net(1), adam()); });
+  EXPECT_NE(m.find("fabric.launch(fn)"), std::string::npos) << m;
+}
+
+TEST(Fabric, LaunchRunsTheFunctionAndTurnsErrorsIntoExitCodes) {
+  ember::Fabric f({.accelerator = "cpu"});
+  int calls = 0;
+  EXPECT_EQ(f.launch([&](ember::Fabric& fabric) {
+              ++calls;
+              EXPECT_EQ(&fabric, &f);
+              EXPECT_EQ(fabric.all_reduce(torch::ones({2})).sum().item<double>(), 2.0);
+              EXPECT_EQ(fabric.broadcast(torch::full({1}, 3.0)).item<double>(), 3.0);
+              EXPECT_TRUE(fabric.broadcast(true));
+              fabric.barrier();
+            }),
+            0);
+  EXPECT_EQ(calls, 1);
+  ember::Fabric g({.accelerator = "cpu"});
+  EXPECT_EQ(g.launch([](ember::Fabric&) { throw ember::RunError("boom"); }), 1);
+  ember::Fabric h({.accelerator = "cpu"});
+  EXPECT_EQ(h.launch([](ember::Fabric&) { throw ember::ConfigError("bad"); }), 2);
+}
+
+}  // namespace
