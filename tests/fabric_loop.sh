@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# examples/fabric_loop built out of tree against the installed packages (find_package(Ember)), then
+# examples/fabric_loop and examples/embed_trainer built out of tree against the installed packages
+# (find_package(Ember)). embed_trainer trains its own network through ember::Run with the checkpoint
+# and early_stopping plugins and must read back a test accuracy above 0.9. fabric_loop is
 # trained with ddp on 2 CPU ranks in bf16-mixed: the loss must go down, both ranks must end with
 # the same weights byte for byte, and a run resumed from a saved state must end exactly where an
 # uninterrupted run of the same steps ends.
@@ -61,5 +63,14 @@ cmp resumed.rank0 resumed.rank1
 run sharded --strategy sharded --precision 32-true --steps 12 --weights sharded
 grep -q "sharded on 2 rank(s)" sharded.out || { cat sharded.out sharded.err; exit 1; }
 cmp sharded.rank0 sharded.rank1 || { echo "sharded: the ranks' gathered weights differ"; exit 1; }
+
+# The embeddable trainer: a program with its own module and data, plugins by name, results read back.
+cmake -S "$src/examples/embed_trainer" -B "$work/build-embed" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$prefix" -DTorch_DIR="$TORCH_DIR" "${launcher[@]}" > "$work/configure-embed.log" 2>&1 ||
+  { cat "$work/configure-embed.log"; exit 1; }
+cmake --build "$work/build-embed" > "$work/build-embed.log" 2>&1 || { cat "$work/build-embed.log"; exit 1; }
+timeout 300 "$work/build-embed/embed_trainer" "$work/embed-runs" > embed.out 2> embed.err || { echo "embed_trainer failed:"; cat embed.out embed.err; exit 1; }
+cat embed.out
+grep -q "^best checkpoint: $work/embed-runs/embed_trainer/version_0/checkpoints/" embed.out || { echo "no best checkpoint read back"; exit 1; }
 
 echo "fabric_loop built against the installed Ember package: ddp x 2, bf16-mixed, loss $first -> $last, ranks identical, resume exact"

@@ -3,18 +3,25 @@
 //   embed_trainer [OUTPUT_DIR]
 #include <ember/run.h>
 
-#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/utils.h>
 
 #include <cstdio>
 #include <exception>
 
 namespace {
 
-// Four Gaussian blobs in 16 dimensions: a task a two-layer network learns in a few epochs.
+// Four Gaussian blobs in 16 dimensions, 5.7 standard deviations apart: about 99% is learnable in a
+// few epochs.
 std::vector<at::Tensor> blobs(int64_t n, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   auto y = at::randint(0, 4, {n}, gen, at::kLong);
-  auto x = (at::eye(16).slice(0, 0, 4) * 2.5).index_select(0, y) + at::randn({n, 16}, gen);
+  auto x = (at::eye(16).slice(0, 0, 4) * 4.0).index_select(0, y) + at::randn({n, 16}, gen);
   return {x, y};
 }
 
