@@ -12,35 +12,7 @@
 #include <cstdlib>
 #include <string>
 
-struct Cnn : torch::nn::Module {
-  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
-  torch::nn::Dropout drop_conv{nullptr}, drop_fc{nullptr};
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-  Cnn() {
-    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)));
-    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)));
-    drop_conv = register_module("drop_conv", torch::nn::Dropout(0.25));
-    fc1 = register_module("fc1", torch::nn::Linear(64 * 7 * 7, 128));
-    drop_fc = register_module("drop_fc", torch::nn::Dropout(0.5));
-    fc2 = register_module("fc2", torch::nn::Linear(128, 10));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::max_pool2d(torch::relu(conv1(x)), 2);
-    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
-    x = drop_conv(x).flatten(1);
-    x = drop_fc(torch::relu(fc1(x)));
-    return fc2(x);
-  }
-};
-
-struct Mlp : torch::nn::Module {
-  torch::nn::Linear fc1{nullptr}, head{nullptr};
-  Mlp() {
-    fc1 = register_module("fc1", torch::nn::Linear(32, 32));
-    head = register_module("head", torch::nn::Linear(32, 10));
-  }
-  torch::Tensor forward(torch::Tensor x) { return head(torch::relu(fc1(x))); }
-};
+#include "overhead_nets.h"
 
 int main(int argc, char** argv) {
   if (argc != 6) {
@@ -55,8 +27,8 @@ int main(int argc, char** argv) {
     f.seed_everything(0);
     auto x = cnn ? torch::randn({n, 1, 28, 28}) : torch::randn({n, 32});
     auto y = torch::randint(0, 10, {n});
-    auto conv_net = std::make_shared<Cnn>();
-    auto mlp_net = std::make_shared<Mlp>();
+    auto conv_net = std::make_shared<NetImpl>();
+    auto mlp_net = std::make_shared<MlpImpl>();
     std::shared_ptr<torch::nn::Module> net = cnn ? std::static_pointer_cast<torch::nn::Module>(conv_net) : mlp_net;
     auto forward = [&](const torch::Tensor& in) { return cnn ? conv_net->forward(in) : mlp_net->forward(in); };
     f.setup(net, [](std::vector<at::Tensor> p) {
