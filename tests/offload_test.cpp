@@ -193,3 +193,40 @@ TEST(Offload, TwoRanksEachOffloadTheirShard) {
     EXPECT_EQ(sum, total) << r.err;
   }
 }
+
+// offload.state_dict_type = "sharded": two ranks each write their part of the fp32 masters and the
+// optimizer state into a checkpoint folder. The parts joined independently of the strategy hold
+// single_device's weights; the folder resumes on 2 ranks and, re-sharded, on 1 rank, each ending
+// where the uninterrupted run ends; `engine checkpoint consolidate` makes the single file.
+TEST(Offload, ShardedCheckpointsResumeOnAnyNumberOfRanks) {
+  EMBER_SKIP_WITHOUT_MPI();
+  TempDir ref("offload"), ref1("offload");
+  single(ref, {"--set", "trainer.accelerator=\"cpu\""});
+  single(ref1, {"--set", "trainer.accelerator=\"cpu\"", "--set", "trainer.max_epochs=1"});
+  const std::vector<std::string> two = {"--set", "trainer.devices=2", "--set", "data.batch_size=12", "--set", "trainer.accelerator=\"cpu\"",
+                                        "--set", "offload.state_dict_type=\"sharded\""};
+  auto with = [&](std::vector<std::string> extra) {
+    auto v = two;
+    v.insert(v.end(), extra.begin(), extra.end());
+    return v;
+  };
+  TempDir dir("offload"), one("offload");
+  offload(dir, true, with({"--set", "trainer.max_epochs=1"}));
+  const auto ckpt = last_checkpoint(dir);
+  ASSERT_TRUE(fs::is_directory(ckpt)) << "state_dict_type = \"sharded\" writes a folder: " << ckpt;
+  EXPECT_LE(max_weight_difference(last_checkpoint(ref1), ckpt), 1e-5);
+  fs::copy(ckpt, one / "epoch1", fs::copy_options::recursive);
+
+  auto r = offload(dir, true, with({"--resume", "last"}));
+  EXPECT_NE(r.err.find("resumed from"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(ref), last_checkpoint(dir)), 1e-5);
+
+  // One rank (batch 24) continues the two ranks' folder.
+  r = offload(one, true, {"--set", "trainer.accelerator=\"cpu\"", "--set", "offload.state_dict_type=\"sharded\"", "--resume",
+                           (one / "epoch1").string()});
+  EXPECT_NE(r.err.find("resumed from"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(ref), last_checkpoint(one)), 1e-5);
+
+  run_engine_ok(dir, {"checkpoint", "consolidate", last_checkpoint(dir).string(), "whole.ckpt"});
+  EXPECT_LE(max_weight_difference(last_checkpoint(ref), dir / "whole.ckpt"), 1e-5);
+}

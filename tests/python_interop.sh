@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checkpoints are readable from Python with a plain torch.load (its default weights_only=True, no
 # allow-listing): train a short run with the engine (with plugins whose states hold lists of
-# tensors and of floats), then load every checkpoint it wrote and check what it holds.
+# tensors and of floats), then load every checkpoint it wrote and check what it holds; and the
+# safetensors file `engine export` writes from one of them.
 #   python_interop.sh <engine> <python with torch> <scratch dir>
 set -euo pipefail
 engine=$1; python=$2; work=$3
@@ -52,4 +53,22 @@ assert last["loops"]["epoch_finished"] and last["loops"]["epoch"] == 1
 assert last["callbacks"]["checkpoint"]["best_model_path"].endswith(".ckpt")
 assert "[model]" in last["config"]
 print("checkpoints read by a plain torch.load in Python:", len(files), "files,", len(last["state_dict"]), "tensors, step", last["global_step"])
+PY
+
+# `engine export` writes what Python's safetensors loads: the checkpoint's state_dict, same names,
+# same values, and metadata format "pt" (what transformers looks for).
+"$engine" export runs/run/version_0/checkpoints/last.ckpt --format safetensors exported.safetensors 2> export.log || { cat export.log; exit 1; }
+"$python" -W ignore - runs/run/version_0/checkpoints/last.ckpt exported.safetensors <<'PY'
+import sys
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+sd = torch.load(sys.argv[1])["state_dict"]
+exported = load_file(sys.argv[2])
+assert sorted(exported) == sorted(sd), (sorted(exported), sorted(sd))
+assert all(torch.equal(exported[k], sd[k]) and exported[k].dtype == sd[k].dtype for k in sd)
+with safe_open(sys.argv[2], "pt") as f:
+    assert f.metadata()["format"] == "pt", f.metadata()
+print("engine export read by safetensors.torch.load_file:", len(exported), "tensors equal to the checkpoint's state_dict")
 PY

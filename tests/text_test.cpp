@@ -12,7 +12,7 @@
 
 #include "asset_path.h"
 #include "bert_net.h"
-#include "safetensors_file.h"
+#include <ember/support/safetensors.h>
 #include "support.h"
 #include "wordpiece.h"
 
@@ -196,7 +196,7 @@ TEST(BertNet, SafetensorsRoundTripAndBadFilesAreOneClearError) {
   const auto config = ember_text::BertConfig::from_json_file((dir / "config.json").string());
   ember_text::BertClassifierNet a(config, {}), b(config, {});
   const auto weights = (dir / "model.safetensors").string();
-  ember_text::write_safetensors(weights, state(a));
+  ember::support::write_safetensors(weights, state(a));
   EXPECT_TRUE(b.load_safetensors(weights).empty());
   for (const auto& [name, t] : state(a)) EXPECT_TRUE(t.equal(b.named_parameters()[name])) << name;
 
@@ -204,15 +204,15 @@ TEST(BertNet, SafetensorsRoundTripAndBadFilesAreOneClearError) {
   auto without = state(a);
   without.erase(without.begin() + 7);
   const std::string dropped = without.size() ? state(a)[7].first : "";
-  ember_text::write_safetensors(weights, without);
+  ember::support::write_safetensors(weights, without);
   std::string e = error_of([&] { b.load_safetensors(weights); });
   EXPECT_NE(e.find("missing tensor '" + dropped + "'"), std::string::npos) << e;
   auto reshaped = state(a);
   reshaped[3].second = at::zeros({5});
-  ember_text::write_safetensors(weights, reshaped);
+  ember::support::write_safetensors(weights, reshaped);
   e = error_of([&] { b.load_safetensors(weights); });
   EXPECT_NE(e.find("tensor '" + reshaped[3].first + "' has shape [5]"), std::string::npos) << e;
-  ember_text::write_safetensors(weights, state(a));
+  ember::support::write_safetensors(weights, state(a));
   fs::resize_file(weights, fs::file_size(weights) - 100);
   e = error_of([&] { b.load_safetensors(weights); });
   EXPECT_NE(e.find(weights + ": not a valid safetensors file"), std::string::npos) << e;
@@ -305,3 +305,46 @@ TEST(TextClassification, BadWeightsLabelsAndFilesAreOneLineErrors) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("train.csv:2: malformed CSV"), std::string::npos) << r.err;
 }
+
+#ifdef EMBER_TEST_PYTHON
+// `engine export CKPT --format safetensors FOLDER` of a fine-tuned BERT and DistilBERT: Hugging
+// Face transformers loads the folder (weights, config.json, tokenizer) and gives, for every text,
+// the probabilities `engine predict` wrote from the same checkpoint (pooler pooling through
+// *ForSequenceClassification, mean pooling through AutoModel + the exported classifier).
+TEST(TextExport, TransformersLoadsTheExportAndPredictsLikeEmber) {
+  struct Case {
+    std::string kind, pooling;
+  };
+  for (const Case& c : {Case{"bert", "pooler"}, Case{"bert", "mean"}, Case{"distilbert", "pooler"}}) {
+    SCOPED_TRACE(c.kind + " " + c.pooling);
+    TempDir dir("text_export_" + c.kind + "_" + c.pooling);
+    write_tiny_task(dir);
+    if (c.kind == "distilbert")
+      write_file(dir / "model/config.json", nlohmann::json{{"model_type", "distilbert"}, {"vocab_size", kVocab.size()}, {"dim", 16},
+                                                           {"n_layers", 2}, {"n_heads", 2}, {"hidden_dim", 24},
+                                                           {"max_position_embeddings", 64}}
+                                                .dump());
+    std::string run = tiny_run(dir);
+    run.replace(run.find("test.jsonl"), 10, "train.csv");
+    run.replace(run.find("pretrained = false"), 18, "pretrained = false\npooling = \"" + c.pooling + "\"");
+    write_file(dir / "run.toml", run);
+    auto r = run_engine({"run.toml"}, dir.path());
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    fs::path ckpt;
+    for (const auto& e : fs::directory_iterator(dir / "runs/run/version_0/checkpoints")) ckpt = e.path();
+    ASSERT_FALSE(ckpt.empty());
+    r = run_engine({"predict", "--ckpt", ckpt.string(), "run.toml"}, dir.path());
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    r = run_engine({"export", ckpt.string(), "--format", "safetensors", "exported"}, dir.path());
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.err.find("with config.json vocab.txt"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(c.pooling == "pooler" ? "ForSequenceClassification" : "AutoModel.from_pretrained"), std::string::npos) << r.err;
+    r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/text/reference.py").string(), "export-check",
+                     (dir / "exported").string(), (dir / "train.csv").string(), (dir / "runs/run/version_1/predictions.csv").string(),
+                     c.pooling, "8"},
+                    dir.path(), {}, 600);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("24 texts"), std::string::npos) << r.out << r.err;
+  }
+}
+#endif

@@ -128,11 +128,29 @@ TEST(Throughput, ModelFlopsMatchLibTorchsProfilerCount) {
   }
 }
 
+// cnn's count by hand: 8x8 images, batch 16; conv1 1->2 at 8x8 (forward + weight gradient:
+// the data needs no gradient), conv2 2->3 at 4x4 and the linear layers 12->4->2 (forward and
+// both gradients); 3x3 kernels, a multiply-add is 2 FLOPs.
+TEST(Throughput, CnnReportsTheFlopsOfItsConvolutionsAndLinearLayers) {
+  TempDir dir("observability");
+  write_file(dir / "run.toml", "[trainer]\nmax_epochs = 1\nlog_every_n_steps = 1\nenable_progress_bar = false\n[model]\nname = \"cnn\"\nimage_size = 8\n"
+                               "conv1_channels = 2\nconv2_channels = 3\nhidden = 4\nnum_classes = 2\n[data]\nname = \"synthetic\"\n"
+                               "shape = [1, 8, 8]\nnum_classes = 2\nnum_train = 64\nnum_val = 0\nbatch_size = 16\n");
+  engine_ok(dir, {"--plugins", "throughput,sleeper", "--set", "trainer.accelerator=\"cpu\"", "--set", "sleeper.seconds=[0.05]",
+                  "--set", "throughput.window_size=2", "--set", "throughput.peak_tflops=1e-6", "--set", "throughput.flops=\"model\""});
+  const double conv1 = 2.0 * 2 * 16 * 64 * 2 * 1 * 9, conv2 = 3.0 * 2 * 16 * 16 * 3 * 2 * 9;
+  const double fc1 = 3.0 * 2 * 16 * 12 * 4, fc2 = 3.0 * 2 * 16 * 4 * 2;
+  EXPECT_NEAR(flops_per_batch(dir / "runs/run/version_0"), conv1 + conv2 + fc1 + fc2, 1e-6);
+}
+
 TEST(Throughput, ModelWithoutAFlopsReportIsOneClearLine) {
   TempDir dir("observability");
-  write_file(dir / "run.toml", "[trainer]\nmax_epochs = 1\n[model]\nname = \"cnn\"\n[data]\nname = \"synthetic\"\nshape = [1, 28, 28]\n"
+  write_file(dir / "run.toml", "[trainer]\nmax_epochs = 1\n[model]\nname = \"bn_mlp\"\ninput_size = 16\nhidden = 8\nnum_classes = 4\n"
+                               "[data]\nname = \"synthetic\"\nshape = [16]\nnum_classes = 4\n"
                                "num_train = 32\nnum_val = 0\nbatch_size = 16\n[throughput]\nflops = \"model\"\n");
-  auto r = run_engine({"run.toml", "--plugins", "throughput"}, dir.path(), {{"OMP_NUM_THREADS", "1"}});
+  // bn_mlp (a test plugin) reports no FLOPs.
+  auto r = run_engine({"run.toml", "--plugin-path", test_plugin_dir("good").string(), "--plugins", "throughput"}, dir.path(),
+                      {{"OMP_NUM_THREADS", "1"}});
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("run.toml:"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("does not report its FLOPs"), std::string::npos) << r.err;

@@ -23,6 +23,12 @@ EMBER_API int evaluate_checkpoint(const RunRequest& request, Split split, const 
 // directory (what single_device and Python read), made by restoring DIR into the run's own
 // configuration on one process.
 EMBER_API int consolidate_checkpoint(const RunRequest& request, const std::string& dir, const std::string& out);
+// `engine export CKPT --format safetensors OUT` (weights_export.cpp): the checkpoint's model
+// weights as OUT (a .safetensors file) or OUT/model.safetensors plus the files the model exports
+// (ember::IExportableModel: e.g. config.json and the tokenizer for transformers). CKPT may be a
+// sharded checkpoint folder (consolidated first).
+EMBER_API int export_weights(const RunRequest& request, const std::string& checkpoint, const std::string& format,
+                             const std::string& out);
 // `engine config run.toml`: prints the resolved configuration.
 EMBER_API int print_config(const RunRequest& request, std::ostream& out);
 // `engine plugins list` / `engine plugins info NAME`.

@@ -35,6 +35,8 @@ const char* kUsage =
     "  engine plugins list                                   list the plugins found\n"
     "  engine plugins info NAME                              a plugin's kind, version, file and config keys\n"
     "  engine checkpoint consolidate DIR OUT.ckpt            one checkpoint file from a sharded checkpoint directory\n"
+    "  engine export CKPT [--format safetensors] OUT         the checkpoint's model weights for other libraries: OUT.safetensors,\n"
+    "      or a folder with model.safetensors and what the model adds (bert: config.json and tokenizer for transformers)\n"
     "  engine plot RUN_DIR... --output FILE.png              draw the runs' loss, accuracy and lr curves\n";
 
 std::vector<std::string> split_commas(const std::vector<std::string>& items) {
@@ -63,6 +65,7 @@ int run(int argc, char** argv) {
       ("ckpt", po::value<std::string>(), "engine validate/test/predict: the weights to evaluate: best, last, or a checkpoint file")
       ("plugin-path", po::value<std::vector<std::string>>()->composing(), "extra folder to search for plugins (repeatable)")
       ("output,o", po::value<std::string>(), "engine plot: the PNG file to write")
+      ("format", po::value<std::string>()->default_value("safetensors"), "engine export: the format to write (safetensors)")
       ("quiet,q", "only warnings and errors")
       ("verbose,v", "debug output");
   po::options_description hidden;
@@ -110,6 +113,10 @@ int run(int argc, char** argv) {
   if (args[0] == "checkpoint") {
     if (args.size() == 4 && args[1] == "consolidate") return consolidate_checkpoint(req, args[2], args[3]);
     throw UsageError("expected `engine checkpoint consolidate DIR OUT.ckpt`");
+  }
+  if (args[0] == "export") {
+    if (args.size() != 3) throw UsageError("expected `engine export CKPT --format safetensors OUT` (OUT: a folder, or a file ending in .safetensors)");
+    return export_weights(req, args[1], vm["format"].as<std::string>(), args[2]);
   }
   if (args[0] == "plot")
     return plot_runs(std::vector<std::string>(args.begin() + 1, args.end()),

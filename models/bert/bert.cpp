@@ -5,6 +5,8 @@
 // as the text_classification data module yields them.
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <memory>
 #include <string>
 
@@ -15,11 +17,14 @@
 #include <ember/error.h>
 #include <ember/host.h>
 #include <ember/model.h>
+#include <ember/model_export.h>
 #include <ember/model_units.h>
 #include <ember/plugin.h>
 #include <ember/predict.h>
 
 #include <ember/model_support/classification.h>
+#include <nlohmann/json.hpp>
+
 #include "asset_path.h"
 #include "bert_net.h"
 
@@ -42,7 +47,7 @@ ember_text::Pooling parse_pooling(const std::string& s) {
   return ember_text::Pooling::mean;
 }
 
-class Bert final : public ember::IModel, public ember::UnitModel, public ember::IPredictingModel {
+class Bert final : public ember::IModel, public ember::UnitModel, public ember::IPredictingModel, public ember::IExportableModel {
  public:
   Bert(ember::IHost& host, const ember::IConfig& cfg) {
     const auto dir = ember_text::resolve_asset(cfg.get_string("model_dir"));
@@ -50,6 +55,7 @@ class Bert final : public ember::IModel, public ember::UnitModel, public ember::
       throw ember::ConfigError(c10::str("[", cfg.section(), "] model_dir = \"", cfg.get_string("model_dir"), "\" (", cfg.where("model_dir"),
                                         "): no folder ", dir.string(), ": run scripts/setup.sh (installs all-minilm-l6-v2) or give a model folder"));
     const auto config = ember_text::BertConfig::from_json_file((dir / "config.json").string());
+    dir_ = dir;
     ember_text::BertHead head;
     head.pooling = parse_pooling(cfg.get_string("pooling"));
     head.num_classes = cfg.get_int("num_classes");
@@ -70,10 +76,63 @@ class Bert final : public ember::IModel, public ember::UnitModel, public ember::
   torch::nn::Module& module() override { return *net_; }
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
+    if (std::strcmp(iid, ember::kExportableModelIid) == 0) return static_cast<ember::IExportableModel*>(this);
     return unit_model_interface(iid);
   }
   at::Tensor predict_step(const ember::Batch& batch) override { return logits(batch).to(at::kFloat).softmax(1); }
   bool predicts_classes() const override { return true; }
+
+  // Export in Hugging Face's layout: the *ForSequenceClassification names, the model folder's
+  // config.json saying the architecture and the classes, and its tokenizer files, so that
+  // transformers' from_pretrained(folder) loads the fine-tuned model and its tokenizer.
+  std::string exported_name(const std::string& name) const override { return net_->transformers_name(name); }
+  std::vector<std::pair<std::string, std::string>> exported_files() const override {
+    const auto& c = net_->config();
+    const auto& head = net_->head();
+    const auto path = dir_ / "config.json";
+    std::ifstream in(path);
+    nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object()) throw ember::RunError(c10::str(path.string(), ": not a JSON object (the model folder changed since training?)"));
+    const bool distil = c.model_type == "distilbert";
+    // transformers' sequence-classification models pool with the pooler; for mean or [CLS] pooling
+    // the folder is the encoder (AutoModel) plus Ember's head weights (`classifier.*`).
+    const bool hf_head = head.pooling == ember_text::Pooling::pooler;
+    j["architectures"] = {hf_head ? (distil ? "DistilBertForSequenceClassification" : "BertForSequenceClassification")
+                                  : (distil ? "DistilBertModel" : "BertModel")};
+    nlohmann::json id2label = nlohmann::json::object(), label2id = nlohmann::json::object();
+    for (int64_t k = 0; k < head.num_classes; ++k) {
+      id2label[std::to_string(k)] = "LABEL_" + std::to_string(k);
+      label2id["LABEL_" + std::to_string(k)] = k;
+    }
+    j["id2label"] = id2label;
+    j["label2id"] = label2id;
+    j[distil ? "seq_classif_dropout" : "classifier_dropout"] = head.dropout;
+    j["ember_pooling"] = head.pooling == ember_text::Pooling::mean ? "mean" : head.pooling == ember_text::Pooling::cls ? "cls" : "pooler";
+    std::vector<std::pair<std::string, std::string>> files{{"config.json", j.dump(2) + "\n"}};
+    for (const char* name : {"vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}) {
+      std::ifstream f(dir_ / name, std::ios::binary);
+      if (!f) continue;
+      std::ostringstream text;
+      text << f.rdbuf();
+      files.emplace_back(name, text.str());
+    }
+    return files;
+  }
+  std::string export_note() const override {
+    const bool distil = net_->config().model_type == "distilbert";
+    switch (net_->head().pooling) {
+      case ember_text::Pooling::pooler:
+        return c10::str("transformers: AutoModelForSequenceClassification.from_pretrained(folder) (",
+                        distil ? "DistilBertForSequenceClassification" : "BertForSequenceClassification", ") gives Ember's logits");
+      case ember_text::Pooling::mean:
+        return "transformers: AutoModel.from_pretrained(folder) is the encoder; Ember's logits are classifier(mean of the "
+               "unpadded token states) with the folder's classifier.weight/bias (docs/text.md)";
+      case ember_text::Pooling::cls:
+        return "transformers: AutoModel.from_pretrained(folder) is the encoder; Ember's logits are classifier(the [CLS] state) "
+               "with the folder's classifier.weight/bias (docs/text.md)";
+    }
+    return "";
+  }
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override { return step(batch, ctx, Phase::train); }
   void validation_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::val); }
   void test_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::test); }
@@ -93,6 +152,7 @@ class Bert final : public ember::IModel, public ember::UnitModel, public ember::
     return net_->forward(ids.to(at::kLong), mask);
   }
   std::shared_ptr<ember_text::BertClassifierNet> net_;
+  std::filesystem::path dir_;
   int64_t pad_id_ = 0;
 };
 

@@ -24,6 +24,7 @@
 #include <ember/error.h>
 #include <ember/host.h>
 #include <ember/model.h>
+#include <ember/model_flops.h>
 #include <ember/plugin.h>
 #include <ember/predict.h>
 
@@ -140,7 +141,7 @@ CnnOptions read_options(const ember::IConfig& cfg) {
   return o;
 }
 
-class Cnn final : public ember::IModel, public ember::IDataParallelModel, public ember::IPredictingModel {
+class Cnn final : public ember::IModel, public ember::IDataParallelModel, public ember::IPredictingModel, public ember::IModelFlops {
  public:
   explicit Cnn(const ember::IConfig& cfg)
       : opts_(read_options(cfg)), section_(cfg.section()) {
@@ -156,7 +157,43 @@ class Cnn final : public ember::IModel, public ember::IDataParallelModel, public
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kDataParallelModelIid) == 0) return static_cast<ember::IDataParallelModel*>(this);
     if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
+    if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
     return nullptr;
+  }
+
+  // ember/model_flops.h's count: per 3x3 convolution (padding 1: the output is as large as its
+  // input) 2*n*h*w*out*in*9 forward, the same for the weight's gradient and again for the input's
+  // gradient except in the first layer; linear layers likewise; pools, norms, activations left out.
+  double training_flops(const ember::Batch& batch) const override {
+    if (batch.tensors.empty() || batch[0].dim() != 4) return 0.0;
+    const double n = static_cast<double>(batch[0].size(0));
+    int64_t h = batch[0].size(2), w = batch[0].size(3);
+    double flops = 0.0;
+    bool first = true;
+    auto add = [&](double forward) {
+      flops += (first ? 2.0 : 3.0) * forward;
+      first = false;
+    };
+    auto conv = [&](int64_t in, int64_t out) { add(2.0 * n * static_cast<double>(h * w) * static_cast<double>(out * in) * 9.0); };
+    auto linear = [&](int64_t in, int64_t out) { add(2.0 * n * static_cast<double>(in) * static_cast<double>(out)); };
+    auto pool = [&] { h /= 2; w /= 2; };
+    if (speedrun_) {
+      const int64_t c = opts_.width;
+      const int64_t widths[] = {opts_.in_channels, c, 2 * c, 2 * c, 4 * c, 4 * c};
+      for (int i = 0; i < 5; ++i) {
+        conv(widths[i], widths[i + 1]);
+        if (i == 1 || i == 3) pool();
+      }
+      linear(4 * c, opts_.num_classes);
+    } else {
+      conv(opts_.in_channels, opts_.conv1_channels);
+      pool();
+      conv(opts_.conv1_channels, opts_.conv2_channels);
+      pool();
+      linear(opts_.conv2_channels * h * w, opts_.hidden);
+      linear(opts_.hidden, opts_.num_classes);
+    }
+    return flops;
   }
   at::Tensor predict_step(const ember::Batch& batch) override { return logits(batch).to(at::kFloat).softmax(1); }
   bool predicts_classes() const override { return true; }

@@ -12,7 +12,7 @@
 
 #include <ember/error.h>
 
-#include "safetensors_file.h"
+#include <ember/support/safetensors.h>
 
 namespace ember_text {
 namespace {
@@ -209,7 +209,7 @@ void BertClassifierNet::init_weights() {
 }
 
 std::vector<std::string> BertClassifierNet::load_safetensors(const std::string& path) {
-  SafetensorsFile file(path);
+  ember::support::SafetensorsFile file(path);
   std::set<std::string> used;
   torch::NoGradGuard no_grad;
   for (auto& item : named_parameters()) {
@@ -240,6 +240,14 @@ std::vector<std::string> BertClassifierNet::load_safetensors(const std::string& 
   for (const auto& n : file.names())
     if (!used.count(n) && n.find("position_ids") == std::string::npos) unused.push_back(n);
   return unused;
+}
+
+std::string BertClassifierNet::transformers_name(const std::string& name) const {
+  if (name.rfind("classifier.", 0) == 0) return name;
+  if (config_.model_type == "bert") return "bert." + name;
+  // stored_names lists DistilBERT's bare name first, then the one with the model's prefix.
+  const auto names = stored_names(config_.model_type, name);
+  return names.size() > 1 ? names.back() : names.front();
 }
 
 void BertClassifierNet::freeze_encoder() {

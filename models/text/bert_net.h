@@ -68,6 +68,10 @@ class BertClassifierNet : public torch::nn::Module {
   // mapping the layout's names. Throws ember::RunError naming the first missing or mis-shaped
   // tensor. Returns the names in the file that were not used.
   std::vector<std::string> load_safetensors(const std::string& path);
+  // The name Hugging Face's *ForSequenceClassification model of this layout gives the tensor this
+  // module calls `name` (BertForSequenceClassification: "bert." + name, the head as is;
+  // DistilBertForSequenceClassification: its own layer names, pre_classifier for the pooler).
+  std::string transformers_name(const std::string& name) const;
   // Only the classifier (and nothing of the encoder) trains.
   void freeze_encoder();
   // Each encoder layer runs through `units` (sharding strategies gather its parameters first).

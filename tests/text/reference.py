@@ -2,6 +2,8 @@
 
   reference.py tokenize TOKENIZER_JSON OUT_JSONL IN_JSONL...   ids of every "review"/"text" field
   reference.py tiny-bert OUT_DIR                               random 2-layer BERT/DistilBERT + logits
+  reference.py export-check FOLDER TEXTS_CSV PREDICTIONS_CSV POOLING MAX_LENGTH
+                                  transformers on `engine export`'s folder == engine predict's probabilities
 """
 import json
 import pathlib
@@ -69,10 +71,52 @@ def tiny_bert(out_dir):
               open(out / "reference.json", "w"))
 
 
+def export_check(folder, texts_csv, predictions_csv, pooling, max_length):
+    """The folder `engine export` wrote loads in transformers (model, config, tokenizer) and gives
+    the probabilities `engine predict` wrote for every text, to 1e-5."""
+    import csv
+    import torch
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+    with open(texts_csv, newline="") as f:
+        texts = [row["text"] for row in csv.DictReader(f)]
+    with open(predictions_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(texts), (len(rows), len(texts))
+    columns = sorted(k for k in rows[0] if k.startswith("prob_"))
+    want = torch.tensor([[float(r[k]) for k in columns] for r in rows])
+    tok = AutoTokenizer.from_pretrained(folder)
+    if pooling == "pooler":
+        model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    else:
+        from safetensors.torch import load_file
+        model = AutoModel.from_pretrained(folder).eval()
+        head = load_file(pathlib.Path(folder) / "model.safetensors")
+    got = []
+    with torch.no_grad():
+        for text in texts:
+            enc = tok(text, truncation=True, max_length=int(max_length), return_tensors="pt")
+            if pooling == "pooler":
+                logits = model(**enc).logits
+            else:
+                hidden = model(**enc).last_hidden_state
+                m = enc["attention_mask"].unsqueeze(-1).float()
+                pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+                logits = pooled @ head["classifier.weight"].T + head["classifier.bias"]
+            got.append(logits.softmax(-1)[0])
+    got = torch.stack(got)
+    diff = (got - want).abs().max().item()
+    print(f"{len(texts)} texts, largest probability difference {diff:.2e}")
+    if diff > 1e-5:
+        sys.exit(f"transformers on the export differs from engine predict by {diff}")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "tokenize":
         tokenize(sys.argv[2], sys.argv[3], sys.argv[4:])
     elif sys.argv[1] == "tiny-bert":
         tiny_bert(sys.argv[2])
+    elif sys.argv[1] == "export-check":
+        export_check(*sys.argv[2:7])
     else:
         sys.exit(f"unknown command {sys.argv[1]}")

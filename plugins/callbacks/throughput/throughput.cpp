@@ -8,8 +8,9 @@
 //
 // FLOP/s and MFU (train|device|flops_per_sec, train|flops_per_sec, train|device|mfu): the FLOPs
 // of a training batch come from the model (ember/model_flops.h) or are counted once with
-// LibTorch's profiler (flops = "measure": the matrix products and convolutions it knows, forward
-// and backward, scaled by batch size afterwards); the device's peak comes from peak_flops.h's
+// LibTorch's profiler (flops = "measure": the matrix products it knows forward and backward, and
+// convolutions forward only: the profiler gives convolution_backward no count; scaled by batch
+// size afterwards); the device's peak comes from peak_flops.h's
 // table of GPUs for the run's compute dtype, or from peak_tflops (CPUs: look up your own).
 #include <ATen/cuda/CUDAContext.h>
 #include <ember/callback_base.h>

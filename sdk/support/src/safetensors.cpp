@@ -1,4 +1,4 @@
-#include "safetensors_file.h"
+#include <ember/support/safetensors.h>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -9,15 +9,16 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/StringUtil.h>
 #include <nlohmann/json.hpp>
 
 #include <ember/error.h>
 
-namespace ember_text {
+namespace ember::support {
 namespace {
 
 struct DtypeName {
@@ -133,16 +134,15 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
                        const std::map<std::string, std::string>& metadata) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<at::Tensor> cpu;
   size_t offset = 0;
   for (const auto& [name, t] : tensors) {
-    if (header.contains(name)) throw ember::RunError(c10::str(path, ": tensor name '", name, "' appears twice"));
+    if (name == "__metadata__" || header.contains(name))
+      throw ember::RunError(c10::str(path, ": tensor name '", name, "' appears twice or is reserved"));
     const auto* d = std::find_if(std::begin(kDtypes), std::end(kDtypes),
                                  [&](const DtypeName& x) { return x.type == t.scalar_type(); });
     if (d == std::end(kDtypes))
       throw ember::RunError(c10::str(path, ": tensor '", name, "' has dtype ", t.scalar_type(), ", which safetensors cannot hold"));
-    cpu.push_back(t.detach().to(at::kCPU).contiguous());
-    const size_t bytes = static_cast<size_t>(cpu.back().numel()) * cpu.back().element_size();
+    const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
     header[name] = {{"dtype", d->name}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
@@ -150,22 +150,48 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data section 8-byte aligned
   const std::filesystem::path target(path);
   const std::filesystem::path tmp = target.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw ember::RunError(c10::str(tmp.string(), ": cannot write: ", std::strerror(errno)));
-    unsigned char len[8];
-    uint64_t n = text.size();
-    for (unsigned char& b : len) { b = static_cast<unsigned char>(n & 0xff); n >>= 8; }
-    out.write(reinterpret_cast<const char*>(len), 8);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& t : cpu)
-      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
-    out.flush();
-    if (!out) throw ember::RunError(c10::str(tmp.string(), ": write failed (disk full?)"));
+  // The temporary file is closed and removed on every way out but success.
+  struct TempFile {
+    std::filesystem::path path;
+    int fd = -1;
+    bool keep = false;
+    ~TempFile() {
+      if (fd >= 0) ::close(fd);
+      std::error_code ignored;
+      if (!keep) std::filesystem::remove(path, ignored);
+    }
+  } file{tmp};
+  file.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (file.fd < 0) throw ember::RunError(c10::str(tmp.string(), ": cannot write: ", std::strerror(errno)));
+  auto write_all = [&](const void* data, size_t n) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = ::write(file.fd, p, n);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0)
+        throw ember::RunError(c10::str(tmp.string(), ": write failed: ", std::strerror(w < 0 ? errno : ENOSPC), "; ", path,
+                                       " is unchanged"));
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+  };
+  unsigned char len[8];
+  uint64_t n = text.size();
+  for (unsigned char& b : len) { b = static_cast<unsigned char>(n & 0xff); n >>= 8; }
+  write_all(len, 8);
+  write_all(text.data(), text.size());
+  // One CPU copy at a time: exporting a large model needs no second copy of all of it.
+  for (const auto& [name, t] : tensors) {
+    const at::Tensor cpu = t.detach().to(at::kCPU).contiguous();
+    write_all(cpu.data_ptr(), static_cast<size_t>(cpu.numel()) * cpu.element_size());
   }
+  if (::fsync(file.fd) != 0) throw ember::RunError(c10::str(tmp.string(), ": cannot sync to disk: ", std::strerror(errno)));
+  ::close(file.fd);
+  file.fd = -1;
   std::error_code ec;
   std::filesystem::rename(tmp, target, ec);
   if (ec) throw ember::RunError(c10::str(path, ": cannot rename the finished file into place: ", ec.message()));
+  file.keep = true;
 }
 
-}  // namespace ember_text
+}  // namespace ember::support

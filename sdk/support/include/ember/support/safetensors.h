@@ -1,7 +1,9 @@
-// Safetensors (Hugging Face's weight format) for the text models: an 8-byte little-endian header
-// length, a JSON header {name: {dtype, shape, data_offsets}}, then the raw tensor bytes.
-// Reading memory-maps the file and hands out tensors that view the mapping (no copy); writing
-// goes to a temporary file renamed into place, so an earlier file survives a failed write.
+// Safetensors (Hugging Face's weight format): an 8-byte little-endian header length, a JSON
+// header {name: {dtype, shape, data_offsets}, "__metadata__": {str: str}}, then the raw tensor
+// bytes. Reading memory-maps the file and hands out tensors that view the mapping (no copy);
+// writing goes to a temporary file that is synced and renamed into place, so an earlier file
+// survives a failed write. Compiled library Ember::safetensors (the bert model reads pretrained
+// weights with it, `engine export` writes them); it depends on the SDK only.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -10,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace ember_text {
+namespace ember::support {
 
 class SafetensorsFile {
  public:
@@ -40,9 +42,10 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
-// Writes `tensors` (any device and dtype that safetensors knows; contiguous copies are made on the
-// CPU) to `path` atomically. Names must be unique.
+// Writes `tensors` (any device and dtype that safetensors knows; each is copied to the CPU as a
+// contiguous tensor while it is written) to `path` atomically. Names must be unique. Python's
+// safetensors and transformers want metadata {"format": "pt"} for PyTorch tensors.
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
-}  // namespace ember_text
+}  // namespace ember::support

@@ -1,0 +1,33 @@
+// Extension interface for `engine export CKPT --format safetensors OUT`: a model whose weights
+// another library loads under other names (e.g. Hugging Face transformers) says which names, and
+// which files that library needs beside the weights. Optional, found through
+// IPluginObject::query_interface; without it the export keeps the module's own state_dict names
+// (what torch.nn.Module.load_state_dict takes) and writes no other file.
+#pragma once
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ember/export.h"
+
+namespace ember {
+
+// IModel::query_interface(kExportableModelIid). The engine calls it on a model made from the
+// checkpoint's own configuration, before any training: it may read its configuration and its
+// asset files, not the weights (the engine takes those from the checkpoint).
+inline constexpr const char* kExportableModelIid = "ember.IExportableModel/1";
+class EMBER_SDK_API IExportableModel {
+ public:
+  virtual ~IExportableModel() = default;
+  // The name the other library loads the module's state_dict entry `name` under ("" leaves the
+  // entry out of the export, e.g. a buffer the other library recomputes).
+  virtual std::string exported_name(const std::string& name) const = 0;
+  // Files the other library needs beside the weights, as (file name, contents) pairs: written
+  // into the output folder (e.g. config.json, the tokenizer's files). Names are plain file names.
+  virtual std::vector<std::pair<std::string, std::string>> exported_files() const = 0;
+  // One line for the log saying what loads the export and how, e.g. "transformers:
+  // AutoModelForSequenceClassification.from_pretrained(folder) gives the same logits".
+  virtual std::string export_note() const = 0;
+};
+
+}  // namespace ember
