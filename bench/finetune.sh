@@ -7,8 +7,8 @@
 # samples/s (bench/finetune.py says how it is timed), test accuracy, peak RSS, wall time, and the
 # ratios Ember / Lightning. Printed first: the CPU model and its SIMD flags, torch and Lightning
 # versions, the machine's load.
-#   bash bench/finetune.sh                 # 1 epoch fp32 (113 batches + val + test), bf16-mixed 4 batches
-#   FINETUNE_LIMIT=6 FINETUNE_EVAL_LIMIT=2 FINETUNE_BF16_LIMIT=4 bash bench/finetune.sh       # a quick check (~5 minutes)
+#   bash bench/finetune.sh     # 1 epoch fp32 (113 batches + val + test), bf16-mixed 4 batches: ~30 min idle (estimate)
+#   FINETUNE_LIMIT=6 FINETUNE_EVAL_LIMIT=2 FINETUNE_PRECISIONS=32-true bash bench/finetune.sh   # a quick check of the script
 # Knobs (environment): FINETUNE_EPOCHS (1), FINETUNE_LIMIT (training batches per epoch, 0 = all),
 # FINETUNE_MAX_LENGTH (128), FINETUNE_PRECISIONS ("32-true,bf16-mixed"), FINETUNE_BF16_LIMIT
 # (batches of the throughput-only runs of precisions other than 32-true, 4; 0 = run them like fp32),
