@@ -244,3 +244,34 @@ TEST(CheckpointFile, ContainerTypesSurviveTheUntaggedPickle) {
   auto sd = c10::impl::toTypedDict<std::string, at::Tensor>(back.at("state_dict").toGenericDict());
   EXPECT_EQ(sd.size(), 1u);
 }
+
+// A pickle whose checksums are right but whose sizes lie (found by the fuzz test under
+// AddressSanitizer: a LONG_BINPUT memo index made LibTorch's unpickler reserve 25.6 GB) is refused
+// in one line before the unpickler sees it: a huge memo index, and a string longer than the pickle.
+TEST(CheckpointIntegrity, PickleSizeClaimsAreCheckedBeforeUnpickling) {
+  TempDir dir("integrity");
+  const fs::path good = dir / "good.ckpt";
+  ember::engine::save_checkpoint_file(good, small_checkpoint(ember::engine::kCheckpointFormatVersion, false));
+  const std::string bytes = read_file(good);
+  Record pkl;
+  for (const auto& r : payload_records(good))
+    if (r.name == "data.pkl") pkl = r;
+  ASSERT_GT(pkl.size, 0u);
+  // The key "format" (BINUNICODE: 'X', 4-byte length 6, the text) becomes LONG_BINPUT ('r') of
+  // index 2^31 - 1, then a BINUNICODE of 2^31 - 1 bytes.
+  const auto text = bytes.find("format", pkl.offset);
+  ASSERT_LT(text, pkl.offset + pkl.size);
+  const size_t at = text - 5;
+  ASSERT_EQ(bytes.substr(at, 5), std::string("X\x06\x00\x00\x00", 5)) << "not BINUNICODE: the pickler changed";
+  for (const auto& [op, what] : {std::pair{'r', std::string("memo index 2147483647")}, std::pair{'X', std::string("claims 2147483647 bytes")}}) {
+    std::string bad = bytes;
+    bad[at] = op;
+    bad.replace(at + 1, 4, std::string("\xff\xff\xff\x7f", 4));
+    const fs::path file = dir / "bad.ckpt";
+    write_file(file, ember::engine::reseal_checkpoint_bytes(bad));
+    const std::string err = load_error(file);
+    EXPECT_NE(err.find("checkpoint " + file.string() + " is not a valid checkpoint: its pickle's"), std::string::npos) << err;
+    EXPECT_NE(err.find(what), std::string::npos) << err;
+    EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+  }
+}

@@ -387,6 +387,71 @@ c10::IValue restore_types(const c10::IValue& v, const std::string& record) {
 }
 
 
+
+// LibTorch's unpickler trusts the sizes a pickle states: a LONG_BINPUT memo index makes it reserve
+// room for twice that many values, a string's 4-byte length is allocated before it is read. A
+// crafted or damaged data.pkl (with its checksums made right) could so ask for tens of gigabytes
+// (found by the fuzz test under AddressSanitizer: a 25.6 GB reserve). This walk over the opcodes
+// LibTorch's pickler writes checks those claims against the pickle's own size first; at an
+// opcode it does not know it stops and leaves the rest to the unpickler. Throws
+// std::invalid_argument.
+void check_pickle_claims(std::string_view pickle) {
+  size_t at = 0;
+  auto need = [&](size_t n, const char* what) {
+    if (n > pickle.size() - at)
+      throw std::invalid_argument("its pickle's " + std::string(what) + " at byte " + std::to_string(at) + " claims " +
+                                  std::to_string(n) + " bytes, " + std::to_string(pickle.size() - at) + " remain");
+  };
+  auto uint_le = [&](size_t n) {
+    need(n, "field");
+    uint64_t v = 0;
+    for (size_t k = 0; k < n; ++k) v |= static_cast<uint64_t>(static_cast<unsigned char>(pickle[at + k])) << (8 * k);
+    at += n;
+    return v;
+  };
+  while (at < pickle.size()) {
+    const auto op = static_cast<unsigned char>(pickle[at++]);
+    switch (op) {
+      case '.': return;  // STOP
+      case '(': case ')': case ']': case '}': case 'N': case 0x88: case 0x89: case 'e': case 'a': case 't': case 0x85:
+      case 0x86: case 0x87: case 's': case 'u': case 'R': case 'b': case 0x81: case 'Q': case '0': case 0x94:
+        break;
+      case 0x80: case 'K': case 'q': case 'h': uint_le(1); break;  // PROTO, BININT1, BINPUT, BINGET
+      case 'M': uint_le(2); break;                                 // BININT2
+      case 'J': uint_le(4); break;                                 // BININT
+      case 'G': uint_le(8); break;                                 // BINFLOAT
+      case 'r': case 'j': {                                        // LONG_BINPUT, LONG_BINGET
+        const uint64_t id = uint_le(4);
+        // Memo indices count up from 0, one per BINPUT of at least 2 bytes.
+        if (id > pickle.size())
+          throw std::invalid_argument("its pickle's memo index " + std::to_string(id) + " at byte " + std::to_string(at - 5) +
+                                      " is out of range for a " + std::to_string(pickle.size()) + "-byte pickle");
+        break;
+      }
+      case 0x8a: case 'U': case 'C': case 0x8c: {  // LONG1, SHORT_BINSTRING, SHORT_BINBYTES, SHORT_BINUNICODE
+        const uint64_t n = uint_le(1);
+        need(n, "string");
+        at += n;
+        break;
+      }
+      case 0x8b: case 'X': case 'T': case 'B': {  // LONG4, BINUNICODE, BINSTRING, BINBYTES
+        const uint64_t n = uint_le(4);
+        need(n, "string");
+        at += n;
+        break;
+      }
+      case 'c':  // GLOBAL module\nname\n
+        for (int line = 0; line < 2; ++line) {
+          const auto nl = pickle.find('\n', at);
+          if (nl == std::string_view::npos) throw std::invalid_argument("its pickle ends inside a GLOBAL name");
+          at = nl + 1;
+        }
+        break;
+      default: return;  // not an opcode LibTorch writes: the unpickler decides
+    }
+  }
+}
+
 }  // namespace
 
 uint32_t crc32c_portable(const void* data, size_t size) {
@@ -537,6 +602,16 @@ c10::impl::GenericDict load_checkpoint_bytes(const char* data, size_t size, cons
       throw std::runtime_error("checkpoint " + where + " has format version " + std::to_string(manifest.format_version) +
                                ", newer than this engine's " + std::to_string(kCheckpointFormatVersion) + " (upgrade the engine)");
     verify_records(*reader, manifest, bytes, where);
+  }
+  try {
+    if (reader->hasRecord("data.pkl")) {
+      const auto [pickle, pickle_size] = reader->getRecord("data.pkl");
+      check_pickle_claims(std::string_view(static_cast<const char*>(pickle.get()), pickle_size));
+    }
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error("checkpoint " + where + " is not a valid checkpoint: " + e.what());
+  } catch (const std::exception& e) {
+    throw not_a_checkpoint(e);
   }
   c10::IValue value;
   try {
