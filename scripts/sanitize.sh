@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds Ember with sanitizers into build dirs of their own and runs the tests under them
 # (docs/build.md, "Sanitizers"):
-#   scripts/sanitize.sh asan [CTEST ARGS...]   AddressSanitizer + UBSan, the whole suite (build-asan/)
+#   scripts/sanitize.sh asan [CTEST ARGS...]   AddressSanitizer + UBSan, the whole suite (build-asan/;
+#                                              leaks unchecked in Open MPI processes: see below)
 #   scripts/sanitize.sh tsan [CTEST ARGS...]   ThreadSanitizer, the loader, ddp and signal tests (build-tsan/)
 #   scripts/sanitize.sh all                    both
 # Extra ctest arguments narrow a run, e.g. `scripts/sanitize.sh asan -R Resume`. A sanitizer report
@@ -35,11 +36,26 @@ export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
 export TSAN_OPTIONS="suppressions=$supp/tsan.supp:second_deadlock_stack=1"
 
+# Open MPI (the CPU ranks of ddp, sharded and offload) leaks at exit by design, from components
+# it dlcloses and through code without frame pointers, so its reports cannot be told apart by
+# stack: processes that start Open MPI run with ASan's and UBSan's checks but without
+# LeakSanitizer (the second pass below); every other test keeps leak checking.
+mpi_tests='Ddp|Sharded|Offload|DistributedBuffers|TwoCpuRanks|ddp_|ShardedFused|tensorboard_readable'
+# fabric_loop_out_of_tree builds examples/fabric_loop outside this build, without ASan, against the
+# instrumented libember.so: ASan needs its runtime loaded first, so that one test cannot run here.
+not_here='fabric_loop_out_of_tree'
+
 status=0
 if [ "$which" = asan ] || [ "$which" = all ]; then
   build build-asan "address,undefined"
   start=$(date +%s)
-  ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 1800 "$@" || status=1
+  if [ $# -gt 0 ]; then
+    ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 1800 "$@" || status=1
+  else
+    ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 1800 -E "$mpi_tests|$not_here" || status=1
+    ASAN_OPTIONS="${ASAN_OPTIONS/detect_leaks=1/detect_leaks=0}" \
+      ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 1800 -R "$mpi_tests" -E "$not_here" || status=1
+  fi
   echo "asan+ubsan: tests $(( $(date +%s) - start ))s"
 fi
 if [ "$which" = tsan ] || [ "$which" = all ]; then
