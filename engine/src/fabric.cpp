@@ -18,7 +18,6 @@
 #include <fstream>
 #include <iterator>
 
-
 #include "log.h"
 #include "run_folder.h"
 #include "run_request.h"
