@@ -43,12 +43,12 @@ int main(int argc, char** argv) {
         auto idx = perm.slice(0, b, std::min(n, b + bs));
         auto xb = f.to_device(x.index_select(0, idx));
         auto yb = f.to_device(y.index_select(0, idx));
-        f.zero_grad();
         at::Tensor loss;
         {
           auto region = f.autocast();
           loss = torch::nn::functional::cross_entropy(forward(xb), yb);
         }
+        f.zero_grad();  // where the hand-written loop has it: after the forward
         f.backward(loss);
         f.optimizer_step();
         loss_sum += loss.item<double>();  // as the hand-written loop reports its loss

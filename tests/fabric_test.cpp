@@ -1,7 +1,9 @@
 // ember::Fabric in process, on single_device (engine/include/ember/fabric.h): the same weights as a
-// hand-written LibTorch loop, amp16's skipped step, clipping, save/load, logging, the distributed
-// sampler against PyTorch's, bad input as one-line errors, and `engine --resume` of a Fabric
-// checkpoint (the one test here that runs the engine binary).
+// hand-written LibTorch loop, amp16's skipped step, clipping and the norm it returns (16-mixed
+// too), save/load, logging, the distributed sampler against PyTorch's, bad input as one-line
+// errors, and `engine --resume` of a Fabric checkpoint (the one test here that runs the engine
+// binary); on 2 CPU ranks (this binary started again): broadcast through the communicator and the
+// gradient norm across shards.
 #include <gtest/gtest.h>
 
 #include <ember/error.h>
@@ -59,6 +61,14 @@ double max_difference(const std::vector<at::Tensor>& a, const std::vector<at::Te
   double d = 0;
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
   return d;
+}
+
+// The total 2-norm of the module's gradients, in double.
+double gradient_norm(torch::nn::Module& m) {
+  double sq = 0;
+  for (const auto& p : m.parameters())
+    if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+  return std::sqrt(sq);
 }
 
 // Trains `steps` batches of 16 with Fabric's loop.
@@ -161,7 +171,17 @@ TEST(Fabric, ClipGradientsByNormAndByValue) {
       loss = 1000.0 * torch::cross_entropy_loss(net->forward(d.x), d.y);
     }
     f.backward(loss);
-    f.clip_gradients(0.01, algorithm);
+    const double unclipped = gradient_norm(*net);
+    ASSERT_GT(unclipped, 0.1);
+    const at::Tensor norm = f.clip_gradients(0.01, algorithm);
+    if (algorithm == ember::ClipAlgorithm::norm) {
+      // torch's clip_grad_norm_: the total norm before clipping.
+      ASSERT_TRUE(norm.defined());
+      EXPECT_EQ(norm.dim(), 0);
+      EXPECT_NEAR(norm.item<double>(), unclipped, 1e-5 * unclipped);
+    } else {
+      EXPECT_FALSE(norm.defined());  // Lightning returns None for clip_val
+    }
     ASSERT_TRUE(f.optimizer_step());
     // SGD with lr 1 moves every weight by exactly minus its (clipped) gradient.
     double sq = 0, max_abs = 0;
@@ -332,6 +352,114 @@ std::string error_of(F&& f) {
   }
   ADD_FAILURE() << "no error thrown";
   return "";
+}
+
+// 16-mixed: clip_gradients unscales first, so the norm it returns and the clipping are in true
+// gradient units, and the step that follows does not unscale a second time.
+TEST(Fabric, Amp16ClipGradientsUnscalesFirstAndReturnsTheTrueNorm) {
+  const Data d = make_data(16);
+  auto reference = make_net(5);
+  torch::cross_entropy_loss(reference->forward(d.x), d.y).backward();
+  const double true_norm = gradient_norm(*reference);
+
+  ember::Fabric f({.accelerator = "cpu", .precision = "16-mixed", .plugin_config = "[amp16]\ninit_scale = 1024.0\n"});
+  auto net = make_net(5);
+  f.setup(net, [](std::vector<at::Tensor> p) {
+    return std::make_shared<torch::optim::SGD>(std::move(p), torch::optim::SGDOptions(1.0));
+  });
+  auto backward = [&](bool poison) {
+    f.zero_grad();
+    at::Tensor loss;
+    {
+      auto region = f.autocast();
+      loss = torch::cross_entropy_loss(net->forward(f.to_device(d.x)), d.y);
+    }
+    f.backward(loss);
+    if (poison) net->head->weight.mutable_grad().view(-1)[0] = std::numeric_limits<float>::infinity();
+  };
+  backward(false);
+  EXPECT_NEAR(gradient_norm(*net), 1024.0 * true_norm, 0.02 * 1024.0 * true_norm);  // still scaled
+  const double max = true_norm / 4;
+  const at::Tensor norm = f.clip_gradients(max);
+  EXPECT_NEAR(norm.item<double>(), true_norm, 0.02 * true_norm);  // float16 autocast: ~1e-3 apart
+  EXPECT_NEAR(gradient_norm(*net), max, 1e-3 * max);               // unscaled, then clipped
+  const auto before = weights(*net);
+  ASSERT_TRUE(f.optimizer_step());
+  double sq = 0;
+  const auto after = weights(*net);
+  for (size_t i = 0; i < after.size(); ++i) sq += (after[i] - before[i]).to(at::kDouble).pow(2).sum().item<double>();
+  EXPECT_NEAR(std::sqrt(sq), max, 1e-3 * max);  // SGD lr 1: the update is the clipped gradient, not unscaled twice
+
+  // An inf gradient: the norm says so and the step is still skipped.
+  backward(true);
+  EXPECT_FALSE(std::isfinite(f.clip_gradients(max).item<double>()));
+  EXPECT_FALSE(f.optimizer_step());
+  EXPECT_EQ(max_difference(after, weights(*net)), 0.0);
+}
+
+// Two CPU ranks (this test binary started again by ddp's launcher, the rank in the environment):
+// broadcast from rank 1 through the communicator for several dtypes and shapes, a sparse tensor
+// refused on both ranks, and the gradient norm clip_gradients returns under `sharded` (each rank
+// holds half of the gradients) equal to the whole model's, on both ranks.
+TEST(Fabric, TwoCpuRanksBroadcastAndClipAcrossShards) {
+  EMBER_SKIP_WITHOUT_MPI();
+  // A rank runs the strategy its launcher started, named in the environment it inherits.
+  const char* rank_strategy = std::getenv("EMBER_FABRIC_TEST_STRATEGY");
+  std::vector<std::string> strategies = {"ddp", "sharded"};
+  if (rank_strategy) strategies = {rank_strategy};
+  for (const auto& strategy : strategies) {
+    if (!rank_strategy) ::setenv("EMBER_FABRIC_TEST_STRATEGY", strategy.c_str(), 1);
+    ember::Fabric f({.accelerator = "cpu", .strategy = strategy, .devices = 2,
+                     .argv = {std::filesystem::read_symlink("/proc/self/exe").string(),
+                              "--gtest_filter=Fabric.TwoCpuRanksBroadcastAndClipAcrossShards"}});
+    const int code = f.launch([&](ember::Fabric& fab) {
+      const int64_t r = fab.rank();
+      ASSERT_EQ(fab.world_size(), 2);
+      // Rank 1's tensors arrive whole on rank 0, whatever rank 0 passed (here: nothing, or a
+      // tensor of another shape and dtype).
+      auto ints = fab.broadcast(r == 1 ? torch::arange(6, at::kLong).reshape({2, 3}) + 100 : at::Tensor(), 1);
+      EXPECT_EQ(ints.scalar_type(), at::kLong);
+      EXPECT_EQ(ints.sizes(), (std::vector<int64_t>{2, 3}));
+      EXPECT_TRUE(ints.equal(torch::arange(6, at::kLong).reshape({2, 3}) + 100));
+      auto flags = fab.broadcast(r == 1 ? torch::tensor({true, false, true}) : torch::zeros({7}), 1);
+      EXPECT_TRUE(flags.equal(torch::tensor({true, false, true})));
+      auto halves = fab.broadcast(r == 1 ? torch::full({5}, 1.5, at::kBFloat16) : torch::zeros({5}, at::kBFloat16), 1);
+      EXPECT_TRUE(halves.equal(torch::full({5}, 1.5, at::kBFloat16)));
+      const auto z = torch::complex(torch::tensor({1.0f, -2.0f}), torch::tensor({std::numeric_limits<float>::infinity(), 3.0f}));
+      EXPECT_TRUE(fab.broadcast(r == 1 ? z : torch::zeros({2}, at::kComplexFloat), 1).equal(z));
+      EXPECT_EQ(fab.broadcast(torch::scalar_tensor(static_cast<double>(r + 7)), 0).item<double>(), 7.0);  // 0-dim
+      EXPECT_EQ(fab.broadcast(torch::empty({0, 4}), 1).sizes(), (std::vector<int64_t>{0, 4}));
+      const auto sparse = torch::eye(3).to_sparse();
+      auto m = error_of<ember::RunError>([&] { fab.broadcast(r == 1 ? sparse : at::Tensor(), 1); });
+      EXPECT_NE(m.find("sparse"), std::string::npos) << m;
+      EXPECT_EQ(fab.broadcast(torch::full({1}, r == 1 ? 5.0 : 0.0), 1).item<double>(), 5.0);  // still in step
+
+      // clip_gradients' norm: that of the mean gradient over both ranks' batches (what ddp and
+      // sharded synchronise), computed here on a whole copy of the module.
+      const Data d = make_data(32);
+      auto net = make_net(11);
+      auto reference = make_net(11);
+      (0.5 * (torch::cross_entropy_loss(reference->forward(d.x.narrow(0, 0, 16)), d.y.narrow(0, 0, 16)) +
+              torch::cross_entropy_loss(reference->forward(d.x.narrow(0, 16, 16)), d.y.narrow(0, 16, 16))))
+          .backward();
+      const double whole = gradient_norm(*reference);
+      fab.setup(net, adam());
+      fab.zero_grad();
+      at::Tensor loss;
+      {
+        auto region = fab.autocast();
+        loss = torch::cross_entropy_loss(net->forward(d.x.narrow(0, 16 * r, 16)), d.y.narrow(0, 16 * r, 16));
+      }
+      fab.backward(loss);
+      const double norm = fab.clip_gradients(1e9).item<double>();
+      EXPECT_NEAR(norm, whole, 1e-5 * whole) << fab.strategy_name() << " rank " << r;
+      EXPECT_TRUE(fab.optimizer_step());
+    });
+    if (!rank_strategy) {
+      ::unsetenv("EMBER_FABRIC_TEST_STRATEGY");
+      EXPECT_EQ(code, 0) << strategy << ": a rank failed (its output is above)";
+    }
+  }
 }
 
 TEST(Fabric, BadInputsAreOneLineErrors) {

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <memory>
 #include <stdexcept>
+#include <utility>
 
 #include "support.h"
 
@@ -74,7 +75,71 @@ class HookLog final : public ember::ICallback {
   int64_t count(const std::string& h) const { return std::count(hooks.begin(), hooks.end(), h); }
 };
 
+// Records every hook; setup and teardown with the stage they ran for ("setup(validate)").
+class StageLog final : public ember::ICallback {
+ public:
+  std::vector<std::string> hooks;
+  void on_hook(ember::Hook hook, ember::ITrainer& t) override {
+    std::string name = ember::hook_name(hook);
+    if (hook == ember::Hook::setup || hook == ember::Hook::teardown) name += "(" + stage_name(t.stage()) + ")";
+    hooks.push_back(name);
+  }
+  std::vector<std::string> take() { return std::exchange(hooks, {}); }
+
+ private:
+  static std::string stage_name(ember::Stage s) {
+    switch (s) {
+      case ember::Stage::fit: return "fit";
+      case ember::Stage::validate: return "validate";
+      case ember::Stage::test: return "test";
+      case ember::Stage::predict: return "predict";
+      default: return "stage " + std::to_string(static_cast<int>(s));
+    }
+  }
+};
+
 }  // namespace
+
+// Lightning's trainer.validate/test/predict: the setup hooks run first with the call's stage and
+// the teardown hooks last; fit keeps its own setup(fit)/teardown(fit).
+TEST(RunApi, ValidateTestAndPredictRunTheStageSetupAndTeardownHooks) {
+  TempDir dir("run_api");
+  auto log = std::make_shared<StageLog>();
+  torch::manual_seed(0);
+  auto net = std::make_shared<torch::nn::LinearImpl>(8, 3);
+  auto logits = [](torch::nn::Module& m, const ember::Batch& b) { return static_cast<torch::nn::LinearImpl&>(m).forward(b[0]); };
+  ember::RunOptions o;
+  o.config_toml = config(dir.path(), "");
+  o.overrides = {"trainer.max_epochs=1", "trainer.num_sanity_val_steps=0"};
+  o.model = std::make_shared<ember::ModuleModel>(
+      net, [&](torch::nn::Module& m, const ember::Batch& b) { return torch::nn::functional::cross_entropy(logits(m, b), b[1]); },
+      [&](torch::nn::Module& m, const ember::Batch& b) {
+        return std::vector<std::pair<std::string, at::Tensor>>{{"acc", logits(m, b).argmax(1).eq(b[1]).to(at::kFloat).mean()}};
+      },
+      [&](torch::nn::Module& m, const ember::Batch& b) { return logits(m, b).softmax(1); });
+  o.data = blob_data();
+  o.callbacks = {log};
+  ember::Run run(o);
+  run.fit();
+  auto hooks = log->take();
+  ASSERT_GE(hooks.size(), 2u);
+  EXPECT_EQ(hooks.front(), "setup(fit)");
+  EXPECT_EQ(hooks.back(), "teardown(fit)");
+
+  run.validate("last");
+  hooks = log->take();
+  EXPECT_EQ(hooks, (std::vector<std::string>{"setup(validate)", "on_validation_start", "on_validation_epoch_start",
+                                             "on_validation_batch_start", "on_validation_batch_end", "on_validation_batch_start",
+                                             "on_validation_batch_end", "on_validation_epoch_end", "on_validation_end",
+                                             "teardown(validate)"}));
+  run.test("last");
+  hooks = log->take();
+  ASSERT_GE(hooks.size(), 4u);
+  EXPECT_EQ(std::vector<std::string>(hooks.begin(), hooks.begin() + 2), (std::vector<std::string>{"setup(test)", "on_test_start"}));
+  EXPECT_EQ(std::vector<std::string>(hooks.end() - 2, hooks.end()), (std::vector<std::string>{"on_test_end", "teardown(test)"}));
+  run.predict("last");
+  EXPECT_EQ(log->take(), (std::vector<std::string>{"setup(predict)", "teardown(predict)"}));  // the SDK has no on_predict_* hooks
+}
 
 TEST(RunApi, TrainsTheProgramsModuleAndTestsTheBestCheckpoint) {
   TempDir dir("run_api");

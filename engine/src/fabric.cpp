@@ -4,6 +4,8 @@
 // engine's training loop (docs/step.md), with the program in the loop's place.
 #include "fabric_impl.h"
 
+#include <ember/grad_util.h>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
@@ -230,6 +232,8 @@ std::shared_ptr<torch::optim::Optimizer> Fabric::setup(std::shared_ptr<torch::nn
     }
   } factory(make_optimizer);
   d.optimizer = d.state->setup_optimizer(factory);
+  d.unscaler = static_cast<IGradientUnscaler*>(d.precision.object->query_interface(kGradientUnscalerIid));
+  d.norm_clip = static_cast<IGradientNormClip*>(strategy.query_interface(kGradientNormClipIid));
   if (!d.optimizer) throw RunError("strategy '" + d.strategy.name + "' built no optimizer (a plugin bug)");
   return d.optimizer;
 }
@@ -245,10 +249,19 @@ Batch Fabric::to_device(Batch batch) {
 }
 
 at::Tensor Fabric::to_device(const at::Tensor& tensor) {
-  Batch b;
+  auto& d = *impl_;
+  d.ensure_launched();
+  // One tensor through the batch calls, in a Batch whose storage is kept between calls (no
+  // allocation per call).
+  Batch b = std::move(d.single_tensor_batch);
+  b.tensors.clear();
   b.tensors.push_back(tensor);
   b.size = tensor.dim() > 0 ? tensor.size(0) : 1;
-  return to_device(std::move(b)).tensors.at(0);
+  b = d.precision.object->convert_input(d.strategy.object->batch_to_device(std::move(b)));
+  if (b.tensors.size() != 1) throw RunError("ember::Fabric::to_device: a plugin changed the number of tensors in a batch (a plugin bug)");
+  at::Tensor out = std::move(b.tensors.front());
+  d.single_tensor_batch = std::move(b);
+  return out;
 }
 
 Fabric::ForwardRegion Fabric::autocast(bool grad_enabled) {
@@ -279,7 +292,9 @@ void Fabric::backward(const at::Tensor& loss) {
   if (!loss.requires_grad())
     throw RunError("ember::Fabric::backward: the loss does not require grad (computed under no_grad, or detached?)");
   d.strategy.object->backward(loss, *d.precision.object, d.sync_gradients);
-  d.last_loss = loss.detach();
+  // Kept as is until the step's closure returns it (a detach() would be a dispatcher round trip
+  // per step; backward already freed the graph) and released right after the step.
+  d.last_loss = loss;
   d.backward_pending = true;
 }
 
@@ -292,10 +307,24 @@ Fabric::NoBackwardSync::~NoBackwardSync() {
   if (fabric_) fabric_->impl_->sync_gradients = true;
 }
 
-void Fabric::clip_gradients(double max, ClipAlgorithm algorithm) {
+at::Tensor Fabric::clip_gradients(double max, ClipAlgorithm algorithm) {
+  auto& d = *impl_;
   if (!(max > 0))
     throw ConfigError("ember::Fabric::clip_gradients: max = " + std::to_string(max) + " must be > 0");
-  impl_->clip = std::make_pair(max, algorithm);
+  d.require_setup("clip_gradients");
+  if (!d.backward_pending) throw RunError("ember::Fabric::clip_gradients: call backward(loss) first (there are no gradients to clip)");
+  // Lightning's order: unscale, then clip what the step will use.
+  if (d.unscaler) d.unscaler->unscale_gradients(*d.optimizer);
+  auto& strategy = *d.strategy.object;
+  if (algorithm == ClipAlgorithm::value) {
+    strategy.clip_gradients(*d.optimizer, max, algorithm);
+    return {};
+  }
+  if (d.norm_clip) return d.norm_clip->clip_gradients_norm(*d.optimizer, max);
+  // Without the extension the strategy's ranks hold whole gradients: their norm is the total.
+  at::Tensor total = total_gradient_norm(grads_of(*d.optimizer));
+  strategy.clip_gradients(*d.optimizer, max, algorithm);
+  return total;
 }
 
 bool Fabric::optimizer_step() {
@@ -308,15 +337,13 @@ bool Fabric::optimizer_step() {
     Fabric::Impl& d;
     explicit Step(Fabric::Impl& impl) : d(impl) {}
     at::Tensor closure() override { return d.last_loss; }
-    void before_step() override {
-      if (d.clip) d.strategy.object->clip_gradients(*d.optimizer, d.clip->first, d.clip->second);
-    }
+    void before_step() override {}
     void step() override { d.optimizer->step(); }
     torch::optim::Optimizer& optimizer() override { return *d.optimizer; }
   } step(d);
   const bool took = d.strategy.object->optimizer_step(step, *d.precision.object);
   d.backward_pending = false;
-  d.clip.reset();
+  d.last_loss.reset();
   return took;
 }
 
@@ -339,11 +366,15 @@ at::Tensor Fabric::broadcast(const at::Tensor& value, int64_t src) {
   impl_->ensure_launched();
   if (src < 0 || src >= world_size())
     throw RunError("ember::Fabric::broadcast: src = " + std::to_string(src) + " is not a rank of 0.." + std::to_string(world_size() - 1));
-  if (world_size() == 1) return value;
-  // The strategy contract has no tensor broadcast: a sum over zeros from every other rank gives
-  // src's value exactly (x + 0 = x, also for inf and NaN).
-  at::Tensor mine = rank() == src ? value : at::zeros_like(value);
-  return impl_->strategy.object->reduce(mine, ReduceOp::sum);
+  if (world_size() == 1) {
+    if (!value.defined()) throw RunError("ember::Fabric::broadcast: the tensor is undefined");
+    return value;
+  }
+  auto* caster = static_cast<ITensorBroadcast*>(impl_->strategy.object->query_interface(kTensorBroadcastIid));
+  if (caster == nullptr)
+    throw RunError("ember::Fabric::broadcast: strategy '" + impl_->strategy.name + "' has no tensor broadcast (" +
+                   kTensorBroadcastIid + "); use all_reduce, or a strategy that has it (ddp, sharded, offload)");
+  return caster->broadcast(value, src);
 }
 
 bool Fabric::broadcast(bool flag) {

@@ -69,8 +69,10 @@ class __attribute__((visibility("hidden"))) Fabric::Impl {  // not exported from
   bool launched = false, finished = false, failed = false;
   bool sync_gradients = true;  // false inside no_backward_sync()
   bool backward_pending = false;
-  at::Tensor last_loss;
-  std::optional<std::pair<double, ClipAlgorithm>> clip;  // for the next optimizer_step()
+  at::Tensor last_loss;           // between backward() and optimizer_step()
+  Batch single_tensor_batch;      // to_device(tensor)'s, reused
+  IGradientUnscaler* unscaler = nullptr;   // the precision handler's, when it scales the loss
+  IGradientNormClip* norm_clip = nullptr;  // the strategy's, when it shards gradients
 
   // Loggers (rank 0), started by the first log().
   bool loggers_started = false;

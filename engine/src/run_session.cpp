@@ -216,14 +216,18 @@ void RunSession::restore_weights(const std::string& checkpoint, const char* purp
 
 MetricValues RunSession::evaluate(Split split, const std::string& checkpoint) {
   return guarded([&] {
+    loop_->begin_stage(split == Split::test ? Stage::test : Stage::validate);
     restore_weights(checkpoint, split == Split::test ? "testing" : "validating");
     start_logging();
-    return split == Split::test ? loop_->test() : loop_->validate();
+    auto metrics = split == Split::test ? loop_->test() : loop_->validate();
+    loop_->end_stage();
+    return metrics;
   });
 }
 
 fs::path RunSession::predict(const std::string& checkpoint) {
   return guarded([&] {
+    loop_->begin_stage(Stage::predict);
     restore_weights(checkpoint, "predicting with");
     const std::string name = plan_.config.section("data").get_string("predict_split");
     const Split split = name == "train" ? Split::train : name == "val" ? Split::val : Split::test;
@@ -233,6 +237,7 @@ fs::path RunSession::predict(const std::string& checkpoint) {
     }
     const fs::path csv = folder_.dir / "predictions.csv";
     loop_->predict(split, csv);
+    loop_->end_stage();
     return csv;
   });
 }

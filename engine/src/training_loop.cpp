@@ -530,6 +530,16 @@ void TrainingLoop::fit() {
   stage_ = Stage::none;
 }
 
+void TrainingLoop::begin_stage(Stage stage) {
+  stage_ = stage;
+  call_hook(Hook::setup);
+}
+
+void TrainingLoop::end_stage() {
+  call_hook(Hook::teardown);
+  stage_ = Stage::none;
+}
+
 std::vector<std::pair<std::string, double>> TrainingLoop::test() {
   if (!test_loader_ || num_test_batches_ == 0)
     throw RunError("data '" + plugins_.data.name + "' has no test batches (test split empty, or limit_test_batches = 0)");

@@ -82,8 +82,14 @@ class TrainingLoop final : public ITrainer {
   const std::vector<Named<ICallback>>& callbacks() const { return plugins_.callbacks; }
   // Lightning's trainer.predict: the model's predictions for every sample of `split` (up to
   // limit_predict_batches), written to `csv` atomically (id, prediction, then one column per
-  // class probability or output). One process only. No hooks fire. Returns the rows written.
+  // class probability or output). One process only. No per-batch hooks (the SDK has no
+  // on_predict_* hooks); RunSession wraps it in begin_stage/end_stage. Returns the rows written.
   int64_t predict(Split split, const std::filesystem::path& csv);
+  // Lightning's trainer.validate/test/predict around their run: begin_stage calls the setup hooks
+  // with stage() = `stage` (before the checkpoint is restored, as Lightning does), end_stage the
+  // teardown hooks (after a successful run; a failure gets on_exception instead).
+  void begin_stage(Stage stage);
+  void end_stage();
   // Resolves "best"/"last" through the callbacks that store checkpoints ("" when none has one).
   std::string locate_checkpoint(const std::string& alias) const;
   void finalize(const std::string& status);

@@ -167,9 +167,14 @@ class EMBER_API Fabric {
   };
   [[nodiscard]] NoBackwardSync no_backward_sync();
 
-  // Clips the gradients of the next optimizer_step(), after the precision handler unscaled them
-  // (Lightning's order); strategies that shard parameters compute the norm across ranks.
-  void clip_gradients(double max, ClipAlgorithm algorithm = ClipAlgorithm::norm);
+  // Lightning's fabric.clip_gradients: call between backward() and optimizer_step(). The precision
+  // handler unscales the gradients first (16-mixed; the step then does not unscale again), then
+  // the strategy clips them in place. By norm (max_norm): scales all gradients so their total
+  // 2-norm is at most `max` and returns that total norm before clipping (torch's clip_grad_norm_;
+  // across ranks when the strategy shards gradients), a float32 scalar on the gradients' device,
+  // not read back to the host. By value (clip_val): clamps every gradient element to [-max, max]
+  // and returns an undefined tensor (Lightning returns None).
+  at::Tensor clip_gradients(double max, ClipAlgorithm algorithm = ClipAlgorithm::norm);
   // strategy.optimizer_step -> precision.optimizer_step (unscale, clip, step unless the gradients
   // are inf/NaN). Call after backward(). Returns false when the precision handler skipped the step.
   bool optimizer_step();
@@ -178,7 +183,10 @@ class EMBER_API Fabric {
   // Collectives over all ranks (identity on one process).
   at::Tensor all_reduce(const at::Tensor& value, ReduceOp op = ReduceOp::mean);
   void barrier(const std::string& name = "fabric");
-  at::Tensor broadcast(const at::Tensor& value, int64_t src = 0);  // src's value on every rank
+  // Rank src's tensor (dtype, shape, values) on every rank, through the strategy's communicator
+  // (torch.distributed.broadcast). The other ranks' `value` only names the device they want it
+  // on (may be undefined). Any dense dtype; a sparse or quantized tensor is a RunError on every rank.
+  at::Tensor broadcast(const at::Tensor& value, int64_t src = 0);
   bool broadcast(bool flag);                                        // rank 0's flag on every rank
 
   int64_t rank() const;

@@ -66,8 +66,9 @@ class GradAccumSchedule final : public ember::Callback {
   }
 
   void setup(ember::ITrainer& t) override {
-    // Lightning refuses both: the trainer's factor would be silently overridden.
-    if (t.accumulate_grad_batches() != 1)
+    // Lightning refuses both: the trainer's factor would be silently overridden (only training
+    // accumulates; validate/test/predict run setup too).
+    if (t.stage() == ember::Stage::fit && t.accumulate_grad_batches() != 1)
       throw ember::ConfigError("trainer.accumulate_grad_batches = " + std::to_string(t.accumulate_grad_batches()) +
                                " and [grad_accum_schedule] both set gradient accumulation: remove "
                                "trainer.accumulate_grad_batches (the schedule's factor for epoch 0 replaces it)");

@@ -52,6 +52,9 @@ class SimpleProfiler final : public ember::Callback {
   }
 
   void on_hook(Hook hook, ember::ITrainer& t) override {
+    // The fit report spans setup(fit)..teardown(fit); validate/test/predict's own setup and
+    // teardown (Lightning's setup(stage)) do not open or close it.
+    if ((hook == Hook::setup || hook == Hook::teardown) && t.stage() != ember::Stage::fit) return;
     const double t0 = now();
     ++hook_calls_;
     ++hook_counts_[ember::hook_name(hook)];

@@ -2,9 +2,11 @@
 // metrics plus "step"; the header is the sorted union of every key seen, missing values are empty
 // cells) and <run_dir>/hparams.toml.
 //
-// Unlike Lightning, every write replaces the file atomically (temporary file + rename), so a
-// crash never leaves a half-written metrics.csv, and a resumed run drops the rows logged after
-// its checkpoint instead of logging those steps twice.
+// Like Lightning, buffered rows are appended to the file (here with fsync, so a flush is durable;
+// its cost is that of the new rows, not of the file). When new columns appear, the file is
+// rewritten under the new header and replaced atomically (temporary file + rename). Unlike
+// Lightning, a resumed run drops the rows logged after its checkpoint instead of logging those
+// steps twice, and a last row a crash cut short.
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>
@@ -137,7 +139,12 @@ class CsvLogger final : public ember::ILogger {
   // Continues the file of the run being resumed. Rows after resume_step were logged after the
   // checkpoint; the resumed run logs those steps again, so they go.
   void resume(int64_t resume_step) {
-    ember_csv::Table t = ember_csv::read_table(path_);
+    const std::string text_on_disk = ember_csv::read_file(path_);
+    const size_t complete = ember_csv::complete_records(text_on_disk);
+    const bool torn = complete != text_on_disk.size();
+    if (torn)
+      host_.log(ember::LogLevel::warn, "csv: " + path_.string() + " ends in a row the previous run did not finish writing; dropped it");
+    ember_csv::Table t = ember_csv::parse_table(std::string_view(text_on_disk).substr(0, complete));
     const size_t before = t.rows.size();
     std::erase_if(t.rows, [&](const ember_csv::Row& r) {
       double step = 0;
@@ -145,7 +152,7 @@ class CsvLogger final : public ember::ILogger {
     });
     columns_.insert(t.header.begin(), t.header.end());
     const std::vector<std::string> header(columns_.begin(), columns_.end());
-    if (t.rows.size() != before || header != t.header) {
+    if (torn || t.rows.size() != before || header != t.header) {
       std::string text = ember_csv::join_line(header);
       for (const auto& r : t.rows) text += ember_csv::row_line(header, r);
       ember_csv::write_atomic(path_, text);
@@ -159,9 +166,9 @@ class CsvLogger final : public ember::ILogger {
   }
 
   // Writes the buffered rows. When new columns appeared, the rows already on disk are rewritten
-  // under the new header (Lightning's _rewrite_with_new_header); otherwise they are copied and
-  // the new rows appended. Either way the file is replaced atomically. On failure the rows stay
-  // buffered for the next attempt.
+  // under the new header (Lightning's _rewrite_with_new_header) and the file is replaced
+  // atomically; otherwise the new rows are appended in place (durable, linear in the new rows).
+  // On failure the rows stay buffered for the next attempt (a partial append is cut off).
   void write_pending() {
     if (pending_.empty() || dir_.empty()) return;
     const std::vector<std::string> header(columns_.begin(), columns_.end());
@@ -170,7 +177,7 @@ class CsvLogger final : public ember::ILogger {
     std::error_code ec;
     const bool on_disk = !file_header_.empty() && fs::exists(path_, ec);
     if (on_disk && header == file_header_) {
-      ember_csv::append_atomic(path_, rows);
+      ember_csv::append_durable(path_, rows);
     } else {
       std::string text = ember_csv::join_line(header);
       if (on_disk) {

@@ -1,5 +1,5 @@
 // The pieces of the csv logger that need no trainer: number cells, RFC 4180 quoting and parsing,
-// and atomic file replacement. Header-only and free of Ember types so unit tests can include it.
+// atomic file replacement and durable appends. Header-only and free of Ember types so unit tests can include it.
 #pragma once
 #include <ember/number_text.h>
 #include <fcntl.h>
@@ -117,9 +117,9 @@ inline std::string read_file(const fs::path& path) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
-inline Table read_table(const fs::path& path) {
+inline Table parse_table(std::string_view text) {
   Table t;
-  auto records = parse(read_file(path));
+  auto records = parse(text);
   if (records.empty()) return t;
   t.header = std::move(records.front());
   for (size_t r = 1; r < records.size(); ++r) {
@@ -131,6 +131,7 @@ inline Table read_table(const fs::path& path) {
   }
   return t;
 }
+inline Table read_table(const fs::path& path) { return parse_table(read_file(path)); }
 
 namespace detail {
 inline void fail(const std::string& what, const fs::path& path) {
@@ -183,13 +184,36 @@ inline void write_atomic(const fs::path& path, std::string_view content) {
   detail::finish(detail::temp_for(path), path, content, /*append=*/false);
 }
 
-// Replaces `path` with its current content followed by `extra`, atomically.
-inline void append_atomic(const fs::path& path, std::string_view extra) {
-  const fs::path tmp = detail::temp_for(path);
-  std::error_code ec;
-  fs::copy_file(path, tmp, fs::copy_options::overwrite_existing, ec);
-  if (ec) throw std::runtime_error("cannot copy " + path.string() + ": " + ec.message());
-  detail::finish(tmp, path, extra, /*append=*/true);
+// Appends `extra` to the existing file `path` in place and makes it durable (fsync): the cost is
+// that of the new rows, not of the whole file. A failed write is cut back off (ftruncate), so a
+// retry never follows half a row. Only a crash mid-write can leave a partial last record, which
+// complete_records() finds on the next read.
+inline void append_durable(const fs::path& path, std::string_view extra) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+  if (fd < 0) detail::fail("cannot open", path);
+  const off_t before = ::lseek(fd, 0, SEEK_END);
+  try {
+    if (before < 0) detail::fail("cannot seek", path);
+    detail::write_all(fd, extra, path);
+    if (::fsync(fd) != 0) detail::fail("cannot sync", path);
+  } catch (...) {
+    if (before >= 0 && ::ftruncate(fd, before) == 0) ::fsync(fd);
+    ::close(fd);
+    throw;
+  }
+  if (::close(fd) != 0) detail::fail("cannot close", path);
+}
+
+// The length of `text` up to the end of its last complete record: one that ends with a line break
+// outside quotes. What follows is a record a crash cut short.
+inline size_t complete_records(std::string_view text) {
+  size_t end = 0;
+  bool quoted = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '"') quoted = !quoted;  // a doubled quote toggles twice
+    else if (!quoted && text[i] == '\n') end = i + 1;
+  }
+  return end;
 }
 
 }  // namespace ember_csv

@@ -26,7 +26,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Bool("log_scale", "true", "Log amp_scale (the scale after this step's update) and amp_skipped_steps with the step metrics."),
 };
 
-class Amp16 final : public ember::IPrecision, public ember::ITrainerAware {
+class Amp16 final : public ember::IPrecision, public ember::ITrainerAware, public ember::IGradientUnscaler {
  public:
   Amp16(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
@@ -55,7 +55,11 @@ class Amp16 final : public ember::IPrecision, public ember::ITrainerAware {
     step.closure();
     // Hooks and clipping see true gradient values (Lightning's order: unscale, then
     // on_before_optimizer_step and clipping, then the step if the gradients are finite).
-    scaler_.unscale(step.optimizer());
+    // A program that unscaled already (Fabric's clip_gradients) gets only the inf/NaN check, which
+    // also sees what a strategy marked in the closure (ZeRO's vote across ranks).
+    if (unscaled_) scaler_.check_finite(step.optimizer());
+    else scaler_.unscale(step.optimizer());
+    unscaled_ = false;
     step.before_step();
     const bool finite = scaler_.finite();
     if (finite) step.step();
@@ -83,7 +87,14 @@ class Amp16 final : public ember::IPrecision, public ember::ITrainerAware {
     if (d.contains("skipped_steps")) skipped_ = d.at("skipped_steps").toInt();
   }
   void* query_interface(const char* iid) override {
-    return std::strcmp(iid, ember::kTrainerAwareIid) == 0 ? static_cast<ember::ITrainerAware*>(this) : nullptr;
+    if (std::strcmp(iid, ember::kTrainerAwareIid) == 0) return static_cast<ember::ITrainerAware*>(this);
+    if (std::strcmp(iid, ember::kGradientUnscalerIid) == 0) return static_cast<ember::IGradientUnscaler*>(this);
+    return nullptr;
+  }
+  void unscale_gradients(torch::optim::Optimizer& optimizer) override {
+    if (unscaled_) return;
+    scaler_.unscale(optimizer);
+    unscaled_ = true;
   }
   void attach_trainer(ember::ITrainer* trainer) override { trainer_ = trainer; }
 
@@ -94,6 +105,7 @@ class Amp16 final : public ember::IPrecision, public ember::ITrainerAware {
   c10::Device device_{c10::kCPU};
   std::optional<ember::AutocastRegion> region_;
   int64_t skipped_ = 0;
+  bool unscaled_ = false;  // by unscale_gradients, since the last step
   ember::ITrainer* trainer_ = nullptr;
 };
 

@@ -232,6 +232,52 @@ bool Communicator::broadcast_flag(bool value) {
   return v[0].item<int>() != 0;
 }
 
+at::Tensor Communicator::broadcast(const at::Tensor& value, int64_t src) {
+  if (src < 0 || src >= info_.world)
+    throw ember::RunError(name_ + ": broadcast from rank " + std::to_string(src) + ": there are ranks 0.." + std::to_string(info_.world - 1));
+  const c10::Device out = value.defined() ? value.device() : device_;
+  if (info_.world == 1) return value;
+  // Header: [problem, dtype, ndim, sizes...]. Every rank reads the problem, so none waits for
+  // bytes src will not send.
+  constexpr int64_t kMaxDims = 16;
+  enum Problem : int64_t { kNone = 0, kUndefined, kNotDense, kTooManyDims };
+  at::Tensor header = at::zeros({3 + kMaxDims}, at::kLong);
+  if (info_.rank == src) {
+    auto* h = header.data_ptr<int64_t>();
+    if (!value.defined()) h[0] = kUndefined;
+    else if (value.layout() != at::kStrided || value.is_quantized()) h[0] = kNotDense;
+    else if (value.dim() > kMaxDims) h[0] = kTooManyDims;
+    else {
+      h[1] = static_cast<int64_t>(value.scalar_type());
+      h[2] = value.dim();
+      for (int64_t d = 0; d < value.dim(); ++d) h[3 + d] = value.size(d);
+    }
+  }
+  std::vector<at::Tensor> v{header.to(device_)};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = src;
+  label("tensor broadcast header");
+  backend_->broadcast(v, opts)->wait();
+  header = v.front().cpu();
+  const auto* h = header.data_ptr<int64_t>();
+  const std::string from = name_ + ": broadcast from rank " + std::to_string(src) + ": ";
+  if (h[0] == kUndefined) throw ember::RunError(from + "its tensor is undefined");
+  if (h[0] == kNotDense)
+    throw ember::RunError(from + "its tensor is sparse or quantized; only dense tensors can be broadcast (call .to_dense() first)");
+  if (h[0] == kTooManyDims) throw ember::RunError(from + "its tensor has more than 16 dimensions (reshape it first)");
+  const auto dtype = static_cast<at::ScalarType>(h[1]);
+  std::vector<int64_t> sizes(h + 3, h + 3 + h[2]);
+  at::Tensor data = info_.rank == src ? value.detach().to(device_, /*non_blocking=*/false, /*copy=*/true).contiguous()
+                                      : at::empty(sizes, at::TensorOptions().dtype(dtype).device(device_));
+  if (data.numel() > 0) {
+    // As bytes: every dtype (bool, bf16, complex, ...) travels through NCCL and Open MPI alike.
+    std::vector<at::Tensor> bytes{data.reshape({-1}).view(at::kByte)};
+    label("tensor broadcast");
+    backend_->broadcast(bytes, opts)->wait();
+  }
+  return data.to(out);
+}
+
 void Communicator::teardown(const std::string& stats) {
   if (torn_down_ || !backend_) return;
   torn_down_ = true;

@@ -78,6 +78,9 @@ class Communicator {
   at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op);
   void barrier(const char* name);
   bool broadcast_flag(bool value);
+  // ember::ITensorBroadcast::broadcast: a header (dtype, shape, or why not) from src, then the
+  // bytes, so any dense dtype goes through both backends and a bad tensor fails on every rank.
+  at::Tensor broadcast(const at::Tensor& value, int64_t src);
   // Ends the group (idempotent). `stats` is logged first when not empty.
   void teardown(const std::string& stats = "");
 

@@ -34,7 +34,7 @@ constexpr EmberConfigKey kKeys[] = {
                      "evaluating after one (PyTorch DDP's broadcast_buffers), so all ranks evaluate with the same statistics."),
 };
 
-class Ddp final : public ember::ReplicatingStrategy {
+class Ddp final : public ember::ReplicatingStrategy, public ember::ITensorBroadcast {
  public:
   Ddp(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
@@ -95,6 +95,11 @@ class Ddp final : public ember::ReplicatingStrategy {
   at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op) override { return comm_.reduce(value, op); }
   void barrier(const char* name) override { comm_.barrier(name); }
   bool broadcast_flag(bool value) override { return comm_.broadcast_flag(value); }
+  at::Tensor broadcast(const at::Tensor& value, int64_t src) override { return comm_.broadcast(value, src); }
+  void* query_interface(const char* iid) override {
+    if (std::string_view(iid) == ember::kTensorBroadcastIid) return static_cast<ember::ITensorBroadcast*>(this);
+    return ReplicatingStrategy::query_interface(iid);
+  }
 
   void teardown() override {
     std::string stats;

@@ -67,6 +67,8 @@ class ZeroStep final : public ember::IOptimizerStep {
 class ZeroStrategy final : public ember::IStrategy,
                            public ember::IModelStateStrategy,
                            public ember::IShardedCheckpoint,
+                           public ember::IGradientNormClip,
+                           public ember::ITensorBroadcast,
                            public ember::IUnitHooks {
  public:
   ZeroStrategy(ember::IHost& host, const ember::IConfig& cfg, ZeroOptions o)
@@ -79,6 +81,8 @@ class ZeroStrategy final : public ember::IStrategy,
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kModelStateStrategyIid) == 0) return static_cast<ember::IModelStateStrategy*>(this);
     if (std::strcmp(iid, ember::kShardedCheckpointIid) == 0) return static_cast<ember::IShardedCheckpoint*>(this);
+    if (std::strcmp(iid, ember::kGradientNormClipIid) == 0) return static_cast<ember::IGradientNormClip*>(this);
+    if (std::strcmp(iid, ember::kTensorBroadcastIid) == 0) return static_cast<ember::ITensorBroadcast*>(this);
     return nullptr;
   }
 
@@ -125,11 +129,15 @@ class ZeroStrategy final : public ember::IStrategy,
 
   // Clipping by norm needs the norm over all shards: the local sum of squares is all-reduced.
   void clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm) override {
-    auto grads = ember::grads_of(optimizer);
-    if (comm_.world() == 1 || algorithm == ember::ClipAlgorithm::value) {
-      ember::clip_gradients_in_place(grads, max, algorithm);
+    if (algorithm == ember::ClipAlgorithm::value) {
+      ember::clip_gradients_in_place(ember::grads_of(optimizer), max, algorithm);
       return;
     }
+    clip_gradients_norm(optimizer, max);
+  }
+  at::Tensor clip_gradients_norm(torch::optim::Optimizer& optimizer, double max) override {
+    auto grads = ember::grads_of(optimizer);
+    if (comm_.world() == 1) return ember::clip_gradients_norm_in_place(grads, max);
     const c10::Device where = grads.empty() ? comm_.device() : grads.front().device();
     at::Tensor sumsq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(where));
     for (const auto& g : grads)
@@ -139,13 +147,16 @@ class ZeroStrategy final : public ember::IStrategy,
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     comm_.backend().allreduce(v, opts)->wait();
-    auto coef = (max / (v.front().to(where).sqrt() + 1e-6)).clamp_max(1.0);
+    at::Tensor total = v.front().to(where).sqrt();
+    auto coef = (max / (total + 1e-6)).clamp_max(1.0);
     for (const auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+    return total.reshape({}).to(at::kFloat);
   }
 
   at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op) override { return comm_.reduce(value, op); }
   void barrier(const char* name) override { comm_.barrier(name); }
   bool broadcast_flag(bool value) override { return comm_.broadcast_flag(value); }
+  at::Tensor broadcast(const at::Tensor& value, int64_t src) override { return comm_.broadcast(value, src); }
 
   void teardown() override {
     if (units_) {

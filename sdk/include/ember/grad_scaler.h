@@ -64,27 +64,13 @@ class GradScaler {
   // by device and dtype, as the fused op needs (Python's GradScaler does the same).
   void unscale(torch::optim::Optimizer& optimizer) {
     require_ready();
-    found_inf_.zero_();
-    at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
-    // Key: (device type, device index, dtype); c10::Device has no ordering of its own.
-    std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;
-    for (auto& group : optimizer.param_groups())
-      for (auto& p : group.params()) {
-        const at::Tensor& g = p.grad();
-        if (!g.defined()) continue;
-        if (g.is_sparse()) throw RunError("loss scaling: sparse gradients are not supported");
-        if (g.scalar_type() == at::kHalf)
-          throw RunError("loss scaling: gradients are float16; unscaling them in float16 would lose them "
-                         "(use mixed precision with float32 parameters, or \"16-true\" without a scaler)");
-        groups[{static_cast<int>(g.device().type()), static_cast<int>(g.device().index()), static_cast<int>(g.scalar_type())}]
-            .push_back(g);
-      }
-    for (auto& [key, grads] : groups) {
-      const c10::Device device = grads.front().device();
-      at::Tensor found = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
-      at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device, /*non_blocking=*/true));
-      found_inf_.add_(found.to(found_inf_.device(), /*non_blocking=*/true));
-    }
+    check_and_multiply(optimizer, scale_.to(at::kDouble).reciprocal().to(at::kFloat));
+  }
+
+  // Records inf/NaN in gradients unscale() already divided (multiplies by 1: values unchanged).
+  void check_finite(torch::optim::Optimizer& optimizer) {
+    require_ready();
+    check_and_multiply(optimizer, at::ones({}, at::TensorOptions().dtype(at::kFloat).device(scale_.device())));
   }
 
   // Whether the last unscale saw only finite gradients (a device-to-host read).
@@ -127,6 +113,28 @@ class GradScaler {
   }
 
  private:
+  void check_and_multiply(torch::optim::Optimizer& optimizer, const at::Tensor& inv_scale) {
+    found_inf_.zero_();
+    // Key: (device type, device index, dtype); c10::Device has no ordering of its own.
+    std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;
+    for (auto& group : optimizer.param_groups())
+      for (auto& p : group.params()) {
+        const at::Tensor& g = p.grad();
+        if (!g.defined()) continue;
+        if (g.is_sparse()) throw RunError("loss scaling: sparse gradients are not supported");
+        if (g.scalar_type() == at::kHalf)
+          throw RunError("loss scaling: gradients are float16; unscaling them in float16 would lose them "
+                         "(use mixed precision with float32 parameters, or \"16-true\" without a scaler)");
+        groups[{static_cast<int>(g.device().type()), static_cast<int>(g.device().index()), static_cast<int>(g.scalar_type())}]
+            .push_back(g);
+      }
+    for (auto& [key, grads] : groups) {
+      const c10::Device device = grads.front().device();
+      at::Tensor found = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+      at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device, /*non_blocking=*/true));
+      found_inf_.add_(found.to(found_inf_.device(), /*non_blocking=*/true));
+    }
+  }
   void require_ready() const {
     if (!scale_.defined()) throw RunError("loss scaler used before it was placed on a device (call to(device) first)");
   }

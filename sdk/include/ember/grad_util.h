@@ -18,6 +18,22 @@ inline std::vector<at::Tensor> grads_of(torch::optim::Optimizer& optimizer) {
   return grads;
 }
 
+// The total 2-norm of `grads` (float32, on the first gradient's device; 0 when there are none).
+inline at::Tensor total_gradient_norm(const std::vector<at::Tensor>& grads) {
+  if (grads.empty()) return at::zeros({}, at::kFloat);
+  return at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)).to(at::kFloat), 2);
+}
+
+// clip_grad_norm_ without the host read: scales `grads` so their total 2-norm is at most `max`
+// and returns the total norm before clipping (as torch's clip_grad_norm_ does).
+inline at::Tensor clip_gradients_norm_in_place(const std::vector<at::Tensor>& grads, double max) {
+  at::Tensor total = total_gradient_norm(grads);
+  if (grads.empty()) return total;
+  auto coef = (max / (total + 1e-6)).clamp_max(1.0);
+  for (const auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+  return total;
+}
+
 // clip_grad_norm_ / clip_grad_value_ without reading the norm back to the host (LibTorch's
 // clip_grad_norm_ returns a double and so syncs on every step).
 inline void clip_gradients_in_place(const std::vector<at::Tensor>& grads, double max, ClipAlgorithm algorithm) {
@@ -26,10 +42,7 @@ inline void clip_gradients_in_place(const std::vector<at::Tensor>& grads, double
     for (const auto& g : grads) g.clamp_(-max, max);
     return;
   }
-  auto norms = at::_foreach_norm(grads, 2);
-  auto total = at::linalg_vector_norm(at::stack(norms).to(at::kFloat), 2);
-  auto coef = (max / (total + 1e-6)).clamp_max(1.0);
-  for (const auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+  clip_gradients_norm_in_place(grads, max);
 }
 
 }  // namespace ember

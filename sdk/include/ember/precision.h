@@ -8,6 +8,7 @@
 #include "ember/types.h"
 
 namespace torch::nn { class Module; }
+namespace torch::optim { class Optimizer; }
 
 namespace ember {
 
@@ -27,6 +28,21 @@ class EMBER_SDK_API IPrecision : public IPluginObject {
   // Runs step.closure(), unscales, step.before_step() (hooks + clipping), then step.step() when
   // the gradients allow it. Returns false when the step was skipped (inf/NaN gradients).
   virtual bool optimizer_step(IOptimizerStep& step) = 0;
+};
+
+// Extension interface (IPrecision::query_interface(kGradientUnscalerIid)) of a precision handler
+// that scales the loss: Lightning's Precision.unscale_gradients, for a program that clips or reads
+// gradients between backward and the optimizer step (ember::Fabric::clip_gradients). The next
+// optimizer_step does not unscale again; it still checks the gradients for inf/NaN then (another
+// rank or the strategy may have marked them since). Handlers that do not scale need not have it.
+// Additive in SDK 1.2 (docs/abi.md).
+inline constexpr const char* kGradientUnscalerIid = "ember.IGradientUnscaler/1";
+class EMBER_SDK_API IGradientUnscaler {
+ public:
+  virtual ~IGradientUnscaler() = default;
+  // Divides the gradients of `optimizer` by the loss scale, in place; once per optimizer step
+  // (a second call before the step does nothing).
+  virtual void unscale_gradients(torch::optim::Optimizer& optimizer) = 0;
 };
 
 }  // namespace ember

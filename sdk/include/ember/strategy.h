@@ -66,6 +66,32 @@ class EMBER_SDK_API IStrategy : public IPluginObject {
   virtual void teardown() = 0;
 };
 
+// Extension interface (IStrategy::query_interface(kGradientNormClipIid)): clipping by norm that
+// also returns the total 2-norm of the gradients before clipping (what torch's clip_grad_norm_
+// and Lightning's fabric.clip_gradients return), as a device tensor (no host sync). A strategy
+// whose gradients are split across ranks implements it (the norm covers all ranks); for the
+// others the caller takes the norm of the optimizer's gradients, which every rank holds whole.
+// Additive in SDK 1.2 (docs/abi.md).
+inline constexpr const char* kGradientNormClipIid = "ember.IGradientNormClip/1";
+class EMBER_SDK_API IGradientNormClip {
+ public:
+  virtual ~IGradientNormClip() = default;
+  virtual at::Tensor clip_gradients_norm(torch::optim::Optimizer& optimizer, double max_norm) = 0;
+};
+
+// Extension interface (IStrategy::query_interface(kTensorBroadcastIid)) of a multi-process
+// strategy: torch.distributed.broadcast through its communicator (Lightning's fabric.broadcast).
+// Collective. Returns rank `src`'s tensor (its dtype, shape and values) on every rank; the other
+// ranks' `value` only says on which device they want it (undefined: the strategy's device). Any
+// dense (strided, non-quantized) tensor; otherwise every rank throws the same RunError.
+// Additive in SDK 1.2 (docs/abi.md).
+inline constexpr const char* kTensorBroadcastIid = "ember.ITensorBroadcast/1";
+class EMBER_SDK_API ITensorBroadcast {
+ public:
+  virtual ~ITensorBroadcast() = default;
+  virtual at::Tensor broadcast(const at::Tensor& value, int64_t src) = 0;
+};
+
 // ---------------------------------------------------------------------------------------------
 // SDK 1.2: strategy contract 2, "the strategy owns the model's state" (docs/strategy.md).
 //

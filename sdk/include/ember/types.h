@@ -23,8 +23,10 @@ struct Batch {
 
 enum class Split : int { train = 0, val = 1, test = 2 };
 
-// What the trainer is doing right now.
-enum class Stage : int { none = 0, fit = 1, validate = 2, test = 3, sanity_check = 4 };
+// What the trainer is doing (ITrainer::stage(), and the stage setup/teardown hooks run for, as
+// Lightning's setup(stage)). Values are stable; new ones are appended: predict since SDK 1.2's
+// additive changes (docs/abi.md), so treat an unknown value as "none of the above".
+enum class Stage : int { none = 0, fit = 1, validate = 2, test = 3, sanity_check = 4, predict = 5 };
 
 // Callback hooks, in Lightning's names. Values are stable; new hooks are appended (minor bump):
 // a plugin built against an older SDK never receives the newer values.
