@@ -18,6 +18,7 @@
 #include "plugin_registry.h"
 #include "run_config.h"
 #include "run_session.h"
+#include "scratch_dir.h"
 #include "sharded_checkpoint.h"
 #include "training_loop.h"
 #include "version.h"
@@ -86,12 +87,8 @@ int consolidate_checkpoint(const RunRequest& base, const std::string& dir, const
   auto meta = read_sharded_meta(dir);
   const std::string strategy = meta.at("sharded").toGenericDict().at("strategy").toStringRef();
   // The run's own configuration, on one CPU process, with a scratch run folder.
-  const fs::path scratch = fs::temp_directory_path() / ("ember-consolidate-" + std::to_string(::getpid()));
-  fs::create_directories(scratch);
-  struct Cleanup {
-    fs::path p;
-    ~Cleanup() { remove_tree(p); }
-  } cleanup{scratch};
+  const ScratchDir dir("ember-consolidate");
+  const fs::path& scratch = dir.path();
   std::ofstream(scratch / "run.toml") << meta.at("config").toStringRef();
   RunRequest req = base;
   req.config_path = (scratch / "run.toml").string();

@@ -22,6 +22,7 @@
 #include "commands.h"
 #include "composition.h"
 #include "log.h"
+#include "scratch_dir.h"
 #include "sharded_checkpoint.h"
 #include "version.h"
 
@@ -150,13 +151,8 @@ int export_weights(const RunRequest& base, const std::string& checkpoint, const 
   if (fs::is_regular_file(checkpoint, ec)) return export_file(base, checkpoint, out);
   if (!is_sharded_checkpoint(checkpoint)) throw UsageError(checkpoint + ": no such checkpoint file or sharded checkpoint folder");
   // A sharded checkpoint: one file first, in a scratch folder, as `engine checkpoint consolidate` makes it.
-  const fs::path scratch = fs::temp_directory_path() / ("ember-export-" + std::to_string(::getpid()));
-  fs::create_directories(scratch);
-  struct Cleanup {
-    fs::path p;
-    ~Cleanup() { remove_tree(p); }
-  } cleanup{scratch};
-  const std::string whole = (scratch / "consolidated.ckpt").string();
+  const ScratchDir scratch("ember-export");
+  const std::string whole = (scratch.path() / "consolidated.ckpt").string();
   if (const int code = consolidate_checkpoint(base, checkpoint, whole); code != 0) return code;
   return export_file(base, whole, out);
 }
