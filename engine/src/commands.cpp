@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 
-#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -87,8 +86,8 @@ int consolidate_checkpoint(const RunRequest& base, const std::string& dir, const
   auto meta = read_sharded_meta(dir);
   const std::string strategy = meta.at("sharded").toGenericDict().at("strategy").toStringRef();
   // The run's own configuration, on one CPU process, with a scratch run folder.
-  const ScratchDir dir("ember-consolidate");
-  const fs::path& scratch = dir.path();
+  const ScratchDir scratch_dir("ember-consolidate");
+  const fs::path& scratch = scratch_dir.path();
   std::ofstream(scratch / "run.toml") << meta.at("config").toStringRef();
   RunRequest req = base;
   req.config_path = (scratch / "run.toml").string();
