@@ -10,9 +10,13 @@ Alike on both sides:
     tests/wordpiece_test.cpp); each batch padded to its longest text, with an attention mask;
   - splits and order: the 4,000 training reviews split 3,600 train / 400 val by a randperm seeded
     with trainer.seed (text_classification's rule), train order per epoch from Ember's shuffle
-    (randperm seeded with seed * 1000003 + epoch + 1), the last short batch kept;
+    (randperm seeded with seed * 1000003 + epoch + 1), the last short batch kept; with
+    --group-by-length, Ember's data.group_by_length and, on the Python side, transformers'
+    get_length_grouped_indices (what a Trainer with group_by_length uses) on that same generator;
   - model: BertModel (AutoModel of the folder, no pooler, sdpa attention) -> mean over real tokens
-    -> dropout(0.1) -> linear, i.e. models/bert with pooling = "mean";
+    -> dropout(0.1) -> linear, i.e. models/bert with pooling = "mean" (which by default, unpad =
+    auto, leaves the padding out of its per-token work where BertModel computes it: --ember-unpad
+    false makes Ember compute it too);
   - optimizer: AdamW(lr, weight_decay, betas 0.9/0.999, eps 1e-8) over all parameters in one group
     (Ember's [optimizer] gives every parameter the same weight decay, biases and LayerNorms too);
     PyTorch's default AdamW implementation (foreach) against Ember's default (ATen's fused kernel);
@@ -33,6 +37,7 @@ the samples of the batches after the first `warmup_batches` over the sum of thei
 
     python finetune.py bench --engine ENGINE --work DIR [--epochs N] [--limit-train-batches N]
                        [--max-length N] [--precisions 32-true,bf16-mixed] [--throughput-only-limit N]
+                       [--group-by-length]
     python finetune.py lightning SPEC.json        (one side; bench runs it)
 """
 import argparse
@@ -62,10 +67,15 @@ def read_jsonl(path, text_col, label_col):
     return texts, labels
 
 
-def epoch_order(n, seed, epoch):
-    """Ember's shuffle (engine/src/data_loader.cpp)."""
+def epoch_order(n, seed, epoch, lengths=None, batch_size=None):
+    """Ember's shuffle (engine/src/data_loader.cpp); with lengths, its length grouping, which is
+    transformers' get_length_grouped_indices on the same generator."""
     import torch
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000003 + epoch + 1)).tolist()
+    g = torch.Generator().manual_seed(seed * 1000003 + epoch + 1)
+    if lengths is not None:
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+        return get_length_grouped_indices(lengths, batch_size, generator=g)
+    return torch.randperm(n, generator=g).tolist()
 
 
 def lr_factor(step, warmup, total, start_factor):
@@ -137,7 +147,8 @@ def lightning_side(spec):
 
         def set_epoch(self, epoch):
             if self.shuffle:
-                self.order = epoch_order(len(self.seqs), seed, epoch)
+                lengths = [len(q) for q in self.seqs] if spec.get("group_by_length") else None
+                self.order = epoch_order(len(self.seqs), seed, epoch, lengths, bs)
 
         def __len__(self):
             return (len(self.seqs) + bs - 1) // bs
@@ -322,7 +333,7 @@ def bench(args):
                 "train_file": train_file, "test_file": test_file, "val_split": 0.1, "epochs": epochs,
                 "limit_train_batches": limit, "limit_eval_batches": limit_eval, "lr": args.lr,
                 "weight_decay": args.weight_decay, "warmup": warmup, "warmup_start_factor": 0.01,
-                "precision": precision, "warmup_batches": args.warmup_batches}
+                "precision": precision, "warmup_batches": args.warmup_batches, "group_by_length": args.group_by_length}
         tag = precision.replace("-", "_")
         results = {}
         for side in ("ember", "lightning"):
@@ -341,7 +352,8 @@ def bench(args):
                         "data.max_length": args.max_length, "data.batch_size": args.batch_size,
                         "optimizer.lr": args.lr, "optimizer.weight_decay": args.weight_decay,
                         "cosine.warmup": warmup, "cosine.warmup_start_factor": 0.01,
-                        "throughput.window_size": 1}
+                        "throughput.window_size": 1, "data.group_by_length": "true" if args.group_by_length else "false",
+                        "model.unpad": json.dumps(args.ember_unpad)}
                 if limit_eval >= 0:
                     sets["trainer.limit_val_batches"] = limit_eval
                     sets["trainer.limit_test_batches"] = max(limit_eval, 1)
@@ -371,6 +383,8 @@ def bench(args):
             results[side] = r
         rows.append((precision, results))
 
+    print("batches: " + ("grouped by length (both sides)" if args.group_by_length else "shuffled, padded to their longest text") +
+          f"; Ember's bert.unpad = {args.ember_unpad} (transformers' BertModel computes the padding)")
     print(f"{'precision':12s} {'side':10s} {'samples/s':>10s} {'timed batches':>14s} {'test acc':>9s} "
           f"{'peak RSS':>10s} {'wall':>9s}")
     ok = True
@@ -419,6 +433,10 @@ def main():
                    help="precisions other than 32-true train this many batches, one epoch, no evaluation; 0 = as 32-true")
     p.add_argument("--limit-eval-batches", type=int, default=-1, help="val and test batches; -1 = all")
     p.add_argument("--warmup-batches", type=int, default=2, help="first training batches left out of samples/s")
+    p.add_argument("--ember-unpad", default="auto", choices=("auto", "true", "false"),
+                   help="Ember's bert.unpad: leave the padding out of the encoder's per-token work (default auto, as configured)")
+    p.add_argument("--group-by-length", action="store_true",
+                   help="batch texts of similar length on both sides (Ember: data.group_by_length; Python: transformers' grouping)")
     args = p.parse_args(sys.argv[2:])
     args.precisions = [s for s in args.precisions.split(",") if s]
     bench(args)

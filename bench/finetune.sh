@@ -13,7 +13,10 @@
 # FINETUNE_MAX_LENGTH (128), FINETUNE_PRECISIONS ("32-true,bf16-mixed"), FINETUNE_BF16_LIMIT
 # (batches of the throughput-only runs of precisions other than 32-true, 4; 0 = run them like fp32),
 # FINETUNE_WARMUP_BATCHES (2: left out of samples/s), FINETUNE_BATCH_SIZE (32), FINETUNE_EVAL_LIMIT (val and
-# test batches, -1 = all; a smaller count makes the accuracy a smoke check only).
+# test batches, -1 = all; a smaller count makes the accuracy a smoke check only), FINETUNE_GROUP_BY_LENGTH
+# (1: both sides batch texts of similar length, Ember by data.group_by_length, Python by transformers'
+# get_length_grouped_indices on the same generator; default 0, plain shuffled batches), FINETUNE_EMBER_UNPAD
+# (Ember's bert.unpad: auto (default), true, false = compute the padding as transformers does).
 # Exits non-zero when a side fails or a side's test accuracy is missing.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -40,5 +43,6 @@ echo
 "$python" bench/finetune.py bench --engine "$build/engine/engine" --work "$work" \
   --epochs "${FINETUNE_EPOCHS:-1}" --limit-train-batches "${FINETUNE_LIMIT:-0}" --max-length "${FINETUNE_MAX_LENGTH:-128}" \
   --batch-size "${FINETUNE_BATCH_SIZE:-32}" --precisions "${FINETUNE_PRECISIONS:-32-true,bf16-mixed}" \
-  --throughput-only-limit "${FINETUNE_BF16_LIMIT:-4}" --limit-eval-batches "${FINETUNE_EVAL_LIMIT:--1}" --warmup-batches "${FINETUNE_WARMUP_BATCHES:-2}"
+  --throughput-only-limit "${FINETUNE_BF16_LIMIT:-4}" --limit-eval-batches "${FINETUNE_EVAL_LIMIT:--1}" --warmup-batches "${FINETUNE_WARMUP_BATCHES:-2}" \
+  --ember-unpad "${FINETUNE_EMBER_UNPAD:-auto}" $([ "${FINETUNE_GROUP_BY_LENGTH:-0}" = 1 ] && echo --group-by-length)
 echo "load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"

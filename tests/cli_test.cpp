@@ -116,6 +116,8 @@ TEST(Cli, BadInputExitsTwoWithOneLine) {
       {{"run.toml", "--bogus"}, "unrecognised option '--bogus'"},
       {{"run.toml", "--plugins", "fp32", "--set", "trainer.precision=\"64-true\""}, "conflicts with the precision plugin 'fp32'"},
       {{"run.toml", "--set", "trainer.limit_train_batches=1.5"}, "a float is a fraction and must be <= 1.0"},
+      {{"run.toml", "--set", "data.group_by_length=true"},
+       "data.group_by_length = true, but data plugin 'synthetic' does not report sample lengths"},
   };
   for (const auto& c : cases) {
     auto r = run_engine(c.args, dir.path());

@@ -8,6 +8,9 @@
 #include <torch/torch.h>
 
 #include <fstream>
+#include <iterator>
+#include <numeric>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "asset_path.h"
@@ -159,16 +162,20 @@ TEST(BertNet, SameLogitsAsTransformersForBertAndDistilBert) {
       ember_text::BertHead head;
       head.pooling = pooling == "mean" ? ember_text::Pooling::mean : ember_text::Pooling::pooler;
       head.num_classes = 3;
-      ember_text::BertClassifierNet net(config, head);
-      const auto unused = net.load_safetensors((dir / kind / "model.safetensors").string());
-      if (pooling == "pooler") EXPECT_TRUE(unused.empty()) << kind << ": unused " << unused.front();
-      net.eval();
-      torch::NoGradGuard no_grad;
-      const at::Tensor logits = net.forward(input_ids, mask);
-      const at::Tensor want = to_tensor(ref["logits"][kind][pooling], at::kFloat);
-      EXPECT_LT((logits - want).abs().max().item<double>(), 1e-5) << kind << " " << pooling << "\n" << logits << "\n" << want;
+      for (const auto unpad : {ember_text::Unpad::always, ember_text::Unpad::never}) {
+        ember_text::BertClassifierNet net(config, head, unpad);
+        const auto unused = net.load_safetensors((dir / kind / "model.safetensors").string());
+        if (pooling == "pooler") EXPECT_TRUE(unused.empty()) << kind << ": unused " << unused.front();
+        net.eval();
+        torch::NoGradGuard no_grad;
+        const at::Tensor logits = net.forward(input_ids, mask);
+        const at::Tensor want = to_tensor(ref["logits"][kind][pooling], at::kFloat);
+        EXPECT_LT((logits - want).abs().max().item<double>(), 1e-5)
+            << kind << " " << pooling << (unpad == ember_text::Unpad::always ? " unpadded" : " padded") << "\n" << logits << "\n" << want;
+      }
     }
   }
+  EXPECT_LT(mask.sum().item<int64_t>(), mask.numel()) << "the reference batch must hold padding for the unpadded path to run";
 }
 #endif
 
@@ -189,6 +196,56 @@ std::vector<std::pair<std::string, at::Tensor>> state(ember_text::BertClassifier
 }
 
 }  // namespace
+
+// The unpadded encoder (bert's unpad = auto|true) computes what the padded one computes: the same
+// logits and, with dropout off, the same gradient for every parameter, for each pooling, on a batch
+// whose texts differ in length (and on one without padding, where both take the padded path).
+TEST(BertNet, UnpaddedEncoderGivesThePaddedLogitsAndGradients) {
+  TempDir dir("bert_unpad");
+  fs::create_directories(dir.path());
+  write_file(dir / "config.json", nlohmann::json{{"model_type", "bert"}, {"vocab_size", 30}, {"hidden_size", 16},
+                                                 {"num_hidden_layers", 2}, {"num_attention_heads", 2},
+                                                 {"intermediate_size", 24}, {"max_position_embeddings", 64},
+                                                 {"hidden_dropout_prob", 0.0}, {"attention_probs_dropout_prob", 0.0}}
+                                      .dump());
+  const auto config = ember_text::BertConfig::from_json_file((dir / "config.json").string());
+  torch::manual_seed(3);
+  const std::vector<int64_t> lengths = {9, 3, 6, 2, 9};
+  at::Tensor ids = at::randint(5, 30, {5, 9}, at::kLong), mask = at::zeros({5, 9}, at::kLong);
+  for (int64_t i = 0; i < 5; ++i) {
+    mask[i].narrow(0, 0, lengths[static_cast<size_t>(i)]).fill_(1);
+    ids[i].narrow(0, lengths[static_cast<size_t>(i)], 9 - lengths[static_cast<size_t>(i)]).fill_(0);
+  }
+  const at::Tensor labels = at::tensor({0, 1, 2, 1, 0}, at::kLong);
+  for (const auto pooling : {ember_text::Pooling::mean, ember_text::Pooling::cls, ember_text::Pooling::pooler}) {
+    ember_text::BertHead head;
+    head.pooling = pooling;
+    head.num_classes = 3;
+    head.dropout = 0.0;
+    ember_text::BertClassifierNet padded(config, head, ember_text::Unpad::never), unpadded(config, head, ember_text::Unpad::always);
+    {
+      torch::NoGradGuard no_grad;
+      auto to = unpadded.named_parameters();
+      for (const auto& item : padded.named_parameters()) to[item.key()].copy_(item.value());
+    }
+    for (const auto& [batch_ids, batch_mask] : {std::pair{ids, mask}, std::pair{ids.narrow(0, 0, 1), mask.narrow(0, 0, 1)}}) {
+      padded.zero_grad();
+      unpadded.zero_grad();
+      const at::Tensor a = padded.forward(batch_ids, batch_mask), b = unpadded.forward(batch_ids, batch_mask);
+      EXPECT_LT((a - b).abs().max().item<double>(), 1e-5) << static_cast<int>(pooling) << "\n" << a << "\n" << b;
+      const at::Tensor y = labels.narrow(0, 0, batch_ids.size(0));
+      at::cross_entropy_loss(a, y).backward();
+      at::cross_entropy_loss(b, y).backward();
+      auto grads = unpadded.named_parameters();
+      for (const auto& item : padded.named_parameters()) {
+        const at::Tensor& ga = item.value().grad();
+        const at::Tensor& gb = grads[item.key()].grad();
+        ASSERT_EQ(ga.defined(), gb.defined()) << item.key();
+        if (ga.defined()) EXPECT_LT((ga - gb).abs().max().item<double>(), 1e-5) << item.key();
+      }
+    }
+  }
+}
 
 TEST(BertNet, SafetensorsRoundTripAndBadFilesAreOneClearError) {
   TempDir dir("bert_weights");
@@ -279,6 +336,72 @@ TEST(TextClassification, TrainsAndTestsATinyBertThroughTheEngine) {
   for (const auto& row : rows)
     if (row.count("test_acc") && !row.at("test_acc").empty()) tested = true;
   EXPECT_TRUE(tested);
+}
+
+// data.group_by_length: each epoch's first batch holds the longest text (Hugging Face's rule) and
+// an epoch pads far fewer tokens than the plain shuffled order, in a real engine run.
+TEST(TextClassification, GroupByLengthBatchesTextsOfSimilarLength) {
+  TempDir dir("text_group_by_length");
+  write_tiny_task(dir);
+  // 192 texts of 1..32 words, each word one token: 3..34 tokens with [CLS] and [SEP].
+  std::string csv = "text,label\n";
+  const char* words[] = {"great", "bad", "food", "the", "is", "not"};
+  for (int i = 0; i < 192; ++i) {
+    std::string text;
+    for (int w = 0; w < 1 + (i * 37) % 32; ++w) text += std::string(w ? " " : "") + words[(i + w) % 6];
+    csv += text + "," + (i % 2 ? "good" : "poor") + "\n";
+  }
+  write_file(dir / "train.csv", csv);
+  const std::string run = "[trainer]\nmax_epochs = 2\nenable_progress_bar = false\nenable_model_summary = false\n"
+                          "[model]\nname = \"bert\"\nmodel_dir = \"" + (dir / "model").string() + "\"\npretrained = false\n"
+                          "[data]\nname = \"text_classification\"\nbatch_size = 8\ntrain_file = \"" + (dir / "train.csv").string() +
+                          "\"\ntokenizer_dir = \"" + (dir / "model").string() + "\"\nmax_length = 40\nval_split = 0.0\n"
+                          "[optimizer]\nname = \"adamw\"\nlr = 0.001\n";
+  write_file(dir / "run.toml", run);
+  // Per epoch: the padded widths of its training batches, in order.
+  auto widths = [&](const std::string& grouped) {
+    const std::string out = grouped + ".txt";
+    run_engine_ok(dir, {"run.toml", "--plugin-path", test_plugin_dir("good").string(), "--plugins", "position_probe",
+                        "--set", "position_probe.path=\"" + out + "\"", "--set", "position_probe.input_width=true",
+                        "--set", "data.group_by_length=" + grouped, "--set", "trainer.default_root_dir=\"runs_" + grouped + "\""});
+    std::vector<std::vector<int64_t>> epochs(2);
+    std::ifstream in(dir / out);
+    std::string hook;
+    long long epoch, step, idx, size, width;
+    double sum;
+    while (in >> hook >> epoch >> step >> idx >> size >> sum >> width)
+      if (hook == "on_train_batch_end") epochs.at(static_cast<size_t>(epoch)).push_back(width);
+    return epochs;
+  };
+  const auto grouped = widths("true"), plain = widths("false");
+  for (size_t e = 0; e < 2; ++e) {
+    ASSERT_EQ(grouped[e].size(), 24u);
+    ASSERT_EQ(plain[e].size(), 24u);
+    EXPECT_EQ(grouped[e][0], 34) << "epoch " << e;  // the longest text first
+    const int64_t g = std::accumulate(grouped[e].begin(), grouped[e].end(), int64_t{0});
+    const int64_t p = std::accumulate(plain[e].begin(), plain[e].end(), int64_t{0});
+    EXPECT_LT(g * 100, p * 85) << "epoch " << e << ": " << g << " padded widths grouped, " << p << " plain";
+  }
+  EXPECT_NE(grouped[0], grouped[1]);  // each epoch its own order
+#ifdef EMBER_TEST_PYTHON
+  // The same order as a transformers Trainer with group_by_length: transformers'
+  // get_length_grouped_indices over the same split with the same generator gives the same widths.
+  std::string lengths;
+  for (int i = 0; i < 192; ++i) lengths += std::to_string(3 + (i * 37) % 32) + "\n";
+  write_file(dir / "lengths.txt", lengths);
+  auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/text/reference.py").string(),
+                        "length-grouped", (dir / "lengths.txt").string(), "8", "0", "0", "2"},
+                       dir.path(), {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::istringstream lines(r.out);
+  for (size_t e = 0; e < 2; ++e) {
+    std::string line;
+    std::getline(lines, line);
+    std::istringstream in(line);
+    std::vector<int64_t> expected{std::istream_iterator<int64_t>(in), std::istream_iterator<int64_t>()};
+    EXPECT_EQ(grouped[e], expected) << "epoch " << e;
+  }
+#endif
 }
 
 TEST(TextClassification, BadWeightsLabelsAndFilesAreOneLineErrors) {

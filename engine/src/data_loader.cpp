@@ -2,13 +2,36 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ember/error.h>
 
 #include <algorithm>
 #include <numeric>
 
 namespace ember::engine {
 
-std::vector<int64_t> epoch_indices(int64_t n, const LoaderOptions& o, int64_t epoch) {
+namespace {
+// Hugging Face's LengthGroupedSampler (transformers' get_length_grouped_indices), so that a run
+// batches as a transformers Trainer with group_by_length does: the epoch's order is cut into
+// mega-batches of up to 50 batches (of all ranks together), each is sorted longest first (stable,
+// so equal lengths keep the shuffled order), and the longest sample of the epoch is swapped to the
+// front so that a batch too large for memory fails in the first step, not hours in.
+void group_by_length(std::vector<int64_t>& order, const std::vector<int64_t>& lengths, int64_t batch) {
+  const auto n = static_cast<int64_t>(order.size());
+  if (n == 0) return;
+  const int64_t mult = std::max<int64_t>(1, std::min<int64_t>(n / (batch * 4), 50));
+  const int64_t mega = mult * batch;
+  auto length = [&](int64_t i) { return lengths[static_cast<size_t>(i)]; };
+  size_t longest_at = 0;
+  for (int64_t begin = 0; begin < n; begin += mega) {
+    auto first = order.begin() + begin, last = order.begin() + std::min(n, begin + mega);
+    std::stable_sort(first, last, [&](int64_t a, int64_t b) { return length(a) > length(b); });
+    if (length(*first) > length(order[longest_at])) longest_at = static_cast<size_t>(begin);
+  }
+  std::swap(order[0], order[longest_at]);
+}
+}  // namespace
+
+std::vector<int64_t> epoch_indices(int64_t n, const LoaderOptions& o, int64_t epoch, const std::vector<int64_t>& lengths) {
   std::vector<int64_t> order(static_cast<size_t>(n));
   if (o.shuffle) {
     // A generator of its own, seeded by (seed, epoch): resuming at epoch k replays epoch k's order.
@@ -17,6 +40,14 @@ std::vector<int64_t> epoch_indices(int64_t n, const LoaderOptions& o, int64_t ep
     std::copy_n(perm.data_ptr<int64_t>(), n, order.begin());
   } else {
     std::iota(order.begin(), order.end(), 0);
+  }
+  if (o.group_by_length) {
+    if (static_cast<int64_t>(lengths.size()) != n)
+      throw RunError("data loader: " + std::to_string(lengths.size()) + " sample lengths for " + std::to_string(n) +
+                     " samples (an engine bug)");
+    // Ranks take every world_size-th sample below, so a mega-batch spans the batches of all ranks:
+    // each rank's batch k then holds neighbours in length, and so do the ranks' batches of a step.
+    group_by_length(order, lengths, o.batch_size * std::max<int64_t>(o.world_size, 1));
   }
   if (o.world_size <= 1) return order;
   // DistributedSampler's rule: pad by repeating the start so every rank gets the same count
@@ -31,8 +62,13 @@ std::vector<int64_t> epoch_indices(int64_t n, const LoaderOptions& o, int64_t ep
   return mine;
 }
 
-DataLoader::DataLoader(const IDataModule& data, Split split, LoaderOptions options)
-    : data_(data), split_(split), options_(options), size_(data.size(split)) {}
+DataLoader::DataLoader(const IDataModule& data, Split split, LoaderOptions options, const ISampleLengths* lengths)
+    : data_(data), split_(split), options_(options), size_(data.size(split)) {
+  if (!options_.group_by_length) return;
+  if (lengths == nullptr) throw RunError("data loader: group_by_length without the data module's sample lengths (an engine bug)");
+  lengths_.resize(static_cast<size_t>(size_));
+  for (int64_t i = 0; i < size_; ++i) lengths_[static_cast<size_t>(i)] = lengths->sample_length(split, i);
+}
 
 int64_t DataLoader::num_batches() const {
   int64_t n = size_;
@@ -46,7 +82,7 @@ std::unique_ptr<DataLoader::Pass> DataLoader::pass(int64_t epoch, int64_t first,
 }
 
 DataLoader::Pass::Pass(const DataLoader& loader, int64_t epoch, int64_t first, int64_t count)
-    : loader_(loader), indices_(epoch_indices(loader.size_, loader.options_, epoch)) {
+    : loader_(loader), indices_(epoch_indices(loader.size_, loader.options_, epoch, loader.lengths_)) {
   int64_t total = loader.num_batches();
   next_ = std::min(first, total);
   end_ = std::min(total, next_ + std::max<int64_t>(count, 0));

@@ -1,9 +1,10 @@
 // The engine's data loader: turns an IDataModule split into batches. Owns sampling (shuffle seeded
 // by seed and epoch, so an epoch's order never depends on what ran before it), distributed
-// sharding (equal batches on every rank), drop_last, and worker threads that prefetch batches
-// in order.
+// sharding (equal batches on every rank), drop_last, length grouping (data.group_by_length), and
+// worker threads that prefetch batches in order.
 #pragma once
 #include <ember/data.h>
+#include <ember/sample_lengths.h>
 
 #include <condition_variable>
 #include <cstdint>
@@ -25,14 +26,19 @@ struct LoaderOptions {
   uint64_t seed = 0;
   int64_t rank = 0;
   int64_t world_size = 1;
+  // Batches of samples of similar length (the data module's ISampleLengths); training only.
+  bool group_by_length = false;
 };
 
-// Sample indices of one rank for one epoch (exposed for tests).
-std::vector<int64_t> epoch_indices(int64_t dataset_size, const LoaderOptions& options, int64_t epoch);
+// Sample indices of one rank for one epoch (exposed for tests). `lengths` (one per sample, or
+// empty) are used when options.group_by_length is set.
+std::vector<int64_t> epoch_indices(int64_t dataset_size, const LoaderOptions& options, int64_t epoch,
+                                   const std::vector<int64_t>& lengths = {});
 
 class DataLoader {
  public:
-  DataLoader(const IDataModule& data, Split split, LoaderOptions options);
+  // `lengths` is read once here when options.group_by_length is set (it must then be given).
+  DataLoader(const IDataModule& data, Split split, LoaderOptions options, const ISampleLengths* lengths = nullptr);
   int64_t num_batches() const;  // batches per epoch on this rank
   int64_t dataset_size() const { return size_; }
 
@@ -68,6 +74,7 @@ class DataLoader {
   Split split_;
   LoaderOptions options_;
   int64_t size_;
+  std::vector<int64_t> lengths_;  // per sample, when grouping by length
 };
 
 }  // namespace ember::engine

@@ -159,9 +159,18 @@ void TrainingLoop::setup() {
   train_opts_.seed = settings_.seed;
   train_opts_.rank = strategy.rank();
   train_opts_.world_size = strategy.world_size();
+  train_opts_.group_by_length = d.get_bool("group_by_length");
+  if (train_opts_.group_by_length) {
+    sample_lengths_ = static_cast<const ISampleLengths*>(plugins_.data.object->query_interface(kSampleLengthsIid));
+    if (sample_lengths_ == nullptr)
+      throw UsageError(d.where("group_by_length") + ": data.group_by_length = true, but data plugin '" + plugins_.data.name +
+                       "' does not report sample lengths (ember.ISampleLengths/1): remove the key, or use a data plugin "
+                       "with samples of different lengths (e.g. text_classification)");
+  }
   eval_opts_ = train_opts_;
   eval_opts_.shuffle = false;
   eval_opts_.drop_last = false;
+  eval_opts_.group_by_length = false;  // evaluation keeps the split's order
   eval_batch_size_set_ = d.has("eval_batch_size");
   if (eval_batch_size_set_) eval_opts_.batch_size = d.get_int("eval_batch_size");
   build_loaders();
@@ -223,7 +232,7 @@ void TrainingLoop::build_loaders() {
   train_loader_.reset();
   val_loader_.reset();
   test_loader_.reset();
-  if (data.size(Split::train) > 0) train_loader_ = std::make_unique<DataLoader>(data, Split::train, train_opts_);
+  if (data.size(Split::train) > 0) train_loader_ = std::make_unique<DataLoader>(data, Split::train, train_opts_, sample_lengths_);
   if (data.size(Split::val) > 0) val_loader_ = std::make_unique<DataLoader>(data, Split::val, eval_opts_);
   if (data.size(Split::test) > 0) test_loader_ = std::make_unique<DataLoader>(data, Split::test, eval_opts_);
   num_train_batches_ = train_loader_ ? limit_batches(train_loader_->num_batches(), settings_.limit_train, settings_.limit_train_is_count) : 0;

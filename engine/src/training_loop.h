@@ -183,6 +183,7 @@ class TrainingLoop final : public ITrainer {
   std::unique_ptr<Contract1StrategyState> contract1_;
   std::unique_ptr<DataLoader> train_loader_, val_loader_, test_loader_;
   LoaderOptions train_opts_, eval_opts_;
+  const ISampleLengths* sample_lengths_ = nullptr;  // the data module's, when data.group_by_length
   FeedOptions feed_options_;
   bool eval_batch_size_set_ = false;
   MetricStore metrics_;

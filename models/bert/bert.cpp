@@ -39,7 +39,14 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("num_classes", "2", "Classes: the width of the classification head.").at_least(2),
     ember::key::Float("classifier_dropout", "0.1", "Dropout before the classification head, in [0, 1).").at_least(0.0).below(1.0),
     ember::key::Bool("freeze_encoder", "false", "Train only the classification head (a frozen-encoder baseline, linear probing)."),
+    ember::key::String("unpad", "\"auto\"", "Leave a batch's padding out of the encoder's per-token work (projections, feed-forward, LayerNorm: only the attention product sees the padded layout, masked): auto = when at least 5% of the batch's token slots are padding, true = always, false = never. The same outputs either way (to rounding); less time and memory the more the texts of a batch differ in length.").choices("auto|true|false"),
 };
+
+ember_text::Unpad parse_unpad(const std::string& s) {
+  if (s == "true") return ember_text::Unpad::always;
+  if (s == "false") return ember_text::Unpad::never;
+  return ember_text::Unpad::auto_;
+}
 
 ember_text::Pooling parse_pooling(const std::string& s) {
   if (s == "cls") return ember_text::Pooling::cls;
@@ -60,7 +67,7 @@ class Bert final : public ember::IModel, public ember::UnitModel, public ember::
     head.pooling = parse_pooling(cfg.get_string("pooling"));
     head.num_classes = cfg.get_int("num_classes");
     head.dropout = ember_models::read_dropout(cfg, "classifier_dropout");
-    net_ = std::make_shared<ember_text::BertClassifierNet>(config, head);
+    net_ = std::make_shared<ember_text::BertClassifierNet>(config, head, parse_unpad(cfg.get_string("unpad")));
     if (cfg.get_bool("pretrained")) {
       const std::string weights = (dir / "model.safetensors").string();
       const auto unused = net_->load_safetensors(weights);

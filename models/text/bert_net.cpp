@@ -163,17 +163,31 @@ BertLayerImpl::BertLayerImpl(const BertConfig& c)
   dropout_ = register_module("dropout", torch::nn::Dropout(c.hidden_dropout));
 }
 
-at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& keep_mask) {
-  const int64_t n = x.size(0), s = x.size(1), h = x.size(2), d = h / heads_;
-  auto split = [&](const at::Tensor& t) { return t.view({n, s, heads_, d}).transpose(1, 2); };
-  at::Tensor ctx = at::scaled_dot_product_attention(split(query_(x)), split(key_(x)), split(value_(x)), keep_mask,
+at::Tensor TokenLayout::pad(const at::Tensor& t) const {
+  std::vector<int64_t> shape = t.sizes().vec();
+  shape[0] = n * s;
+  return at::zeros(shape, t.options()).index_copy(0, index, t);
+}
+
+at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& keep_mask, const TokenLayout& layout) {
+  const int64_t h = x.size(-1), d = h / heads_;
+  const int64_t n = layout.unpadded() ? layout.n : x.size(0), s = layout.unpadded() ? layout.s : x.size(1);
+  // Query, key and value in one matrix product (one pass over x, one scatter on the unpadded path);
+  // the three Linear modules keep their own parameters and names.
+  at::Tensor qkv = at::linear(x, at::cat({query_->weight, key_->weight, value_->weight}),
+                              at::cat({query_->bias, key_->bias, value_->bias}));
+  if (layout.unpadded()) qkv = layout.pad(qkv);
+  const auto parts = qkv.view({n, s, 3, heads_, d}).permute({2, 0, 3, 1, 4}).unbind(0);  // 3 x [N, heads, S, d]
+  at::Tensor ctx = at::scaled_dot_product_attention(parts[0], parts[1], parts[2], keep_mask,
                                                     is_training() ? attention_dropout_ : 0.0);
-  ctx = ctx.transpose(1, 2).reshape({n, s, h});
+  ctx = ctx.transpose(1, 2).reshape({n * s, h});
+  ctx = layout.unpadded() ? ctx.index_select(0, layout.index) : ctx.view({n, s, h});
   at::Tensor a = attn_norm_(dropout_(attn_out_(ctx)) + x);
   return out_norm_(dropout_(out_(activate(inter_(a), act_))) + a);
 }
 
-BertClassifierNet::BertClassifierNet(const BertConfig& c, const BertHead& head) : config_(c), head_(head) {
+BertClassifierNet::BertClassifierNet(const BertConfig& c, const BertHead& head, Unpad unpad)
+    : config_(c), head_(head), unpad_(unpad) {
   auto embeddings = register_module("embeddings", std::make_shared<torch::nn::Module>());
   word_ = embeddings->register_module(
       "word_embeddings", torch::nn::Embedding(torch::nn::EmbeddingOptions(c.vocab_size, c.hidden).padding_idx(c.pad_token_id)));
@@ -265,17 +279,31 @@ at::Tensor BertClassifierNet::pooled(const at::Tensor& input_ids, const at::Tens
   if (s > config_.max_positions)
     throw ember::RunError(c10::str("bert: sequences of ", s, " tokens exceed the model's ", config_.max_positions,
                                    " positions: set [data] max_length to at most ", config_.max_positions));
-  const at::Tensor positions = at::arange(s, input_ids.options()).unsqueeze(0);
-  at::Tensor x = word_(input_ids) + position_(positions);
-  if (token_type_) x = x + token_type_->weight[0];  // single sequences: every token is of type 0
-  x = dropout_(emb_norm_(x));
+  const int64_t n = input_ids.size(0);
   const at::Tensor keep = attention_mask.to(at::kBool);
   // [N, 1, 1, S]: every query attends to the sequence's tokens, never to its padding.
-  const at::Tensor keep4 = keep.view({keep.size(0), 1, 1, s});
+  const at::Tensor keep4 = keep.view({n, 1, 1, s});
+  TokenLayout layout;
+  if (unpad_ != Unpad::never) {
+    const int64_t tokens = keep.sum().item<int64_t>();
+    if (tokens < n * s && (unpad_ == Unpad::always || (n * s - tokens) * 20 >= n * s))
+      layout = TokenLayout{keep.flatten().nonzero().squeeze(1), n, s};
+  }
+  at::Tensor positions = at::arange(s, input_ids.options()).unsqueeze(0);
+  at::Tensor ids = input_ids;
+  if (layout.unpadded()) {  // embed only the real tokens: [T] ids and positions
+    ids = input_ids.flatten().index_select(0, layout.index);
+    positions = positions.expand({n, s}).flatten().index_select(0, layout.index);
+  }
+  at::Tensor x = word_(ids) + position_(positions);
+  if (token_type_) x = x + token_type_->weight[0];  // single sequences: every token is of type 0
+  x = dropout_(emb_norm_(x));
   for (size_t i = 0; i < layers_.size(); ++i) {
-    auto run = [&] { return layers_[i]->forward(x, keep4); };
+    auto run = [&] { return layers_[i]->forward(x, keep4, layout); };
     x = units_ != nullptr ? units_->run(static_cast<int64_t>(i), run) : run();
   }
+  // Pooling reads the padded layout (zeros at the padding, which it leaves out or never reads).
+  if (layout.unpadded()) x = layout.pad(x).view({n, s, x.size(-1)});
   switch (head_.pooling) {
     case Pooling::mean: {
       const at::Tensor m = keep.unsqueeze(-1).to(x.scalar_type());

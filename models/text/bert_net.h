@@ -38,10 +38,27 @@ struct BertHead {
   double dropout = 0.1;
 };
 
+// When the encoder leaves a batch's padding out: auto = when at least 5% of its [N, S] token
+// slots are padding, always, or never.
+enum class Unpad { auto_, always, never };
+
+// Where a batch's real tokens sit in its padded [N, S] layout. On the unpadded path the encoder's
+// per-token work (projections, feed-forward, LayerNorm, dropout, residuals) runs on the T real
+// tokens only, [T, H]; the attention product alone is computed padded, with the padding masked.
+struct TokenLayout {
+  at::Tensor index;  // int64 [T]: the real tokens' positions in the flattened [N * S]; undefined = padded path
+  int64_t n = 0, s = 0;
+  bool unpadded() const { return index.defined(); }
+  // [T, ...] -> [N * S, ...] with zero rows at the padding.
+  at::Tensor pad(const at::Tensor& t) const;
+};
+
 class BertLayerImpl : public torch::nn::Module {
  public:
   BertLayerImpl(const BertConfig& c);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& keep_mask);
+  // x: [N, S, H] (padded path) or [T, H] (unpadded: `layout` says where the tokens sit).
+  // keep_mask: bool [N, 1, 1, S], the keys each query may attend to.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& keep_mask, const TokenLayout& layout = {});
 
  private:
   int64_t heads_;
@@ -55,7 +72,7 @@ TORCH_MODULE(BertLayer);
 
 class BertClassifierNet : public torch::nn::Module {
  public:
-  BertClassifierNet(const BertConfig& config, const BertHead& head);
+  BertClassifierNet(const BertConfig& config, const BertHead& head, Unpad unpad = Unpad::auto_);
   // input_ids int64 [N, S]; attention_mask [N, S] (1 = token, 0 = padding). Returns logits [N, C].
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask);
   // The pooled sentence vector [N, H] (before the head's dropout and classifier).
@@ -84,6 +101,7 @@ class BertClassifierNet : public torch::nn::Module {
  private:
   BertConfig config_;
   BertHead head_;
+  Unpad unpad_;
   ember::ModelUnits* units_ = nullptr;
   torch::nn::Embedding word_{nullptr}, position_{nullptr}, token_type_{nullptr};
   torch::nn::LayerNorm emb_norm_{nullptr};

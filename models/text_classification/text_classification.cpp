@@ -7,6 +7,7 @@
 // permutation seeded with trainer.seed); test from test_file (optional).
 // Batch: tensors[0] = input_ids int64 [N, L], tensors[1] = labels int64 [N],
 // tensors[2] = attention_mask int64 [N, L], where L is the longest sequence of the batch.
+// Reports each text's token count (ember::ISampleLengths) for data.group_by_length.
 #include <csv.h>
 
 #include <algorithm>
@@ -33,6 +34,7 @@
 #include <ember/host.h>
 #include <ember/plugin.h>
 #include <ember/predict.h>
+#include <ember/sample_lengths.h>
 
 #include "asset_path.h"
 #include "wordpiece.h"
@@ -162,7 +164,7 @@ struct Samples {
   at::Tensor labels;  // int64 [N]
 };
 
-class TextClassification final : public ember::IDataModule, public ember::IPredictionNames {
+class TextClassification final : public ember::IDataModule, public ember::IPredictionNames, public ember::ISampleLengths {
  public:
   TextClassification(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
@@ -223,7 +225,13 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
   }
 
   void* query_interface(const char* iid) override {
-    return std::strcmp(iid, ember::kPredictionNamesIid) == 0 ? static_cast<ember::IPredictionNames*>(this) : nullptr;
+    if (std::strcmp(iid, ember::kPredictionNamesIid) == 0) return static_cast<ember::IPredictionNames*>(this);
+    if (std::strcmp(iid, ember::kSampleLengthsIid) == 0) return static_cast<ember::ISampleLengths*>(this);
+    return nullptr;
+  }
+  // Tokens after truncation, [CLS] and [SEP] included: what a batch is padded to.
+  int64_t sample_length(ember::Split split, int64_t index) const override {
+    return static_cast<int64_t>(splits_.at(static_cast<size_t>(split)).ids.at(static_cast<size_t>(index)).size());
   }
   std::vector<std::string> class_names() const override { return labels_; }
   std::string sample_id(ember::Split split, int64_t index) const override {

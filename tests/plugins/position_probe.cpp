@@ -1,7 +1,8 @@
 // Test callback: writes the training position callbacks see, one line per hook it watches:
 //   <hook> <epoch> <global_step> <batch_idx> <current batch size> <sum of the batch's inputs>
-// at on_train_batch_end, on_validation_end (not while sanity checking) and on_train_epoch_end.
-// Resume tests compare these lines between an uninterrupted and a resumed run.
+// at on_train_batch_end, on_validation_end (not while sanity checking) and on_train_epoch_end;
+// with input_width = true, then the width of the batch's input (tensors[0].size(1): a text batch's
+// padded tokens). Resume tests compare these lines between an uninterrupted and a resumed run.
 #include <ember/callback_base.h>
 #include <ember/plugin.h>
 #include <ember/trainer.h>
@@ -16,11 +17,13 @@ namespace {
 
 constexpr EmberConfigKey kKeys[] = {
     ember::key::String("path", "\"position.txt\"", "File the lines are appended to."),
+    ember::key::Bool("input_width", "false", "Append the width of the batch's input (tensors[0].size(1))."),
 };
 
 class PositionProbe final : public ember::ICallback {
  public:
-  explicit PositionProbe(const ember::IConfig& cfg) : out_(cfg.get_string("path"), std::ios::app) {}
+  explicit PositionProbe(const ember::IConfig& cfg)
+      : out_(cfg.get_string("path"), std::ios::app), input_width_(cfg.get_bool("input_width")) {}
 
   void on_hook(ember::Hook hook, ember::ITrainer& t) override {
     if (hook != ember::Hook::on_train_batch_end && hook != ember::Hook::on_train_epoch_end &&
@@ -31,15 +34,18 @@ class PositionProbe final : public ember::ICallback {
     double sum = 0;
     if (!b.tensors.empty() && b.tensors[0].defined()) sum = b.tensors[0].to(at::kDouble).sum().item<double>();
     char line[256];
-    std::snprintf(line, sizeof line, "%s %lld %lld %lld %lld %.17g\n", ember::hook_name(hook),
+    std::snprintf(line, sizeof line, "%s %lld %lld %lld %lld %.17g", ember::hook_name(hook),
                   static_cast<long long>(t.current_epoch()), static_cast<long long>(t.global_step()),
                   static_cast<long long>(t.batch_idx()), static_cast<long long>(b.size), sum);
     out_ << line;
+    if (input_width_) out_ << ' ' << (b.tensors.empty() || b.tensors[0].dim() < 2 ? 0 : b.tensors[0].size(1));
+    out_ << '\n';
     out_.flush();
   }
 
  private:
   std::ofstream out_;
+  bool input_width_;
 };
 
 ember::ICallback* make(ember::IHost&, const ember::IConfig& cfg) { return new PositionProbe(cfg); }

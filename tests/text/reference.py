@@ -4,6 +4,8 @@
   reference.py tiny-bert OUT_DIR                               random 2-layer BERT/DistilBERT + logits
   reference.py export-check FOLDER TEXTS_CSV PREDICTIONS_CSV POOLING MAX_LENGTH
                                   transformers on `engine export`'s folder == engine predict's probabilities
+  reference.py length-grouped LENGTHS_FILE BATCH SPLIT_SEED SEED EPOCHS
+                                  per epoch, each batch's longest length in transformers' length-grouped order
 """
 import json
 import pathlib
@@ -111,6 +113,24 @@ def export_check(folder, texts_csv, predictions_csv, pooling, max_length):
         sys.exit(f"transformers on the export differs from engine predict by {diff}")
 
 
+def length_grouped(lengths_file, batch_size, split_seed, seed, epochs):
+    """Per epoch, one line: the longest length of each batch of transformers' length-grouped order
+    (get_length_grouped_indices, as a Trainer with group_by_length orders an epoch) over the training
+    split text_classification makes of lengths_file (one length per text, in file order) with
+    val_split = 0: a randperm seeded with trainer.seed; the epoch's generator is seeded as Ember
+    seeds its shuffle (seed * 1000003 + epoch + 1)."""
+    import torch
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+    lengths = [int(x) for x in open(lengths_file).read().split()]
+    bs = int(batch_size)
+    perm = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(int(split_seed))).tolist()
+    train = [lengths[i] for i in perm]
+    for epoch in range(int(epochs)):
+        g = torch.Generator().manual_seed(int(seed) * 1000003 + epoch + 1)
+        order = get_length_grouped_indices(train, bs, generator=g)
+        print(" ".join(str(max(train[i] for i in order[b:b + bs])) for b in range(0, len(order), bs)))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "tokenize":
         tokenize(sys.argv[2], sys.argv[3], sys.argv[4:])
@@ -118,5 +138,7 @@ if __name__ == "__main__":
         tiny_bert(sys.argv[2])
     elif sys.argv[1] == "export-check":
         export_check(*sys.argv[2:7])
+    elif sys.argv[1] == "length-grouped":
+        length_grouped(*sys.argv[2:7])
     else:
         sys.exit(f"unknown command {sys.argv[1]}")
