@@ -8,6 +8,9 @@
 #                   Without it: lr_find writes only its CSV; `engine plot` says why it cannot.
 #   EMBER_PROTOBUF  protobuf (libprotobuf-dev, protobuf-compiler): the tensorboard logger.
 #                   Without it: no tensorboard plugin (asking for it says why).
+#   EMBER_TCMALLOC  tcmalloc (libtcmalloc-minimal4, gperftools): the `engine` binary's allocator.
+#                   Without it: glibc's malloc (slower and more memory on LibTorch's CPU
+#                   workloads, docs/build.md). Never with sanitizers, which bring their own.
 find_package(PkgConfig QUIET)
 set(EMBER_NOT_BUILT "")
 
@@ -37,6 +40,7 @@ endfunction()
 set(EMBER_MPI AUTO CACHE STRING "Open MPI for CPU ranks of ddp/sharded: AUTO, ON or OFF")
 set(EMBER_CAIRO AUTO CACHE STRING "cairo for lr_find.png and `engine plot`: AUTO, ON or OFF")
 set(EMBER_PROTOBUF AUTO CACHE STRING "protobuf for the tensorboard logger: AUTO, ON or OFF")
+set(EMBER_TCMALLOC AUTO CACHE STRING "tcmalloc as the engine binary's allocator: AUTO, ON or OFF")
 
 # Through pkg-config: FindMPI's C component needs the C language, which this project does not enable.
 set(ember_found_mpi OFF)
@@ -59,12 +63,28 @@ if(NOT EMBER_PROTOBUF STREQUAL "OFF")
   endif()
 endif()
 
+# The runtime library is enough (no -dev package): linking the executable against it puts its
+# malloc ahead of glibc's for the whole process, plugins and LibTorch included.
+set(ember_found_tcmalloc OFF)
+if(NOT EMBER_TCMALLOC STREQUAL "OFF")
+  if(NOT EMBER_SANITIZE STREQUAL "")
+    set(EMBER_TCMALLOC OFF)  # sanitizers replace malloc themselves
+  else()
+    find_library(EMBER_TCMALLOC_LIBRARY NAMES tcmalloc_minimal libtcmalloc_minimal.so.4)
+    if(EMBER_TCMALLOC_LIBRARY)
+      set(ember_found_tcmalloc ON)
+    endif()
+  endif()
+endif()
+
 ember_optional_dependency(MPI "${ember_found_mpi}" "Open MPI (libopenmpi-dev, openmpi-bin)"
   "ddp and sharded offer NCCL only (CUDA ranks); CPU ranks stop at start-up saying why")
 ember_optional_dependency(CAIRO "${ember_found_cairo}" "cairo (libcairo2-dev)"
   "lr_find writes lr_find.csv without the PNG; `engine plot` says it cannot draw")
 ember_optional_dependency(PROTOBUF "${ember_found_protobuf}" "protobuf (libprotobuf-dev, protobuf-compiler)"
   "no tensorboard logger plugin")
+ember_optional_dependency(TCMALLOC "${ember_found_tcmalloc}" "tcmalloc (libtcmalloc-minimal4)"
+  "the engine binary allocates with glibc's malloc (slower, more memory)")
 
 # Plugins left out of this build, with the reason: the engine names them when one is asked for.
 if(NOT EMBER_WITH_PROTOBUF)

@@ -12,6 +12,6 @@ command -v ninja >/dev/null && generator=(-G Ninja)
 # here instead of quietly leaving a part untested); CMAKE_ARGS="-DEMBER_MPI=AUTO" relaxes that.
 if [ ! -f "$build/CMakeCache.txt" ]; then
   cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
-    -DEMBER_MPI=ON -DEMBER_CAIRO=ON -DEMBER_PROTOBUF=ON ${CMAKE_ARGS:-} >/dev/null
+    -DEMBER_MPI=ON -DEMBER_CAIRO=ON -DEMBER_PROTOBUF=ON -DEMBER_TCMALLOC=ON ${CMAKE_ARGS:-} >/dev/null
 fi
 cmake --build "$build" -j"$(nproc)"

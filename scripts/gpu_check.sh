@@ -17,7 +17,7 @@ if [ "$what" = build ] || [ "$what" = all ] || [ ! -x build-gpu/engine/engine ];
   start=$(date +%s)
   # zlib1g-dev's libz.so points at /lib/x86_64-linux-gnu/libz.so.1.2.13, which that machine lacks:
   # name the carried shared library directly (the static libz.a cannot link into a plugin).
-  CMAKE_ARGS="-DEMBER_MPI=AUTO -DEMBER_CAIRO=AUTO -DEMBER_PROTOBUF=AUTO -DZLIB_LIBRARY=/tmp/devroot/lib/x86_64-linux-gnu/libz.so.1 ${CMAKE_ARGS:-}" \
+  CMAKE_ARGS="-DEMBER_MPI=AUTO -DEMBER_CAIRO=AUTO -DEMBER_PROTOBUF=AUTO -DEMBER_TCMALLOC=AUTO -DZLIB_LIBRARY=/tmp/devroot/lib/x86_64-linux-gnu/libz.so.1 ${CMAKE_ARGS:-}" \
     bash .devdeps/build-on-device.sh > "$OUT/build.log" 2>&1
   rc=$?
   echo "build: exit $rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"

@@ -17,7 +17,8 @@ debs=(build-essential cmake ninja-build ccache pkg-config python3-venv zlib1g-de
       libtomlplusplus-dev libspdlog-dev libfmt-dev libgtest-dev
       libcairo2-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin
       libprotobuf-dev protobuf-compiler
-      nlohmann-json3-dev libutf8proc-dev libcsv-dev r-cran-modeldata r-cran-jsonlite)
+      nlohmann-json3-dev libutf8proc-dev libcsv-dev r-cran-modeldata r-cran-jsonlite
+      libtcmalloc-minimal4)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -275,3 +275,30 @@ TEST(CheckpointIntegrity, PickleSizeClaimsAreCheckedBeforeUnpickling) {
     EXPECT_EQ(err.find('\n'), std::string::npos) << err;
   }
 }
+
+// A verified checkpoint's tensors use the file's bytes where they lie (one copy of the file in
+// memory while it loads, not two), stay valid after the loader returns, and are the saved values.
+TEST(CheckpointFile, LoadedTensorsShareTheFilesBytesInsteadOfACopy) {
+  TempDir dir("integrity_shared");
+  auto ck = small_checkpoint(ember::engine::kCheckpointFormatVersion, false);
+  auto sd = ck.at("state_dict").toGenericDict();
+  sd.insert("v", at::linspace(-1, 1, 1000, at::kDouble));
+  ember::engine::save_checkpoint_file(dir / "shared.ckpt", ck);
+  size_t offset_w = 0, offset_v = 0;
+  {
+    // Which record holds which tensor: the pickler numbers storages in the order it meets them.
+    caffe2::serialize::PyTorchStreamReader reader((dir / "shared.ckpt").string());
+    offset_w = reader.getRecordOffset("data/0");
+    offset_v = reader.getRecordOffset("data/1");
+  }
+  auto loaded = ember::engine::load_checkpoint_file(dir / "shared.ckpt").at("state_dict").toGenericDict();
+  const at::Tensor w = loaded.at("w").toTensor(), v = loaded.at("v").toTensor();
+  const auto* pw = static_cast<const char*>(w.data_ptr()), *pv = static_cast<const char*>(v.data_ptr());
+  EXPECT_EQ(pv - pw, static_cast<std::ptrdiff_t>(offset_v) - static_cast<std::ptrdiff_t>(offset_w))
+      << "the tensors do not lie where their records lie in one buffer: the load copied them";
+  EXPECT_TRUE(at::equal(w, at::arange(12, at::kFloat).reshape({3, 4})));
+  EXPECT_TRUE(at::equal(v, at::linspace(-1, 1, 1000, at::kDouble)));
+  // The bytes are checked before they are shared: a flipped bit in a tensor is still refused.
+  flip_bit(dir / "shared.ckpt", offset_v + 100, 3);
+  EXPECT_NE(load_error(dir / "shared.ckpt").find("fails its CRC32C check"), std::string::npos);
+}

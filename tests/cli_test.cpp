@@ -130,6 +130,17 @@ TEST(Cli, BadInputExitsTwoWithOneLine) {
   }
 }
 
+// The engine binary runs on tcmalloc when the build found it (EMBER_TCMALLOC), and says which
+// allocator it runs on.
+TEST(Cli, RunsOnTheAllocatorTheBuildLinked) {
+  TempDir dir("cli_allocator");
+  write_file(dir / "run.toml", kQuick);
+  auto r = run_engine({"run.toml"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string want = EMBER_TEST_WITH_TCMALLOC ? "allocator tcmalloc" : "allocator glibc malloc";
+  EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
+}
+
 TEST(Cli, MissingDataFileNamesPathAndPackage) {
   TempDir dir("cli");
   write_file(dir / "run.toml", "[model]\nname = \"cnn\"\n[data]\nname = \"fashion_mnist\"\nroot = \"/nonexistent/fm\"\n");

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <torch/cuda.h>
+#include <dlfcn.h>
 #include <sched.h>
 
 #include <cstdlib>
@@ -49,7 +50,15 @@ std::string apply_numerics(const NumericsSettings& s) {
   at::globalContext().setBenchmarkCuDNN(s.cudnn_benchmark);
   return "numerics: " + std::to_string(s.num_threads) + " intra-op threads, denormals " +
          (flushing ? "flushed to zero" : "kept") + ", float32 matmul precision " + s.float32_matmul_precision +
-         ", cudnn.benchmark " + (s.cudnn_benchmark ? "on" : "off");
+         ", cudnn.benchmark " + (s.cudnn_benchmark ? "on" : "off") + ", allocator " + host_allocator();
+}
+
+const char* host_allocator() {
+  // The malloc the process runs on: the engine binary links tcmalloc when its build found it
+  // (EMBER_TCMALLOC, docs/build.md); a program embedding libember.so brings its own.
+  if (::dlsym(RTLD_DEFAULT, "tc_malloc") != nullptr) return "tcmalloc";
+  if (::dlsym(RTLD_DEFAULT, "mallctl") != nullptr) return "jemalloc";
+  return "glibc malloc";
 }
 
 PrecisionChoice choose_auto_precision(const DeviceForPrecision& d) {

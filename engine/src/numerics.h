@@ -34,6 +34,10 @@ NumericsSettings numerics_settings(const Section& trainer, bool on_cpu, int64_t 
 // threads created later inherit).
 std::string apply_numerics(const NumericsSettings& s);
 
+// "tcmalloc", "jemalloc" or "glibc malloc": the allocator this process runs on (said in the
+// numerics line at start-up).
+const char* host_allocator();
+
 // trainer.precision = "auto": the fastest precision the device runs well.
 struct PrecisionChoice {
   std::string precision;  // Lightning's string: "bf16-mixed", "16-mixed" or "32-true"
