@@ -74,7 +74,10 @@ if [ "$which" = tsan ] || [ "$which" = all ]; then
   fi
   start=$(date +%s)
   # The threads of Ember's own code: the data loader's workers, ddp/sharded's ranks and their
-  # communicator and watchdog threads, the signal handling around them.
+  # communicator and watchdog threads, the signal handling around them. LibTorch's own OpenMP
+  # teams (its kernels, oneDNN) synchronize in uninstrumented libgomp, which TSan cannot see:
+  # they run single-threaded here (OMP_NUM_THREADS=1) so that every report is about Ember's threads.
+  export OMP_NUM_THREADS=1
   filter=(-R 'DataLoader|DataParallel|Ddp|DistributedBuffers|Sigterm|Sigusr1|DefaultDtype')
   [ $# -gt 0 ] && filter=()
   ctest --test-dir build-tsan --output-on-failure -j"$jobs" --timeout 1800 "${filter[@]}" "$@" || status=1
