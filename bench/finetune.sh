@@ -22,7 +22,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 build=${EMBER_BUILD_DIR:-build}
-torch_prefix=$(bash scripts/setup.sh | tail -n 1)
+torch_prefix=${EMBER_TORCH_PREFIX:-$(bash scripts/setup.sh | tail -n 1)}   # EMBER_TORCH_PREFIX: a given LibTorch (the GPU machine's), no set-up
 cmake --build "$build" --target engine ember_plugin_bert ember_plugin_text_classification ember_plugin_single_device \
   ember_plugin_fp32 ember_plugin_bf16 ember_plugin_csv ember_plugin_model_summary ember_plugin_cosine ember_plugin_checkpoint \
   ember_plugin_throughput >/dev/null

@@ -8,7 +8,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 rounds=${1:-3}; steps=${2:-100}
-engine="$root/build/engine/engine"
+engine="$root/${EMBER_BUILD_DIR:-build}/engine/engine"
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 cd "$work"
 variants=("baseline:" "tensorboard:tensorboard" "tensorboard+histograms:tensorboard" "simple_profiler:simple_profiler"
@@ -27,7 +27,7 @@ for r in $(seq "$rounds"); do
     OMP_NUM_THREADS=1 "$engine" "${extra[@]}" "${common[@]}" --set trainer.num_threads=1 \
         --set "trainer.default_root_dir=\"$work/runs-$name-$r\"" "$root/configs/fashion_mnist.toml" 2> "$work/log-$name-$r"
     end=$(date +%s.%N)
-    times[$name]+="$(echo "$end - $start" | bc) "
+    times[$name]+="$(awk -v a="$start" -v b="$end" 'BEGIN { print b - a }') "   # awk, not bc: the GPU machine has no bc
   done
 done
 echo "| variant | median s (of $rounds) | vs baseline | per step (ms) |"
@@ -37,7 +37,7 @@ base=$(echo "${times[baseline]}" | median)
 for v in "${variants[@]}"; do
   name=${v%%:*}
   m=$(echo "${times[$name]}" | median)
-  printf "| %s | %.2f | %+.1f%% | %+.2f |\n" "$name" "$m" "$(echo "($m / $base - 1) * 100" | bc -l)" \
-         "$(echo "($m - $base) * 1000 / $steps" | bc -l)"
+  printf "| %s | %.2f | %+.1f%% | %+.2f |\n" "$name" "$m" "$(awk -v m="$m" -v b="$base" 'BEGIN { print (m / b - 1) * 100 }')" \
+         "$(awk -v m="$m" -v b="$base" -v s="$steps" 'BEGIN { print (m - b) * 1000 / s }')"
 done
 grep -h "Profiler overhead" "$work"/runs-simple_profiler-*/fashion_mnist/version_0/simple_profiler.txt | sed 's/^/simple_profiler: /'

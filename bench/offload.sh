@@ -17,7 +17,7 @@
 # removes start-up (model construction, placement). tokens/s = BATCH * SEQ / that.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-build=${BUILD:-$root/build}
+build=${BUILD:-$root/${EMBER_BUILD_DIR:-build}}
 engine=${ENGINE:-$build/engine/engine}
 mode=${1:-all}
 # shellcheck source=bench/common.sh

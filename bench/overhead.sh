@@ -26,7 +26,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 rounds=${1:-3}; threads=${2:-1}
 build=${EMBER_BUILD_DIR:-build}
-torch_prefix=$(bash scripts/setup.sh | tail -n 1)
+torch_prefix=${EMBER_TORCH_PREFIX:-$(bash scripts/setup.sh | tail -n 1)}   # EMBER_TORCH_PREFIX: a given LibTorch (the GPU machine's), no set-up
 cmake --build "$build" --target engine bench_handwritten_loop bench_fabric_loop ember_plugin_cnn ember_plugin_mlp ember_plugin_synthetic \
   ember_plugin_single_device ember_plugin_fp32 ember_plugin_csv >/dev/null
 python=$(cd "$torch_prefix/../../../../../.." && pwd)/bin/python   # the venv that holds the torch wheel

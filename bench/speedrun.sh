@@ -19,7 +19,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 rounds=${1:-1}; target=${2:-0.925}; config=${3:-configs/fashion_mnist_speedrun.toml}; device=${4:-cpu}
 build=${EMBER_BUILD_DIR:-build}
-torch_prefix=$(bash scripts/setup.sh | tail -n 1)
+torch_prefix=${EMBER_TORCH_PREFIX:-$(bash scripts/setup.sh | tail -n 1)}   # EMBER_TORCH_PREFIX: a given LibTorch (the GPU machine's), no set-up
 cmake --build "$build" --target engine ember_plugin_cnn ember_plugin_fashion_mnist ember_plugin_single_device \
   ember_plugin_fp32 ember_plugin_bf16 ember_plugin_amp16 ember_plugin_csv ember_plugin_checkpoint ember_plugin_model_summary \
   ember_plugin_one_cycle >/dev/null

@@ -313,7 +313,9 @@ TEST(RunApi, PredictWritesEverySampleWithTheCheckpointsProbabilities) {
   const auto rows = read_csv(csv);
   ASSERT_EQ(rows.size(), 64u);
   EXPECT_EQ(rows[0].count("prob_2"), 1u);
-  const at::Tensor expected = logits(*net, ember::Batch{{test_split[0]}, 64}).softmax(1);  // net now holds the checkpoint's weights
+  // net now holds the checkpoint's weights, on the device the run chose (a GPU where there is one).
+  const at::Tensor expected =
+      logits(*net, ember::Batch{{test_split[0].to(net->weight.device())}, 64}).softmax(1).to(at::kCPU);
   const auto y = test_split[1];
   int64_t correct = 0;
   for (size_t i = 0; i < rows.size(); ++i) {

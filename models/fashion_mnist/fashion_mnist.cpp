@@ -35,6 +35,7 @@
 #include <ember/predict.h>
 #include <ember/trainer.h>
 
+#include <ember/model_support/device_copy.h>
 #include <ember/model_support/image_augment.h>
 
 namespace {
@@ -243,7 +244,7 @@ class FashionMnist final : public ember::IDataModule, public ember::IDeviceData,
     }
     // Wraps the caller's indices without copying; index_select only reads them (and checks bounds).
     at::Tensor idx = torch::from_blob(const_cast<int64_t*>(indices), {count}, torch::kLong);
-    if (!s->labels.device().is_cpu()) idx = idx.to(s->labels.device());
+    if (!s->labels.device().is_cpu()) idx = ember_models::to_device_without_sync(idx, s->labels.device());
     at::Tensor images = s->images.index_select(0, idx);
     if (!store_float_) images = pixels(images);
     if (split == ember::Split::train && augment_.enabled()) {

@@ -9,6 +9,7 @@
 #include <torch/serialize.h>
 
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -85,7 +86,14 @@ class ReplicatedModelState {
     // torch::load only adds the saved per-parameter states: without this, moments built up after
     // the checkpoint (a tuner's trial steps) would survive restoring one saved before any step.
     optimizer_->state().clear();
-    torch::load(*optimizer_, in);
+    // The moments load onto the parameters' device, as PyTorch's Optimizer.load_state_dict puts
+    // them: a checkpoint written on the CPU (or by offload, whose moments live on the host) must
+    // resume on a GPU.
+    std::optional<c10::Device> device;
+    for (const auto& group : optimizer_->param_groups())
+      for (const auto& p : group.params())
+        if (!device && p.defined()) device = p.device();
+    torch::load(*optimizer_, in, device);
   }
 
  private:

@@ -10,6 +10,8 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "ember/model_support/device_copy.h"
+
 #include <cstdint>
 
 namespace ember_models {
@@ -53,9 +55,9 @@ inline at::Tensor augment_images(const at::Tensor& images, const ImageAugment& a
     rows = offsets.select(1, 0).unsqueeze(1) + at::arange(h, long_opts);
     cols = offsets.select(1, 1).unsqueeze(1) + cols;
     x = at::constant_pad_nd(images, {p, p, p, p}, a.pad_value);
-    x = x.gather(2, rows.to(device).view({n, 1, h, 1}).expand({n, c, h, w + 2 * p}));
+    x = x.gather(2, to_device_without_sync(rows, device).view({n, 1, h, 1}).expand({n, c, h, w + 2 * p}));
   }
-  return x.gather(3, cols.to(device).view({n, 1, 1, w}).expand({n, c, h, w}));
+  return x.gather(3, to_device_without_sync(cols, device).view({n, 1, 1, w}).expand({n, c, h, w}));
 }
 
 }  // namespace ember_models

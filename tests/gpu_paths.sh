@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The CUDA paths, end to end through the engine (CTest `gpu_paths`; skips with 77 where no CUDA
+# device is visible, as on CI). Every strategy that runs on one GPU and every precision train the
+# Fashion-MNIST CNN (synthetic data where the Debian data set is absent) for a few hundred steps on
+# cuda:0; each must exit 0, say it trained on cuda:0, and reach a test accuracy close to the same
+# run on the CPU in fp32 (the reference computed first). Also: data kept on the GPU vs pinned host
+# batches copied on a side stream (the same numbers), flips and crops made on the GPU, an
+# interrupted run resumed on the GPU, and a checkpoint written on the CPU resumed on the GPU.
+#   bash tests/gpu_paths.sh <engine> <work-dir>
+set -uo pipefail
+engine=$1; work=$2
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if ! nvidia-smi -L >/dev/null 2>&1; then echo "gpu_paths: no CUDA device visible (nvidia-smi -L failed): skipped"; exit 77; fi
+rm -rf "$work"; mkdir -p "$work"; cd "$work" || exit 1
+
+data=(); [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || data=(--set 'data.name="synthetic"' --set 'data.shape=[1,28,28]')
+common=("$root/configs/fashion_mnist.toml" "${data[@]}" --set trainer.max_epochs=1 --set trainer.limit_train_batches=300
+        --set trainer.limit_val_batches=10 --set trainer.num_sanity_val_steps=0 --set trainer.enable_progress_bar=false
+        --set trainer.seed=1 --set data.num_workers=0)
+failed=0
+acc_of() { awk '$1 == "test_acc" { print $2 }' "$1"; }
+run_case() {  # name, expected device, args... -> the test accuracy in $work/$name.acc
+  local name=$1 dev=$2; shift 2
+  local start; start=$(date +%s.%N)   # (no bc on the GPU machine: awk does the arithmetic)
+  timeout 300 "$engine" "${common[@]}" --set "trainer.default_root_dir=\"$work/$name\"" "$@" > "$work/$name.out" 2> "$work/$name.err"
+  local rc=$? secs; secs=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { print b - a }')
+  local acc; acc=$(acc_of "$work/$name.out")
+  if [ $rc -ne 0 ] || [ -z "$acc" ]; then
+    echo "FAILED $name (exit $rc): $(grep -v '^\[.*info' "$work/$name.err" | tail -3 | tr '\n' ' ')"; failed=1; return 1
+  fi
+  if ! grep -q "on $dev" "$work/$name.err"; then
+    echo "FAILED $name: did not say it trained on $dev: $(grep -m2 -E 'training on|on cuda|on cpu' "$work/$name.err" | tr '\n' ' ')"; failed=1; return 1
+  fi
+  printf '%-28s test_acc %-8s %6.1f s\n' "$name" "$acc" "$secs"
+  echo "$acc" > "$work/$name.acc"
+}
+close_to() {  # name, reference name, tolerance
+  [ -f "$work/$1.acc" ] && [ -f "$work/$2.acc" ] || return 0
+  if ! awk -v a="$(cat "$work/$1.acc")" -v b="$(cat "$work/$2.acc")" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= t) }'; then
+    echo "FAILED $1: test_acc $(cat "$work/$1.acc") is not within $3 of $2's $(cat "$work/$2.acc")"; failed=1
+  fi
+}
+
+run_case cpu_fp32 cpu --set 'trainer.accelerator="cpu"'
+run_case cuda_fp32 cuda:0 --set 'trainer.accelerator="cuda"' --set 'data.on_device="false"'
+run_case cuda_fp32_on_device cuda:0 --set 'trainer.accelerator="cuda"' --set 'data.on_device="true"'
+run_case cuda_fp32_unpinned cuda:0 --set 'trainer.accelerator="cuda"' --set 'data.on_device="false"' --set data.pin_memory=false
+# Flips and padded crops made on the GPU from the CPU generator's draws (copied without a sync):
+# the same augmented batches as on the CPU.
+aug=(--set data.augment_flip=true --set data.augment_crop_padding=2)
+run_case cpu_augmented cpu --set 'trainer.accelerator="cpu"' "${aug[@]}"
+run_case cuda_augmented cuda:0 --set 'trainer.accelerator="cuda"' --set 'data.on_device="true"' "${aug[@]}"
+for p in 16-mixed bf16-mixed bf16-true; do
+  run_case "cuda_$p" cuda:0 --set 'trainer.accelerator="cuda"' --set "trainer.precision=\"$p\""
+done
+# Pure fp16 with SGD: Adam's eps (1e-8) is below float16's smallest subnormal, so 16-true Adam
+# divides by zero (NaN on every framework; bf16-true has the exponent range and trains).
+sgd=(--set 'optimizer.name="sgd"' --set optimizer.lr=0.05 --set optimizer.momentum=0.9)
+run_case cuda_fp32_sgd cuda:0 --set 'trainer.accelerator="cuda"' "${sgd[@]}"
+run_case cuda_16-true_sgd cuda:0 --set 'trainer.accelerator="cuda"' --set 'trainer.precision="16-true"' "${sgd[@]}"
+run_case cuda_dp cuda:0 --plugins dp --set 'trainer.accelerator="cuda"'
+run_case cuda_ddp_one_rank cuda:0 --plugins ddp --set 'trainer.accelerator="cuda"' --set ddp.timeout=60.0
+run_case cuda_ddp_amp16 cuda:0 --plugins ddp --set 'trainer.accelerator="cuda"' --set 'trainer.precision="16-mixed"' --set ddp.timeout=60.0
+run_case cuda_sharded cuda:0 --plugins sharded --set 'trainer.accelerator="cuda"'
+run_case cuda_offload cuda:0 --plugins offload --set 'trainer.accelerator="cuda"'
+run_case cuda_offload_params cuda:0 --plugins offload --set 'trainer.accelerator="cuda"' --set offload.offload_params=true
+swa=(--plugins swa,ema --set 'swa.swa_lrs=[0.0005]')   # averaging from early on: its own CPU reference
+run_case cpu_swa_ema cpu --set 'trainer.accelerator="cpu"' "${swa[@]}"
+run_case cuda_swa_ema cuda:0 --set 'trainer.accelerator="cuda"' "${swa[@]}"
+
+# fp32 on the GPU computes what the CPU computes (cuDNN's algorithms differ in rounding only);
+# the data's place and pinning change nothing; 16-bit stays within a few points.
+close_to cuda_fp32 cpu_fp32 0.02
+close_to cuda_fp32_on_device cuda_fp32 0.02
+close_to cuda_fp32_unpinned cuda_fp32 0.02
+close_to cuda_augmented cpu_augmented 0.02
+close_to cuda_16-true_sgd cuda_fp32_sgd 0.05
+for c in cuda_16-mixed cuda_bf16-mixed cuda_bf16-true cuda_dp cuda_ddp_one_rank cuda_ddp_amp16 cuda_sharded \
+         cuda_offload cuda_offload_params; do
+  close_to "$c" cpu_fp32 0.05
+done
+close_to cuda_swa_ema cpu_swa_ema 0.1   # averaging mid-learning is volatile: 0.72 vs 0.77 measured
+
+# Resume on the GPU: 1 epoch, then resumed to 2, against 2 straight (same test accuracy within noise).
+two=(--set 'trainer.accelerator="cuda"' --set trainer.limit_train_batches=150 --set 'trainer.precision="16-mixed"')
+run_case cuda_straight cuda:0 "${two[@]}" --set trainer.max_epochs=2
+run_case cuda_first cuda:0 "${two[@]}" --set trainer.max_epochs=1 --set 'trainer.default_root_dir="'"$work"'/resumed"'
+if timeout 300 "$engine" "${common[@]}" "${two[@]}" --set trainer.max_epochs=2 --set "trainer.default_root_dir=\"$work/resumed\"" \
+     --resume last > "$work/cuda_resumed.out" 2> "$work/cuda_resumed.err"; then
+  acc_of "$work/cuda_resumed.out" > "$work/cuda_resumed.acc"
+  printf '%-28s test_acc %s\n' cuda_resumed "$(cat "$work/cuda_resumed.acc")"
+  close_to cuda_resumed cuda_straight 0.01
+else
+  echo "FAILED cuda_resumed: $(tail -2 "$work/cuda_resumed.err" | tr '\n' ' ')"; failed=1
+fi
+
+# A checkpoint written on the CPU resumes on the GPU (weights and optimizer moments move there).
+run_case cpu_first cpu --set 'trainer.accelerator="cpu"' --set trainer.limit_train_batches=150 --set trainer.max_epochs=1 \
+  --set 'trainer.default_root_dir="'"$work"'/crossed"'
+if timeout 300 "$engine" "${common[@]}" --set 'trainer.accelerator="cuda"' --set trainer.limit_train_batches=150 --set trainer.max_epochs=2 \
+     --set "trainer.default_root_dir=\"$work/crossed\"" --resume last > "$work/cpu_to_cuda.out" 2> "$work/cpu_to_cuda.err" \
+   && grep -q "resumed from" "$work/cpu_to_cuda.err" && grep -q "on cuda:0" "$work/cpu_to_cuda.err"; then
+  acc_of "$work/cpu_to_cuda.out" > "$work/cpu_to_cuda.acc"
+  printf '%-28s test_acc %s\n' cpu_to_cuda "$(cat "$work/cpu_to_cuda.acc")"
+else
+  echo "FAILED cpu_to_cuda: $(grep -v '^\[.*info' "$work/cpu_to_cuda.err" | tail -2 | tr '\n' ' ')"; failed=1
+fi
+exit $failed
