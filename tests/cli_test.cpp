@@ -130,6 +130,29 @@ TEST(Cli, BadInputExitsTwoWithOneLine) {
   }
 }
 
+// Adam over float16 parameters with an eps float16 cannot hold trains to NaN (measured on the CPU
+// and on an H100): the engine stops before training and names the fix, which then trains.
+TEST(Cli, Float16AdamNeedsAnEpsFloat16CanHold) {
+  TempDir dir("cli_fp16_adam");
+  write_file(dir / "run.toml", std::string(kQuick) + "[optimizer]\nname = \"adam\"\nlr = 0.01\n");
+  for (const char* eps : {"", "1e-6"}) {
+    std::vector<std::string> args = {"run.toml", "--set", "trainer.precision=\"16-true\""};
+    if (*eps) args.insert(args.end(), {"--set", std::string("optimizer.eps=") + eps});
+    auto r = run_engine(args, dir.path());
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find("is below float16's smallest normal number"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(*eps ? "--set optimizer.eps=1e-6: " : "run.toml:17:8: optimizer.eps = 1e-08 (adam's default)"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("set optimizer.eps = 1e-4"), std::string::npos) << r.err;
+  }
+  auto ok = run_engine({"run.toml", "--set", "trainer.precision=\"16-true\"", "--set", "optimizer.eps=1e-4", "--set", "trainer.test_after_fit=true"},
+                       dir.path());
+  ASSERT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_EQ(ok.out.find("nan"), std::string::npos) << ok.out;
+  EXPECT_NE(ok.out.find("test_loss"), std::string::npos) << ok.out;
+  // fp32 parameters (16-mixed keeps them) take Adam's default.
+  EXPECT_EQ(run_engine({"run.toml", "--set", "trainer.precision=\"16-mixed\"", "--set", "trainer.accelerator=\"cpu\""}, dir.path()).exit_code, 0);
+}
+
 // The engine binary runs on tcmalloc when the build found it (EMBER_TCMALLOC), and says which
 // allocator it runs on.
 TEST(Cli, RunsOnTheAllocatorTheBuildLinked) {
