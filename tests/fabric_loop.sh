@@ -25,7 +25,9 @@ cmake -S "$src/examples/fabric_loop" -B "$work/build" "${gen[@]}" -DCMAKE_BUILD_
 cmake --build "$work/build" > "$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
 exe="$work/build/fabric_loop"
 # Linked against the installed libember.so, with no toml++/spdlog/Boost of its own.
-ldd "$exe" | grep -q "libember.so.* => $prefix/lib/libember.so" || { ldd "$exe"; exit 1; }
+# Not `ldd | grep -q`: under pipefail grep's early exit can kill ldd with SIGPIPE and fail the check.
+libs=$(ldd "$exe")
+grep -q "libember.so.* => $prefix/lib/libember.so" <<<"$libs" || { echo "$libs"; exit 1; }
 cd "$work"
 unset EMBER_PLUGIN_PATH  # plugins come from <prefix>/lib/ember/plugins, next to libember.so
 data=()

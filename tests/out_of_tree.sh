@@ -27,7 +27,8 @@ test -f "$prefix/lib/ember/plugins/libhello_callback.so"
 cd "$work"
 # Only the installed folder: no build-tree plugins, no EMBER_PLUGIN_PATH.
 unset EMBER_PLUGIN_PATH
-"$prefix/bin/engine" plugins info hello_callback | grep -q "kind:        callback"
+info=$("$prefix/bin/engine" plugins info hello_callback)   # captured: `| grep -q` can SIGPIPE it under pipefail
+grep -q "kind:        callback" <<<"$info"
 cat > run.toml <<'TOML'
 [trainer]
 max_epochs = 2
