@@ -129,7 +129,10 @@ void refuse_eps_float16_cannot_hold(const Section& s, const std::string& name, c
   if (name == "sgd") return;
   const bool half = std::any_of(params.begin(), params.end(), [](const at::Tensor& p) { return p.scalar_type() == at::kHalf; });
   if (!half) return;
-  const double default_eps = name == "adagrad" ? 1e-10 : 1e-8;
+  // LibTorch's own defaults, for when the config leaves eps unset.
+  const double default_eps = name == "adagrad"   ? torch::optim::AdagradOptions().eps()
+                             : name == "rmsprop" ? torch::optim::RMSpropOptions().eps()
+                                                 : torch::optim::AdamOptions().eps();
   const double eps = s.has("eps") ? s.get_float("eps") : default_eps;
   constexpr double kFloat16SmallestNormal = 6.103515625e-05;
   if (eps >= kFloat16SmallestNormal) return;
