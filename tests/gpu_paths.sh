@@ -5,7 +5,8 @@
 # cuda:0; each must exit 0, say it trained on cuda:0, and reach a test accuracy close to the same
 # run on the CPU in fp32 (the reference computed first). Also: data kept on the GPU vs pinned host
 # batches copied on a side stream (the same numbers), flips and crops made on the GPU, an
-# interrupted run resumed on the GPU, and a checkpoint written on the CPU resumed on the GPU.
+# interrupted run resumed on the GPU, a checkpoint written on the CPU resumed on the GPU, and the
+# observability plugins' GPU readings (NVML, MFU, CUDA kernels in the profiler's trace).
 #   bash tests/gpu_paths.sh <engine> <work-dir>
 set -uo pipefail
 engine=$1; work=$2
@@ -68,6 +69,45 @@ run_case cuda_offload_params cuda:0 --plugins offload --set 'trainer.accelerator
 swa=(--plugins swa,ema --set 'swa.swa_lrs=[0.0005]')   # averaging from early on: its own CPU reference
 run_case cpu_swa_ema cpu --set 'trainer.accelerator="cpu"' "${swa[@]}"
 run_case cuda_swa_ema cuda:0 --set 'trainer.accelerator="cuda"' "${swa[@]}"
+
+# Observability on the GPU: device_stats' CUDA memory and NVML readings, throughput's MFU against
+# the device's peak, and a Kineto trace with CUDA kernels in it (python3: the GPU machine has it).
+obs=(--plugins csv,throughput,device_stats,torch_profiler --set 'trainer.accelerator="cuda"' --set trainer.log_every_n_steps=10
+     --set throughput.window_size=20)
+if run_case cuda_observability cuda:0 "${obs[@]}"; then
+  if ! python3 - "$work/cuda_observability" <<'PY'
+import csv, glob, json, sys
+run = sys.argv[1]
+rows = list(csv.DictReader(open(glob.glob(run + "/**/metrics.csv", recursive=True)[0])))
+def values(name):
+    return [float(r[name]) for r in rows if r.get(name) not in (None, "")]
+problems = []
+def need(name, lo, hi, some_positive=False):
+    v = values(name)
+    if not v: problems.append(f"no {name} in metrics.csv"); return
+    if not all(lo <= x <= hi for x in v): problems.append(f"{name} outside [{lo}, {hi}]: {min(v)}..{max(v)}")
+    if some_positive and max(v) <= 0: problems.append(f"{name} never above 0")
+    print(f"  {name}: {len(v)} values, {min(v):.4g}..{max(v):.4g}")
+need("device_stats/cuda_allocated_mb", 0.01, 1e6)
+need("device_stats/cuda_peak_allocated_mb", 0.01, 1e6)
+need("device_stats/gpu_utilization_percent", 0, 100, some_positive=True)
+need("device_stats/gpu_power_watts", 1, 2000)
+need("train|device|mfu", 1e-7, 1.0)
+need("train|device|samples_per_sec", 1, 1e8)
+traces = glob.glob(run + "/**/torch_profiler/trace-rank0*.json", recursive=True)
+if not traces: problems.append("no torch_profiler trace")
+else:
+    events = json.load(open(traces[0]))["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    phases = {e.get("name") for e in events if e.get("cat") == "user_annotation"}
+    print(f"  trace: {len(events)} events, {len(kernels)} CUDA kernels, Ember ranges {sorted(p for p in phases if p)[:6]}")
+    if not kernels: problems.append("the trace has no CUDA kernel events")
+for p in problems: print("FAILED cuda_observability: " + p)
+sys.exit(1 if problems else 0)
+PY
+  then failed=1; fi
+fi
+run_case cuda_nvtx cuda:0 --plugins torch_profiler --set 'trainer.accelerator="cuda"' --set torch_profiler.emit_nvtx=true
 
 # fp32 on the GPU computes what the CPU computes (cuDNN's algorithms differ in rounding only);
 # the data's place and pinning change nothing; 16-bit stays within a few points.
