@@ -11,11 +11,11 @@
 #       its tokens/s, MFU and peak device memory: for each variant the sizes (layers at D_MODEL)
 #       are tried in order until one fails; meant for a GPU. PLAN lists variant:layers in the
 #       order they run (default "single_device:16 offload:F offload_params:F offload:F+2
-#       single_device:20 single_device:24", F = the layers the available host memory holds at 18
+#       single_device:20 single_device:24", F = the layers the available host memory holds at 16
 #       bytes a parameter; F+2 must be refused at start-up). Other settings (environment):
 #       D_MODEL=4096 NHEAD=32 SEQ=512 BATCH=4 PRECISION=bf16-mixed
 #       COMPUTE_DTYPE=bf16 VARIANTS="single_device offload offload_params" STEPS=5
-#       THROUGHPUT_WINDOW=3 RUN_TIMEOUT=300 HOST_RESERVE_GB=8. Rates come from the throughput
+#       THROUGHPUT_WINDOW=3 RUN_TIMEOUT=300 HOST_RESERVE_GB=16. Rates come from the throughput
 #       monitor inside the run (start-up and the first steps left out).
 #   bash bench/offload.sh          (host, then step)
 # step: per-step time = (time of a run of LONG steps - time of SHORT steps) / (LONG - SHORT),
@@ -139,13 +139,13 @@ measured_run() {  # variant
            END { printf "%s %s %s\n", s, (m == "" ? "-" : m), (peak > 0 ? peak : "-") }' "$csv"
 }
 
-# Layers of d_model that the host memory holds under offload: masters, gradients (fp32), the
-# pinned staging copy (compute dtype) and AdamW's two moments, 18 bytes a parameter, with
-# HOST_RESERVE_GB (8) left for the process itself.
+# Layers of d_model that the host memory holds under offload: fp32 masters and gradients and
+# AdamW's two moments, 16 bytes a parameter, with HOST_RESERVE_GB (16) left for the rest of the
+# process (LibTorch and CUDA's own, the data; 11 GiB measured on the H100 machine).
 offload_layers_that_fit() {  # d_model
   local avail
   avail=$(awk '/MemAvailable/ { print $2 * 1024 }' /proc/meminfo)
-  awk -v a="$avail" -v d="$1" -v r="${HOST_RESERVE_GB:-8}" 'BEGIN { per = 12 * d * d + 13 * d; printf "%d", (a - r * 1e9) / (18 * per) }'
+  awk -v a="$avail" -v d="$1" -v r="${HOST_RESERVE_GB:-16}" 'BEGIN { per = 12 * d * d + 13 * d; printf "%d", (a - r * 1e9) / (16 * per) }'
 }
 
 search_part() {
@@ -157,7 +157,7 @@ search_part() {
   echo
   echo "host: $(nproc) cores, $(awk '/MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo) memory, $(awk '/MemAvailable/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo) available; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo 'no GPU')"
   echo "tokens/s over the last ${THROUGHPUT_WINDOW:-3} of ${STEPS:-5} steps (throughput monitor, synchronized); peak = device_stats' largest cuda_peak_allocated_mb"
-  echo "offload sizes: $fit layers is what the available host memory holds at 18 bytes a parameter"
+  echo "offload sizes: $fit layers is what the available host memory holds at 16 bytes a parameter"
   echo
   echo "| variant | layers | parameters | s/step | tokens/s | MFU | peak device MB | outcome |"
   echo "|---|---:|---:|---:|---:|---:|---:|---|"

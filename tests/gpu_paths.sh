@@ -66,6 +66,12 @@ run_case cuda_ddp_amp16 cuda:0 --plugins ddp --set 'trainer.accelerator="cuda"' 
 run_case cuda_sharded cuda:0 --plugins sharded --set 'trainer.accelerator="cuda"'
 run_case cuda_offload cuda:0 --plugins offload --set 'trainer.accelerator="cuda"'
 run_case cuda_offload_params cuda:0 --plugins offload --set 'trainer.accelerator="cuda"' --set offload.offload_params=true
+# Gradient accumulation under offload: the first micro-batch's gradients land in the fp32 host
+# buffer straight from the device, the next ones through a pinned staging buffer added on the host.
+run_case cuda_fp32_accumulate cuda:0 --set 'trainer.accelerator="cuda"' --set trainer.accumulate_grad_batches=3
+run_case cuda_offload_accumulate cuda:0 --plugins offload --set 'trainer.accelerator="cuda"' --set trainer.accumulate_grad_batches=3
+run_case cuda_offload_params_accumulate cuda:0 --plugins offload --set 'trainer.accelerator="cuda"' --set trainer.accumulate_grad_batches=3 \
+  --set offload.offload_params=true --set 'offload.compute_dtype="bf16"'
 swa=(--plugins swa,ema --set 'swa.swa_lrs=[0.0005]')   # averaging from early on: its own CPU reference
 run_case cpu_swa_ema cpu --set 'trainer.accelerator="cpu"' "${swa[@]}"
 run_case cuda_swa_ema cuda:0 --set 'trainer.accelerator="cuda"' "${swa[@]}"
@@ -116,6 +122,8 @@ close_to cuda_fp32_on_device cuda_fp32 0.02
 close_to cuda_fp32_unpinned cuda_fp32 0.02
 close_to cuda_augmented cpu_augmented 0.02
 close_to cuda_16-true_sgd cuda_fp32_sgd 0.05
+close_to cuda_offload_accumulate cuda_fp32_accumulate 0.02
+close_to cuda_offload_params_accumulate cuda_fp32_accumulate 0.05
 for c in cuda_16-mixed cuda_bf16-mixed cuda_bf16-true cuda_dp cuda_ddp_one_rank cuda_ddp_amp16 cuda_sharded \
          cuda_offload cuda_offload_params; do
   close_to "$c" cpu_fp32 0.05
