@@ -7,7 +7,7 @@
 # batches copied on a side stream (the same numbers), flips and crops made on the GPU, an
 # interrupted run resumed on the GPU, a checkpoint written on the CPU resumed on the GPU, and the
 # observability plugins' GPU readings (NVML, MFU, CUDA kernels in the profiler's trace).
-#   bash tests/gpu_paths.sh <engine> <work-dir>
+#   bash tests/gpu_paths.sh <engine> <work-dir>        (GPU_PATHS_ONLY=regex: only the cases it matches)
 set -uo pipefail
 engine=$1; work=$2
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -20,8 +20,11 @@ common=("$root/configs/fashion_mnist.toml" "${data[@]}" --set trainer.max_epochs
         --set trainer.seed=1 --set data.num_workers=0)
 failed=0
 acc_of() { awk '$1 == "test_acc" { print $2 }' "$1"; }
+only=${GPU_PATHS_ONLY:-}   # a regular expression: run only the cases it matches (a short device call)
+wanted() { [ -z "$only" ] || [[ $1 =~ $only ]]; }
 run_case() {  # name, expected device, args... -> the test accuracy in $work/$name.acc
   local name=$1 dev=$2; shift 2
+  wanted "$name" || return 1
   local start; start=$(date +%s.%N)   # (no bc on the GPU machine: awk does the arithmetic)
   timeout 300 "$engine" "${common[@]}" --set "trainer.default_root_dir=\"$work/$name\"" "$@" > "$work/$name.out" 2> "$work/$name.err"
   local rc=$? secs; secs=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { print b - a }')
@@ -134,7 +137,8 @@ close_to cuda_swa_ema cpu_swa_ema 0.1   # averaging mid-learning is volatile: 0.
 two=(--set 'trainer.accelerator="cuda"' --set trainer.limit_train_batches=150 --set 'trainer.precision="16-mixed"')
 run_case cuda_straight cuda:0 "${two[@]}" --set trainer.max_epochs=2
 run_case cuda_first cuda:0 "${two[@]}" --set trainer.max_epochs=1 --set 'trainer.default_root_dir="'"$work"'/resumed"'
-if timeout 300 "$engine" "${common[@]}" "${two[@]}" --set trainer.max_epochs=2 --set "trainer.default_root_dir=\"$work/resumed\"" \
+if ! wanted cuda_resumed; then :
+elif timeout 300 "$engine" "${common[@]}" "${two[@]}" --set trainer.max_epochs=2 --set "trainer.default_root_dir=\"$work/resumed\"" \
      --resume last > "$work/cuda_resumed.out" 2> "$work/cuda_resumed.err"; then
   acc_of "$work/cuda_resumed.out" > "$work/cuda_resumed.acc"
   printf '%-28s test_acc %s\n' cuda_resumed "$(cat "$work/cuda_resumed.acc")"
@@ -146,7 +150,8 @@ fi
 # A checkpoint written on the CPU resumes on the GPU (weights and optimizer moments move there).
 run_case cpu_first cpu --set 'trainer.accelerator="cpu"' --set trainer.limit_train_batches=150 --set trainer.max_epochs=1 \
   --set 'trainer.default_root_dir="'"$work"'/crossed"'
-if timeout 300 "$engine" "${common[@]}" --set 'trainer.accelerator="cuda"' --set trainer.limit_train_batches=150 --set trainer.max_epochs=2 \
+if ! wanted cpu_to_cuda; then :
+elif timeout 300 "$engine" "${common[@]}" --set 'trainer.accelerator="cuda"' --set trainer.limit_train_batches=150 --set trainer.max_epochs=2 \
      --set "trainer.default_root_dir=\"$work/crossed\"" --resume last > "$work/cpu_to_cuda.out" 2> "$work/cpu_to_cuda.err" \
    && grep -q "resumed from" "$work/cpu_to_cuda.err" && grep -q "on cuda:0" "$work/cpu_to_cuda.err"; then
   acc_of "$work/cpu_to_cuda.out" > "$work/cpu_to_cuda.acc"
