@@ -153,6 +153,26 @@ TEST(Cli, Float16AdamNeedsAnEpsFloat16CanHold) {
   EXPECT_EQ(run_engine({"run.toml", "--set", "trainer.precision=\"16-mixed\"", "--set", "trainer.accelerator=\"cpu\""}, dir.path()).exit_code, 0);
 }
 
+// trainer.cuda_graph: what cannot be captured is refused at start-up in one line, with where the
+// key was set (the capture itself runs on a GPU: tests/gpu_paths.sh).
+TEST(Cli, CudaGraphRefusesWhatItCannotCapture) {
+  TempDir dir("cli_cuda_graph");
+  std::string toml = kQuick;
+  toml.replace(toml.find("max_epochs = 1\n"), 15, "max_epochs = 1\ncuda_graph = true\n");
+  write_file(dir / "run.toml", toml);
+  auto on_cpu = run_engine({"run.toml", "--set", "trainer.accelerator=\"cpu\""}, dir.path());
+  EXPECT_EQ(on_cpu.exit_code, 2) << on_cpu.err;
+  EXPECT_NE(on_cpu.err.find("run.toml:4:14: trainer.cuda_graph = true: CUDA graphs need a CUDA device and this run trains on cpu"),
+            std::string::npos)
+      << on_cpu.err;
+  EXPECT_EQ(on_cpu.err.find("Epoch 0"), std::string::npos) << "refused before training: " << on_cpu.err;
+  auto warmup = run_engine({"run.toml", "--set", "trainer.cuda_graph_warmup_steps=0"}, dir.path());
+  EXPECT_EQ(warmup.exit_code, 2) << warmup.err;
+  EXPECT_NE(warmup.err.find("trainer.cuda_graph_warmup_steps: must be >= 1, got 0"), std::string::npos) << warmup.err;
+  // Off (the default), the same config trains.
+  EXPECT_EQ(run_engine({"run.toml", "--set", "trainer.cuda_graph=false"}, dir.path()).exit_code, 0);
+}
+
 // The engine binary runs on tcmalloc when the build found it (EMBER_TCMALLOC), and says which
 // allocator it runs on.
 TEST(Cli, RunsOnTheAllocatorTheBuildLinked) {

@@ -75,6 +75,14 @@ run_case cuda_fp32_accumulate cuda:0 --set 'trainer.accelerator="cuda"' --set tr
 run_case cuda_offload_accumulate cuda:0 --plugins offload --set 'trainer.accelerator="cuda"' --set trainer.accumulate_grad_batches=3
 run_case cuda_offload_params_accumulate cuda:0 --plugins offload --set 'trainer.accelerator="cuda"' --set trainer.accumulate_grad_batches=3 \
   --set offload.offload_params=true --set 'offload.compute_dtype="bf16"'
+# trainer.cuda_graph: forward and backward captured after 3 warm-up steps and replayed; the
+# optimizer step (fused AdamW; amp16's unscale and skip decision) runs after each replay.
+run_case cuda_graph cuda:0 --set 'trainer.accelerator="cuda"' --set trainer.cuda_graph=true
+run_case cuda_graph_16-mixed cuda:0 --set 'trainer.accelerator="cuda"' --set trainer.cuda_graph=true --set 'trainer.precision="16-mixed"'
+for c in cuda_graph cuda_graph_16-mixed; do
+  if [ -f "$work/$c.acc" ] && ! grep -q "steps replayed" "$work/$c.err"; then echo "FAILED $c: no 'steps replayed' line"; failed=1; fi
+  [ -f "$work/$c.err" ] && grep -h "cuda_graph:" "$work/$c.err" | sed "s/^/  $c: /"
+done
 swa=(--plugins swa,ema --set 'swa.swa_lrs=[0.0005]')   # averaging from early on: its own CPU reference
 run_case cpu_swa_ema cpu --set 'trainer.accelerator="cpu"' "${swa[@]}"
 run_case cuda_swa_ema cuda:0 --set 'trainer.accelerator="cuda"' "${swa[@]}"
@@ -125,6 +133,8 @@ close_to cuda_fp32_on_device cuda_fp32 0.02
 close_to cuda_fp32_unpinned cuda_fp32 0.02
 close_to cuda_augmented cpu_augmented 0.02
 close_to cuda_16-true_sgd cuda_fp32_sgd 0.05
+close_to cuda_graph cuda_fp32 0.02
+close_to cuda_graph_16-mixed cuda_16-mixed 0.02
 close_to cuda_offload_accumulate cuda_fp32_accumulate 0.02
 close_to cuda_offload_params_accumulate cuda_fp32_accumulate 0.05
 for c in cuda_16-mixed cuda_bf16-mixed cuda_bf16-true cuda_dp cuda_ddp_one_rank cuda_ddp_amp16 cuda_sharded \

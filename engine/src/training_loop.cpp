@@ -11,6 +11,7 @@
 #include <torch/serialize.h>
 
 #include <atomic>
+#include <functional>
 #include <csignal>
 #include <cstring>
 #include <iomanip>
@@ -35,10 +36,12 @@ class StepContextImpl final : public IStepContext {
   StepContextImpl(TrainingLoop& t, Stage stage, int64_t batch_idx, int64_t batch_size)
       : t_(t), stage_(stage), batch_idx_(batch_idx), batch_size_(batch_size) {}
   void log(std::string_view name, const at::Tensor& value, const LogOptions& o) override {
-    if (!t_.quiet_) t_.metrics_.log(std::string(name), value, o, stage_, batch_size_);
+    if (!t_.quiet_) t_.log_from_step(std::string(name), value, o, stage_, batch_size_);
   }
   void log(std::string_view name, double value, const LogOptions& o) override {
-    if (!t_.quiet_) t_.metrics_.log(std::string(name), value, o, stage_, batch_size_);
+    if (t_.quiet_) return;
+    if (t_.recording_logs_) t_.log_from_step(std::string(name), at::scalar_tensor(value, at::kDouble), o, stage_, batch_size_);
+    else t_.metrics_.log(std::string(name), value, o, stage_, batch_size_);
   }
   Stage stage() const override { return stage_; }
   int64_t batch_idx() const override { return batch_idx_; }
@@ -56,8 +59,10 @@ class OptimizerStepImpl final : public IOptimizerStep {
       : t_(t), batch_(batch), first_(first_in_window) {}
   at::Tensor closure() override {
     t_.closure_ran_ = true;
+    if (run_closure) return run_closure();
     return t_.run_micro_batch(batch_, first_, /*sync=*/true);
   }
+  std::function<at::Tensor()> run_closure;  // set: the closure runs this instead (a CUDA graph's replay)
   void before_step() override {
     t_.call_hook(Hook::on_before_optimizer_step);
     if (t_.settings_.gradient_clip_val > 0)
@@ -115,6 +120,8 @@ TrainerSettings TrainerSettings::from(const Section& t) {
   s.log_every_n_steps = t.get_int("log_every_n_steps");
   s.seed = static_cast<uint64_t>(t.get_int("seed"));
   s.enable_progress_bar = t.get_bool("enable_progress_bar");
+  s.cuda_graph = t.get_bool("cuda_graph");
+  s.cuda_graph_warmup_steps = t.get_int("cuda_graph_warmup_steps");
   return s;
 }
 
@@ -196,7 +203,25 @@ void TrainingLoop::setup() {
   optimizer_ = state_->setup_optimizer(factory);
   if (!optimizer_) throw RunError("strategy '" + plugins_.strategy.name + "' built no optimizer (a plugin bug)");
   place_data(d);
+  if (settings_.cuda_graph) setup_cuda_graph();
   attach_plugins(this);
+}
+
+// trainer.cuda_graph: what cannot be captured is refused here, in one line, before training.
+void TrainingLoop::setup_cuda_graph() {
+  const auto& t = config_.section("trainer");
+  const std::string where = t.where("cuda_graph") + ": trainer.cuda_graph = true: ";
+  const c10::Device device = plugins_.strategy.object->root_device();
+  if (!device.is_cuda())
+    throw UsageError(where + "CUDA graphs need a CUDA device and this run trains on " + device.str() +
+                     " (set trainer.accelerator = \"cuda\" on a machine with a GPU, or drop cuda_graph)");
+  if (plugins_.strategy.name != "single_device" || plugins_.strategy.object->world_size() > 1)
+    throw UsageError(where + "only single_device steps are captured, and this run uses strategy '" + plugins_.strategy.name +
+                     "' (its collectives and host work run inside the step)");
+  if (settings_.accumulate_grad_batches > 1)
+    throw UsageError(where + "gradient accumulation (trainer.accumulate_grad_batches = " +
+                     std::to_string(settings_.accumulate_grad_batches) + ") cannot be captured: set it to 1");
+  graph_ = std::make_unique<StepGraph>(device, settings_.cuda_graph_warmup_steps);
 }
 
 // data.on_device: a data set that fits is moved to the training GPU once, so batches are gathered
@@ -291,7 +316,7 @@ bool TrainingLoop::epoch_validates() const {
   return settings_.check_val_every_n_epoch == 0 || (epoch_ + 1) % settings_.check_val_every_n_epoch == 0;
 }
 
-at::Tensor TrainingLoop::run_micro_batch(const Batch& batch, bool first_in_window, bool sync) {
+at::Tensor TrainingLoop::run_micro_batch(const Batch& batch, bool first_in_window, bool sync, bool hooks) {
   auto& precision = *plugins_.precision.object;
   at::Tensor loss;
   {
@@ -304,15 +329,89 @@ at::Tensor TrainingLoop::run_micro_batch(const Batch& batch, bool first_in_windo
   if (!loss.requires_grad())
     throw RunError("model '" + plugins_.model.name + "': the loss does not require grad (was it computed under no_grad, or detached?)");
   if (first_in_window) {
-    call_hook(Hook::on_before_zero_grad);
+    if (hooks) call_hook(Hook::on_before_zero_grad);
     state_->zero_grad();
   }
   current_loss_ = loss.detach();
   at::Tensor to_backward = window_accum_ > 1 ? loss / static_cast<double>(window_accum_) : loss;
-  call_hook(Hook::on_before_backward);
+  if (hooks) call_hook(Hook::on_before_backward);
   plugins_.strategy.object->backward(to_backward, precision, sync);
-  call_hook(Hook::on_after_backward);
+  if (hooks) call_hook(Hook::on_after_backward);
   return current_loss_;
+}
+
+void TrainingLoop::log_from_step(const std::string& name, const at::Tensor& value, const LogOptions& o, Stage stage,
+                                 int64_t batch_size) {
+  if (!recording_logs_) {
+    metrics_.log(name, value, o, stage, batch_size);
+    return;
+  }
+  // Inside a capture nothing may run on the host's behalf (the metric store's sums are device
+  // work): the value's tensor is kept, and logged after every replay has refreshed it.
+  if (value.numel() != 1)
+    throw std::invalid_argument("log('" + name + "'): expected a scalar, got a tensor of shape " + std::string(c10::str(value.sizes())));
+  graph_logs_.push_back({name, value.detach(), o, stage, batch_size});
+}
+
+bool TrainingLoop::optimizer_step(const Batch& batch, bool first_in_window) {
+  OptimizerStepImpl step(*this, batch, first_in_window);
+  closure_ran_ = false;
+  const bool stepped = plugins_.strategy.object->optimizer_step(step, *plugins_.precision.object);
+  if (!closure_ran_)
+    throw RunError("strategy '" + plugins_.strategy.name + "' / precision '" + plugins_.precision.name +
+                   "' did not run the step's closure (a plugin bug)");
+  return stepped;
+}
+
+// The closure (forward, loss, zero_grad, backward) is what the graph holds; the optimizer step,
+// clipping, the loss scaler's decision and the hooks around them run as usual after it, so
+// schedulers that change momentum or betas every step keep working.
+bool TrainingLoop::graphed_optimizer_step(bool first_in_window) {
+  if (window_accum_ > 1)
+    throw RunError("trainer.cuda_graph: gradient accumulation (" + std::to_string(window_accum_) +
+                   " batches, set by a callback) cannot be captured: drop the accumulation schedule or cuda_graph");
+  const StepGraph::Mode mode = graph_->mode_for(current_batch_);
+  if (mode == StepGraph::Mode::eager) {
+    graph_->count_eager();
+    return optimizer_step(current_batch_, first_in_window);
+  }
+  graph_->load(current_batch_);
+  const Batch& batch = graph_->batch();
+  OptimizerStepImpl step(*this, batch, first_in_window);
+  closure_ran_ = false;
+  step.run_closure = [&, mode] {
+    call_hook(Hook::on_before_zero_grad);
+    call_hook(Hook::on_before_backward);
+    if (mode == StepGraph::Mode::capture) {
+      graph_logs_.clear();
+      recording_logs_ = true;
+      try {
+        graph_->capture([&] { run_micro_batch(batch, first_in_window, /*sync=*/true, /*hooks=*/false); });
+      } catch (...) {
+        recording_logs_ = false;
+        throw;
+      }
+      recording_logs_ = false;
+      graph_loss_ = current_loss_;
+      graph_grads_.clear();
+      for (auto& group : optimizer_->param_groups())
+        for (auto& p : group.params())
+          if (p.grad().defined()) graph_grads_.emplace_back(p, p.grad());
+    }
+    graph_->replay();
+    // An eager step in between (a smaller last batch) left its own gradients and loss: the
+    // optimizer must read the ones the graph writes.
+    for (auto& [p, g] : graph_grads_) p.mutable_grad() = g;
+    current_loss_ = graph_loss_;
+    for (const auto& r : graph_logs_) metrics_.log(r.name, r.value, r.options, r.stage, r.batch_size);
+    call_hook(Hook::on_after_backward);
+    return current_loss_;
+  };
+  const bool stepped = plugins_.strategy.object->optimizer_step(step, *plugins_.precision.object);
+  if (!closure_ran_)
+    throw RunError("strategy '" + plugins_.strategy.name + "' / precision '" + plugins_.precision.name +
+                   "' did not run the step's closure (a plugin bug)");
+  return stepped;
 }
 
 void TrainingLoop::train_epoch() {
@@ -362,12 +461,7 @@ void TrainingLoop::train_epoch() {
     step_taken_ = do_step;
     step_skipped_ = false;
     if (do_step) {
-      OptimizerStepImpl step(*this, current_batch_, first_in_window);
-      closure_ran_ = false;
-      step_skipped_ = !strategy.optimizer_step(step, precision);
-      if (!closure_ran_)
-        throw RunError("strategy '" + plugins_.strategy.name + "' / precision '" + plugins_.precision.name +
-                       "' did not run the step's closure (a plugin bug)");
+      step_skipped_ = !(graph_ ? graphed_optimizer_step(first_in_window) : optimizer_step(current_batch_, first_in_window));
       ++global_step_;
     } else {
       run_micro_batch(current_batch_, first_in_window, /*sync=*/false);
@@ -533,6 +627,11 @@ void TrainingLoop::fit() {
         << device.str();
     log::info(msg.str());
   }
+  if (graph_ && rank() == 0)
+    host_.log(LogLevel::info, "cuda_graph: " + std::string(graph_->captured() ? "the step was captured after " : "nothing captured: ") +
+                                  std::to_string(settings_.cuda_graph_warmup_steps) + " warm-up steps; " +
+                                  std::to_string(graph_->replays()) + " steps replayed, " + std::to_string(graph_->eager_steps()) +
+                                  " run as usual (warm-up and batches of other shapes)");
   call_hook(Hook::on_train_end);
   call_hook(Hook::on_fit_end);
   call_hook(Hook::teardown);

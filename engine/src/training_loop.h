@@ -24,6 +24,7 @@
 #include "device_feed.h"
 #include "metrics.h"
 #include "progress.h"
+#include "step_graph.h"
 
 namespace ember::engine {
 
@@ -61,6 +62,8 @@ struct TrainerSettings {
   int64_t log_every_n_steps = 50;
   uint64_t seed = 0;
   bool enable_progress_bar = true;
+  bool cuda_graph = false;
+  int64_t cuda_graph_warmup_steps = 3;
 
   static TrainerSettings from(const Section& trainer);
 };
@@ -149,7 +152,10 @@ class TrainingLoop final : public ITrainer {
   void run_validation() override;
   // SDK 1.2
   std::vector<NamedTensor> trained_parameters() override { return state_->trained_parameters(); }
-  void parameters_changed() override { state_->parameters_changed(); }
+  void parameters_changed() override {
+    state_->parameters_changed();
+    if (graph_) graph_->invalidate();  // the captured step reads the old tensors: capture again
+  }
 
   const MetricStore& metrics() const { return metrics_; }
 
@@ -159,7 +165,16 @@ class TrainingLoop final : public ITrainer {
   void call_hook(Hook hook);
   void train_epoch();
   void evaluate(Split split, Stage stage, int64_t max_batches);
-  at::Tensor run_micro_batch(const Batch& batch, bool first_in_window, bool sync);
+  // `hooks` = false: the step's inner hooks are the caller's (a CUDA-graph capture calls them
+  // outside the graph, so every replay gets them too).
+  at::Tensor run_micro_batch(const Batch& batch, bool first_in_window, bool sync, bool hooks = true);
+  // One optimizer step over `batch` through the strategy and precision (the usual path).
+  bool optimizer_step(const Batch& batch, bool first_in_window);
+  // The same through the CUDA graph (trainer.cuda_graph): warm-up, capture, replays.
+  bool graphed_optimizer_step(bool first_in_window);
+  void setup_cuda_graph();
+  // Logging from inside a step: recorded while a CUDA graph captures it, logged otherwise.
+  void log_from_step(const std::string& name, const at::Tensor& value, const LogOptions& o, Stage stage, int64_t batch_size);
   void publish(const std::vector<std::pair<std::string, double>>& values);
   void build_loaders();
   void place_data(const Section& data);
@@ -206,6 +221,20 @@ class TrainingLoop final : public ITrainer {
   // Tuner work (run_trial_step, run_forward): no hooks fire and nothing is logged.
   bool quiet_ = false;
   bool attached_ = false;
+  // trainer.cuda_graph: the graph, the metrics the captured step logs (logged again after every
+  // replay from the tensors it refreshed), and what the replays must point back to.
+  struct RecordedLog {
+    std::string name;
+    at::Tensor value;
+    LogOptions options;
+    Stage stage;
+    int64_t batch_size;
+  };
+  std::unique_ptr<StepGraph> graph_;
+  bool recording_logs_ = false;
+  std::vector<RecordedLog> graph_logs_;
+  at::Tensor graph_loss_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> graph_grads_;  // (parameter, the gradient the graph writes)
 };
 
 }  // namespace ember::engine
