@@ -18,26 +18,22 @@ struct StepGraph::Cuda {
   at::cuda::CUDAGraph graph;
 };
 
-StepGraph::StepGraph(c10::Device device, int64_t warmup_steps)
-    : cuda_(std::make_unique<Cuda>()), device_(device), warmup_(warmup_steps) {}
+StepGraph::StepGraph(c10::Device device, int64_t warmup_steps) : device_(device), warmup_(warmup_steps) {}
 
 StepGraph::~StepGraph() = default;
 
-namespace {
-bool same_layout(const Batch& a, const Batch& b) {
+bool StepGraph::same_layout(const Batch& a, const Batch& b) {
   if (a.tensors.size() != b.tensors.size() || a.size != b.size) return false;
   for (size_t i = 0; i < a.tensors.size(); ++i) {
     const auto& x = a.tensors[i];
     const auto& y = b.tensors[i];
     if (x.defined() != y.defined()) return false;
     if (!x.defined()) continue;
-    if (x.sizes() != y.sizes() || x.scalar_type() != y.scalar_type() || x.device() != y.device() ||
-        x.is_contiguous(at::MemoryFormat::ChannelsLast) != y.is_contiguous(at::MemoryFormat::ChannelsLast))
+    if (x.sizes() != y.sizes() || x.strides() != y.strides() || x.scalar_type() != y.scalar_type() || x.device() != y.device())
       return false;
   }
   return true;
 }
-}  // namespace
 
 StepGraph::Mode StepGraph::mode_for(const Batch& batch) const {
   if (!captured_) return eager_ < warmup_ ? Mode::eager : Mode::capture;
@@ -62,6 +58,7 @@ void StepGraph::capture(const std::function<void()>& step) {
   at::cuda::CUDAEvent before, after;
   before.record(current);  // the side stream starts after what is queued (the static batch's copy)
   before.block(side);
+  cuda_ = std::make_unique<Cuda>();
   const bool cache = at::autocast::is_autocast_cache_enabled();
   std::string failure;
   {
@@ -95,13 +92,6 @@ void StepGraph::capture(const std::function<void()>& step) {
   after.record(side);
   after.block(current);
   captured_ = true;
-}
-
-void StepGraph::invalidate() {
-  if (!captured_) return;
-  cuda_ = std::make_unique<Cuda>();  // a fresh graph (the old one and its memory pool go)
-  captured_ = false;
-  eager_ = 0;
 }
 
 void StepGraph::replay() {

@@ -47,11 +47,12 @@ class StepGraph {
   int64_t replays() const { return replays_; }
   int64_t eager_steps() const { return eager_; }
   bool captured() const { return captured_; }
-  // The parameters were replaced (not updated in place): warm up and capture again.
-  void invalidate();
+  // Whether a replay can take `batch` in place of `captured`: the same tensors, shapes, strides
+  // (memory format), dtypes and devices, and the same sample count.
+  static bool same_layout(const Batch& batch, const Batch& captured);
 
  private:
-  struct Cuda;  // the CUDA graph and streams, kept out of this header
+  struct Cuda;  // the CUDA graph, kept out of this header; made at the capture
   std::unique_ptr<Cuda> cuda_;
   c10::Device device_;
   int64_t warmup_;

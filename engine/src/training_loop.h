@@ -152,10 +152,7 @@ class TrainingLoop final : public ITrainer {
   void run_validation() override;
   // SDK 1.2
   std::vector<NamedTensor> trained_parameters() override { return state_->trained_parameters(); }
-  void parameters_changed() override {
-    state_->parameters_changed();
-    if (graph_) graph_->invalidate();  // the captured step reads the old tensors: capture again
-  }
+  void parameters_changed() override { state_->parameters_changed(); }
 
   const MetricStore& metrics() const { return metrics_; }
 
