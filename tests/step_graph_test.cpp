@@ -40,9 +40,11 @@ TEST(StepGraph, ReplaysTakeOnlyBatchesOfTheCapturedLayout) {
   EXPECT_FALSE(StepGraph::same_layout(make_batch(8, at::kDouble), b));
   Batch wide = make_batch(8);
   wide.tensors[0] = at::randn({8, 2, 4, 4}).contiguous(at::MemoryFormat::ChannelsLast);
-  Batch captured_cl = make_batch(8);
-  captured_cl.tensors[0] = at::randn({8, 2, 4, 4});
-  EXPECT_FALSE(StepGraph::same_layout(wide, captured_cl)) << "same shape, other memory format";
+  Batch captured_wide = make_batch(8);
+  captured_wide.tensors[0] = at::randn({8, 2, 4, 4});
+  EXPECT_TRUE(StepGraph::same_layout(wide, captured_wide)) << "another memory format is copied into the captured one";
+  captured_wide.tensors[0] = at::randn({8, 3, 4, 4});
+  EXPECT_FALSE(StepGraph::same_layout(wide, captured_wide));
   Batch fewer = b;
   fewer.tensors.pop_back();
   EXPECT_FALSE(StepGraph::same_layout(fewer, b));
@@ -64,4 +66,9 @@ TEST(StepGraph, LoadingABatchWritesIntoTheSameStaticTensors) {
   EXPECT_TRUE(at::equal(g.batch().tensors[0], second.tensors[0]));
   EXPECT_TRUE(at::equal(g.batch().tensors[1], second.tensors[1]));
   EXPECT_EQ(g.batch().size, 8);
+  Batch channels_last = make_batch(8);
+  channels_last.tensors[0] = at::randn({8, 1, 4, 4}).contiguous(at::MemoryFormat::ChannelsLast);
+  g.load(channels_last);
+  EXPECT_EQ(g.batch().tensors[0].data_ptr(), inputs);
+  EXPECT_TRUE(at::equal(g.batch().tensors[0], channels_last.tensors[0]));
 }

@@ -47,8 +47,8 @@ class StepGraph {
   int64_t replays() const { return replays_; }
   int64_t eager_steps() const { return eager_; }
   bool captured() const { return captured_; }
-  // Whether a replay can take `batch` in place of `captured`: the same tensors, shapes, strides
-  // (memory format), dtypes and devices, and the same sample count.
+  // Whether a replay can take `batch` in place of `captured`: the same tensors, shapes, dtypes and
+  // devices, and the same sample count (any strides: load() copies into the captured layout).
   static bool same_layout(const Batch& batch, const Batch& captured);
 
  private:
