@@ -353,8 +353,9 @@ void TrainingLoop::log_from_step(const std::string& name, const at::Tensor& valu
   graph_logs_.push_back({name, value.detach(), o, stage, batch_size});
 }
 
-bool TrainingLoop::optimizer_step(const Batch& batch, bool first_in_window) {
+bool TrainingLoop::optimizer_step(const Batch& batch, bool first_in_window, std::function<at::Tensor()> closure) {
   OptimizerStepImpl step(*this, batch, first_in_window);
+  step.run_closure = std::move(closure);
   closure_ran_ = false;
   const bool stepped = plugins_.strategy.object->optimizer_step(step, *plugins_.precision.object);
   if (!closure_ran_)
@@ -377,9 +378,7 @@ bool TrainingLoop::graphed_optimizer_step(bool first_in_window) {
   }
   graph_->load(current_batch_);
   const Batch& batch = graph_->batch();
-  OptimizerStepImpl step(*this, batch, first_in_window);
-  closure_ran_ = false;
-  step.run_closure = [&, mode] {
+  return optimizer_step(batch, first_in_window, [&, mode] {
     call_hook(Hook::on_before_zero_grad);
     call_hook(Hook::on_before_backward);
     if (mode == StepGraph::Mode::capture) {
@@ -406,12 +405,7 @@ bool TrainingLoop::graphed_optimizer_step(bool first_in_window) {
     for (const auto& r : graph_logs_) metrics_.log(r.name, r.value, r.options, r.stage, r.batch_size);
     call_hook(Hook::on_after_backward);
     return current_loss_;
-  };
-  const bool stepped = plugins_.strategy.object->optimizer_step(step, *plugins_.precision.object);
-  if (!closure_ran_)
-    throw RunError("strategy '" + plugins_.strategy.name + "' / precision '" + plugins_.precision.name +
-                   "' did not run the step's closure (a plugin bug)");
-  return stepped;
+  });
 }
 
 void TrainingLoop::train_epoch() {

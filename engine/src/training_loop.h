@@ -11,6 +11,7 @@
 #include <ember/trainer.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -165,8 +166,9 @@ class TrainingLoop final : public ITrainer {
   // `hooks` = false: the step's inner hooks are the caller's (a CUDA-graph capture calls them
   // outside the graph, so every replay gets them too).
   at::Tensor run_micro_batch(const Batch& batch, bool first_in_window, bool sync, bool hooks = true);
-  // One optimizer step over `batch` through the strategy and precision (the usual path).
-  bool optimizer_step(const Batch& batch, bool first_in_window);
+  // One optimizer step over `batch` through the strategy and precision; `closure`, when given,
+  // is what the step's closure runs instead of run_micro_batch (a CUDA graph's capture or replay).
+  bool optimizer_step(const Batch& batch, bool first_in_window, std::function<at::Tensor()> closure = nullptr);
   // The same through the CUDA graph (trainer.cuda_graph): warm-up, capture, replays.
   bool graphed_optimizer_step(bool first_in_window);
   void setup_cuda_graph();
