@@ -53,7 +53,7 @@ constexpr EmberConfigKey kTrainerKeys[] = {
     Bool("flush_denormal", "true", "Flush denormal floats to zero on the CPU (torch.set_flush_denormal): x86 computes them up to 100x slower, and training drives many weights and gradients there."),
     String("float32_matmul_precision", "\"highest\"", "torch.set_float32_matmul_precision: highest (full float32), high (TF32 on CUDA tensor cores), medium (also bfloat16 passes).").choices("highest|high|medium"),
     Bool("benchmark", nullptr, "torch.backends.cudnn.benchmark (Lightning's Trainer(benchmark)): time the cuDNN algorithms for each new input shape and keep the fastest; unset = on unless deterministic."),
-    Bool("cuda_graph", "false", "Capture the whole training step (forward, backward, optimizer step) as a CUDA graph after cuda_graph_warmup_steps and replay it for every batch of the same shapes: one launch per step instead of hundreds. single_device on a GPU, fused optimizer, no loss scaling, clipping or accumulation (refused otherwise)."),
+    Bool("cuda_graph", "false", "Capture forward, loss and backward as one CUDA graph after cuda_graph_warmup_steps and replay it for every batch of the same shapes: one launch instead of hundreds (the optimizer step, loss scaling, clipping and hooks run around it as usual). single_device on a GPU, no gradient accumulation (refused otherwise, at start-up)."),
     Int("cuda_graph_warmup_steps", "3", "Steps run as usual before the capture (cuDNN and cuBLAS settle, the optimizer makes its state).").at_least(1),
     Bool("channels_last", "false", "Keep 4-d parameters and input batches in channels-last (NHWC) memory format, which oneDNN and cuDNN convolutions run faster on many devices."),
 };

@@ -1,13 +1,15 @@
-// trainer.cuda_graph: the whole training step (forward, loss, backward, optimizer step) captured
-// once as a CUDA graph and replayed for every later batch of the same shapes, so the host launches
-// one graph instead of hundreds of kernels (small models on fast GPUs wait on those launches).
+// trainer.cuda_graph: the training step's forward, loss, zero_grad and backward (the loop's
+// micro-batch) captured once as a CUDA graph and replayed for every later batch of the same shapes,
+// so the host launches one graph instead of hundreds of kernels (small models on fast GPUs wait on
+// those launches). The optimizer step, the loss scaler, clipping, schedulers and hooks stay outside
+// the graph and run as usual around each replay.
 //
 // What the training loop does with it (docs/step.md, "CUDA graphs"):
 //   - the first `warmup` steps run as usual (cuDNN/cuBLAS pick their algorithms and workspaces,
 //     the optimizer makes its state);
-//   - the next step is captured on a side stream with its batch in static tensors (the metrics
-//     the model logs are recorded, not logged, during capture), then replayed once: that is the
-//     step itself;
+//   - the next step's micro-batch is captured on a side stream with its batch in static tensors
+//     (the metrics the model logs are recorded, not logged, during capture), then replayed once:
+//     that is the step itself;
 //   - every later step copies its batch into the static tensors and replays; the recorded
 //     metrics are logged from the tensors the replay refreshed;
 //   - a batch of other shapes (the last, smaller one of an epoch) runs as usual.
