@@ -429,6 +429,35 @@ TEST(TextClassification, BadWeightsLabelsAndFilesAreOneLineErrors) {
   EXPECT_NE(r.err.find("train.csv:2: malformed CSV"), std::string::npos) << r.err;
 }
 
+// The data's label names reach the exported Hugging Face config through the checkpoint
+// (`class_names`): id2label/label2id say "good"/"poor", in the ids the data gave them (here the
+// order [data] labels sets, not the sorted one), so transformers' pipelines print them.
+TEST(TextExport, ConfigNamesTheDataLabels) {
+  TempDir dir("text_export_labels");
+  write_tiny_task(dir);
+  std::string run = tiny_run(dir, "labels = [\"poor\", \"good\"]\n");
+  run.replace(run.find("max_epochs = 2"), 14, "max_epochs = 1");
+  run.replace(run.find("test.jsonl"), 10, "train.csv");
+  write_file(dir / "run.toml", run);
+  auto r = run_engine({"run.toml"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  fs::path ckpt;
+  for (const auto& e : fs::directory_iterator(dir / "runs/run/version_0/checkpoints")) ckpt = e.path();
+  ASSERT_FALSE(ckpt.empty());
+  r = run_engine({"export", ckpt.string(), "--format", "safetensors", "exported"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto config = nlohmann::json::parse(read_file(dir / "exported/config.json"));
+  EXPECT_EQ(config.at("id2label"), (nlohmann::json{{"0", "poor"}, {"1", "good"}})) << config.dump();
+  EXPECT_EQ(config.at("label2id"), (nlohmann::json{{"poor", 0}, {"good", 1}})) << config.dump();
+
+  // A label listed twice would map two ids to one name: refused with the place and the fix.
+  write_file(dir / "run.toml", tiny_run(dir, "labels = [\"good\", \"poor\", \"good\"]\n"));
+  r = run_engine({"run.toml"}, dir.path());
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("[data] labels (run.toml:"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("names \"good\" twice (ids 0 and 2): list each label once, in id order"), std::string::npos) << r.err;
+}
+
 #ifdef EMBER_TEST_PYTHON
 // `engine export CKPT --format safetensors FOLDER` of a fine-tuned BERT and DistilBERT: Hugging
 // Face transformers loads the folder (weights, config.json, tokenizer) and gives, for every text,

@@ -16,11 +16,15 @@ double nan_min(double a, double b) { return std::isnan(a) || std::isnan(b) ? std
 
 double MetricStore::Value::read() const { return device.defined() ? device.item<double>() : host; }
 
+void MetricStore::require_scalar(const std::string& name, const at::Tensor& value) {
+  if (value.numel() != 1)
+    throw std::invalid_argument("log('" + name + "'): expected a scalar, got a tensor of shape " +
+                                std::string(c10::str(value.sizes())));
+}
+
 void MetricStore::log(const std::string& name, const at::Tensor& raw, const LogOptions& o, Stage stage,
                       int64_t batch_size) {
-  if (raw.numel() != 1)
-    throw std::invalid_argument("log('" + name + "'): expected a scalar, got a tensor of shape " +
-                                std::string(c10::str(raw.sizes())));
+  require_scalar(name, raw);
   Value value;
   if (raw.is_cpu()) value.host = raw.item<double>();
   else value.device = raw.detach().reshape({});

@@ -22,6 +22,8 @@ class MetricStore {
   void log(const std::string& name, const at::Tensor& value, const LogOptions& options, Stage stage,
            int64_t batch_size);
   void log(const std::string& name, double value, const LogOptions& options, Stage stage, int64_t batch_size);
+  // What log() accepts: a tensor of one element (std::invalid_argument naming the metric otherwise).
+  static void require_scalar(const std::string& name, const at::Tensor& value);
 
   // Latest per-step values (name or name_step), read back now. Clears the pending step values.
   std::vector<std::pair<std::string, double>> take_step_values();

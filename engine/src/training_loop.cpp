@@ -348,8 +348,7 @@ void TrainingLoop::log_from_step(const std::string& name, const at::Tensor& valu
   }
   // Inside a capture nothing may run on the host's behalf (the metric store's sums are device
   // work): the value's tensor is kept, and logged after every replay has refreshed it.
-  if (value.numel() != 1)
-    throw std::invalid_argument("log('" + name + "'): expected a scalar, got a tensor of shape " + std::string(c10::str(value.sizes())));
+  MetricStore::require_scalar(name, value);
   graph_logs_.push_back({name, value.detach(), o, stage, batch_size});
 }
 

@@ -12,6 +12,8 @@
 
 #include <cstring>
 
+#include <ember/predict.h>
+
 #include "checkpoint_io.h"
 #include "engine_schema.h"
 #include "log.h"
@@ -73,6 +75,13 @@ c10::impl::GenericDict TrainingLoop::checkpoint_meta(bool weights_only) const {
   for (const auto& c : plugins_.callbacks) add_version(c.name, c.version);
   for (const auto& l : plugins_.loggers) add_version(l.name, l.version);
   ck.insert("plugin_versions", versions);
+  // The data's class names, for `engine export` (a Hugging Face config's id2label) and whoever
+  // reads the checkpoint later without the data.
+  if (const auto* names = static_cast<IPredictionNames*>(plugins_.data.object->query_interface(kPredictionNamesIid))) {
+    c10::List<std::string> classes;
+    for (const auto& n : names->class_names()) classes.push_back(n);
+    if (!classes.empty()) ck.insert("class_names", classes);
+  }
   if (weights_only) return ck;
   c10::impl::GenericDict loops(c10::StringType::get(), c10::AnyType::get());
   loops.insert("epoch", epoch_);

@@ -49,6 +49,20 @@ std::map<std::string, at::Tensor> module_tensors(torch::nn::Module& module) {
   return out;
 }
 
+// The checkpoint's `class_names` (empty in one written before they were kept, or of data that
+// names no classes).
+std::vector<std::string> class_names(const c10::impl::GenericDict& checkpoint, const std::string& ckpt) {
+  std::vector<std::string> names;
+  if (!checkpoint.contains("class_names")) return names;
+  const c10::IValue& v = checkpoint.at("class_names");
+  if (!v.isList()) throw UsageError(ckpt + ": class_names is not a list of strings (a damaged or foreign checkpoint)");
+  for (const auto& e : v.toListRef()) {
+    if (!e.isString()) throw UsageError(ckpt + ": class_names is not a list of strings (a damaged or foreign checkpoint)");
+    names.push_back(e.toStringRef());
+  }
+  return names;
+}
+
 // Exports `ckpt` (a single checkpoint file).
 int export_file(const RunRequest& base, const std::string& ckpt, const std::string& out) {
   const auto checkpoint = load_checkpoint_file(ckpt);  // checks every record's checksum
@@ -93,14 +107,16 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
     for (const auto& [name, t] : expected)
       if (!seen.count(name))
         throw UsageError(c10::str(ckpt, ": state_dict lacks '", name, "' of model '", model.name, "': not a checkpoint of this model"));
-    if (auto* exportable = static_cast<IExportableModel*>(model.object->query_interface(kExportableModelIid))) {
+    auto* exportable2 = static_cast<IExportableModel2*>(model.object->query_interface(kExportableModel2Iid));
+    auto* exportable = exportable2 ? exportable2 : static_cast<IExportableModel*>(model.object->query_interface(kExportableModelIid));
+    if (exportable) {
       std::vector<std::pair<std::string, at::Tensor>> renamed;
       for (auto& [name, t] : state) {
         std::string to = exportable->exported_name(name);
         if (!to.empty()) renamed.emplace_back(std::move(to), t);
       }
       state = std::move(renamed);
-      files = exportable->exported_files();
+      files = exportable2 ? exportable2->exported_files_with_classes(class_names(checkpoint, ckpt)) : exportable->exported_files();
       note = exportable->export_note();
     }
   }

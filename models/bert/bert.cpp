@@ -54,7 +54,7 @@ ember_text::Pooling parse_pooling(const std::string& s) {
   return ember_text::Pooling::mean;
 }
 
-class Bert final : public ember::IModel, public ember::UnitModel, public ember::IPredictingModel, public ember::IExportableModel {
+class Bert final : public ember::IModel, public ember::UnitModel, public ember::IPredictingModel, public ember::IExportableModel2 {
  public:
   Bert(ember::IHost& host, const ember::IConfig& cfg) {
     const auto dir = ember_text::resolve_asset(cfg.get_string("model_dir"));
@@ -83,6 +83,7 @@ class Bert final : public ember::IModel, public ember::UnitModel, public ember::
   torch::nn::Module& module() override { return *net_; }
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
+    if (std::strcmp(iid, ember::kExportableModel2Iid) == 0) return static_cast<ember::IExportableModel2*>(this);
     if (std::strcmp(iid, ember::kExportableModelIid) == 0) return static_cast<ember::IExportableModel*>(this);
     return unit_model_interface(iid);
   }
@@ -93,7 +94,8 @@ class Bert final : public ember::IModel, public ember::UnitModel, public ember::
   // config.json saying the architecture and the classes, and its tokenizer files, so that
   // transformers' from_pretrained(folder) loads the fine-tuned model and its tokenizer.
   std::string exported_name(const std::string& name) const override { return net_->transformers_name(name); }
-  std::vector<std::pair<std::string, std::string>> exported_files() const override {
+  std::vector<std::pair<std::string, std::string>> exported_files() const override { return exported_files_with_classes({}); }
+  std::vector<std::pair<std::string, std::string>> exported_files_with_classes(const std::vector<std::string>& class_names) const override {
     const auto& c = net_->config();
     const auto& head = net_->head();
     const auto path = dir_ / "config.json";
@@ -106,10 +108,14 @@ class Bert final : public ember::IModel, public ember::UnitModel, public ember::
     const bool hf_head = head.pooling == ember_text::Pooling::pooler;
     j["architectures"] = {hf_head ? (distil ? "DistilBertForSequenceClassification" : "BertForSequenceClassification")
                                   : (distil ? "DistilBertModel" : "BertModel")};
+    // The training data's names where it gave them (a pipeline then says "positive", not
+    // "LABEL_1"); transformers' own LABEL_<k> for classes it did not name.
     nlohmann::json id2label = nlohmann::json::object(), label2id = nlohmann::json::object();
     for (int64_t k = 0; k < head.num_classes; ++k) {
-      id2label[std::to_string(k)] = "LABEL_" + std::to_string(k);
-      label2id["LABEL_" + std::to_string(k)] = k;
+      const std::string name = k < static_cast<int64_t>(class_names.size()) ? class_names[static_cast<size_t>(k)]
+                                                                            : "LABEL_" + std::to_string(k);
+      id2label[std::to_string(k)] = name;
+      label2id[name] = k;
     }
     j["id2label"] = id2label;
     j["label2id"] = label2id;

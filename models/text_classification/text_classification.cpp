@@ -185,6 +185,11 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
     const auto tok_dir = ember_text::resolve_asset(cfg.get_string("tokenizer_dir"));
     tokenizer_.emplace(ember_text::WordPieceTokenizer::from_folder(tok_dir.string()));
     labels_ = cfg.get_string_list("labels");
+    for (size_t i = 0; i < labels_.size(); ++i)
+      for (size_t j = 0; j < i; ++j)
+        if (labels_[i] == labels_[j])
+          throw ember::ConfigError(c10::str("[", cfg.section(), "] labels (", cfg.where("labels"), ") names \"", labels_[i],
+                                            "\" twice (ids ", j, " and ", i, "): list each label once, in id order"));
   }
 
   void setup(const ember::DataSetup& setup) override {

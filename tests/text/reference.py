@@ -85,8 +85,14 @@ def export_check(folder, texts_csv, predictions_csv, pooling, max_length):
     with open(predictions_csv, newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(texts), (len(rows), len(texts))
-    columns = sorted(k for k in rows[0] if k.startswith("prob_"))
+    columns = [k for k in rows[0] if k.startswith("prob_")]  # in class-id order, as predict writes them
     want = torch.tensor([[float(r[k]) for k in columns] for r in rows])
+    # The config names the classes as the data did (pipelines print these names).
+    from transformers import AutoConfig
+    id2label = AutoConfig.from_pretrained(folder).id2label
+    names = [id2label[i] for i in range(len(columns))]
+    if names != [k[len("prob_"):] for k in columns]:
+        sys.exit(f"config.json's id2label {names} is not the data's classes {columns}")
     tok = AutoTokenizer.from_pretrained(folder)
     if pooling == "pooler":
         model = AutoModelForSequenceClassification.from_pretrained(folder).eval()

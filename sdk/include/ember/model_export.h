@@ -30,4 +30,16 @@ class EMBER_SDK_API IExportableModel {
   virtual std::string export_note() const = 0;
 };
 
+// IModel::query_interface(kExportableModel2Iid): IExportableModel whose files may say what the
+// classes are called. The engine asks for it first and falls back to IExportableModel/1.
+inline constexpr const char* kExportableModel2Iid = "ember.IExportableModel/2";
+class EMBER_SDK_API IExportableModel2 : public IExportableModel {
+ public:
+  // exported_files() given the training data's class names in class-index order (the data
+  // module's IPredictionNames::class_names(), which checkpoints keep as `class_names`); empty
+  // when the data named none or the checkpoint predates them.
+  virtual std::vector<std::pair<std::string, std::string>> exported_files_with_classes(
+      const std::vector<std::string>& class_names) const = 0;
+};
+
 }  // namespace ember
