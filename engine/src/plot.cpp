@@ -8,17 +8,15 @@
 #include "plot.h"
 
 #ifdef EMBER_WITH_CAIRO
-#include <cairo.h>
+#include <ember/support/cairo_chart.h>
 #endif
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <map>
-#include <memory>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -117,31 +115,15 @@ bool is_loss(const std::string& m) { return m.find("loss") != std::string::npos;
 bool is_acc(const std::string& m) { return m.find("acc") != std::string::npos; }
 bool is_lr(const std::string& m) { return m.rfind("lr", 0) == 0; }
 
-struct Rgb {
-  double r, g, b;
-};
+using support::chart::Rgb;
 const Rgb kRunColors[] = {{0.12, 0.47, 0.71}, {0.84, 0.15, 0.16}, {0.17, 0.63, 0.17}, {1.00, 0.50, 0.05},
                           {0.58, 0.40, 0.74}, {0.55, 0.34, 0.29}, {0.89, 0.47, 0.76}, {0.50, 0.50, 0.50}};
-
-double nice_step(double lo, double hi, int target) {
-  const double raw = (hi - lo) / target;
-  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
-  const double f = raw / mag;
-  return (f < 1.5 ? 1 : f < 3.5 ? 2 : f < 7.5 ? 5 : 10) * mag;
-}
-
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
+using support::chart::format;
+using support::chart::nice_step;
 
 void text(cairo_t* cr, const std::string& s, double x, double y, double anchor, double size) {
   cairo_set_font_size(cr, size);
-  cairo_text_extents_t e;
-  cairo_text_extents(cr, s.c_str(), &e);
-  cairo_move_to(cr, x - anchor * e.x_advance, y);
-  cairo_show_text(cr, s.c_str());
+  support::chart::draw_text(cr, s, x, y, anchor);
 }
 
 bool is_eval(const std::string& m) { return m.rfind("val", 0) == 0 || m.rfind("test", 0) == 0; }
@@ -180,14 +162,8 @@ int plot_runs(const std::vector<std::string>& run_dirs, const std::string& outpu
 
   const int width = 1100, panel_h = 330, top_pad = 20;
   const int height = top_pad + panel_h * static_cast<int>(panels.size());
-  std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)> surface(
-      cairo_image_surface_create(CAIRO_FORMAT_ARGB32, width, height), &cairo_surface_destroy);
-  std::unique_ptr<cairo_t, decltype(&cairo_destroy)> ctx(cairo_create(surface.get()), &cairo_destroy);
-  cairo_t* cr = ctx.get();
-  cairo_set_antialias(cr, CAIRO_ANTIALIAS_BEST);
-  cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
-  cairo_set_source_rgb(cr, 1, 1, 1);
-  cairo_paint(cr);
+  const support::chart::Canvas canvas(width, height);
+  cairo_t* cr = canvas.cr();
 
   const double left = 90, legend_w = 250, right = 20;
   for (size_t pi = 0; pi < panels.size(); ++pi) {
@@ -220,7 +196,7 @@ int plot_runs(const std::vector<std::string>& run_dirs, const std::string& outpu
       cairo_line_to(cr, std::round(px(v)) + 0.5, y1);
       cairo_stroke(cr);
       cairo_set_source_rgb(cr, 0.15, 0.15, 0.15);
-      text(cr, fmt("%g", v), px(v), y1 + 18, 0.5, 12);
+      text(cr, format("%g", v), px(v), y1 + 18, 0.5, 12);
     }
     for (double v = std::ceil(ylo / ys) * ys; v <= yhi; v += ys) {
       const double shown = std::abs(v) < ys * 1e-9 ? 0.0 : v;
@@ -229,7 +205,7 @@ int plot_runs(const std::vector<std::string>& run_dirs, const std::string& outpu
       cairo_line_to(cr, x1, std::round(py(v)) + 0.5);
       cairo_stroke(cr);
       cairo_set_source_rgb(cr, 0.15, 0.15, 0.15);
-      text(cr, ydigits > 4 ? fmt("%.2e", shown) : fmt(yfmt.c_str(), shown), x0 - 8, py(v) + 4, 1.0, 12);
+      text(cr, ydigits > 4 ? format("%.2e", shown) : format(yfmt.c_str(), shown), x0 - 8, py(v) + 4, 1.0, 12);
     }
     cairo_set_source_rgb(cr, 0.15, 0.15, 0.15);
     cairo_set_line_width(cr, 1.2);
@@ -288,9 +264,8 @@ int plot_runs(const std::vector<std::string>& run_dirs, const std::string& outpu
       }
     }
   }
-  const cairo_status_t st = cairo_surface_write_to_png(surface.get(), output.c_str());
-  if (st != CAIRO_STATUS_SUCCESS)
-    throw RunError("plot: cannot write " + output + ": " + cairo_status_to_string(st));
+  if (const std::string failed = canvas.write_png(output); !failed.empty())
+    throw RunError("plot: cannot write " + output + ": " + failed);
   out << "wrote " << output << " (" << panels.size() << " panels, " << runs.size() << " run" << (runs.size() > 1 ? "s" : "")
       << ")\n";
   return 0;

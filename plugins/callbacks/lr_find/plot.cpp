@@ -3,15 +3,13 @@
 // and a legend entry.
 #include "plot.h"
 
-#include <cairo.h>
+#include <ember/support/cairo_chart.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <utility>
-#include <cstdio>
 #include <limits>
-#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -19,58 +17,34 @@
 namespace ember_lr_find {
 namespace {
 
+namespace support = ember::support;
+
 constexpr double kPi = 3.14159265358979323846;
 
-struct Rgb {
-  double r, g, b;
-};
+using support::chart::format;
+using support::chart::nice_step;
+using support::chart::Rgb;
 constexpr Rgb kInk{0.15, 0.15, 0.15};
 constexpr Rgb kGrid{0.88, 0.88, 0.90};
 constexpr Rgb kMinorGrid{0.94, 0.94, 0.95};
 constexpr Rgb kCurve{0.12, 0.47, 0.71};
 constexpr Rgb kMark{0.84, 0.15, 0.16};
 
-void color(cairo_t* cr, Rgb c, double alpha = 1.0) { cairo_set_source_rgba(cr, c.r, c.g, c.b, alpha); }
-
-// 1-2-5 steps giving about `target` ticks over [lo, hi].
-double nice_step(double lo, double hi, int target) {
-  const double raw = (hi - lo) / target;
-  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
-  const double f = raw / mag;
-  return (f < 1.5 ? 1 : f < 3.5 ? 2 : f < 7.5 ? 5 : 10) * mag;
-}
-
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
+void color(cairo_t* cr, Rgb c, double alpha = 1.0) { support::chart::set_color(cr, c, alpha); }
 
 struct Text {
   cairo_t* cr;
   void size(double s) const { cairo_set_font_size(cr, s); }
-  double width(const std::string& s) const {
-    cairo_text_extents_t e;
-    cairo_text_extents(cr, s.c_str(), &e);
-    return e.x_advance;
-  }
-  // Draws `s` with its anchor at (x, y): ax 0 = left, 0.5 = centre, 1 = right; y is the baseline.
-  void draw(const std::string& s, double x, double y, double ax = 0.0) const {
-    cairo_move_to(cr, x - ax * width(s), y);
-    cairo_show_text(cr, s.c_str());
-  }
+  double width(const std::string& s) const { return support::chart::text_width(cr, s); }
+  void draw(const std::string& s, double x, double y, double ax = 0.0) const { support::chart::draw_text(cr, s, x, y, ax); }
 };
 
 }  // namespace
 
 void write_plot(const std::string& path, const PlotData& d, int width, int height) {
   const size_t n = d.lrs.size();
-  std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)> surface(
-      cairo_image_surface_create(CAIRO_FORMAT_ARGB32, width, height), &cairo_surface_destroy);
-  std::unique_ptr<cairo_t, decltype(&cairo_destroy)> ctx(cairo_create(surface.get()), &cairo_destroy);
-  cairo_t* cr = ctx.get();
-  cairo_set_antialias(cr, CAIRO_ANTIALIAS_BEST);
-  cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
+  const support::chart::Canvas canvas(width, height);
+  cairo_t* cr = canvas.cr();
   cairo_font_options_t* fo = cairo_font_options_create();
   cairo_font_options_set_antialias(fo, CAIRO_ANTIALIAS_GRAY);
   cairo_font_options_set_hint_style(fo, CAIRO_HINT_STYLE_SLIGHT);
@@ -80,9 +54,6 @@ void write_plot(const std::string& path, const PlotData& d, int width, int heigh
 
   const double left = 92, right = 28, top = 62, bottom = 72;
   const double x0 = left, x1 = width - right, y0 = top, y1 = height - bottom;
-
-  cairo_set_source_rgb(cr, 1, 1, 1);
-  cairo_paint(cr);
 
   // Data ranges. The y range follows the smoothed curve (the raw points scatter around it) and
   // is capped at 3x the first smoothed loss so a final blow-up does not flatten the rest.
@@ -137,13 +108,13 @@ void write_plot(const std::string& path, const PlotData& d, int width, int heigh
     }
     if (xticks.size() < 2) {  // less than a decade: label the ends instead
       xticks.clear();
-      xticks.push_back({x0, fmt("%.3g", d.lrs.front()), ""});
-      xticks.push_back({x1, fmt("%.3g", d.lrs.back()), ""});
+      xticks.push_back({x0, format("%.3g", d.lrs.front()), ""});
+      xticks.push_back({x1, format("%.3g", d.lrs.back()), ""});
     }
   } else {
     const double s = nice_step(xlo, xhi, 6);
     for (double v = std::ceil(xlo / s) * s; v <= xhi + s * 1e-9; v += s)
-      xticks.push_back({x0 + (v - xlo) / (xhi - xlo) * (x1 - x0), fmt("%g", std::abs(v) < s * 1e-9 ? 0.0 : v), ""});
+      xticks.push_back({x0 + (v - xlo) / (xhi - xlo) * (x1 - x0), format("%g", std::abs(v) < s * 1e-9 ? 0.0 : v), ""});
   }
   color(cr, kGrid);
   for (const auto& t : xticks) {
@@ -189,7 +160,7 @@ void write_plot(const std::string& path, const PlotData& d, int width, int heigh
     cairo_move_to(cr, x0 - 5, py(v));
     cairo_line_to(cr, x0, py(v));
     cairo_stroke(cr);
-    text.draw(fmt(yfmt.c_str(), v), x0 - 9, py(v) + 4.5, 1.0);
+    text.draw(format(yfmt.c_str(), v), x0 - 9, py(v) + 4.5, 1.0);
   }
 
   // Titles.
@@ -259,7 +230,7 @@ void write_plot(const std::string& path, const PlotData& d, int width, int heigh
     std::string label;
   };
   std::vector<Entry> entries = {{0, "loss per step"}, {1, "smoothed loss"}};
-  if (d.suggested) entries.push_back({2, "suggested lr = " + fmt("%.3g", d.lrs[*d.suggested])});
+  if (d.suggested) entries.push_back({2, "suggested lr = " + format("%.3g", d.lrs[*d.suggested])});
   text.size(13);
   double lw = 0;
   for (const auto& e : entries) lw = std::max(lw, text.width(e.label));
@@ -315,10 +286,8 @@ void write_plot(const std::string& path, const PlotData& d, int width, int heigh
     text.draw(e.label, bx + 46, cy + 4.5);
   }
 
-  cairo_surface_flush(surface.get());
-  const cairo_status_t status = cairo_surface_write_to_png(surface.get(), path.c_str());
-  if (status != CAIRO_STATUS_SUCCESS)
-    throw std::runtime_error("cannot write " + path + ": " + cairo_status_to_string(status));
+  if (const std::string failed = canvas.write_png(path); !failed.empty())
+    throw std::runtime_error("cannot write " + path + ": " + failed);
 }
 
 }  // namespace ember_lr_find
