@@ -142,6 +142,42 @@ TEST(EarlyStoppingRun, StopsAtTheExpectedEpoch) {
   }
 }
 
+// trainer.min_epochs / min_steps (Lightning's): early stopping asks at epoch 3 (as in the
+// patience case above); the loop trains on until the minimum is met, then stops there: at the end
+// of the fifth epoch, or after the first step of epoch 4 (2 steps an epoch).
+TEST(EarlyStoppingRun, WaitsForMinEpochsAndMinSteps) {
+  TempDir dir("es_min");
+  const std::string values = "[1.0, 0.9, 0.95, 0.93, 0.5, 0.4, 0.3]";
+  struct Case {
+    const char* name;
+    std::string trainer_keys;
+    int64_t last_epoch, last_step;
+    size_t epoch_ends;
+  };
+  for (const Case& c : {Case{"min_epochs", "min_epochs = 5\n", 4, 10, 5}, Case{"min_steps", "min_steps = 9\n", 4, 9, 5},
+                        Case{"met_already", "min_epochs = 2\nmin_steps = 4\n", 3, 8, 4}}) {
+    std::string toml = scripted(values, "patience = 2\n");
+    toml.replace(toml.find("[trainer]\n"), 10, "[trainer]\n" + c.trainer_keys);
+    auto r = run(dir, c.name, toml);
+    ASSERT_EQ(r.exit_code, 0) << c.name << "\n" << r.err;
+    EXPECT_NE(r.err.find("did not improve in the last 2 records"), std::string::npos) << c.name << "\n" << r.err;
+    const bool deferred = std::string(c.name) != "met_already";
+    EXPECT_EQ(r.err.find("before trainer.min_epochs") != std::string::npos, deferred) << c.name << "\n" << r.err;
+    const auto last = dir / "runs" / c.name / "version_0/checkpoints/last.ckpt";
+    EXPECT_EQ(load(last).at("epoch").toInt(), c.last_epoch) << c.name;
+    EXPECT_EQ(load(last).at("global_step").toInt(), c.last_step) << c.name;
+    EXPECT_EQ(count(read_file(dir / "hooks.txt"), "on_train_epoch_end"), c.epoch_ends) << c.name;
+    fs::remove(dir / "hooks.txt");
+  }
+  // A minimum above the maximum is a mistake, not something to ignore.
+  std::string toml = scripted(values, "patience = 2\n", 3);
+  toml.replace(toml.find("[trainer]\n"), 10, "[trainer]\nmin_epochs = 4\n");
+  auto r = run(dir, "bad", toml);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("bad.toml:3:14: trainer.min_epochs = 4 exceeds max_epochs = 3: lower min_epochs or raise max_epochs"),
+            std::string::npos) << r.err;
+}
+
 TEST(EarlyStoppingRun, WaitCountSurvivesResume) {
   TempDir dir("es");
   const std::string values = "[1.0, 0.9, 0.95, 0.96, 0.97, 0.98, 0.99, 1.0, 1.1, 1.2]";

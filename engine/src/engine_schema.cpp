@@ -20,6 +20,8 @@ using namespace ember::key;
 constexpr EmberConfigKey kTrainerKeys[] = {
     Int("max_epochs", nullptr, "Stop after this many epochs; -1 = no limit. Unset: 1000 unless max_steps is set (Lightning).").at_least(-1),
     Int("max_steps", "-1", "Stop after this many optimizer steps; -1 = no limit.").at_least(-1),
+    Int("min_epochs", "0", "Train at least this many epochs before a callback's stop request (early_stopping, timer) takes effect; 0 = no minimum (Lightning's min_epochs).").at_least(0),
+    Int("min_steps", "0", "Train at least this many optimizer steps before a callback's stop request takes effect; 0 = no minimum (Lightning's min_steps).").at_least(0),
     String("max_time", nullptr, "Stop training after this much wall time, \"DD:HH:MM:SS\" (Lightning's max_time): adds the timer callback with this duration."),
     Number("limit_train_batches", "1.0", "Batches per training epoch: a float is a fraction of the epoch, an int a count.").at_least(0),
     Number("limit_val_batches", "1.0", "Validation batches per run: fraction (float) or count (int); 0 disables validation.").at_least(0),

@@ -89,6 +89,15 @@ TrainerSettings TrainerSettings::from(const Section& t) {
   TrainerSettings s;
   s.max_steps = t.get_int("max_steps");
   s.max_epochs = t.has("max_epochs") ? t.get_int("max_epochs") : (s.max_steps == -1 ? 1000 : -1);
+  s.min_epochs = t.get_int("min_epochs");
+  s.min_steps = t.get_int("min_steps");
+  // Lightning lets the maximum win silently; a minimum above it is a mistake worth one line.
+  if (s.max_epochs >= 0 && s.min_epochs > s.max_epochs)
+    throw UsageError(t.where("min_epochs") + ": trainer.min_epochs = " + std::to_string(s.min_epochs) + " exceeds max_epochs = " +
+                     std::to_string(s.max_epochs) + ": lower min_epochs or raise max_epochs");
+  if (s.max_steps >= 0 && s.min_steps > s.max_steps)
+    throw UsageError(t.where("min_steps") + ": trainer.min_steps = " + std::to_string(s.min_steps) + " exceeds max_steps = " +
+                     std::to_string(s.max_steps) + ": lower min_steps or raise max_steps");
   s.limit_train = t.get_float("limit_train_batches");
   s.limit_train_is_count = t.is_integer("limit_train_batches");
   s.limit_val = t.get_float("limit_val_batches");
@@ -278,10 +287,34 @@ bool TrainingLoop::metric(std::string_view name, double* value) const {
   return true;
 }
 
+// A callback's stop (early_stopping, timer) waits for trainer.min_epochs and min_steps, as
+// Lightning's loops do (_can_stop_early): training goes on, and the loop ends at the first step
+// or epoch end where both are met.
 void TrainingLoop::request_stop(std::string_view reason) {
+  if (stop_requested_ || !deferred_stop_.empty()) return;
+  if (fitting_ && !minimum_trained(epoch_finished_)) {
+    deferred_stop_ = reason;
+    log::info(c10::str("stop asked (", reason, ") before trainer.min_epochs = ", settings_.min_epochs, " and min_steps = ",
+                       settings_.min_steps, " were trained (", epoch_ + (epoch_finished_ ? 1 : 0), " epoch(s), ", global_step_,
+                       " step(s) so far): training goes on until they are"));
+    return;
+  }
+  stop(reason);
+}
+
+void TrainingLoop::stop(std::string_view reason) {
   if (!stop_requested_) log::info("stopping: " + std::string(reason));
   stop_requested_ = true;
-  stop_reason_ = reason;
+}
+
+bool TrainingLoop::minimum_trained(bool epoch_done) const {
+  const int64_t epochs_done = epoch_ + (epoch_done ? 1 : 0);
+  return epochs_done >= settings_.min_epochs && global_step_ >= settings_.min_steps;
+}
+
+void TrainingLoop::stop_if_minimum_trained(bool epoch_done) {
+  if (deferred_stop_.empty() || stop_requested_ || !minimum_trained(epoch_done)) return;
+  stop(deferred_stop_ + " (after trainer.min_epochs/min_steps)");
 }
 
 void TrainingLoop::log_metric(std::string_view name, double value) {
@@ -436,7 +469,7 @@ void TrainingLoop::train_epoch() {
     if (strategy.world_size() > 1 &&
         strategy.reduce(at::scalar_tensor(stop_requested_ ? 1.0 : 0.0, at::kDouble), ReduceOp::max).item<double>() > 0 &&
         !stop_requested_)
-      request_stop("another rank asked to stop");
+      stop("another rank asked to stop");
   }
   validation_pending_ = false;
   const int64_t first = stop_requested_ ? n : start;
@@ -474,6 +507,7 @@ void TrainingLoop::train_epoch() {
       validated_last = true;
       stage_ = Stage::fit;
     }
+    if (do_step) stop_if_minimum_trained(false);
     // Only after an optimizer step: a partly accumulated gradient is not part of a checkpoint.
     int sig = do_step && !stop_requested_ ? stop_signal() : 0;
     // Every decision that ends the loop is agreed by all ranks at the same optimizer step
@@ -484,10 +518,10 @@ void TrainingLoop::train_epoch() {
       const at::Tensor votes =
           strategy.reduce(at::tensor({static_cast<double>(sig), stop_requested_ ? 1.0 : 0.0}, at::kDouble), ReduceOp::max);
       sig = stop_requested_ ? 0 : static_cast<int>(votes[0].item<double>());
-      if (!stop_requested_ && sig == 0 && votes[1].item<double>() > 0) request_stop("another rank asked to stop");
+      if (!stop_requested_ && sig == 0 && votes[1].item<double>() > 0) stop("another rank asked to stop");
     }
     if (sig != 0)
-      request_stop(stop_signal_name(sig) + " received: finishing this step, saving, then exiting (send it again to quit at once)");
+      stop(stop_signal_name(sig) + " received: finishing this step, saving, then exiting (send it again to quit at once)");
     const bool max_steps_hit = settings_.max_steps >= 0 && global_step_ >= settings_.max_steps;
     if (max_steps_hit || stop_requested_) {
       // Stopping early: validate once more so monitors see the state being stopped at.
@@ -581,6 +615,7 @@ void TrainingLoop::fit() {
   if (!train_loader_ || num_train_batches_ == 0)
     throw RunError("data '" + plugins_.data.name + "' has no training batches (train split empty, or limit_train_batches = 0)");
   stage_ = Stage::fit;
+  fitting_ = true;
   call_hook(Hook::setup);
   call_hook(Hook::on_fit_start);
   if (validation_enabled() && settings_.num_sanity_val_steps != 0) {
@@ -599,11 +634,12 @@ void TrainingLoop::fit() {
     if (settings_.max_epochs >= 0 && epoch_ >= settings_.max_epochs) break;
     if (settings_.max_steps >= 0 && global_step_ >= settings_.max_steps) break;
     train_epoch();
+    stop_if_minimum_trained(epoch_finished_);
     // Every rank stops together, on rank 0's decision.
     if (plugins_.strategy.object->world_size() > 1) {
       const bool any = plugins_.strategy.object->reduce(at::scalar_tensor(stop_requested_ ? 1.0 : 0.0, at::kDouble), ReduceOp::max)
                            .item<double>() > 0;
-      if (any && !stop_requested_) request_stop("another rank asked to stop");
+      if (any && !stop_requested_) stop("another rank asked to stop");
     }
     if (settings_.max_steps >= 0 && global_step_ >= settings_.max_steps) break;
     if (stop_requested_) break;
@@ -629,6 +665,7 @@ void TrainingLoop::fit() {
   call_hook(Hook::on_fit_end);
   call_hook(Hook::teardown);
   stage_ = Stage::none;
+  fitting_ = false;
 }
 
 void TrainingLoop::begin_stage(Stage stage) {

@@ -53,6 +53,7 @@ std::string locate_checkpoint(const std::vector<Named<ICallback>>& callbacks, co
 // [trainer] values the loop reads, with Lightning's derived defaults applied.
 struct TrainerSettings {
   int64_t max_epochs = 1000, max_steps = -1;
+  int64_t min_epochs = 0, min_steps = 0;  // 0 = no minimum
   double limit_train = 1.0, limit_val = 1.0, limit_test = 1.0, limit_predict = 1.0;
   bool limit_train_is_count = false, limit_val_is_count = false, limit_test_is_count = false, limit_predict_is_count = false;
   double val_check_interval = 1.0;
@@ -124,7 +125,9 @@ class TrainingLoop final : public ITrainer {
   bool metric(std::string_view name, double* value) const override;
   std::vector<std::string> metric_names() const override { return metrics_.names(); }
   void request_stop(std::string_view reason) override;
-  bool stop_requested() const override { return stop_requested_; }
+  // True from a callback's request on, also while it waits for trainer.min_epochs/min_steps
+  // (Lightning's should_stop); the loop itself ends on stop_requested_.
+  bool stop_requested() const override { return stop_requested_ || !deferred_stop_.empty(); }
   torch::nn::Module& module() override { return plugins_.model.object->module(); }
   IModel& model() override { return *plugins_.model.object; }
   torch::optim::Optimizer& optimizer() override { return *optimizer_; }
@@ -175,6 +178,13 @@ class TrainingLoop final : public ITrainer {
   // Logging from inside a step: recorded while a CUDA graph captures it, logged otherwise.
   void log_from_step(const std::string& name, const at::Tensor& value, const LogOptions& o, Stage stage, int64_t batch_size);
   void publish(const std::vector<std::pair<std::string, double>>& values);
+  // Ends the loop after the current step: the engine's own stops (signals, another rank's stop)
+  // and a callback's once trainer.min_epochs/min_steps are met.
+  void stop(std::string_view reason);
+  // Whether trainer.min_epochs and min_steps are met, counting epoch_ as done when `epoch_done`.
+  bool minimum_trained(bool epoch_done) const;
+  // A deferred callback stop takes effect once the minimum is met.
+  void stop_if_minimum_trained(bool epoch_done);
   void build_loaders();
   void place_data(const Section& data);
   void attach_plugins(ITrainer* trainer);
@@ -211,7 +221,8 @@ class TrainingLoop final : public ITrainer {
   bool validation_pending_ = false;  // the last batch's validation is due and has not published yet
   int64_t num_train_batches_ = 0, num_val_batches_ = 0, num_test_batches_ = 0;
   bool stop_requested_ = false;
-  std::string stop_reason_;
+  std::string deferred_stop_;  // a callback's stop request waiting for trainer.min_epochs/min_steps
+  bool fitting_ = false;       // inside fit(), validation included
   Batch current_batch_;
   at::Tensor current_loss_;
   bool closure_ran_ = false;
