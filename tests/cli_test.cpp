@@ -173,6 +173,51 @@ TEST(Cli, CudaGraphRefusesWhatItCannotCapture) {
   EXPECT_EQ(run_engine({"run.toml", "--set", "trainer.cuda_graph=false"}, dir.path()).exit_code, 0);
 }
 
+// trainer.fast_dev_run (Lightning's): N batches of training, validation and test in one epoch,
+// no sanity check, with the run's plugins all working (checkpoint, csv, the test of the best
+// checkpoint), and nothing left on disk afterwards.
+TEST(Cli, FastDevRunRunsEveryLoopBrieflyAndLeavesNothing) {
+  TempDir dir("cli_fast_dev_run");
+  write_file(dir / "run.toml", "plugins = [\"hook_recorder\"]\n" + std::string(kQuick) + "[checkpoint]\nmonitor = \"val_loss\"\n");
+  const std::string good = test_plugin_dir("good").string();
+  auto count = [](const std::string& text, const std::string& what) {
+    size_t n = 0;
+    for (size_t p = text.find(what + "\n"); p != std::string::npos; p = text.find(what + "\n", p + 1)) ++n;
+    return n;
+  };
+  for (const auto& [value, n] : {std::pair<std::string, size_t>{"true", 1}, {"3", 3}}) {
+    SCOPED_TRACE("fast_dev_run = " + value);
+    // Four batches of each split, so that 3 is a limit.
+    auto r = run_engine({"run.toml", "--plugin-path", good, "--set", "trainer.max_epochs=5", "--set", "trainer.test_after_fit=true",
+                         "--set", "data.num_val=64", "--set", "data.num_test=64", "--set", "trainer.fast_dev_run=" + value},
+                        dir.path());
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.err.find("fast_dev_run: " + std::to_string(n) + " batch(es) of training, validation and test"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("fast_dev_run: passed; removed"), std::string::npos) << r.err;
+    EXPECT_NE(r.out.find("test_loss"), std::string::npos) << r.out;
+    const std::string hooks = read_file(dir / "hooks.txt");
+    EXPECT_EQ(count(hooks, "on_train_batch_end"), n) << hooks;
+    EXPECT_EQ(count(hooks, "on_validation_batch_end"), n) << hooks;
+    EXPECT_EQ(count(hooks, "on_test_batch_end"), n) << hooks;
+    EXPECT_EQ(count(hooks, "on_train_epoch_end"), 1u) << hooks;
+    EXPECT_EQ(count(hooks, "on_sanity_check_start"), 0u) << hooks;
+    EXPECT_GE(count(hooks, "on_save_checkpoint"), 1u) << hooks;  // the checkpoint callback ran
+    EXPECT_FALSE(std::filesystem::exists(dir / "runs")) << "fast_dev_run left its run folder";
+    std::filesystem::remove(dir / "hooks.txt");
+  }
+  // The same run without it trains five epochs and keeps its folder (the control).
+  auto normal = run_engine({"run.toml", "--plugin-path", good, "--set", "trainer.max_epochs=5"}, dir.path());
+  ASSERT_EQ(normal.exit_code, 0) << normal.err;
+  EXPECT_EQ(count(read_file(dir / "hooks.txt"), "on_train_epoch_end"), 5u);
+  EXPECT_TRUE(std::filesystem::exists(dir / "runs/run/version_0/checkpoints/last.ckpt"));
+  // Resuming in a run's own folder would overwrite its checkpoints: refused in one line.
+  auto resume = run_engine({"run.toml", "--plugin-path", good, "--set", "trainer.fast_dev_run=true", "--resume", "last"}, dir.path());
+  EXPECT_EQ(resume.exit_code, 2) << resume.err;
+  EXPECT_NE(resume.err.find("trainer.fast_dev_run with --resume last would train in that run's folder"), std::string::npos) << resume.err;
+  EXPECT_TRUE(std::filesystem::exists(dir / "runs/run/version_0/checkpoints/last.ckpt"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "runs/run/version_1"));
+}
+
 // The engine binary runs on tcmalloc when the build found it (EMBER_TCMALLOC), and says which
 // allocator it runs on.
 TEST(Cli, RunsOnTheAllocatorTheBuildLinked) {

@@ -57,6 +57,7 @@ Plan make_plan(const RunRequest& req) {
                                          : RawConfig::load(req.config_path);
   for (const auto& s : req.sets) plan.raw.add_override(s);
   plan.raw.integer_as_string("trainer", "precision");  // Lightning's precision = 16 / 32 / 64
+  plan.raw.bool_as_integer("trainer", "fast_dev_run");  // Lightning's fast_dev_run = true (1 batch)
   plan.registry = std::make_unique<PluginRegistry>(PluginRegistry::default_search_paths(req.plugin_paths));
   auto& reg = *plan.registry;
 

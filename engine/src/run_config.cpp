@@ -303,6 +303,18 @@ void RawConfig::integer_as_string(const std::string& section, const std::string&
       o.value = std::make_shared<toml::value<std::string>>(std::to_string(o.value->as_integer()->get()));
 }
 
+void RawConfig::bool_as_integer(const std::string& section, const std::string& key) {
+  if (auto* tbl = file.get_as<toml::table>(section))
+    if (auto* v = tbl->get_as<bool>(key)) {
+      const auto source = v->source();
+      tbl->insert_or_assign(key, toml::value<int64_t>(v->get() ? 1 : 0));
+      if (auto* n = tbl->get(key)) const_cast<toml::source_region&>(n->source()) = source;
+    }
+  for (auto& o : overrides)
+    if (o.section == section && o.key == key && o.value->is_boolean())
+      o.value = std::make_shared<toml::value<int64_t>>(o.value->as_boolean()->get() ? 1 : 0);
+}
+
 std::vector<std::string> RawConfig::plugin_list() const {
   std::vector<std::string> out;
   const toml::node* n = file.get("plugins");

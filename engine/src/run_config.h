@@ -61,6 +61,9 @@ struct RawConfig {
   // Rewrites an integer value of section.key (file and overrides) as its decimal string, for keys
   // that take Lightning's integer shorthands (precision = 16).
   void integer_as_string(const std::string& section, const std::string& key);
+  // Rewrites a boolean value of section.key as 1 / 0, for integer keys that take Lightning's
+  // boolean shorthand (fast_dev_run = true).
+  void bool_as_integer(const std::string& section, const std::string& key);
 };
 
 // One validated section; implements the SDK's IConfig for the plugin that owns it.

@@ -116,7 +116,16 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
   if (!resume_located && trainer_cfg.get_bool("test_after_fit") && test_ckpt != "current" && !has_checkpoint_locator(plugins.callbacks))
     throw UsageError(trainer_cfg.where("test_ckpt") + ": trainer.test_ckpt = \"" + test_ckpt +
                      "\" needs a checkpoint callback (enable checkpointing, or set test_ckpt = \"current\")");
+  fast_dev_run_ = trainer_cfg.get_int("fast_dev_run");
+  if (fast_dev_run_ > 0 && resume_located)
+    throw UsageError(trainer_cfg.where("fast_dev_run") + ": trainer.fast_dev_run with --resume " + req.resume +
+                     " would train in that run's folder and overwrite its checkpoints: resume from the checkpoint's path instead");
+  if (fast_dev_run_ > 0)
+    for (fs::path dir = runs_base(); !dir.empty() && !fs::exists(dir); dir = dir.parent_path()) made_folders_.push_back(dir);
   folder_ = choose_run_folder(runs_base(), run_version(), req.resume, plugins.callbacks, *plugins.strategy.object);
+  if (fast_dev_run_ > 0 && rank == 0)
+    log::info("fast_dev_run: " + std::to_string(fast_dev_run_) + " batch(es) of training, validation and test, no sanity check; " +
+              folder_.dir.string() + " is removed at the end (kept if the run fails)");
   loop_ = std::make_unique<TrainingLoop>(host_, cfg, std::move(plugins), folder_.dir);
   guarded([&] {
     loop_->setup();
@@ -253,6 +262,14 @@ void RunSession::finish(const std::string& status) {
   if (finished_) return;
   finished_ = true;
   loop_->finalize(status);
+  // fast_dev_run leaves nothing behind (Lightning writes no logs or checkpoints then): the run
+  // folder goes, and the folders above it that this run made.
+  if (fast_dev_run_ > 0 && status == "success" && loop_->is_global_zero()) {
+    remove_tree(folder_.dir);
+    std::error_code ec;
+    for (const auto& dir : made_folders_) fs::remove(dir, ec);  // innermost first; only when empty
+    log::info("fast_dev_run: passed; removed " + folder_.dir.string());
+  }
 }
 
 }  // namespace ember::engine

@@ -68,6 +68,8 @@ class RunSession {
   EngineHost host_;
   RunRequest request_;
   RunFolder folder_;
+  int64_t fast_dev_run_ = 0;  // trainer.fast_dev_run: the run folder is removed after a successful run
+  std::vector<std::filesystem::path> made_folders_;  // the folders above the run's that did not exist before it, innermost first
   std::unique_ptr<TrainingLoop> loop_;
   int launcher_exit_code_ = 0;
   bool loggers_started_ = false, finished_ = false;

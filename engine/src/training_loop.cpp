@@ -131,6 +131,21 @@ TrainerSettings TrainerSettings::from(const Section& t) {
   s.enable_progress_bar = t.get_bool("enable_progress_bar");
   s.cuda_graph = t.get_bool("cuda_graph");
   s.cuda_graph_warmup_steps = t.get_int("cuda_graph_warmup_steps");
+  // Lightning's fast_dev_run = N: N batches of each loop in one epoch, validation after them, no
+  // sanity check, every step logged. (RunSession removes the run folder afterwards.)
+  if ((s.fast_dev_run = t.get_int("fast_dev_run")) > 0) {
+    const auto n = static_cast<double>(s.fast_dev_run);
+    s.max_steps = s.fast_dev_run;
+    s.max_epochs = 1;
+    s.min_epochs = s.min_steps = 0;
+    s.limit_train = s.limit_val = s.limit_test = s.limit_predict = n;
+    s.limit_train_is_count = s.limit_val_is_count = s.limit_test_is_count = s.limit_predict_is_count = true;
+    s.val_check_interval = 1.0;
+    s.val_check_is_count = false;
+    s.check_val_every_n_epoch = 1;
+    s.num_sanity_val_steps = 0;
+    s.log_every_n_steps = 1;
+  }
   return s;
 }
 
