@@ -263,10 +263,19 @@ TEST(CheckpointIntegrity, PickleSizeClaimsAreCheckedBeforeUnpickling) {
   ASSERT_LT(text, pkl.offset + pkl.size);
   const size_t at = text - 5;
   ASSERT_EQ(bytes.substr(at, 5), std::string("X\x06\x00\x00\x00", 5)) << "not BINUNICODE: the pickler changed";
-  for (const auto& [op, what] : {std::pair{'r', std::string("memo index 2147483647")}, std::pair{'X', std::string("claims 2147483647 bytes")}}) {
+  // Protocol 4's BINUNICODE8 / BINBYTES8 (8-byte lengths) overwrite the opcode, its length and
+  // the first bytes of the text in place (libFuzzer found a 2^58-byte claim).
+  const std::string len4("\xff\xff\xff\x7f", 4), len8("\xff\xff\xff\xff\xff\xff\xff\x3f", 8);
+  struct Case {
+    char op;
+    std::string length, what;
+  };
+  for (const auto& [op, length, what] : {Case{'r', len4, "memo index 2147483647"}, Case{'X', len4, "claims 2147483647 bytes"},
+                                         Case{'\x8d', len8, "claims 4611686018427387903 bytes"},
+                                         Case{'\x8e', len8, "claims 4611686018427387903 bytes"}}) {
     std::string bad = bytes;
     bad[at] = op;
-    bad.replace(at + 1, 4, std::string("\xff\xff\xff\x7f", 4));
+    bad.replace(at + 1, length.size(), length);
     const fs::path file = dir / "bad.ckpt";
     write_file(file, ember::engine::reseal_checkpoint_bytes(bad));
     const std::string err = load_error(file);

@@ -341,3 +341,45 @@ TEST(Resume, FromAStepCheckpointRunsTheValidationDueAfterIt) {
   EXPECT_EQ(tail(by_step(v1 / "metrics.csv", "val_loss")).size(), 3u);  // after steps 9, 12, 15
   expect_identical(v0 / "checkpoints/last.ckpt", v1 / "checkpoints/last.ckpt");
 }
+
+// trainer.overfit_batches (Lightning's): every epoch trains on the same first batches of the
+// training split, in file order although data.shuffle = true, and validates on the first
+// validation batches; what it trains on is exactly the unshuffled run's first batches.
+TEST(Overfit, TrainsOnTheSameFirstBatchesEveryEpoch) {
+  TempDir dir("overfit");
+  write_file(dir / "run.toml", kCnn);
+  auto batch_sums = [&](const std::string& file, size_t* val_ends) {
+    std::vector<std::pair<int64_t, std::string>> out;  // (epoch, sum) per training batch
+    *val_ends = 0;
+    for (const auto& l : positions(dir / file)) {
+      if (l.hook == "on_train_batch_end") out.emplace_back(l.epoch, l.sum);
+      if (l.hook == "on_validation_end") ++*val_ends;
+    }
+    return out;
+  };
+  auto r = engine_in(dir, probe_args({"run.toml", "--set", "trainer.max_epochs=3", "--set", "trainer.overfit_batches=2",
+                                      "--set", "position_probe.path=\"overfit.txt\""}));
+  EXPECT_NE(r.err.find("overfit_batches: training and validating on the first 2 batch(es) of each split"), std::string::npos) << r.err;
+  size_t val_ends = 0;
+  const auto overfit = batch_sums("overfit.txt", &val_ends);
+  ASSERT_EQ(overfit.size(), 6u);
+  EXPECT_EQ(val_ends, 3u);
+  for (size_t i = 2; i < overfit.size(); ++i) EXPECT_EQ(overfit[i].second, overfit[i % 2].second) << "batch " << i;
+  // The same two batches as an unshuffled run limited to two batches.
+  engine_in(dir, probe_args({"run.toml", "--set", "trainer.max_epochs=1", "--set", "trainer.limit_train_batches=2", "--set",
+                             "data.shuffle=false", "--set", "position_probe.path=\"plain.txt\""}));
+  const auto plain = batch_sums("plain.txt", &val_ends);
+  ASSERT_EQ(plain.size(), 2u);
+  EXPECT_EQ(plain[0].second, overfit[0].second);
+  EXPECT_EQ(plain[1].second, overfit[1].second);
+  // The control: shuffled and limited, the epochs see other batches.
+  engine_in(dir, probe_args({"run.toml", "--set", "trainer.max_epochs=2", "--set", "trainer.limit_train_batches=2", "--set",
+                             "position_probe.path=\"shuffled.txt\""}));
+  const auto shuffled = batch_sums("shuffled.txt", &val_ends);
+  ASSERT_EQ(shuffled.size(), 4u);
+  EXPECT_NE(shuffled[0].second, shuffled[2].second);
+  // A fraction above 1 is refused like the limit_* keys.
+  auto bad = run_engine({"run.toml", "--set", "trainer.overfit_batches=1.5"}, dir.path());
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("trainer.overfit_batches: a float is a fraction and must be <= 1.0"), std::string::npos) << bad.err;
+}

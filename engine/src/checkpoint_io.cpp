@@ -440,6 +440,15 @@ void check_pickle_claims(std::string_view pickle) {
         at += n;
         break;
       }
+      // Protocol 4's 8-byte lengths: LibTorch's unpickler reads BINUNICODE8 / BINBYTES8 /
+      // BYTEARRAY8 into a string of the claimed size (a fuzzed file claimed 2^58 bytes).
+      case 0x8d: case 0x8e: case 0x96: {
+        const uint64_t n = uint_le(8);
+        need(n, "string");
+        at += n;
+        break;
+      }
+      case 0x95: uint_le(8); break;  // FRAME: a length hint, no data of its own
       case 'c':  // GLOBAL module\nname\n
         for (int line = 0; line < 2; ++line) {
           const auto nl = pickle.find('\n', at);

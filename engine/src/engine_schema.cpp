@@ -20,6 +20,7 @@ using namespace ember::key;
 constexpr EmberConfigKey kTrainerKeys[] = {
     Int("max_epochs", nullptr, "Stop after this many epochs; -1 = no limit. Unset: 1000 unless max_steps is set (Lightning).").at_least(-1),
     Int("max_steps", "-1", "Stop after this many optimizer steps; -1 = no limit.").at_least(-1),
+    Number("overfit_batches", "0.0", "Overfit a fixed part of the data (Lightning's overfit_batches): train and validate on the first batches (an int a count, a float a fraction), in the same order every epoch; 0 = off.").at_least(0),
     Int("fast_dev_run", "0", "Smoke-test the whole run with this many batches of training, validation and test (true = 1; Lightning's fast_dev_run): one epoch, no sanity check, and the run folder removed at the end (kept when the run fails); 0 = off.").at_least(0),
     Int("min_epochs", "0", "Train at least this many epochs before a callback's stop request (early_stopping, timer) takes effect; 0 = no minimum (Lightning's min_epochs).").at_least(0),
     Int("min_steps", "0", "Train at least this many optimizer steps before a callback's stop request takes effect; 0 = no minimum (Lightning's min_steps).").at_least(0),

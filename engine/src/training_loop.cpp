@@ -112,6 +112,12 @@ TrainerSettings TrainerSettings::from(const Section& t) {
   fraction_ok("limit_train_batches", s.limit_train, s.limit_train_is_count);
   fraction_ok("limit_val_batches", s.limit_val, s.limit_val_is_count);
   fraction_ok("limit_test_batches", s.limit_test, s.limit_test_is_count);
+  // Lightning's overfit_batches: the same first batches of training and validation every epoch.
+  if ((s.overfit_batches = t.get_float("overfit_batches")) > 0) {
+    fraction_ok("overfit_batches", s.overfit_batches, t.is_integer("overfit_batches"));
+    s.limit_train = s.limit_val = s.overfit_batches;
+    s.limit_train_is_count = s.limit_val_is_count = t.is_integer("overfit_batches");
+  }
   s.limit_predict = t.get_float("limit_predict_batches");
   s.limit_predict_is_count = t.is_integer("limit_predict_batches");
   fraction_ok("limit_predict_batches", s.limit_predict, s.limit_predict_is_count);
@@ -197,6 +203,18 @@ void TrainingLoop::setup() {
       throw UsageError(d.where("group_by_length") + ": data.group_by_length = true, but data plugin '" + plugins_.data.name +
                        "' does not report sample lengths (ember.ISampleLengths/1): remove the key, or use a data plugin "
                        "with samples of different lengths (e.g. text_classification)");
+  }
+  if (settings_.overfit_batches > 0) {
+    // The first batches in the split's order, the same ones every epoch (Lightning's sequential
+    // sampler for overfit_batches).
+    train_opts_.shuffle = false;
+    train_opts_.group_by_length = false;
+    const std::string first = config_.section("trainer").is_integer("overfit_batches")
+                                  ? c10::str(static_cast<int64_t>(settings_.overfit_batches), " batch(es)")
+                                  : c10::str(settings_.overfit_batches * 100, "% of the batches");
+    if (strategy.rank() == 0)
+      log::info("overfit_batches: training and validating on the first " + first +
+                " of each split, the same ones every epoch (no shuffling)");
   }
   eval_opts_ = train_opts_;
   eval_opts_.shuffle = false;

@@ -55,6 +55,7 @@ struct TrainerSettings {
   int64_t max_epochs = 1000, max_steps = -1;
   int64_t min_epochs = 0, min_steps = 0;  // 0 = no minimum
   int64_t fast_dev_run = 0;  // > 0: the limits below were set to this many batches (Lightning's)
+  double overfit_batches = 0;  // > 0: the train/val limits, and the training order is the file's
   double limit_train = 1.0, limit_val = 1.0, limit_test = 1.0, limit_predict = 1.0;
   bool limit_train_is_count = false, limit_val_is_count = false, limit_test_is_count = false, limit_predict_is_count = false;
   double val_check_interval = 1.0;

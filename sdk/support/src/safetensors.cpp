@@ -138,8 +138,8 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   for (const auto& [name, t] : tensors) {
     if (name == "__metadata__" || header.contains(name))
       throw ember::RunError(c10::str(path, ": tensor name '", name, "' appears twice or is reserved"));
-    const auto* d = std::find_if(std::begin(kDtypes), std::end(kDtypes),
-                                 [&](const DtypeName& x) { return x.type == t.scalar_type(); });
+    const at::ScalarType type = t.scalar_type();  // a lambda cannot capture a structured binding before clang 16
+    const auto* d = std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](const DtypeName& x) { return x.type == type; });
     if (d == std::end(kDtypes))
       throw ember::RunError(c10::str(path, ": tensor '", name, "' has dtype ", t.scalar_type(), ", which safetensors cannot hold"));
     const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
