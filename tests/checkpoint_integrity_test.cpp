@@ -283,6 +283,13 @@ TEST(CheckpointIntegrity, PickleSizeClaimsAreCheckedBeforeUnpickling) {
     EXPECT_NE(err.find(what), std::string::npos) << err;
     EXPECT_EQ(err.find('\n'), std::string::npos) << err;
   }
+  // The walk goes past opcodes LibTorch reads that its own pickler never writes (MARK, DICT
+  // here): libFuzzer's LONG_BINPUT after a DICT claimed a 31 GB memo the walk never saw.
+  std::string bad = bytes;
+  bad.replace(at, 7, std::string("(dr\xa0\x86\x01\x00", 7));  // memo index 100000
+  write_file(dir / "bad.ckpt", ember::engine::reseal_checkpoint_bytes(bad));
+  const std::string err = load_error(dir / "bad.ckpt");
+  EXPECT_NE(err.find("its pickle's memo index 100000 at byte"), std::string::npos) << err;
 }
 
 // A verified checkpoint's tensors use the file's bytes where they lie (one copy of the file in
