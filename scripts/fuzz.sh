@@ -46,9 +46,13 @@ for which in config checkpoint; do
   mkdir -p "$work" build-fuzz/findings
   echo "== fuzz_$which for ${seconds}s"
   # -timeout: an input that takes longer is a hang (a finding); -rss_limit_mb: so is runaway memory.
+  # The fuzzer's own status decides (a finding exits non-zero); grep only filters what is shown.
+  set +e
   build-fuzz/tests/fuzz/fuzz_$which "$work" "tests/fuzz/corpus/$which" "tests/fuzz/regressions/$which" -max_total_time="$seconds" -timeout=10 \
     -rss_limit_mb=4096 -max_len=65536 -print_final_stats=1 -artifact_prefix=build-fuzz/findings/$which- 2>&1 |
-    grep -E "^(stat::|INFO: seed corpus|#[0-9]+ +DONE|==[0-9]+==|ember fuzz finding|SUMMARY)|Test unit written" || true
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    grep -E "^(stat::|INFO: seed corpus|#[0-9]+ +DONE|==[0-9]+==|ember fuzz finding|SUMMARY)|Test unit written"
+  fuzz_status=${PIPESTATUS[0]}
+  set -e
+  [ "$fuzz_status" -eq 0 ] || { echo "fuzz_$which: finding (exit $fuzz_status), input saved under build-fuzz/findings/" >&2; status=1; }
 done
 exit $status
