@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 
 namespace fs = std::filesystem;
 using ember::engine::crc32c;

@@ -68,7 +68,7 @@ def read_jsonl(path, text_col, label_col):
 
 
 def epoch_order(n, seed, epoch, lengths=None, batch_size=None):
-    """Ember's shuffle (engine/src/data_loader.cpp); with lengths, its length grouping, which is
+    """Ember's shuffle (engine/src/data/data_loader.cpp); with lengths, its length grouping, which is
     transformers' get_length_grouped_indices on the same generator."""
     import torch
     g = torch.Generator().manual_seed(seed * 1000003 + epoch + 1)

@@ -137,7 +137,7 @@ class Recipe:
 
 
 def epoch_order(n, seed, epoch):
-    """Ember's shuffle (engine/src/data_loader.cpp)."""
+    """Ember's shuffle (engine/src/data/data_loader.cpp)."""
     g = torch.Generator().manual_seed(seed * 1000003 + epoch + 1)
     return torch.randperm(n, generator=g)
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up what is missing (scripts/setup.sh), then configures and builds Ember in ./build.
 # Extra CMake arguments: CMAKE_ARGS="-DEMBER_BUILD_TESTS=OFF" scripts/build.sh
+# EMBER_BUILD_TARGET=runnable builds only what training needs (the engine and every plugin; what
+# scripts/quickstart.sh does); the default builds everything, the test suite and benches included.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -14,4 +16,6 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
   cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
     -DEMBER_MPI=ON -DEMBER_CAIRO=ON -DEMBER_PROTOBUF=ON -DEMBER_TCMALLOC=ON ${CMAKE_ARGS:-} >/dev/null
 fi
-cmake --build "$build" -j"$(nproc)"
+target=()
+[ -n "${EMBER_BUILD_TARGET:-}" ] && target=(--target "$EMBER_BUILD_TARGET")
+cmake --build "$build" -j"$(nproc)" "${target[@]}"

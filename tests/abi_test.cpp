@@ -2,7 +2,7 @@
 // that names the file, the field, both values and the fix; a scan skips them with a warning.
 #include <gtest/gtest.h>
 
-#include "plugin_registry.h"
+#include "registry/plugin_registry.h"
 #include "support.h"
 
 using namespace ember::engine;

@@ -11,7 +11,7 @@
 #include <iostream>
 #include <random>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "support.h"
 
 using namespace ember::test;

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint_io.h"
-#include "sharded_checkpoint.h"
+#include "checkpoint/checkpoint_io.h"
+#include "checkpoint/sharded_checkpoint.h"
 #include "support.h"
 
 namespace ember::test {

@@ -9,7 +9,7 @@
 #include <chrono>
 #include <thread>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "filename_template.h"
 #include "support.h"
 #include "topk.h"

@@ -166,6 +166,13 @@ TEST(Cli, CudaGraphRefusesWhatItCannotCapture) {
             std::string::npos)
       << on_cpu.err;
   EXPECT_EQ(on_cpu.err.find("Epoch 0"), std::string::npos) << "refused before training: " << on_cpu.err;
+  // What may be captured is a capability the strategy declares (single_device does), not its name:
+  // ddp, even with one rank, has gradient hooks and collectives inside the step.
+  auto ddp = run_engine({"run.toml", "--plugins", "ddp", "--set", "trainer.accelerator=\"cpu\""}, dir.path());
+  EXPECT_EQ(ddp.exit_code, 2) << ddp.err;
+  EXPECT_NE(ddp.err.find("run.toml:4:14: trainer.cuda_graph = true: strategy 'ddp' does not declare a capturable step"), std::string::npos)
+      << ddp.err;
+  EXPECT_EQ(ddp.err.find("Epoch 0"), std::string::npos) << "refused before training: " << ddp.err;
   auto warmup = run_engine({"run.toml", "--set", "trainer.cuda_graph_warmup_steps=0"}, dir.path());
   EXPECT_EQ(warmup.exit_code, 2) << warmup.err;
   EXPECT_NE(warmup.err.find("trainer.cuda_graph_warmup_steps: must be >= 1, got 0"), std::string::npos) << warmup.err;

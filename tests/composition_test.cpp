@@ -6,7 +6,7 @@
 
 #include <cmath>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "support.h"
 
 using namespace ember::test;

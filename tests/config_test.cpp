@@ -3,8 +3,8 @@
 
 #include <ATen/ATen.h>
 
-#include "run_config.h"
-#include "engine_schema.h"
+#include "config/run_config.h"
+#include "config/engine_schema.h"
 #include "support.h"
 
 using namespace ember::engine;

@@ -9,7 +9,7 @@
 #include <iterator>
 #include <set>
 
-#include "data_loader.h"
+#include "data/data_loader.h"
 
 using namespace ember::engine;
 

@@ -22,9 +22,9 @@
 #include <thread>
 
 #include <ember/model_support/data_parallel.h>
-#include "checkpoint_io.h"
-#include "run_config.h"
-#include "plugin_registry.h"
+#include "checkpoint/checkpoint_io.h"
+#include "config/run_config.h"
+#include "registry/plugin_registry.h"
 #include "support.h"
 
 using namespace ember::test;

@@ -12,7 +12,7 @@
 
 #include <chrono>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "checkpoint_support.h"
 #include "support.h"
 

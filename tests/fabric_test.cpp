@@ -13,7 +13,7 @@
 #include <cmath>
 #include <limits>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "support.h"
 
 namespace {

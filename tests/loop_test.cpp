@@ -7,7 +7,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "checkpoint_support.h"
 #include "support.h"
 
@@ -184,4 +184,25 @@ TEST(Loop, StrategyPrecisionAndHooksNestAsDocumented) {
                       "on_train_batch_start", "precision.optimizer_step", "precision.forward_begin",
                       "precision.forward_end", "on_before_backward", "precision.backward", "on_after_backward",
                       "on_before_optimizer_step", "precision.step", "on_train_batch_end"}));
+}
+
+// The runtime (engine/src/runtime/runtime.h) checks that some plugin ran the step's closure: a
+// precision handler that steps without it would train nothing, silently. One line, exit 1,
+// naming both plugins; nothing is written as if the step had happened.
+TEST(Loop, RuntimeRefusesAStepWhoseClosureNeverRan) {
+  TempDir dir("loop");
+  write_file(dir / "skip.toml", std::string(kRegression) + "\n[traced_precision]\nskip_closure = true\n");
+  auto r = run_engine({"skip.toml", "--plugin-path", test_plugin_dir("good").string(), "--plugins", "traced_precision", "--set",
+                       "trainer.enable_checkpointing=false"},
+                      dir.path());
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("strategy 'single_device' / precision 'traced_precision' did not run the step's closure (a plugin bug)"),
+            std::string::npos)
+      << r.err;
+  // The same handler that runs its closure trains.
+  write_file(dir / "run.toml", std::string(kRegression) + "\n[traced_precision]\n");
+  auto ok = run_engine({"run.toml", "--plugin-path", test_plugin_dir("good").string(), "--plugins", "traced_precision", "--set",
+                        "trainer.enable_checkpointing=false"},
+                       dir.path());
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
 }

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include <ember/model_support/classification.h>
-#include "metrics.h"
+#include "loop/metrics.h"
 
 using namespace ember::engine;
 

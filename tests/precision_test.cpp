@@ -14,7 +14,7 @@
 
 #include <ember/precision_util.h>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "support.h"
 
 using namespace ember::test;

@@ -11,7 +11,7 @@
 #include <fstream>
 #include <thread>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "checkpoint_support.h"
 #include "support.h"
 

@@ -13,7 +13,7 @@
 #include <ember/support/lr_schedule.h>
 #include <ember/support/weight_averaging.h>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "checkpoint_support.h"
 #include "support.h"
 

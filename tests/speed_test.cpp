@@ -21,10 +21,10 @@
 
 #include <ember/model_support/image_augment.h>
 #include "checkpoint_support.h"
-#include "run_config.h"
-#include "device_feed.h"
-#include "engine_schema.h"
-#include "numerics.h"
+#include "config/run_config.h"
+#include "data/device_feed.h"
+#include "config/engine_schema.h"
+#include "runtime/numerics.h"
 #include "support.h"
 
 using namespace ember::test;

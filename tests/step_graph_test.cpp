@@ -1,4 +1,4 @@
-// trainer.cuda_graph's bookkeeping (engine/src/step_graph.h) that runs without a GPU: when a step
+// trainer.cuda_graph's bookkeeping (engine/src/loop/step_graph.h) that runs without a GPU: when a step
 // warms up, is captured or replayed, which batches a replay can take, and that loading a batch
 // keeps the static tensors the graph reads. The capture and replay themselves run on a GPU
 // (tests/gpu_paths.sh: cuda_graph, cuda_graph_16-mixed).
@@ -6,7 +6,7 @@
 
 #include <ATen/ATen.h>
 
-#include "step_graph.h"
+#include "loop/step_graph.h"
 
 using ember::Batch;
 using ember::engine::StepGraph;

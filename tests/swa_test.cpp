@@ -16,7 +16,7 @@
 #include <ember/support/lr_schedule.h>
 #include <ember/support/weight_averaging.h>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "support.h"
 
 using namespace ember::test;
@@ -96,7 +96,7 @@ void expect_close(const at::Tensor& a, const at::Tensor& b, const std::string& w
       << what << ": max difference " << (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
 
-// The synthetic data module's training inputs for seed 0 / trainer.seed 0 (models/synthetic:
+// The synthetic data module's training inputs for seed 0 / trainer.seed 0 (data/synthetic:
 // centroids, then per split labels, a permutation and noise, all from one generator).
 at::Tensor training_inputs(int64_t n, int64_t features, int64_t classes, double noise) {
   auto splitmix64 = [](uint64_t x) {

@@ -11,7 +11,7 @@
 #include <set>
 #include <sstream>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "criteria.h"
 #include "duration.h"
 #include "search.h"

@@ -7,10 +7,10 @@
 #include <cstring>
 #include <memory>
 
-#include "checkpoint_io.h"
-#include "run_config.h"
-#include "engine_schema.h"
-#include "plugin_registry.h"
+#include "checkpoint/checkpoint_io.h"
+#include "config/run_config.h"
+#include "config/engine_schema.h"
+#include "registry/plugin_registry.h"
 
 namespace ember::fuzz {
 namespace {

@@ -12,11 +12,13 @@ namespace {
 
 constexpr EmberConfigKey kKeys[] = {
     ember::key::String("path", "\"hooks.txt\"", "File the calls are appended to."),
+    ember::key::Bool("skip_closure", "false", "A broken handler that steps without running the closure (the runtime must refuse it)."),
 };
 
 class TracedPrecision final : public ember::IPrecision {
  public:
-  explicit TracedPrecision(const ember::IConfig& cfg) : out_(cfg.get_string("path"), std::ios::app) {}
+  explicit TracedPrecision(const ember::IConfig& cfg)
+      : out_(cfg.get_string("path"), std::ios::app), skip_closure_(cfg.get_bool("skip_closure")) {}
   void setup(torch::nn::Module& module, const c10::Device&) override {
     trace("precision.setup");
     module.to(at::kFloat);
@@ -30,7 +32,7 @@ class TracedPrecision final : public ember::IPrecision {
   }
   bool optimizer_step(ember::IOptimizerStep& step) override {
     trace("precision.optimizer_step");
-    step.closure();
+    if (!skip_closure_) step.closure();
     step.before_step();
     trace("precision.step");
     step.step();
@@ -40,6 +42,7 @@ class TracedPrecision final : public ember::IPrecision {
  private:
   void trace(const char* what) { out_ << what << "\n" << std::flush; }
   std::ofstream out_;
+  bool skip_closure_;
 };
 
 ember::IPrecision* make(ember::IHost&, const ember::IConfig& cfg) { return new TracedPrecision(cfg); }

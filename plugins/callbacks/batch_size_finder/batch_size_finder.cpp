@@ -85,11 +85,7 @@ class BatchSizeFinder final : public ember::Callback {
                             "would leave the others waiting); find the size with trainer.devices = 1, then set "
                             "[data] batch_size");
     const int64_t configured = t.batch_size();
-    cuda_ = false;
-    for (const auto& p : t.module().parameters()) {
-      cuda_ = p.is_cuda();
-      break;
-    }
+    cuda_ = t.root_device().is_cuda();
     if (cuda_ && budget_bytes_ > 0)
       host_.log(ember::LogLevel::warn, "batch_size_finder: memory_budget_mb applies to CPU training; on CUDA the "
                                        "search stops at the first out-of-memory");

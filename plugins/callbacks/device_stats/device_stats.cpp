@@ -67,11 +67,7 @@ class DeviceStats final : public ember::Callback {
       last_cpu_ = cpu;
     }
     if (cuda_) {
-      c10::Device device(c10::kCPU);
-      for (const auto& p : t.module().parameters()) {
-        device = p.device();
-        break;
-      }
+      const c10::Device device = t.root_device();
       if (device.is_cuda()) {
         using c10::CachingAllocator::StatType;
         const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());

@@ -78,11 +78,7 @@ class Throughput final : public ember::Callback {
     if (flops_mode_ == "none") return;
     // The device's peak, for MFU.
     std::string device = "cpu";
-    for (const auto& p : t.module().parameters()) {
-      device = p.device().str();
-      if (p.is_cuda()) device = at::cuda::getDeviceProperties(p.device().index())->name;
-      break;
-    }
+    if (const c10::Device d = t.root_device(); d.is_cuda()) device = at::cuda::getDeviceProperties(d.index())->name;
     const auto dtype = run_compute_dtype(t);
     if (peak_tflops_ > 0) {
       peak_ = peak_tflops_ * 1e12;

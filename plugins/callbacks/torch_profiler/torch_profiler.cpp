@@ -170,10 +170,7 @@ class TorchProfiler final : public ember::Callback {
   }
 
   void on_train_start(ember::ITrainer& t) override {
-    for (const auto& p : t.module().parameters()) {
-      cuda_ = p.is_cuda();
-      break;
-    }
+    cuda_ = t.root_device().is_cuda();
     if (nvtx_ && state_ == State::idle) {
       prof::enableProfiler(torch::profiler::impl::ProfilerConfig(torch::profiler::impl::ProfilerState::NVTX, shapes_), {},
                            {at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE, at::RecordScope::BACKWARD_FUNCTION});

@@ -1,7 +1,7 @@
 // ddp: multi-process data parallel on LibTorch's c10d. One rank per device; gradients are
 // all-reduced in buckets while backward runs (grad_buckets.h); ranks come from the local
 // launcher (trainer.devices = N), torchrun, mpirun or srun, and talk through NCCL on GPUs or
-// Open MPI on CPUs (plugins/strategies/common: ember_strategy_dist, docs/decisions.md).
+// Open MPI on CPUs (sdk/distributed: Ember::distributed, docs/decisions.md).
 #include <ember/error.h>
 #include <ember/grad_util.h>
 #include <ember/plugin.h>
@@ -12,7 +12,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
-#include "communicator.h"
+#include <ember/distributed/communicator.h>
 #include "grad_buckets.h"
 
 namespace {

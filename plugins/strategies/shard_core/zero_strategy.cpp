@@ -1,5 +1,5 @@
 // ZeRO data parallel, shared by the `sharded` and `offload` plugins (docs/strategy.md). Multi-process
-// like ddp (same launch, rendezvous, timeouts and collectives: plugins/strategies/common), and it
+// like ddp (same launch, rendezvous, timeouts and collectives: sdk/distributed, Ember::distributed), and it
 // owns the model's state through strategy contract 2:
 //   stage 1  the optimizer state is sharded: each rank steps its 1/N of every parameter; gradients
 //            stay whole until the updating micro-batch, then are reduce-scattered;

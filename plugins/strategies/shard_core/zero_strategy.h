@@ -15,7 +15,7 @@
 #include <optional>
 #include <string>
 
-#include "communicator.h"
+#include <ember/distributed/communicator.h>
 
 namespace ember_shard {
 

@@ -10,6 +10,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <cstring>
 #include <string>
 
 namespace {
@@ -56,6 +57,12 @@ class SingleDevice final : public ember::ReplicatingStrategy {
     }
     host_.log(ember::LogLevel::info, "single_device: training on " + device_.str());
     return true;
+  }
+
+  // One process, no gradient hooks, no collectives: a step can be captured as a CUDA graph.
+  void* query_interface(const char* iid) override {
+    if (std::strcmp(iid, ember::kCapturableStepIid) == 0) return this;
+    return ReplicatingStrategy::query_interface(iid);
   }
 
   c10::Device root_device() const override { return device_; }

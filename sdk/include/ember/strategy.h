@@ -92,6 +92,15 @@ class EMBER_SDK_API ITensorBroadcast {
   virtual at::Tensor broadcast(const at::Tensor& value, int64_t src) = 0;
 };
 
+// Capability (SDK 1.3): IStrategy::query_interface(kCapturableStepIid) != nullptr says that this
+// strategy's backward and optimizer step, on the process count it runs with, do no host work and
+// no collective between forward and the optimizer step (no gradient hooks that leave the device,
+// no communication), so the engine may capture forward, loss and backward of a step as one CUDA
+// graph and replay it (trainer.cuda_graph, docs/step.md). The engine never asks for a strategy
+// by name; a strategy without this answer is refused for trainer.cuda_graph in one line. The
+// pointer it returns is never dereferenced (return `this`).
+inline constexpr const char* kCapturableStepIid = "ember.capability.CapturableStep/1";
+
 // ---------------------------------------------------------------------------------------------
 // SDK 1.2: strategy contract 2, "the strategy owns the model's state" (docs/strategy.md).
 //

@@ -7,6 +7,8 @@
 #include <string_view>
 #include <vector>
 
+#include <c10/core/Device.h>
+
 #include "ember/types.h"
 
 namespace torch::nn { class Module; }
@@ -138,6 +140,14 @@ class EMBER_SDK_API ITrainer {
   // After a caller changed trained_parameters() in place (weights swapped in or out): brings the
   // module's own parameters up to date. Collective: every rank calls it at the same point.
   virtual void parameters_changed() = 0;
+
+  // ---- SDK 1.4 (appended; plugins built against 1.0-1.3 never call it) ----
+
+  // The device this rank trains on (the strategy's root device): where a callback puts its own
+  // tensors and which device it asks for memory, clocks or peak FLOP/s. Never guess it from a
+  // module parameter: a sharding strategy may have freed them, and a model may hold some on the
+  // host. Ensures: the same device for the whole run.
+  virtual c10::Device root_device() const = 0;
 };
 
 // Extension interface (query_interface(kTrainerAwareIid)) for plugins that are not callbacks

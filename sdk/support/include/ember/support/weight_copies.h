@@ -83,12 +83,10 @@ inline int64_t update_batch_norm(ember::ITrainer& t) {
   {
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
     rng.emplace_back(cpu, cpu.get_state());
-    for (const auto& p : t.module().parameters())
-      if (p.device().is_cuda()) {
-        at::Generator g = at::globalContext().defaultGenerator(p.device());
-        rng.emplace_back(g, g.get_state());
-        break;
-      }
+    if (const c10::Device device = t.root_device(); !device.is_cpu()) {
+      at::Generator g = at::globalContext().defaultGenerator(device);
+      rng.emplace_back(g, g.get_state());
+    }
   }
   const bool was_training = t.module().is_training();
   t.module().train();

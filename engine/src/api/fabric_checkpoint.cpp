@@ -1,0 +1,96 @@
+// Fabric::save / Fabric::load: the program's state in the engine's checkpoint format
+// (docs/checkpoint.md), so `engine --resume` reads the model and optimizer of a Fabric checkpoint,
+// and Fabric::load reads the engine's. The program's own values go under the key `fabric`.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/optim/optimizer.h>
+
+#include "api/fabric_impl.h"
+#include "checkpoint/checkpoint_document.h"
+#include "checkpoint/checkpoint_io.h"
+#include "loop/training_state.h"
+
+namespace ember {
+
+c10::Dict<std::string, at::Tensor> Fabric::full_model_state(bool rank0_only) {
+  impl_->require_setup("full_model_state");
+  return impl_->runtime->state().full_model_state(rank0_only);
+}
+
+void Fabric::save(const std::string& path, const FabricState& state) {
+  auto& d = *impl_;
+  d.ensure_launched();
+  if ((state.model || state.optimizer) && !d.runtime->is_setup())
+    throw RunError("ember::Fabric::save: call setup(module, optimizer factory) first, or save with model = optimizer = false");
+  auto& rt = *d.runtime;
+  auto write = [&](const c10::Dict<std::string, at::Tensor>* model_state, const std::string* optimizer_state) {
+    auto ck = engine::checkpoint_header(state.epoch, state.global_step, !state.optimizer, d.plan.config.to_toml());
+    c10::Dict<std::string, std::string> versions;
+    versions.insert(rt.strategy().name, rt.strategy().version);
+    if (rt.has_precision()) versions.insert(rt.precision().name, rt.precision().version);
+    ck.insert("plugin_versions", versions);
+    // The engine's loop position: the end of epoch `epoch`, so a resume goes on with the next.
+    ck.insert("loops", engine::TrainingState::end_of_epoch(state.epoch, state.global_step).to_ivalue());
+    ck.insert("rng", engine::rng_state());
+    auto plugins = engine::checkpoint_dict();
+    if (auto s = rt.strategy_object().state_dict(); !s.isNone()) plugins.insert("strategy", s);
+    if (rt.has_precision())
+      if (auto s = rt.precision_object().state_dict(); !s.isNone()) plugins.insert("precision", s);
+    ck.insert("plugins", plugins);
+    ck.insert("callbacks", engine::checkpoint_dict());
+    ck.insert("loggers", engine::checkpoint_dict());
+    if (model_state) ck.insert("state_dict", *model_state);
+    if (optimizer_state) ck.insert("optimizer", engine::bytes_tensor(*optimizer_state));
+    auto values = engine::checkpoint_dict();
+    for (const auto& [k, v] : state.values) values.insert(k, v);
+    ck.insert("fabric", values);
+    engine::save_checkpoint_file(path, ck);
+  };
+  // Collective: the strategy gathers the full state onto rank 0 (sharding strategies); rank 0's
+  // failure ends every rank.
+  rt.save_full(state.model, state.optimizer, [&](const c10::Dict<std::string, at::Tensor>& model, const std::string& optimizer) {
+    write(state.model ? &model : nullptr, state.optimizer ? &optimizer : nullptr);
+  }, "checkpoint " + path);
+}
+
+FabricState Fabric::load(const std::string& path) {
+  auto& d = *impl_;
+  d.ensure_launched();
+  const std::string where = "checkpoint " + path;
+  c10::impl::GenericDict ck = engine::load_checkpoint_file(path);  // checks every record's CRC32C
+  FabricState out;
+  out.model = ck.contains("state_dict");
+  out.optimizer = ck.contains("optimizer");
+  if ((out.model || out.optimizer) && !d.runtime->is_setup())
+    throw RunError("ember::Fabric::load: " + where + " holds a model; call setup(module, optimizer factory) before load");
+  if (out.model) {
+    try {
+      d.runtime->state().load_full_model_state(c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict()));
+    } catch (const RunError& e) {
+      throw RunError(where + ": " + e.what());
+    }
+  }
+  if (out.optimizer) {
+    try {
+      d.runtime->state().load_full_optimizer_state(engine::tensor_bytes(ck.at("optimizer").toTensor()));
+    } catch (const c10::Error& e) {
+      throw RunError(where + ": optimizer state does not fit this optimizer (" +
+                     std::string(e.what_without_backtrace()).substr(0, 160) + "); build the same optimizer in setup()");
+    }
+  }
+  if (ck.contains("plugins")) {
+    auto plugins = ck.at("plugins").toGenericDict();
+    if (plugins.contains("strategy")) d.runtime->strategy_object().load_state_dict(plugins.at("strategy"));
+    if (plugins.contains("precision") && d.runtime->has_precision()) d.runtime->precision_object().load_state_dict(plugins.at("precision"));
+  }
+  if (ck.contains("loops")) {
+    const auto position = engine::TrainingState::from_ivalue(ck.at("loops").toGenericDict());
+    out.global_step = position.global_step;
+    out.epoch = position.epoch;
+  }
+  if (ck.contains("fabric"))
+    for (const auto& e : ck.at("fabric").toGenericDict()) out.values.emplace(e.key().toStringRef(), e.value());
+  return out;
+}
+
+}  // namespace ember

@@ -1,0 +1,38 @@
+// The engine's commands, callable from main() and from tests. Exported from libember.so (EMBER_API)
+// for the `engine` binary only; they are not part of the library's public API.
+#pragma once
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <ember/library.h>
+#include <ember/types.h>
+
+#include "config/run_request.h"
+
+namespace ember::engine {
+
+
+// `engine run.toml`: fit, then test when the config asks. Returns the exit code.
+EMBER_API int run_training(const RunRequest& request);
+// `engine validate|test|predict [--ckpt best|last|PATH] run.toml`: one validation or test pass
+// over the checkpoint's weights ("" = the freshly set-up model), results printed; or (predict)
+// the predictions for data.predict_split in <run folder>/predictions.csv. Returns the exit code.
+EMBER_API int evaluate_checkpoint(const RunRequest& request, Split split, const std::string& checkpoint, bool predict = false);
+// `engine checkpoint consolidate DIR OUT.ckpt`: the single-file checkpoint of a sharded checkpoint
+// directory (what single_device and Python read), made by restoring DIR into the run's own
+// configuration on one process.
+EMBER_API int consolidate_checkpoint(const RunRequest& request, const std::string& dir, const std::string& out);
+// `engine export CKPT --format safetensors OUT` (weights_export.cpp): the checkpoint's model
+// weights as OUT (a .safetensors file) or OUT/model.safetensors plus the files the model exports
+// (ember::IExportableModel: e.g. config.json and the tokenizer for transformers). CKPT may be a
+// sharded checkpoint folder (consolidated first).
+EMBER_API int export_weights(const RunRequest& request, const std::string& checkpoint, const std::string& format,
+                             const std::string& out);
+// `engine config run.toml`: prints the resolved configuration.
+EMBER_API int print_config(const RunRequest& request, std::ostream& out);
+// `engine plugins list` / `engine plugins info NAME`.
+EMBER_API int list_plugins(const std::vector<std::string>& plugin_paths, std::ostream& out);
+EMBER_API int plugin_info(const std::string& name, const std::vector<std::string>& plugin_paths, std::ostream& out);
+
+}  // namespace ember::engine

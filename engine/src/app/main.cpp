@@ -1,0 +1,163 @@
+// engine: train from a TOML file with plugins chosen at run time.
+#include <c10/util/Exception.h>
+#include <torch/headeronly/version.h>
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <boost/program_options.hpp>
+
+#include <ember/error.h>
+
+#include "config/run_config.h"
+#include "common/log.h"
+#include "app/plot.h"
+#include "registry/plugin_registry.h"
+#include "app/commands.h"
+#include "common/version.h"
+
+namespace po = boost::program_options;
+using namespace ember::engine;
+
+namespace {
+
+const char* kUsage =
+    "usage:\n"
+    "  engine [--plugins a,b,...] [--set section.key=value ...] [--resume last|best|PATH] run.toml\n"
+    "      train (fit, then test when trainer.test_after_fit is set)\n"
+    "  engine validate|test|predict [--ckpt best|last|PATH] [--plugins ...] [--set ...] run.toml\n"
+    "      one validation or test pass (Lightning's trainer.validate/test) over a checkpoint's weights, or\n"
+    "      predictions.csv for data.predict_split (trainer.predict); best/last: the newest run of this\n"
+    "      config that saved one; no --ckpt: the model as set up\n"
+    "  engine config [--plugins ...] [--set ...] run.toml   print the resolved configuration as TOML\n"
+    "  engine plugins list                                   list the plugins found\n"
+    "  engine plugins info NAME                              a plugin's kind, version, file and config keys\n"
+    "  engine checkpoint consolidate DIR OUT.ckpt            one checkpoint file from a sharded checkpoint directory\n"
+    "  engine export CKPT [--format safetensors] OUT         the checkpoint's model weights for other libraries: OUT.safetensors,\n"
+    "      or a folder with model.safetensors and what the model adds (bert: config.json and tokenizer for transformers)\n"
+    "  engine plot RUN_DIR... --output FILE.png              draw the runs' loss, accuracy and lr curves\n";
+
+std::vector<std::string> split_commas(const std::vector<std::string>& items) {
+  std::vector<std::string> out;
+  for (const auto& item : items) {
+    size_t start = 0;
+    while (start <= item.size()) {
+      auto end = item.find(',', start);
+      auto part = item.substr(start, end == std::string::npos ? std::string::npos : end - start);
+      if (!part.empty()) out.push_back(part);
+      if (end == std::string::npos) break;
+      start = end + 1;
+    }
+  }
+  return out;
+}
+
+int run(int argc, char** argv) {
+  po::options_description opts("options");
+  opts.add_options()
+      ("help,h", "show this help")
+      ("version", "print the engine and SDK versions")
+      ("plugins,p", po::value<std::vector<std::string>>()->composing(), "plugins to load, comma-separated (repeatable)")
+      ("set,s", po::value<std::vector<std::string>>()->composing(), "override a config value: section.key=value (repeatable)")
+      ("resume", po::value<std::string>(), "resume training: last, best, or a checkpoint file")
+      ("ckpt", po::value<std::string>(), "engine validate/test/predict: the weights to evaluate: best, last, or a checkpoint file")
+      ("plugin-path", po::value<std::vector<std::string>>()->composing(), "extra folder to search for plugins (repeatable)")
+      ("output,o", po::value<std::string>(), "engine plot: the PNG file to write")
+      ("format", po::value<std::string>()->default_value("safetensors"), "engine export: the format to write (safetensors)")
+      ("quiet,q", "only warnings and errors")
+      ("verbose,v", "debug output");
+  po::options_description hidden;
+  hidden.add_options()("args", po::value<std::vector<std::string>>(), "command and files");
+  po::options_description all;
+  all.add(opts).add(hidden);
+  po::positional_options_description pos;
+  pos.add("args", -1);
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(all).positional(pos).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw UsageError(std::string(e.what()) + " (engine --help shows the usage)");
+  }
+  if (vm.count("help")) {
+    std::cout << kUsage << "\n" << opts;
+    return 0;
+  }
+  if (vm.count("version")) {
+    std::cout << "engine " << kEmberVersion << " (sdk abi " << EMBER_SDK_ABI_MAJOR << "." << EMBER_SDK_ABI_MINOR
+              << ", libtorch " << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << "." << TORCH_VERSION_PATCH << ")\n";
+    return 0;
+  }
+  ember::log::init(0, vm.count("quiet") ? ember::log::Level::warn
+                      : vm.count("verbose") ? ember::log::Level::debug
+                                            : ember::log::Level::info);
+  auto args = vm.count("args") ? vm["args"].as<std::vector<std::string>>() : std::vector<std::string>{};
+  auto list = [&](const char* key) {
+    return vm.count(key) ? vm[key].as<std::vector<std::string>>() : std::vector<std::string>{};
+  };
+  RunRequest req;
+  req.plugins = split_commas(list("plugins"));
+  req.sets = list("set");
+  req.plugin_paths = list("plugin-path");
+  if (vm.count("resume")) req.resume = vm["resume"].as<std::string>();
+  req.argv.assign(argv, argv + argc);
+
+  if (args.empty()) throw UsageError(std::string("no config file given\n") + kUsage);
+  if (args[0] == "plugins") {
+    if (args.size() == 2 && args[1] == "list") return list_plugins(req.plugin_paths, std::cout);
+    if (args.size() == 3 && args[1] == "info") return plugin_info(args[2], req.plugin_paths, std::cout);
+    throw UsageError("expected `engine plugins list` or `engine plugins info NAME`");
+  }
+  if (args[0] == "checkpoint") {
+    if (args.size() == 4 && args[1] == "consolidate") return consolidate_checkpoint(req, args[2], args[3]);
+    throw UsageError("expected `engine checkpoint consolidate DIR OUT.ckpt`");
+  }
+  if (args[0] == "export") {
+    if (args.size() != 3) throw UsageError("expected `engine export CKPT --format safetensors OUT` (OUT: a folder, or a file ending in .safetensors)");
+    return export_weights(req, args[1], vm["format"].as<std::string>(), args[2]);
+  }
+  if (args[0] == "plot")
+    return plot_runs(std::vector<std::string>(args.begin() + 1, args.end()),
+                     vm.count("output") ? vm["output"].as<std::string>() : std::string(), std::cout);
+  if (args[0] == "config") {
+    if (args.size() != 2) throw UsageError("expected `engine config run.toml`");
+    req.config_path = args[1];
+    return print_config(req, std::cout);
+  }
+  if (args[0] == "validate" || args[0] == "test" || args[0] == "predict") {
+    if (args.size() != 2) throw UsageError("expected `engine " + args[0] + " [--ckpt best|last|PATH] run.toml`");
+    if (!req.resume.empty()) throw UsageError("--resume continues training; `engine " + args[0] + "` takes --ckpt best|last|PATH");
+    req.config_path = args[1];
+    return evaluate_checkpoint(req, args[0] == "test" ? ember::Split::test : ember::Split::val,
+                               vm.count("ckpt") ? vm["ckpt"].as<std::string>() : std::string(), args[0] == "predict");
+  }
+  if (vm.count("ckpt")) throw UsageError("--ckpt is for `engine validate|test|predict`; to continue training from a checkpoint use --resume");
+  if (args.size() != 1) throw UsageError("expected one config file, got " + std::to_string(args.size()) + " arguments");
+  req.config_path = args[0];
+  return run_training(req);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const UsageError& e) {
+    ember::log::error(e.what());
+    return 2;
+  } catch (const ember::ConfigError& e) {
+    ember::log::error(e.what());
+    return 2;
+  } catch (const PluginError& e) {
+    ember::log::error(e.what());
+    return 2;
+  } catch (const c10::Error& e) {
+    ember::log::error(std::string("run failed: ") + e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    ember::log::error(std::string("run failed: ") + e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,176 @@
+// `engine export CKPT --format safetensors OUT`: a checkpoint's model weights as a safetensors
+// file (or a folder with model.safetensors and the files the model says another library needs).
+// The model plugin is made from the checkpoint's own configuration only to learn the names it
+// exports under (ember::IExportableModel) and to check that the checkpoint's state_dict is the
+// module's; the weights written are the checkpoint's tensors, unchanged in value and dtype.
+#include <ATen/core/Tensor.h>
+#include <c10/util/StringUtil.h>
+#include <torch/nn/module.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ember/model.h>
+#include <ember/model_export.h>
+#include <ember/support/safetensors.h>
+
+#include "checkpoint/checkpoint_io.h"
+#include "app/commands.h"
+#include "registry/composition.h"
+#include "common/log.h"
+#include "app/scratch_dir.h"
+#include "checkpoint/sharded_checkpoint.h"
+#include "common/version.h"
+
+namespace fs = std::filesystem;
+
+namespace ember::engine {
+namespace {
+
+std::string size_text(size_t bytes) {
+  if (bytes < 1000000) return c10::str(bytes / 1000.0, " kB");
+  if (bytes < 1000000000) return c10::str(bytes / 1e6, " MB");
+  return c10::str(bytes / 1e9, " GB");
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// The module's parameters and buffers by name: what the checkpoint's state_dict must hold.
+std::map<std::string, at::Tensor> module_tensors(torch::nn::Module& module) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : module.named_parameters()) out.emplace(p.key(), p.value());
+  for (const auto& b : module.named_buffers()) out.emplace(b.key(), b.value());
+  return out;
+}
+
+// The checkpoint's `class_names` (empty in one written before they were kept, or of data that
+// names no classes).
+std::vector<std::string> class_names(const c10::impl::GenericDict& checkpoint, const std::string& ckpt) {
+  std::vector<std::string> names;
+  if (!checkpoint.contains("class_names")) return names;
+  const c10::IValue& v = checkpoint.at("class_names");
+  if (!v.isList()) throw UsageError(ckpt + ": class_names is not a list of strings (a damaged or foreign checkpoint)");
+  for (const auto& e : v.toListRef()) {
+    if (!e.isString()) throw UsageError(ckpt + ": class_names is not a list of strings (a damaged or foreign checkpoint)");
+    names.push_back(e.toStringRef());
+  }
+  return names;
+}
+
+// Exports `ckpt` (a single checkpoint file).
+int export_file(const RunRequest& base, const std::string& ckpt, const std::string& out) {
+  const auto checkpoint = load_checkpoint_file(ckpt);  // checks every record's checksum
+  if (!checkpoint.contains("state_dict") || !checkpoint.at("state_dict").isGenericDict())
+    throw UsageError(ckpt + ": holds no model weights (state_dict): export a checkpoint that the checkpoint callback or ember::Fabric::save wrote with the model");
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  for (const auto& e : checkpoint.at("state_dict").toGenericDict()) {
+    if (!e.value().isTensor()) throw UsageError(ckpt + ": state_dict entry '" + e.key().toStringRef() + "' is not a tensor");
+    state.emplace_back(e.key().toStringRef(), e.value().toTensor());
+  }
+
+  // The model, made from the configuration the checkpoint was trained with (--set may change it,
+  // e.g. a model folder that moved). A checkpoint of a program's own loop has no model plugin.
+  std::string model_name = "(module)";
+  std::vector<std::pair<std::string, std::string>> files;
+  std::string note = "torch: model.load_state_dict(safetensors.torch.load_file(path)) with the module's own names";
+  EngineHost host;
+  Named<IModel> model;
+  const std::string config_text = checkpoint.contains("config") && checkpoint.at("config").isString()
+                                      ? checkpoint.at("config").toStringRef() : std::string();
+  if (!config_text.empty() && RawConfig::parse(config_text, ckpt).peek_string("model", "name")) {
+    RunRequest req = base;
+    req.config_path = ckpt + " (its config)";
+    req.config_text = config_text;
+    const Plan plan = make_plan(req);
+    make_plugin_object(model, *plan.model, host, plan.config.section("model"));
+    model_name = model.name;
+    // The checkpoint must be this module's: same names, same shapes (a changed config or model
+    // folder would otherwise export names that do not fit the tensors).
+    const auto expected = module_tensors(model.object->module());
+    std::map<std::string, bool> seen;
+    for (const auto& [name, t] : state) {
+      const auto it = expected.find(name);
+      if (it == expected.end())
+        throw UsageError(c10::str(ckpt, ": state_dict has '", name, "', which model '", model.name,
+                                  "' built from the checkpoint's config does not have: the config or the model's files changed since it was saved"));
+      if (it->second.sizes() != t.sizes())
+        throw UsageError(c10::str(ckpt, ": state_dict '", name, "' has shape ", t.sizes(), ", model '", model.name,
+                                  "' built from the checkpoint's config has ", it->second.sizes(), ": the config or the model's files changed"));
+      seen[name] = true;
+    }
+    for (const auto& [name, t] : expected)
+      if (!seen.count(name))
+        throw UsageError(c10::str(ckpt, ": state_dict lacks '", name, "' of model '", model.name, "': not a checkpoint of this model"));
+    auto* exportable2 = static_cast<IExportableModel2*>(model.object->query_interface(kExportableModel2Iid));
+    auto* exportable = exportable2 ? exportable2 : static_cast<IExportableModel*>(model.object->query_interface(kExportableModelIid));
+    if (exportable) {
+      std::vector<std::pair<std::string, at::Tensor>> renamed;
+      for (auto& [name, t] : state) {
+        std::string to = exportable->exported_name(name);
+        if (!to.empty()) renamed.emplace_back(std::move(to), t);
+      }
+      state = std::move(renamed);
+      files = exportable2 ? exportable2->exported_files_with_classes(class_names(checkpoint, ckpt)) : exportable->exported_files();
+      note = exportable->export_note();
+    }
+  }
+
+  const bool one_file = ends_with(out, ".safetensors");
+  std::error_code ec;
+  if (!one_file && fs::exists(out, ec) && !fs::is_directory(out, ec))
+    throw UsageError(out + " exists and is not a folder: give a folder, or a file name ending in .safetensors");
+  const fs::path weights = one_file ? fs::path(out) : fs::path(out) / "model.safetensors";
+  if (!weights.parent_path().empty() && !fs::is_directory(weights.parent_path(), ec)) {
+    if (one_file) throw UsageError(out + ": no folder " + weights.parent_path().string() + " to write it in");
+    fs::create_directories(weights.parent_path(), ec);
+    if (ec) throw UsageError(out + ": cannot create the folder: " + ec.message());
+  }
+  for (const auto& [name, _] : files)
+    if (name.empty() || name.find('/') != std::string::npos || name == "model.safetensors")
+      throw RunError("model '" + model_name + "' asks to export a file named '" + name + "': not a plain file name");
+
+  size_t bytes = 0;
+  for (const auto& [_, t] : state) bytes += static_cast<size_t>(t.numel()) * t.element_size();
+  // "format": "pt" is what transformers and safetensors.torch look for.
+  support::write_safetensors(weights.string(), state,
+                             {{"format", "pt"}, {"ember_version", kEmberVersion}, {"ember_model", model_name},
+                              {"ember_checkpoint", fs::path(ckpt).filename().string()}});
+  if (!one_file)
+    for (const auto& [name, text] : files) atomic_write(fs::path(out) / name, text.data(), text.size());
+  std::string extra;
+  if (!files.empty()) {
+    if (one_file) {
+      extra = c10::str("; ", files.size(), " file(s) the model exports beside the weights (", files.front().first,
+                       "...) were not written: give a folder as OUT to get them");
+    } else {
+      extra = " with";
+      for (const auto& [name, _] : files) extra += " " + name;
+    }
+  }
+  log::info(c10::str("wrote ", weights.string(), " (", state.size(), " tensors, ", size_text(bytes), ") from ", ckpt, extra));
+  log::info("load it with " + note);
+  return 0;
+}
+
+}  // namespace
+
+int export_weights(const RunRequest& base, const std::string& checkpoint, const std::string& format, const std::string& out) {
+  if (format != "safetensors") throw UsageError("--format " + format + ": not a format engine export writes (formats: safetensors)");
+  if (out.empty()) throw UsageError("engine export needs the output: a folder, or a file name ending in .safetensors");
+  std::error_code ec;
+  if (fs::is_regular_file(checkpoint, ec)) return export_file(base, checkpoint, out);
+  if (!is_sharded_checkpoint(checkpoint)) throw UsageError(checkpoint + ": no such checkpoint file or sharded checkpoint folder");
+  // A sharded checkpoint: one file first, in a scratch folder, as `engine checkpoint consolidate` makes it.
+  const ScratchDir scratch("ember-export");
+  const std::string whole = (scratch.path() / "consolidated.ckpt").string();
+  if (const int code = consolidate_checkpoint(base, checkpoint, whole); code != 0) return code;
+  return export_file(base, whole, out);
+}
+
+}  // namespace ember::engine

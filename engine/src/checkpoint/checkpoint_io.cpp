@@ -1,0 +1,242 @@
+// Checkpoint files: save and load in torch.save's layout with Ember's manifest (the archive and
+// manifest: archive.*; the guards around the unpickler: pickle_guard.*; container types:
+// container_types.*; atomic writes: atomic_file.*; checksums: crc32c.*).
+#include "checkpoint/checkpoint_io.h"
+
+#include <memory>
+#include <stdexcept>
+#include <string_view>
+
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/import_read.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/csrc/jit/serialization/pickler_helper.h>
+#include <torch/csrc/jit/serialization/storage_context.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
+
+#include "checkpoint/archive.h"
+#include "checkpoint/container_types.h"
+#include "checkpoint/pickle_guard.h"
+
+namespace fs = std::filesystem;
+
+namespace ember::engine {
+
+void save_checkpoint_file(const fs::path& path, const c10::IValue& checkpoint) {
+  // torch.save's layout, as torch::jit::pickle_save writes it, but with untagged containers (no
+  // torch.jit._pickle globals, so torch.load's weights_only unpickler takes it as it is), plus
+  // the container types and the manifest.
+  std::string types;
+  for_each_container(checkpoint, [&](const c10::IValue& c) { types += container_type(c) + "\n"; });
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler([&](const char* p, size_t n) { pickle.insert(pickle.end(), p, p + n); }, nullptr, nullptr,
+                              nullptr, nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(plain(checkpoint));
+  pickler.stop();
+
+  Manifest manifest;
+  manifest.format_version = kCheckpointFormatVersion;
+  if (checkpoint.isGenericDict()) {
+    const auto d = checkpoint.toGenericDict();
+    if (d.contains("format_version") && d.at("format_version").isInt()) manifest.format_version = d.at("format_version").toInt();
+    manifest.weights_only = d.contains("weights_only") && d.at("weights_only").isBool() && d.at("weights_only").toBool();
+  }
+  atomic_write(path, [&](const ByteSink& sink) {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) -> size_t {
+      sink(static_cast<const char*>(data), n);
+      return n;
+    });
+    auto put = [&](const std::string& name, const void* data, size_t size) {
+      writer.writeRecord(name, data, size);
+      manifest.records.push_back({crc32c(data, size), size, name});
+    };
+    const auto& tensors = pickler.tensorData();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto td = torch::jit::getWriteableTensorData(tensors[i]);
+      put("data/" + std::to_string(i), td.data(), td.sizeInBytes());
+    }
+    put("data.pkl", pickle.data(), pickle.size());
+    put(kTypesRecord, types.data(), types.size());
+    const std::string text = format_manifest(manifest);
+    writer.writeRecord(kManifestRecord, text.data(), text.size());
+    writer.writeEndOfFile();
+  });
+}
+
+namespace {
+c10::impl::GenericDict load_checkpoint(const char* data, size_t size, const std::string& where,
+                                       const std::shared_ptr<const char>& owner);
+}  // namespace
+
+c10::impl::GenericDict load_checkpoint_file(const fs::path& path) {
+  auto bytes = std::make_shared<FileBytes>(read_whole_file(path));
+  // The loaded tensors share the file's bytes (see load_checkpoint): one copy of the file in memory.
+  return load_checkpoint(bytes->data.get(), bytes->size, path.string(), std::shared_ptr<const char>(bytes, bytes->data.get()));
+}
+
+c10::impl::GenericDict load_checkpoint_bytes(const char* data, size_t size, const std::string& where) {
+  return load_checkpoint(data, size, where, nullptr);
+}
+
+namespace {
+// `owner`, when given, keeps `data` alive: tensors of a file whose manifest has been verified then
+// use the file's bytes where they lie instead of a copy (every such record was checked at its
+// offset, so it is stored uncompressed), which halves the memory a load takes (a 7B-parameter
+// model's checkpoint would otherwise sit in memory twice while it loads). Without it, or for a
+// file without a manifest, each record is copied.
+c10::impl::GenericDict load_checkpoint(const char* data, size_t size, const std::string& where,
+                                       const std::shared_ptr<const char>& owner) {
+  const std::string_view bytes(data, size);
+  auto not_a_checkpoint = [&](const std::exception& e) {
+    return std::runtime_error("checkpoint " + where + " is corrupt or not a checkpoint (" + short_what(e) + ")");
+  };
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
+  try {
+    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(std::make_shared<BufferReader>(data, size));
+  } catch (const std::exception& e) {
+    throw not_a_checkpoint(e);
+  }
+  bool has_manifest = false;
+  try {
+    has_manifest = reader->hasRecord(kManifestRecord);
+  } catch (const std::exception& e) {
+    throw not_a_checkpoint(e);
+  }
+  if (has_manifest) {
+    Manifest manifest;
+    try {
+      manifest = parse_manifest(read_record_text(*reader, kManifestRecord));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("checkpoint " + where + " is damaged: its manifest (" + std::string(kManifestRecord) +
+                               ") is unreadable: " + short_what(e));
+    }
+    if (manifest.format_version > kCheckpointFormatVersion)
+      throw std::runtime_error("checkpoint " + where + " has format version " + std::to_string(manifest.format_version) +
+                               ", newer than this engine's " + std::to_string(kCheckpointFormatVersion) + " (upgrade the engine)");
+    verify_records(*reader, manifest, bytes, where);
+  }
+  try {
+    if (reader->hasRecord("data.pkl")) {
+      const auto [pickle, pickle_size] = reader->getRecord("data.pkl");
+      check_pickle_claims(std::string_view(static_cast<const char*>(pickle.get()), pickle_size));
+    }
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error("checkpoint " + where + " is not a valid checkpoint: " + e.what());
+  } catch (const std::exception& e) {
+    throw not_a_checkpoint(e);
+  }
+  c10::IValue value;
+  try {
+    // Every storage record is handed to the unpickler with its real size: left to itself, it
+    // sizes a storage by the element count the pickle claims, whatever the record holds.
+    auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();
+    for (const auto& name : reader->getAllRecords()) {
+      if (name.rfind("data/", 0) != 0) continue;
+      if (owner != nullptr && has_manifest) {
+        const size_t offset = reader->getRecordOffset(name), n = reader->getRecordSize(name);
+        auto* keep = new std::shared_ptr<const char>(owner);
+        c10::DataPtr shared(const_cast<char*>(data + offset), keep,
+                            [](void* k) { delete static_cast<std::shared_ptr<const char>*>(k); }, c10::Device(c10::kCPU));
+        storages->addStorage(name.substr(5), c10::Storage(c10::Storage::use_byte_size_t(), n, std::move(shared), nullptr, false));
+        continue;
+      }
+      auto [ptr, size] = reader->getRecord(name);
+      storages->addStorage(name.substr(5), c10::Storage(c10::Storage::use_byte_size_t(), size, std::move(ptr), nullptr, false));
+    }
+    value = torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", std::nullopt, std::nullopt,
+                                              std::nullopt, *reader, torch::jit::Unpickler::defaultTypeParser, storages);
+  } catch (const std::exception& e) {
+    throw not_a_checkpoint(e);
+  }
+  try {
+    check_loaded_value(value);
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error("checkpoint " + where + " is not a valid checkpoint: " + e.what());
+  }
+  if (has_manifest) {
+    try {
+      if (reader->hasRecord(kTypesRecord)) value = restore_types(value, read_record_text(*reader, kTypesRecord));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("checkpoint " + where + " is not a valid checkpoint: its " + std::string(kTypesRecord) +
+                               " record does not fit its contents (" + short_what(e) + ")");
+    }
+  }
+  if (!value.isGenericDict()) throw std::runtime_error("checkpoint " + where + " is not an Ember checkpoint");
+  auto dict = value.toGenericDict();
+  if (!dict.contains("format") || !dict.at("format").isString() || dict.at("format").toStringRef() != kCheckpointFormat)
+    throw std::runtime_error("checkpoint " + where + " is not an Ember checkpoint (no format tag)");
+  int64_t version = dict.contains("format_version") && dict.at("format_version").isInt() ? dict.at("format_version").toInt() : -1;
+  if (version > kCheckpointFormatVersion)
+    throw std::runtime_error("checkpoint " + where + " has format version " + std::to_string(version) +
+                             ", newer than this engine's " + std::to_string(kCheckpointFormatVersion) + " (upgrade the engine)");
+  // Format 2 and later always carry the manifest: without it, its checksums cannot be checked.
+  if (version >= 2 && !has_manifest)
+    throw std::runtime_error("checkpoint " + where + " is damaged: it lacks its manifest (" + std::string(kManifestRecord) +
+                             "), so its checksums cannot be verified: use another checkpoint");
+  return dict;
+}
+}  // namespace
+
+std::string reseal_checkpoint_bytes(std::string_view bytes) {
+  caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BufferReader>(bytes.data(), bytes.size()));
+  Manifest manifest;
+  manifest.format_version = kCheckpointFormatVersion;
+  if (reader.hasRecord(kManifestRecord)) {
+    try {
+      const Manifest old = parse_manifest(read_record_text(reader, kManifestRecord));
+      manifest.format_version = old.format_version;
+      manifest.weights_only = old.weights_only;
+    } catch (const std::invalid_argument&) {
+    }
+  }
+  std::string out;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) -> size_t {
+    out.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  for (const auto& name : reader.getAllRecords()) {
+    if (name == kManifestRecord || !is_payload_record(name)) continue;  // the writer adds its own version records
+    auto [ptr, size] = reader.getRecord(name);
+    writer.writeRecord(name, ptr.get(), size);
+    manifest.records.push_back({crc32c(ptr.get(), size), size, name});
+  }
+  const std::string text = format_manifest(manifest);
+  writer.writeRecord(kManifestRecord, text.data(), text.size());
+  writer.writeEndOfFile();
+  return out;
+}
+
+CheckpointProbe probe_checkpoint_file(const fs::path& path) {
+  CheckpointProbe out;
+  try {
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec)) {
+      out.why = "not a regular file";
+      return out;
+    }
+    {
+      caffe2::serialize::PyTorchStreamReader reader(path.string());
+      if (reader.hasRecord(kManifestRecord)) {
+        const Manifest m = parse_manifest(read_record_text(reader, kManifestRecord));
+        if (m.format_version > kCheckpointFormatVersion) {
+          out.why = "format version " + std::to_string(m.format_version) + " is newer than this engine's";
+          return out;
+        }
+        out.ember = true;
+        out.weights_only = m.weights_only;
+        return out;
+      }
+    }
+    // Format 1 (no manifest): the whole file.
+    const auto d = load_checkpoint_file(path);
+    out.ember = true;
+    out.weights_only = d.contains("weights_only") && d.at("weights_only").isBool() && d.at("weights_only").toBool();
+  } catch (const std::exception& e) {
+    out.ember = false;
+    out.why = short_what(e);
+  }
+  return out;
+}
+
+}  // namespace ember::engine

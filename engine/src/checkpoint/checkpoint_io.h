@@ -1,0 +1,51 @@
+// Checkpoint files (docs/checkpoint.md): a zip archive in torch.save's layout (`data.pkl` plus one
+// `data/<n>` record per tensor storage), so Python's torch.load reads it, plus Ember's own
+// records: `ember/manifest` holds a CRC32C and the size of every payload record and is checked on
+// every load, so a damaged file is refused instead of training on from damaged weights.
+// Files are written atomically (atomic_file.h): a crash or error at any point leaves an earlier
+// file with the same name untouched. The parts: archive.* (zip layout in memory, the manifest),
+// pickle_guard.* (checks around LibTorch's unpickler), container_types.* (static container types),
+// crc32c.*.
+#pragma once
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "checkpoint/atomic_file.h"  // atomic_write, read_whole_file
+#include "checkpoint/crc32c.h"
+
+namespace ember::engine {
+
+void save_checkpoint_file(const std::filesystem::path& path, const c10::IValue& checkpoint);
+// Throws std::runtime_error naming the path when it is missing, unreadable, damaged (a record
+// fails its checksum) or not an Ember checkpoint.
+c10::impl::GenericDict load_checkpoint_file(const std::filesystem::path& path);
+// The same for a file's bytes already in memory; `where` names it in errors.
+c10::impl::GenericDict load_checkpoint_bytes(const char* data, size_t size, const std::string& where);
+
+// The archive `bytes` with its manifest rewritten to fit its records as they are now: what a file
+// damaged or crafted with its checksums made right looks like (fuzzing and tests: the reader must
+// still fail cleanly). Throws when `bytes` is not a readable archive.
+std::string reseal_checkpoint_bytes(std::string_view bytes);
+
+// What a file is, found cheaply (the manifest only, no tensor data) for files of format 2 and
+// later; older files are loaded whole. Never throws.
+struct CheckpointProbe {
+  bool ember = false;         // an Ember checkpoint this engine can read
+  bool weights_only = false;  // saved with save_weights_only: it can be tested, not resumed
+  std::string why;            // when not `ember`: what is wrong, for a message
+};
+CheckpointProbe probe_checkpoint_file(const std::filesystem::path& path);
+
+inline constexpr const char* kCheckpointFormat = "ember-checkpoint";
+// 1: pickle_save's archive, no checksums. 2: + ember/manifest with CRC32C of every record.
+inline constexpr int64_t kCheckpointFormatVersion = 2;
+inline constexpr const char* kManifestRecord = "ember/manifest";
+inline constexpr const char* kTypesRecord = "ember/types";
+
+}  // namespace ember::engine

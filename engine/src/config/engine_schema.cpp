@@ -1,0 +1,218 @@
+#include "config/engine_schema.h"
+
+#include <ember/fused_optim.h>
+#include <ember/plugin.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+namespace ember::engine {
+namespace {
+using namespace ember::key;
+
+constexpr EmberConfigKey kTrainerKeys[] = {
+    Int("max_epochs", nullptr, "Stop after this many epochs; -1 = no limit. Unset: 1000 unless max_steps is set (Lightning).").at_least(-1),
+    Int("max_steps", "-1", "Stop after this many optimizer steps; -1 = no limit.").at_least(-1),
+    Number("overfit_batches", "0.0", "Overfit a fixed part of the data (Lightning's overfit_batches): train and validate on the first batches (an int a count, a float a fraction), in the same order every epoch; 0 = off.").at_least(0),
+    Int("fast_dev_run", "0", "Smoke-test the whole run with this many batches of training, validation and test (true = 1; Lightning's fast_dev_run): one epoch, no sanity check, and the run folder removed at the end (kept when the run fails); 0 = off.").at_least(0),
+    Int("min_epochs", "0", "Train at least this many epochs before a callback's stop request (early_stopping, timer) takes effect; 0 = no minimum (Lightning's min_epochs).").at_least(0),
+    Int("min_steps", "0", "Train at least this many optimizer steps before a callback's stop request takes effect; 0 = no minimum (Lightning's min_steps).").at_least(0),
+    String("max_time", nullptr, "Stop training after this much wall time, \"DD:HH:MM:SS\" (Lightning's max_time): adds the timer callback with this duration."),
+    Number("limit_train_batches", "1.0", "Batches per training epoch: a float is a fraction of the epoch, an int a count.").at_least(0),
+    Number("limit_val_batches", "1.0", "Validation batches per run: fraction (float) or count (int); 0 disables validation.").at_least(0),
+    Number("limit_test_batches", "1.0", "Test batches: fraction (float) or count (int).").at_least(0),
+    Number("limit_predict_batches", "1.0", "`engine predict` batches: fraction (float) or count (int).").at_least(0),
+    Number("val_check_interval", "1.0", "Validate every this fraction of an epoch (float) or every this many training batches (int).").above(0),
+    Int("check_val_every_n_epoch", "1", "Validate every n epochs; 0 = count val_check_interval batches across epochs (Lightning's None).").at_least(0),
+    Int("num_sanity_val_steps", "2", "Validation batches run before training to catch bugs early; -1 = all, 0 = none.").at_least(-1),
+    Int("accumulate_grad_batches", "1", "Accumulate gradients over k batches before each optimizer step.").at_least(1),
+    Float("gradient_clip_val", nullptr, "Clip gradients to this norm or value; unset or 0 = no clipping.").at_least(0),
+    String("gradient_clip_algorithm", "\"norm\"", "How to clip: by total 2-norm or by value.").choices("norm|value"),
+    Int("log_every_n_steps", "50", "Send per-step metrics to loggers every n optimizer steps.").at_least(1),
+    Int("seed", "0", "Seed for parameters, dropout, shuffling and splits.").at_least(0),
+    Bool("deterministic", "false", "Use deterministic algorithms only (torch.use_deterministic_algorithms)."),
+    String("accelerator", "\"auto\"", "Device type: cuda when available, else cpu (auto), or force one.").choices("auto|cpu|cuda"),
+    Int("devices", "1", "Devices (processes for ddp) per node.").at_least(1),
+    Int("num_nodes", "1", "Machines taking part in the run.").at_least(1),
+    String("strategy", "\"single_device\"", "Strategy plugin: single_device, or another installed strategy."),
+    String("precision", "\"32-true\"", "Precision: 64-true, 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true (or 64, 32, 16, bf16), auto (the fastest the device runs well, printed at start-up), or a precision plugin name."),
+    String("default_root_dir", "\"runs\"", "Folder under which runs are written: <default_root_dir>/<name>/version_<n>."),
+    String("name", nullptr, "Experiment name; unset = the config file's name without extension."),
+    Int("version", nullptr, "Run version folder to use; unset = the next free version_<n>.").at_least(0),
+    Bool("logger", "true", "Add the default logger (csv) when no logger plugin is named."),
+    Bool("enable_checkpointing", "true", "Add the default checkpoint callback when none is named."),
+    Bool("enable_progress_bar", "true", "Show progress (in place on a terminal, periodic lines otherwise)."),
+    Bool("enable_model_summary", "true", "Add the default model_summary callback (layer table at fit start) when none is named."),
+    Bool("test_after_fit", "false", "Run the test split after fit, on the checkpoint named by test_ckpt."),
+    String("test_ckpt", "\"best\"", "Weights to test after fit: best or last checkpoint, or the weights in memory (current).").choices("best|last|current"),
+    StringList("stop_signals", "[\"SIGINT\", \"SIGTERM\", \"SIGUSR1\"]", "Signals that stop training after the current optimizer step, save last.ckpt and exit with 128+signal (SIGUSR1: Slurm's warning before the time limit, sbatch --signal=B:USR1@120). Any of SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT, SIGXCPU."),
+    Int("num_threads", "0", "CPU threads for LibTorch's intra-op parallelism; 0 = OMP_NUM_THREADS when set, else the CPUs this process may use (sched_getaffinity), shared by the node's CPU processes.").at_least(0),
+    Bool("flush_denormal", "true", "Flush denormal floats to zero on the CPU (torch.set_flush_denormal): x86 computes them up to 100x slower, and training drives many weights and gradients there."),
+    String("float32_matmul_precision", "\"highest\"", "torch.set_float32_matmul_precision: highest (full float32), high (TF32 on CUDA tensor cores), medium (also bfloat16 passes).").choices("highest|high|medium"),
+    Bool("benchmark", nullptr, "torch.backends.cudnn.benchmark (Lightning's Trainer(benchmark)): time the cuDNN algorithms for each new input shape and keep the fastest; unset = on unless deterministic."),
+    Bool("cuda_graph", "false", "Capture forward, loss and backward as one CUDA graph after cuda_graph_warmup_steps and replay it for every batch of the same shapes: one launch instead of hundreds (the optimizer step, loss scaling, clipping and hooks run around it as usual). single_device on a GPU, no gradient accumulation (refused otherwise, at start-up)."),
+    Int("cuda_graph_warmup_steps", "3", "Steps run as usual before the capture (cuDNN and cuBLAS settle, the optimizer makes its state).").at_least(1),
+    Bool("channels_last", "false", "Keep 4-d parameters and input batches in channels-last (NHWC) memory format, which oneDNN and cuDNN convolutions run faster on many devices."),
+};
+
+constexpr EmberConfigKey kOptimizerKeys[] = {
+    String("name", "\"adam\"", "Optimizer: sgd, adam, adamw, rmsprop or adagrad (unless the model builds its own).").choices("sgd|adam|adamw|rmsprop|adagrad"),
+    Float("lr", "0.001", "Learning rate.").above(0),
+    Float("weight_decay", nullptr, "L2 penalty (decoupled for adamw); unset = the optimizer's default (0, or 0.01 for adamw).").at_least(0),
+    Float("momentum", nullptr, "Momentum (sgd, rmsprop); unset = 0.").at_least(0),
+    Float("dampening", nullptr, "Dampening of momentum (sgd); unset = 0.").at_least(0),
+    Bool("nesterov", nullptr, "Nesterov momentum (sgd); unset = false."),
+    FloatList("betas", nullptr, "Adam betas [beta1, beta2] (adam, adamw); unset = [0.9, 0.999].").at_least(0).at_most(1),
+    Float("eps", nullptr, "Term added for numerical stability (adam, adamw, rmsprop, adagrad); unset = the optimizer's default.").above(0),
+    Bool("amsgrad", nullptr, "AMSGrad variant (adam, adamw); unset = false."),
+    Float("alpha", nullptr, "Smoothing constant (rmsprop); unset = 0.99.").at_least(0),
+    Bool("centered", nullptr, "Centered RMSprop; unset = false."),
+    Float("lr_decay", nullptr, "Learning-rate decay (adagrad); unset = 0.").at_least(0),
+    Bool("fused", "true", "Step sgd, adam and adamw with ATen's fused kernels (CPU, CUDA; the same results and checkpoints as the plain path); false = the plain per-tensor path. rmsprop and adagrad are never fused."),
+};
+
+constexpr EmberConfigKey kModelBaseKeys[] = {
+    String("name", nullptr, "Model plugin to train (e.g. cnn, mlp)."),
+};
+
+constexpr EmberConfigKey kDataBaseKeys[] = {
+    String("name", nullptr, "Data plugin to read (e.g. fashion_mnist, synthetic)."),
+    Int("batch_size", "32", "Samples per training batch (per process).").at_least(1),
+    Int("eval_batch_size", nullptr, "Samples per validation/test batch; unset = batch_size.").at_least(1),
+    Bool("shuffle", "true", "Shuffle the training split every epoch (seeded by trainer.seed and the epoch)."),
+    Bool("drop_last", "false", "Drop the last incomplete training batch."),
+    Bool("group_by_length", "false", "Batch training samples of similar length together so that less padding is computed (data plugins that report lengths, e.g. text_classification): Hugging Face's LengthGroupedSampler, i.e. the shuffled order cut into groups of up to 50 batches, each sorted longest first, the longest sample first of all. Validation, test and predict keep their order."),
+    Int("num_workers", "0", "Threads that prepare batches ahead of the training loop; 0 = on the loop's thread.").at_least(0),
+    Int("prefetch_factor", "2", "Batches each worker prepares ahead.").at_least(1),
+    String("on_device", "\"auto\"", "Keep the data set on the training GPU so batches are gathered there (data plugins that support it, e.g. fashion_mnist): auto = when it takes at most a quarter of the GPU's memory, true = always (an error if the plugin cannot), false = never. No effect on the CPU, where the data already is.").choices("auto|true|false"),
+    String("predict_split", "\"test\"", "The split `engine predict` writes predictions for.").choices("train|val|test"),
+    Bool("pin_memory", "true", "On CUDA: copy host batches from pinned memory, asynchronously on a side stream, one batch ahead of the step. No effect on the CPU or for data kept on the device."),
+};
+
+SectionSchema make(const char* name, const char* description, const EmberConfigKey* keys, size_t n) {
+  SectionSchema s;
+  s.name = name;
+  s.description = description;
+  s.keys = keys_from_descriptor(keys, static_cast<uint32_t>(n));
+  return s;
+}
+
+}  // namespace
+
+SectionSchema trainer_schema() {
+  return make("trainer", "the loop (Lightning's Trainer flags)", kTrainerKeys, std::size(kTrainerKeys));
+}
+SectionSchema optimizer_schema() {
+  return make("optimizer", "the optimizer the engine builds", kOptimizerKeys, std::size(kOptimizerKeys));
+}
+std::vector<KeySchema> model_base_keys() { return keys_from_descriptor(kModelBaseKeys, std::size(kModelBaseKeys)); }
+std::vector<KeySchema> data_base_keys() { return keys_from_descriptor(kDataBaseKeys, std::size(kDataBaseKeys)); }
+
+std::string precision_plugin_for(const std::string& p) {
+  static const std::map<std::string, std::string> table = {
+      {"64-true", "fp64"},       {"64", "fp64"},           {"32-true", "fp32"},  {"32", "fp32"},
+      {"16-mixed", "amp16"},     {"16", "amp16"},          {"bf16-mixed", "bf16"}, {"bf16", "bf16"},
+      {"16-true", "fp16_true"},  {"bf16-true", "bf16_true"}};
+  auto it = table.find(p);
+  return it == table.end() ? p : it->second;
+}
+
+namespace {
+
+// Adam, RMSprop and Adagrad over float16 parameters (16-true) keep their second moment in float16:
+// a gradient below ~2.4e-4 squares to 0 there, and the step then divides by eps alone. An eps below
+// float16's smallest normal number (6.1e-5; Adam's default is 1e-8) turns that into huge steps and
+// NaN within the first epoch (measured: the synthetic MLP on the CPU, the Fashion-MNIST CNN on an
+// H100; 1e-4 trains). Lightning lets it run; Ember stops before training and says what to change.
+void refuse_eps_float16_cannot_hold(const Section& s, const std::string& name, const std::vector<at::Tensor>& params) {
+  if (name == "sgd") return;
+  const bool half = std::any_of(params.begin(), params.end(), [](const at::Tensor& p) { return p.scalar_type() == at::kHalf; });
+  if (!half) return;
+  // LibTorch's own defaults, for when the config leaves eps unset.
+  const double default_eps = name == "adagrad"   ? torch::optim::AdagradOptions().eps()
+                             : name == "rmsprop" ? torch::optim::RMSpropOptions().eps()
+                                                 : torch::optim::AdamOptions().eps();
+  const double eps = s.has("eps") ? s.get_float("eps") : default_eps;
+  constexpr double kFloat16SmallestNormal = 6.103515625e-05;
+  if (eps >= kFloat16SmallestNormal) return;
+  throw UsageError(s.where(s.has("eps") ? "eps" : "name") + ": optimizer.eps = " + c10::str(eps) +
+                   (s.has("eps") ? "" : " (" + name + "'s default)") +
+                   " is below float16's smallest normal number (6.1e-05) and the parameters are float16 (16-true): " + name +
+                   "'s second moment underflows and its steps turn to NaN; set optimizer.eps = 1e-4, or use trainer.precision "
+                   "\"bf16-true\" or \"16-mixed\"");
+}
+
+}  // namespace
+
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const std::vector<at::Tensor>& params) {
+  const std::string name = s.get_string("name");
+  static const std::map<std::string, std::set<std::string>> uses = {
+      {"sgd", {"weight_decay", "momentum", "dampening", "nesterov"}},
+      {"adam", {"weight_decay", "betas", "eps", "amsgrad"}},
+      {"adamw", {"weight_decay", "betas", "eps", "amsgrad"}},
+      {"rmsprop", {"weight_decay", "momentum", "eps", "alpha", "centered"}},
+      {"adagrad", {"weight_decay", "eps", "lr_decay"}}};
+  for (const auto& k : s.schema().keys) {
+    if (k.key == "name" || k.key == "lr" || k.key == "fused" || !s.has(k.key)) continue;
+    if (!uses.at(name).count(k.key))
+      throw UsageError(s.where(k.key) + ": optimizer." + k.key + " does not apply to " + name +
+                       " (remove it, or choose an optimizer that uses it)");
+  }
+  refuse_eps_float16_cannot_hold(s, name, params);
+  const double lr = s.get_float("lr");
+  const bool fused = s.get_bool("fused");
+  auto betas = [&] {
+    auto b = s.has("betas") ? s.get_float_list("betas") : std::vector<double>{0.9, 0.999};
+    if (b.size() != 2) throw UsageError(s.where("betas") + ": optimizer.betas must have two values, e.g. [0.9, 0.999]");
+    return std::make_tuple(b[0], b[1]);
+  };
+  if (name == "sgd") {
+    torch::optim::SGDOptions o(lr);
+    if (s.has("momentum")) o.momentum(s.get_float("momentum"));
+    if (s.has("dampening")) o.dampening(s.get_float("dampening"));
+    if (s.has("nesterov")) o.nesterov(s.get_bool("nesterov"));
+    if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
+    if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0))
+      throw UsageError(s.where("nesterov") + ": optimizer.nesterov needs momentum > 0 and dampening = 0");
+    if (fused) return std::make_shared<ember::optim::FusedSGD>(params, o);
+    return std::make_shared<torch::optim::SGD>(params, o);
+  }
+  if (name == "adam" || name == "adamw") {
+    auto fill = [&](auto o) {
+      o.betas(betas());
+      if (s.has("eps")) o.eps(s.get_float("eps"));
+      if (s.has("amsgrad")) o.amsgrad(s.get_bool("amsgrad"));
+      if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
+      return o;
+    };
+    if (name == "adam") {
+      if (fused) return std::make_shared<ember::optim::FusedAdam>(params, fill(torch::optim::AdamOptions(lr)));
+      return std::make_shared<torch::optim::Adam>(params, fill(torch::optim::AdamOptions(lr)));
+    }
+    if (fused) return std::make_shared<ember::optim::FusedAdamW>(params, fill(torch::optim::AdamWOptions(lr)));
+    return std::make_shared<torch::optim::AdamW>(params, fill(torch::optim::AdamWOptions(lr)));
+  }
+  if (name == "rmsprop") {
+    torch::optim::RMSpropOptions o(lr);
+    if (s.has("momentum")) o.momentum(s.get_float("momentum"));
+    if (s.has("eps")) o.eps(s.get_float("eps"));
+    if (s.has("alpha")) o.alpha(s.get_float("alpha"));
+    if (s.has("centered")) o.centered(s.get_bool("centered"));
+    if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
+    return std::make_shared<torch::optim::RMSprop>(params, o);
+  }
+  torch::optim::AdagradOptions o(lr);
+  if (s.has("eps")) o.eps(s.get_float("eps"));
+  if (s.has("lr_decay")) o.lr_decay(s.get_float("lr_decay"));
+  if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
+  return std::make_shared<torch::optim::Adagrad>(params, o);
+}
+
+}  // namespace ember::engine

@@ -1,0 +1,29 @@
+// The engine's own config sections: [trainer], [optimizer], and the keys every [model] and
+// [data] table has before the plugin's own keys.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config/run_config.h"
+
+namespace torch::optim { class Optimizer; }
+
+namespace ember::engine {
+
+SectionSchema trainer_schema();
+SectionSchema optimizer_schema();
+std::vector<KeySchema> model_base_keys();
+std::vector<KeySchema> data_base_keys();
+
+// Lightning's precision strings ("16-mixed", "bf16", ...) to precision plugin names. Returns the
+// input unchanged when it is already a plugin name.
+std::string precision_plugin_for(const std::string& precision);
+
+// Builds the optimizer of the [optimizer] section over `params`. Throws UsageError when a key is
+// set that the chosen optimizer does not use.
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& section, const std::vector<at::Tensor>& params);
+
+}  // namespace ember::engine

@@ -1,0 +1,637 @@
+#include "loop/training_loop.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/headeronly/version.h>
+#include <torch/serialize.h>
+
+#include <atomic>
+#include <functional>
+#include <csignal>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+
+#include "checkpoint/checkpoint_io.h"
+#include "runtime/accelerator.h"
+#include "data/device_feed.h"
+#include "runtime/optimizer_factory.h"
+#include "checkpoint/sharded_checkpoint.h"
+#include "config/engine_schema.h"
+#include "common/log.h"
+#include "session/stop_signals.h"
+#include "common/version.h"
+
+namespace ember::engine {
+
+// ---------------------------------------------------------------------------------------------
+// What a model's step sees: self.log(...) goes to the metric store, tagged with the stage.
+class StepContextImpl final : public IStepContext {
+ public:
+  StepContextImpl(TrainingLoop& t, Stage stage, int64_t batch_idx, int64_t batch_size)
+      : t_(t), stage_(stage), batch_idx_(batch_idx), batch_size_(batch_size) {}
+  void log(std::string_view name, const at::Tensor& value, const LogOptions& o) override {
+    if (!t_.quiet_) t_.log_from_step(std::string(name), value, o, stage_, batch_size_);
+  }
+  void log(std::string_view name, double value, const LogOptions& o) override {
+    if (t_.quiet_) return;
+    if (t_.recording_logs_) t_.log_from_step(std::string(name), at::scalar_tensor(value, at::kDouble), o, stage_, batch_size_);
+    else t_.metrics_.log(std::string(name), value, o, stage_, batch_size_);
+  }
+  Stage stage() const override { return stage_; }
+  int64_t batch_idx() const override { return batch_idx_; }
+
+ private:
+  TrainingLoop& t_;
+  Stage stage_;
+  int64_t batch_idx_, batch_size_;
+};
+
+// The optimizer step the strategy and precision handler drive (docs/step.md).
+class OptimizerStepImpl final : public IOptimizerStep {
+ public:
+  OptimizerStepImpl(TrainingLoop& t, const Batch& batch, bool first_in_window)
+      : t_(t), batch_(batch), first_(first_in_window) {}
+  at::Tensor closure() override {
+    if (run_closure) return run_closure();
+    return t_.run_micro_batch(batch_, first_, /*sync=*/true);
+  }
+  std::function<at::Tensor()> run_closure;  // set: the closure runs this instead (a CUDA graph's replay)
+  void before_step() override {
+    t_.call_hook(Hook::on_before_optimizer_step);
+    if (t_.settings_.gradient_clip_val > 0)
+      t_.runtime_->clip_gradients(t_.settings_.gradient_clip_val, t_.settings_.gradient_clip_algorithm);
+  }
+  void step() override { t_.runtime_->optimizer().step(); }
+  torch::optim::Optimizer& optimizer() override { return t_.runtime_->optimizer(); }
+
+ private:
+  TrainingLoop& t_;
+  const Batch& batch_;
+  bool first_;
+};
+
+namespace {
+
+std::string epoch_label(int64_t epoch, int64_t max_epochs) {
+  return "Epoch " + std::to_string(epoch) + (max_epochs >= 0 ? "/" + std::to_string(max_epochs - 1) : "");
+}
+}  // namespace
+
+TrainingLoop::TrainingLoop(IHost& host, const ResolvedConfig& config, std::unique_ptr<Runtime> runtime, RunPlugins plugins,
+                           std::filesystem::path run_dir)
+    : host_(host),
+      config_(config),
+      runtime_(std::move(runtime)),
+      plugins_(std::move(plugins)),
+      run_dir_(std::move(run_dir)),
+      settings_(TrainerSettings::from(config.section("trainer"))),
+      progress_(settings_.enable_progress_bar && runtime_->rank() == 0, Progress::stderr_is_tty()) {}
+
+TrainingLoop::~TrainingLoop() { attach_plugins(nullptr); }
+
+// Hands the trainer to plugins that asked for it (ITrainerAware), or takes it back (nullptr).
+void TrainingLoop::attach_plugins(ITrainer* trainer) {
+  if (trainer == nullptr && !attached_) return;
+  attached_ = trainer != nullptr;
+  auto attach = [&](IPluginObject& o) {
+    if (auto* aware = static_cast<ITrainerAware*>(o.query_interface(kTrainerAwareIid))) aware->attach_trainer(trainer);
+  };
+  attach(runtime_->strategy_object());
+  attach(runtime_->precision_object());
+  attach(*plugins_.model.object);
+  attach(*plugins_.data.object);
+  for (auto& c : plugins_.callbacks) attach(*c.object);
+  for (auto& l : plugins_.loggers) attach(*l.object);
+}
+
+void TrainingLoop::setup() {
+  auto& rt = *runtime_;
+  const auto& d = config_.section("data");
+  plan_ = std::make_unique<DataPlan>(*plugins_.data.object, plugins_.data.name, d, config_.section("trainer"), settings_, rt.rank(),
+                                     rt.world_size());
+  feed_options_.pin_memory = d.get_bool("pin_memory");
+  feed_options_.channels_last = config_.section("trainer").get_bool("channels_last");
+
+  // The runtime sets the model up in Lightning's order (docs/strategy.md).
+  auto& model = *plugins_.model.object;
+  // Before the precision handler and the strategy: their dtype casts and placement keep the
+  // memory format.
+  if (feed_options_.channels_last) to_channels_last(model.module());
+  OptimizerFactory factory(model, plugins_.model.name, config_.section("optimizer"));
+  rt.setup(model, factory);
+  place_data(d);
+  if (settings_.cuda_graph) setup_cuda_graph();
+  attach_plugins(this);
+}
+
+// trainer.cuda_graph: what cannot be captured is refused here, in one line, before training.
+void TrainingLoop::setup_cuda_graph() {
+  const auto& t = config_.section("trainer");
+  const std::string where = t.where("cuda_graph") + ": trainer.cuda_graph = true: ";
+  // A capability the strategy declares (ember.capability.CapturableStep/1), never its name.
+  if (runtime_->strategy_object().query_interface(kCapturableStepIid) == nullptr)
+    throw UsageError(where + "strategy '" + runtime_->strategy().name +
+                     "' does not declare a capturable step (its collectives or host work run inside the step): use single_device, "
+                     "or drop cuda_graph");
+  const c10::Device device = runtime_->root_device();
+  if (!device.is_cuda())
+    throw UsageError(where + "CUDA graphs need a CUDA device and this run trains on " + device.str() +
+                     " (set trainer.accelerator = \"cuda\" on a machine with a GPU, or drop cuda_graph)");
+  if (settings_.accumulate_grad_batches > 1)
+    throw UsageError(where + "gradient accumulation (trainer.accumulate_grad_batches = " +
+                     std::to_string(settings_.accumulate_grad_batches) + ") cannot be captured: set it to 1");
+  graph_ = std::make_unique<StepGraph>(device, settings_.cuda_graph_warmup_steps);
+}
+
+// data.on_device: a data set that fits is moved to the training GPU once, so batches are gathered
+// (and augmented) there. Nothing to do on the CPU, where the data already is.
+void TrainingLoop::place_data(const Section& d) {
+  const std::string mode = d.get_string("on_device");
+  const c10::Device device = runtime_->root_device();
+  if (mode == "false" || device.is_cpu()) return;
+  auto* placeable = static_cast<IDeviceData*>(plugins_.data.object->query_interface(kDeviceDataIid));
+  if (placeable == nullptr) {
+    if (mode == "true")
+      throw UsageError(d.where("on_device") + ": data.on_device = true, but data plugin '" + plugins_.data.name +
+                       "' cannot keep its samples on a device (it does not implement ember::IDeviceData); use auto or false");
+    return;
+  }
+  const int64_t bytes = placeable->device_bytes();
+  const int64_t total = accelerator_for(device.type()).total_memory(device).value_or(0);
+  const bool fits = bytes <= total / 4;
+  const std::string size = std::to_string(bytes >> 20) + " MB";
+  if (mode == "auto" && !fits) {
+    log::info("data.on_device = auto: " + size + " of data is more than a quarter of " + device.str() +
+              "'s memory; batches are copied from the host");
+    return;
+  }
+  placeable->move_to(device);
+  log::info("data: " + size + " kept on " + device.str() + " (data.on_device = " + mode + ")");
+}
+
+bool TrainingLoop::metric(std::string_view name, double* value) const {
+  auto v = metrics_.get(std::string(name));
+  if (!v) return false;
+  if (value) *value = *v;
+  return true;
+}
+
+// A callback's stop (early_stopping, timer) waits for trainer.min_epochs and min_steps, as
+// Lightning's loops do (_can_stop_early): training goes on, and the loop ends at the first step
+// or epoch end where both are met.
+void TrainingLoop::request_stop(std::string_view reason) {
+  if (stop_requested_ || !deferred_stop_.empty()) return;
+  if (fitting_ && !cadence_.minimum_trained(pos_, pos_.epoch_finished)) {
+    deferred_stop_ = reason;
+    log::info(c10::str("stop asked (", reason, ") before trainer.min_epochs = ", settings_.min_epochs, " and min_steps = ",
+                       settings_.min_steps, " were trained (", pos_.epoch + (pos_.epoch_finished ? 1 : 0), " epoch(s), ", pos_.global_step,
+                       " step(s) so far): training goes on until they are"));
+    return;
+  }
+  stop(reason);
+}
+
+void TrainingLoop::stop(std::string_view reason) {
+  if (!stop_requested_) log::info("stopping: " + std::string(reason));
+  stop_requested_ = true;
+}
+
+void TrainingLoop::stop_if_minimum_trained(bool epoch_done) {
+  if (deferred_stop_.empty() || stop_requested_ || !cadence_.minimum_trained(pos_, epoch_done)) return;
+  stop(deferred_stop_ + " (after trainer.min_epochs/min_steps)");
+}
+
+void TrainingLoop::log_metric(std::string_view name, double value) {
+  metrics_.set(std::string(name), value);
+  publish({{std::string(name), value}});
+}
+
+void TrainingLoop::publish(const std::vector<std::pair<std::string, double>>& values) {
+  if (values.empty() || plugins_.loggers.empty()) return;
+  auto row = values;
+  row.emplace_back("epoch", static_cast<double>(pos_.epoch));
+  // Lightning logs at the index of the last finished step.
+  int64_t step = std::max<int64_t>(pos_.global_step - 1, 0);
+  for (auto& l : plugins_.loggers) l.object->log_metrics(row, step);
+}
+
+// Lightning's order: callbacks (non-monitoring, then monitoring), then the model; except in
+// on_train_epoch_end, where the model runs between the two groups (docs/hooks.md).
+void TrainingLoop::call_hook(Hook hook) {
+  if (quiet_) return;
+  for (auto& c : plugins_.callbacks)
+    if (!c.object->monitors_metrics()) c.object->on_hook(hook, *this);
+  if (hook == Hook::on_train_epoch_end) plugins_.model.object->on_hook(hook, *this);
+  for (auto& c : plugins_.callbacks)
+    if (c.object->monitors_metrics()) c.object->on_hook(hook, *this);
+  if (hook != Hook::on_train_epoch_end) plugins_.model.object->on_hook(hook, *this);
+}
+
+bool TrainingLoop::validation_enabled() const { return plan_->validates(); }
+
+at::Tensor TrainingLoop::run_micro_batch(const Batch& batch, bool first_in_window, bool sync, bool hooks) {
+  at::Tensor loss;
+  {
+    StepContextImpl ctx(*this, Stage::fit, batch_idx_, batch.size);
+    auto region = runtime_->forward(/*grad_enabled=*/true);
+    loss = plugins_.model.object->training_step(batch, ctx);
+  }
+  if (!loss.defined() || loss.numel() != 1)
+    throw RunError("model '" + plugins_.model.name + "': training_step must return a scalar loss");
+  if (!loss.requires_grad())
+    throw RunError("model '" + plugins_.model.name + "': the loss does not require grad (was it computed under no_grad, or detached?)");
+  if (first_in_window) {
+    if (hooks) call_hook(Hook::on_before_zero_grad);
+    runtime_->zero_grad();
+  }
+  current_loss_ = loss.detach();
+  at::Tensor to_backward = window_accum_ > 1 ? loss / static_cast<double>(window_accum_) : loss;
+  if (hooks) call_hook(Hook::on_before_backward);
+  runtime_->backward(to_backward, sync);
+  if (hooks) call_hook(Hook::on_after_backward);
+  return current_loss_;
+}
+
+void TrainingLoop::log_from_step(const std::string& name, const at::Tensor& value, const LogOptions& o, Stage stage,
+                                 int64_t batch_size) {
+  if (!recording_logs_) {
+    metrics_.log(name, value, o, stage, batch_size);
+    return;
+  }
+  // Inside a capture nothing may run on the host's behalf (the metric store's sums are device
+  // work): the value's tensor is kept, and logged after every replay has refreshed it.
+  MetricStore::require_scalar(name, value);
+  graph_logs_.push_back({name, value.detach(), o, stage, batch_size});
+}
+
+bool TrainingLoop::optimizer_step(const Batch& batch, bool first_in_window, std::function<at::Tensor()> closure) {
+  OptimizerStepImpl step(*this, batch, first_in_window);
+  step.run_closure = std::move(closure);
+  return runtime_->optimizer_step(step);
+}
+
+// The closure (forward, loss, zero_grad, backward) is what the graph holds; the optimizer step,
+// clipping, the loss scaler's decision and the hooks around them run as usual after it, so
+// schedulers that change momentum or betas every step keep working.
+bool TrainingLoop::graphed_optimizer_step(bool first_in_window) {
+  if (window_accum_ > 1)
+    throw RunError("trainer.cuda_graph: gradient accumulation (" + std::to_string(window_accum_) +
+                   " batches, set by a callback) cannot be captured: drop the accumulation schedule or cuda_graph");
+  const StepGraph::Mode mode = graph_->mode_for(current_batch_);
+  if (mode == StepGraph::Mode::eager) {
+    graph_->count_eager();
+    return optimizer_step(current_batch_, first_in_window);
+  }
+  graph_->load(current_batch_);
+  const Batch& batch = graph_->batch();
+  return optimizer_step(batch, first_in_window, [&, mode] {
+    call_hook(Hook::on_before_zero_grad);
+    call_hook(Hook::on_before_backward);
+    if (mode == StepGraph::Mode::capture) {
+      graph_logs_.clear();
+      recording_logs_ = true;
+      try {
+        graph_->capture([&] { run_micro_batch(batch, first_in_window, /*sync=*/true, /*hooks=*/false); });
+      } catch (...) {
+        recording_logs_ = false;
+        throw;
+      }
+      recording_logs_ = false;
+      graph_loss_ = current_loss_;
+      graph_grads_.clear();
+      for (auto& group : runtime_->optimizer().param_groups())
+        for (auto& p : group.params())
+          if (p.grad().defined()) graph_grads_.emplace_back(p, p.grad());
+    }
+    graph_->replay();
+    // An eager step in between (a smaller last batch) left its own gradients and loss: the
+    // optimizer must read the ones the graph writes.
+    for (auto& [p, g] : graph_grads_) p.mutable_grad() = g;
+    current_loss_ = graph_loss_;
+    for (const auto& r : graph_logs_) metrics_.log(r.name, r.value, r.options, r.stage, r.batch_size);
+    call_hook(Hook::on_after_backward);
+    return current_loss_;
+  });
+}
+
+void TrainingLoop::train_epoch() {
+  auto& rt = *runtime_;
+  const int64_t n = plan_->num_batches(Split::train);
+  const int64_t start = std::min(resume_batch_, n);
+  resume_batch_ = 0;
+  const int64_t val_every = cadence_.val_every(n);
+  stage_ = Stage::fit;
+  pos_.batches_done = start;
+  pos_.epoch_finished = false;
+  module().train();
+  progress_.start(epoch_label(pos_.epoch, settings_.max_epochs), n);
+  call_hook(Hook::on_train_epoch_start);
+  // Read after on_train_epoch_start: an accumulation schedule sets the factor there.
+  const int64_t accum = settings_.accumulate_grad_batches;
+  window_accum_ = accum;
+  bool validated_last = false;
+  if (pos_.validation_pending && validation_enabled()) {
+    // Resumed from a checkpoint saved between a batch and the validation due after it (the
+    // checkpoint callback's every_n_train_steps saves in on_train_batch_end): run it now, as the
+    // uninterrupted run did, so its metrics and what monitors decide from them are not lost.
+    evaluate(Split::val, Stage::validate, plan_->num_batches(Split::val));
+    validated_last = true;
+    stage_ = Stage::fit;
+    if (rt.any_rank(stop_requested_) && !stop_requested_) stop("another rank asked to stop");
+  }
+  pos_.validation_pending = false;
+  const int64_t first = stop_requested_ ? n : start;
+  auto pass = plan_->loader(Split::train)->pass(pos_.epoch, first, n - first);
+  DeviceFeed feed(*pass, rt, feed_options_);
+  Batch batch;
+  for (int64_t b = first; b < n; ++b) {
+    if (!feed.next(batch)) break;
+    batch_idx_ = b;
+    current_batch_ = std::move(batch);
+    call_hook(Hook::on_train_batch_start);
+    const bool do_step = Cadence::steps_after(b, n, accum);
+    const bool first_in_window = Cadence::opens_window(b, start, accum);
+    step_taken_ = do_step;
+    step_skipped_ = false;
+    if (do_step) {
+      step_skipped_ = !(graph_ ? graphed_optimizer_step(first_in_window) : optimizer_step(current_batch_, first_in_window));
+      ++pos_.global_step;
+    } else {
+      run_micro_batch(current_batch_, first_in_window, /*sync=*/false);
+    }
+    pos_.batches_done = b + 1;
+    ++pos_.total_batch_idx;
+    // Decided before on_train_batch_end: a checkpoint saved there records that this batch's
+    // validation is still to run, and a resume from it runs that validation first.
+    pos_.validation_pending = cadence_.validates_after_batch(pos_, val_every, validation_enabled());
+    call_hook(Hook::on_train_batch_end);
+    if (do_step && cadence_.logs_at(pos_.global_step)) publish(metrics_.take_step_values());
+    progress_.update(b + 1, [&] { return metrics_.progress_values(); });
+    validated_last = false;
+    if (pos_.validation_pending) {
+      evaluate(Split::val, Stage::validate, plan_->num_batches(Split::val));
+      validated_last = true;
+      stage_ = Stage::fit;
+    }
+    if (do_step) stop_if_minimum_trained(false);
+    // Only after an optimizer step: a partly accumulated gradient is not part of a checkpoint.
+    int sig = do_step && !stop_requested_ ? stop_signal() : 0;
+    // Every decision that ends the loop is agreed by all ranks at the same optimizer step
+    // (Lightning's reduce_boolean_decision, "any rank"): a signal one rank received, or a stop a
+    // callback asked for on one rank only. A rank that stopped alone would leave the others
+    // waiting in a collective. One small all-reduce per optimizer step carries both.
+    if (do_step && rt.world_size() > 1) {
+      const at::Tensor votes =
+          rt.reduce(at::tensor({static_cast<double>(sig), stop_requested_ ? 1.0 : 0.0}, at::kDouble), ReduceOp::max);
+      sig = stop_requested_ ? 0 : static_cast<int>(votes[0].item<double>());
+      if (!stop_requested_ && sig == 0 && votes[1].item<double>() > 0) stop("another rank asked to stop");
+    }
+    if (sig != 0)
+      stop(stop_signal_name(sig) + " received: finishing this step, saving, then exiting (send it again to quit at once)");
+    const bool max_steps_hit = cadence_.max_steps_reached(pos_);
+    if (max_steps_hit || stop_requested_) {
+      // Stopping early: validate once more so monitors see the state being stopped at.
+      if (!validated_last && max_steps_hit && validation_enabled() && cadence_.epoch_validates(pos_.epoch)) {
+        evaluate(Split::val, Stage::validate, plan_->num_batches(Split::val));
+        stage_ = Stage::fit;
+      }
+      break;
+    }
+  }
+  auto reducer = [&](const at::Tensor& t, ReduceOp op) { return rt.reduce(t, op); };
+  auto epoch_values = metrics_.finish_epoch(Stage::fit, reducer);
+  publish(epoch_values);
+  // A stop in mid-epoch (max_steps, early stop) leaves the epoch unfinished: a resume continues
+  // it at the next batch.
+  pos_.epoch_finished = pos_.batches_done >= n;
+  call_hook(Hook::on_train_epoch_end);
+  for (auto& l : plugins_.loggers) l.object->flush();
+  std::vector<std::pair<std::string, double>> summary;
+  for (const auto& [k, v] : metrics_.callback_metrics())
+    if (k.ends_with("_epoch") || k.starts_with("val_")) summary.emplace_back(k, v);
+  progress_.finish(format_metrics(summary));
+}
+
+void TrainingLoop::evaluate(Split split, Stage stage, int64_t max_batches) {
+  auto& rt = *runtime_;
+  auto& model = *plugins_.model.object;
+  const bool test = split == Split::test;
+  const bool sanity = stage == Stage::sanity_check;
+  auto* loader = plan_->loader(split);
+  if (!loader || max_batches <= 0) return;
+  // A validation pass inside a training epoch hands the training position back as it found it,
+  // also when a hook throws: callbacks read batch_idx() and current_batch() in
+  // on_train_epoch_end, after the epoch's last validation.
+  struct TrainingPosition {
+    TrainingLoop& t;
+    Stage stage;
+    int64_t batch_idx;
+    Batch batch;
+    explicit TrainingPosition(TrainingLoop& trainer)
+        : t(trainer), stage(trainer.stage_), batch_idx(trainer.batch_idx_), batch(std::move(trainer.current_batch_)) {}
+    ~TrainingPosition() {
+      t.stage_ = stage;
+      t.batch_idx_ = batch_idx;
+      t.current_batch_ = std::move(batch);
+    }
+  } position(*this);
+  stage_ = stage;
+  const bool was_training = module().is_training();
+  call_hook(test ? Hook::on_test_start : Hook::on_validation_start);
+  module().eval();
+  Progress progress(settings_.enable_progress_bar && is_global_zero() && !sanity && progress_.tty(), progress_.tty());
+  progress.start(test ? "Testing" : "Validation", max_batches);
+  call_hook(test ? Hook::on_test_epoch_start : Hook::on_validation_epoch_start);
+  {
+    torch::NoGradGuard no_grad;
+    auto pass = loader->pass(0, 0, max_batches);
+    DeviceFeed feed(*pass, rt, feed_options_);
+    Batch batch;
+    int64_t b = 0;
+    while (feed.next(batch)) {
+      batch_idx_ = b;
+      current_batch_ = std::move(batch);
+      call_hook(test ? Hook::on_test_batch_start : Hook::on_validation_batch_start);
+      {
+        StepContextImpl ctx(*this, stage, b, current_batch_.size);
+        auto region = rt.forward(/*grad_enabled=*/false);
+        if (test) model.test_step(current_batch_, ctx);
+        else model.validation_step(current_batch_, ctx);
+      }
+      call_hook(test ? Hook::on_test_batch_end : Hook::on_validation_batch_end);
+      progress.update(++b, [] { return Progress::Values{}; });
+    }
+  }
+  call_hook(test ? Hook::on_test_epoch_end : Hook::on_validation_epoch_end);
+  if (sanity) {
+    metrics_.discard_epoch(stage);
+  } else {
+    auto values = metrics_.finish_epoch(stage, [&](const at::Tensor& t, ReduceOp op) { return rt.reduce(t, op); });
+    publish(values);
+    progress.finish(format_metrics(values));
+    // Published: a checkpoint saved from here on does not ask its resume to validate again.
+    if (stage == Stage::validate) pos_.validation_pending = false;
+  }
+  call_hook(test ? Hook::on_test_end : Hook::on_validation_end);
+  if (was_training) module().train();
+}
+
+void TrainingLoop::fit() {
+  if (plan_->num_batches(Split::train) == 0)
+    throw RunError("data '" + plugins_.data.name + "' has no training batches (train split empty, or limit_train_batches = 0)");
+  stage_ = Stage::fit;
+  fitting_ = true;
+  call_hook(Hook::setup);
+  call_hook(Hook::on_fit_start);
+  if (validation_enabled() && settings_.num_sanity_val_steps != 0) {
+    const int64_t val_batches = plan_->num_batches(Split::val);
+    int64_t n = settings_.num_sanity_val_steps < 0 ? val_batches : std::min(settings_.num_sanity_val_steps, val_batches);
+    call_hook(Hook::on_sanity_check_start);
+    evaluate(Split::val, Stage::sanity_check, n);
+    call_hook(Hook::on_sanity_check_end);
+    stage_ = Stage::fit;
+  }
+  call_hook(Hook::on_train_start);
+  if (pos_.epoch_finished) {  // resumed from the end of an epoch: go on with the next one
+    ++pos_.epoch;
+    pos_.epoch_finished = false;
+  }
+  while (!stop_requested_) {
+    if (cadence_.max_epochs_reached(pos_.epoch) || cadence_.max_steps_reached(pos_)) break;
+    train_epoch();
+    stop_if_minimum_trained(pos_.epoch_finished);
+    // Every rank stops together: any rank's stop is every rank's.
+    if (runtime_->any_rank(stop_requested_) && !stop_requested_) stop("another rank asked to stop");
+    if (cadence_.max_steps_reached(pos_)) break;
+    if (stop_requested_) break;
+    ++pos_.epoch;
+    pos_.epoch_finished = false;
+  }
+  stage_ = Stage::fit;
+  const auto device = runtime_->root_device();
+  if (const auto peak = accelerator_for(device.type()).peak_allocated(device)) {
+    // What the precision benchmark compares on a GPU (and what users ask first about AMP).
+    std::ostringstream msg;
+    msg << "peak " << accelerator_for(device.type()).name() << " memory " << std::fixed << std::setprecision(1)
+        << static_cast<double>(*peak) / (1 << 20) << " MB allocated on " << device.str();
+    log::info(msg.str());
+  }
+  if (graph_ && rank() == 0)
+    host_.log(LogLevel::info, "cuda_graph: " + std::string(graph_->captured() ? "the step was captured after " : "nothing captured: ") +
+                                  std::to_string(settings_.cuda_graph_warmup_steps) + " warm-up steps; " +
+                                  std::to_string(graph_->replays()) + " steps replayed, " + std::to_string(graph_->eager_steps()) +
+                                  " run as usual (warm-up and batches of other shapes)");
+  call_hook(Hook::on_train_end);
+  call_hook(Hook::on_fit_end);
+  call_hook(Hook::teardown);
+  stage_ = Stage::none;
+  fitting_ = false;
+}
+
+void TrainingLoop::begin_stage(Stage stage) {
+  stage_ = stage;
+  call_hook(Hook::setup);
+}
+
+void TrainingLoop::end_stage() {
+  call_hook(Hook::teardown);
+  stage_ = Stage::none;
+}
+
+std::vector<std::pair<std::string, double>> TrainingLoop::test() {
+  if (plan_->num_batches(Split::test) == 0)
+    throw RunError("data '" + plugins_.data.name + "' has no test batches (test split empty, or limit_test_batches = 0)");
+  evaluate(Split::test, Stage::test, plan_->num_batches(Split::test));
+  std::vector<std::pair<std::string, double>> out;
+  for (const auto& [k, v] : metrics_.callback_metrics())
+    if (k.starts_with("test")) out.emplace_back(k, v);
+  return out;
+}
+
+std::vector<std::pair<std::string, double>> TrainingLoop::validate() {
+  if (plan_->num_batches(Split::val) == 0)
+    throw RunError("data '" + plugins_.data.name + "' has no validation batches (validation split empty, or limit_val_batches = 0)");
+  evaluate(Split::val, Stage::validate, plan_->num_batches(Split::val));
+  std::vector<std::pair<std::string, double>> out;
+  for (const auto& [k, v] : metrics_.callback_metrics())
+    if (k.starts_with("val")) out.emplace_back(k, v);
+  return out;
+}
+
+std::string locate_checkpoint(const std::vector<Named<ICallback>>& callbacks, const std::string& alias,
+                              const std::string& run_dir) {
+  for (const auto& c : callbacks) {
+    auto* locator = static_cast<ICheckpointLocator*>(c.object->query_interface(kCheckpointLocatorIid));
+    if (!locator) continue;
+    auto path = locator->resolve_checkpoint(alias, run_dir);
+    if (!path.empty()) return path;
+  }
+  return "";
+}
+
+std::string TrainingLoop::locate_checkpoint(const std::string& alias) const {
+  return engine::locate_checkpoint(plugins_.callbacks, alias, run_dir_.string());
+}
+
+void TrainingLoop::setup_loggers(bool resuming) {
+  const std::string toml = config_.to_toml();
+  for (auto& l : plugins_.loggers) {
+    l.object->setup(*this, resuming, pos_.global_step);
+    l.object->log_hyperparams(toml);
+  }
+}
+
+void TrainingLoop::notify_exception() {
+  try {
+    call_hook(Hook::on_exception);
+  } catch (const std::exception& e) {
+    log::warn(std::string("a plugin failed in on_exception: ") + e.what());
+  }
+}
+
+void TrainingLoop::finalize(const std::string& status) {
+  for (auto& l : plugins_.loggers) {
+    try {
+      l.object->finalize(status);
+    } catch (const std::exception& e) {
+      log::warn("logger '" + l.name + "' failed to finalize: " + e.what());
+    }
+  }
+  runtime_->teardown();
+}
+
+// Tuner work (SDK 1.1): one training step or forward pass with no hooks and nothing logged.
+namespace {
+// Sets a value for the lifetime of a scope and restores the old one (exceptions included).
+template <class T>
+struct ValueScope {
+  T& ref;
+  T old;
+  ValueScope(T& r, T value) : ref(r), old(r) { ref = value; }
+  ~ValueScope() { ref = old; }
+};
+}  // namespace
+
+at::Tensor TrainingLoop::run_trial_step(const Batch& batch, bool* skipped) {
+  ValueScope<bool> quiet(quiet_, true);
+  ValueScope<int64_t> accum(window_accum_, 1);
+  module().train();
+  OptimizerStepImpl step(*this, batch, /*first_in_window=*/true);
+  const bool stepped = runtime_->optimizer_step(step);
+  if (skipped) *skipped = !stepped;
+  return current_loss_;
+}
+
+at::Tensor TrainingLoop::run_forward(const Batch& batch) {
+  ValueScope<bool> quiet(quiet_, true);
+  torch::NoGradGuard no_grad;
+  StepContextImpl ctx(*this, Stage::fit, batch_idx_, batch.size);
+  auto region = runtime_->forward(/*grad_enabled=*/false);
+  at::Tensor loss = plugins_.model.object->training_step(batch, ctx);
+  return loss.defined() ? loss.detach() : loss;
+}
+
+}  // namespace ember::engine

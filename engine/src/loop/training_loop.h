@@ -1,0 +1,214 @@
+// The fit / validate / test loops (Lightning's semantics and hook order; docs/hooks.md) and the
+// ITrainer view plugins see.
+#pragma once
+#include <ember/callback.h>
+#include <ember/data.h>
+#include <ember/host.h>
+#include <ember/logger.h>
+#include <ember/model.h>
+#include <ember/precision.h>
+#include <ember/strategy.h>
+#include <ember/trainer.h>
+
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "config/run_config.h"
+#include "data/data_loader.h"
+#include "data/device_feed.h"
+#include "loop/cadence.h"
+#include "loop/data_plan.h"
+#include "loop/metrics.h"
+#include "loop/progress.h"
+#include "loop/step_graph.h"
+#include "loop/training_state.h"
+#include "registry/named.h"
+#include "runtime/runtime.h"
+
+namespace ember::engine {
+
+// The plugins a loop runs besides the runtime's strategy and precision handler.
+struct RunPlugins {
+  Named<IModel> model;
+  Named<IDataModule> data;
+  std::vector<Named<ICallback>> callbacks;
+  std::vector<Named<ILogger>> loggers;
+};
+
+// Resolves "best"/"last" for `run_dir` through the callbacks that store checkpoints
+// (ICheckpointLocator); "" when none has one.
+std::string locate_checkpoint(const std::vector<Named<ICallback>>& callbacks, const std::string& alias,
+                              const std::string& run_dir);
+
+class TrainingLoop final : public ITrainer {
+ public:
+  // `runtime` is launched and has its precision handler; the loop sets it up (setup()) and ends
+  // it (finalize()).
+  TrainingLoop(IHost& host, const ResolvedConfig& config, std::unique_ptr<Runtime> runtime, RunPlugins plugins,
+               std::filesystem::path run_dir);
+  ~TrainingLoop() override;
+
+  // Builds loaders and the optimizer, places the model; call once before fit/test.
+  void setup();
+  // Restores a checkpoint written by save_checkpoint (weights, optimizer, loops, RNG, plugin states).
+  void restore(const std::filesystem::path& checkpoint, bool weights_only);
+  void fit();
+  // Runs the test split; returns the test metrics.
+  std::vector<std::pair<std::string, double>> test();
+  // Runs the validation split on its own (Lightning's trainer.validate); returns the val metrics.
+  std::vector<std::pair<std::string, double>> validate();
+  const std::vector<Named<ICallback>>& callbacks() const { return plugins_.callbacks; }
+  // Lightning's trainer.predict: the model's predictions for every sample of `split` (up to
+  // limit_predict_batches), written to `csv` atomically (id, prediction, then one column per
+  // class probability or output). One process only. No per-batch hooks (the SDK has no
+  // on_predict_* hooks); RunSession wraps it in begin_stage/end_stage. Returns the rows written.
+  int64_t predict(Split split, const std::filesystem::path& csv);
+  // Lightning's trainer.validate/test/predict around their run: begin_stage calls the setup hooks
+  // with stage() = `stage` (before the checkpoint is restored, as Lightning does), end_stage the
+  // teardown hooks (after a successful run; a failure gets on_exception instead).
+  void begin_stage(Stage stage);
+  void end_stage();
+  // Resolves "best"/"last" through the callbacks that store checkpoints ("" when none has one).
+  std::string locate_checkpoint(const std::string& alias) const;
+  void finalize(const std::string& status);
+  // Tells callbacks and the model that the run failed (on_exception); never throws.
+  void notify_exception();
+  // Writes the single-file checkpoint of the state restored from a sharded directory: `meta` (its
+  // meta.ckpt) with the whole model and optimizer state.
+  void write_consolidated(const std::string& path, c10::impl::GenericDict meta);
+  // Starts the loggers (after restore, so they know the step a resumed run continues from).
+  void setup_loggers(bool resuming);
+  // True when fit() would train nothing more: the position (a restored one included) already
+  // meets max_epochs or max_steps, as the loop in fit() decides.
+  bool fit_done() const { return cadence_.fit_done(pos_); }
+
+  // ITrainer
+  Stage stage() const override { return stage_; }
+  int64_t current_epoch() const override { return pos_.epoch; }
+  int64_t global_step() const override { return pos_.global_step; }
+  int64_t batch_idx() const override { return batch_idx_; }
+  int64_t max_epochs() const override { return settings_.max_epochs; }
+  int64_t max_steps() const override { return settings_.max_steps; }
+  int64_t num_training_batches() const override { return plan_->num_batches(Split::train); }
+  bool sanity_checking() const override { return stage_ == Stage::sanity_check; }
+  bool metric(std::string_view name, double* value) const override;
+  std::vector<std::string> metric_names() const override { return metrics_.names(); }
+  void request_stop(std::string_view reason) override;
+  // True from a callback's request on, also while it waits for trainer.min_epochs/min_steps
+  // (Lightning's should_stop); the loop itself ends on stop_requested_.
+  bool stop_requested() const override { return stop_requested_ || !deferred_stop_.empty(); }
+  torch::nn::Module& module() override { return plugins_.model.object->module(); }
+  IModel& model() override { return *plugins_.model.object; }
+  torch::optim::Optimizer& optimizer() override { return runtime_->optimizer(); }
+  const Batch& current_batch() const override { return current_batch_; }
+  at::Tensor current_loss() const override { return current_loss_; }
+  int64_t rank() const override { return runtime_->rank(); }
+  int64_t world_size() const override { return runtime_->world_size(); }
+  bool is_global_zero() const override { return rank() == 0; }
+  std::string run_dir() const override { return run_dir_.string(); }
+  std::string resolved_config() const override { return config_.to_toml(); }
+  void save_checkpoint(const std::string& path, bool weights_only) override;
+  void log_metric(std::string_view name, double value) override;
+  // SDK 1.1
+  void log_tensor(std::string_view name, const at::Tensor& value, const LogOptions& options) override;
+  bool optimizer_stepped() const override { return step_taken_; }
+  bool optimizer_step_skipped() const override { return step_skipped_; }
+  int64_t accumulate_grad_batches() const override { return settings_.accumulate_grad_batches; }
+  void set_accumulate_grad_batches(int64_t factor) override;
+  int64_t batch_size() const override { return plan_->batch_size(); }
+  void set_batch_size(int64_t size) override;
+  int64_t num_batches(Split split) const override;
+  void for_each_batch(Split split, int64_t max_batches, const std::function<bool(const Batch&)>& fn) override;
+  at::Tensor run_trial_step(const Batch& batch, bool* skipped) override;
+  at::Tensor run_forward(const Batch& batch) override;
+  void load_checkpoint(const std::string& path) override;
+  void run_validation() override;
+  // SDK 1.2
+  std::vector<NamedTensor> trained_parameters() override { return runtime_->state().trained_parameters(); }
+  void parameters_changed() override { runtime_->state().parameters_changed(); }
+  // SDK 1.4
+  c10::Device root_device() const override { return runtime_->root_device(); }
+
+  const MetricStore& metrics() const { return metrics_; }
+  Runtime& runtime() { return *runtime_; }
+
+ private:
+  friend class StepContextImpl;
+  friend class OptimizerStepImpl;
+  void call_hook(Hook hook);
+  void train_epoch();
+  void evaluate(Split split, Stage stage, int64_t max_batches);
+  // `hooks` = false: the step's inner hooks are the caller's (a CUDA-graph capture calls them
+  // outside the graph, so every replay gets them too).
+  at::Tensor run_micro_batch(const Batch& batch, bool first_in_window, bool sync, bool hooks = true);
+  // One optimizer step over `batch` through the strategy and precision; `closure`, when given,
+  // is what the step's closure runs instead of run_micro_batch (a CUDA graph's capture or replay).
+  bool optimizer_step(const Batch& batch, bool first_in_window, std::function<at::Tensor()> closure = nullptr);
+  // The same through the CUDA graph (trainer.cuda_graph): warm-up, capture, replays.
+  bool graphed_optimizer_step(bool first_in_window);
+  void setup_cuda_graph();
+  // Logging from inside a step: recorded while a CUDA graph captures it, logged otherwise.
+  void log_from_step(const std::string& name, const at::Tensor& value, const LogOptions& o, Stage stage, int64_t batch_size);
+  void publish(const std::vector<std::pair<std::string, double>>& values);
+  // Ends the loop after the current step: the engine's own stops (signals, another rank's stop)
+  // and a callback's once trainer.min_epochs/min_steps are met.
+  void stop(std::string_view reason);
+  // A deferred callback stop takes effect once the minimum is met.
+  void stop_if_minimum_trained(bool epoch_done);
+  void place_data(const Section& data);
+  void attach_plugins(ITrainer* trainer);
+  void restore(const std::filesystem::path& checkpoint, bool weights_only, bool announce);
+  bool validation_enabled() const;
+  c10::IValue plugin_states() const;
+  c10::impl::GenericDict checkpoint_meta(bool weights_only) const;
+
+  IHost& host_;
+  const ResolvedConfig& config_;
+  // Before the plugins: the strategy outlives the model it placed.
+  std::unique_ptr<Runtime> runtime_;
+  RunPlugins plugins_;
+  std::filesystem::path run_dir_;
+  TrainerSettings settings_;
+  Cadence cadence_{settings_};  // when to step, validate, log and stop (pure rules over settings_ and pos_)
+  std::unique_ptr<DataPlan> plan_;  // the loaders (made in setup())
+  FeedOptions feed_options_;
+  MetricStore metrics_;
+  Progress progress_;
+
+  Stage stage_ = Stage::none;
+  TrainingState pos_;              // the loop's position (what checkpoints keep)
+  int64_t batch_idx_ = 0;          // the batch the current stage is at
+  int64_t resume_batch_ = 0;       // batches of pos_.epoch to skip after a mid-epoch resume
+  bool stop_requested_ = false;
+  std::string deferred_stop_;  // a callback's stop request waiting for trainer.min_epochs/min_steps
+  bool fitting_ = false;       // inside fit(), validation included
+  Batch current_batch_;
+  at::Tensor current_loss_;
+  bool step_taken_ = false, step_skipped_ = false;  // of the current training batch
+  int64_t window_accum_ = 1;  // accumulation factor of the current optimizer window
+  // Tuner work (run_trial_step, run_forward): no hooks fire and nothing is logged.
+  bool quiet_ = false;
+  bool attached_ = false;
+  // trainer.cuda_graph: the graph, the metrics the captured step logs (logged again after every
+  // replay from the tensors it refreshed), and what the replays must point back to.
+  struct RecordedLog {
+    std::string name;
+    at::Tensor value;
+    LogOptions options;
+    Stage stage;
+    int64_t batch_size;
+  };
+  std::unique_ptr<StepGraph> graph_;
+  bool recording_logs_ = false;
+  std::vector<RecordedLog> graph_logs_;
+  at::Tensor graph_loss_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> graph_grads_;  // (parameter, the gradient the graph writes)
+};
+
+}  // namespace ember::engine

@@ -1,0 +1,180 @@
+// Checkpoint assembly of the training loop: what a checkpoint holds besides the model's and the
+// optimizer's state (the loops' position, RNG, plugin states; docs/checkpoint.md has the layout),
+// saving it through the strategy's state contract, and restoring it.
+#include "loop/training_loop.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <ember/predict.h>
+
+#include "checkpoint/checkpoint_document.h"
+#include "checkpoint/checkpoint_io.h"
+#include "config/engine_schema.h"
+#include "common/log.h"
+#include "checkpoint/sharded_checkpoint.h"
+
+namespace ember::engine {
+
+c10::IValue TrainingLoop::plugin_states() const {
+  auto out = checkpoint_dict();
+  auto put = [&](const std::string& key, const IPluginObject& o) {
+    auto s = o.state_dict();
+    if (!s.isNone()) out.insert(key, s);
+  };
+  put("strategy", runtime_->strategy_object());
+  put("precision", runtime_->precision_object());
+  put("model", *plugins_.model.object);
+  put("data", *plugins_.data.object);
+  return out;
+}
+
+// Everything a checkpoint holds but the model's and the optimizer's state (docs/checkpoint.md).
+c10::impl::GenericDict TrainingLoop::checkpoint_meta(bool weights_only) const {
+  auto ck = checkpoint_header(pos_.epoch, pos_.global_step, weights_only, config_.to_toml());
+  c10::Dict<std::string, std::string> versions;
+  auto add_version = [&](const std::string& n, const std::string& v) { versions.insert(n, v); };
+  add_version(runtime_->strategy().name, runtime_->strategy().version);
+  add_version(runtime_->precision().name, runtime_->precision().version);
+  add_version(plugins_.model.name, plugins_.model.version);
+  add_version(plugins_.data.name, plugins_.data.version);
+  for (const auto& c : plugins_.callbacks) add_version(c.name, c.version);
+  for (const auto& l : plugins_.loggers) add_version(l.name, l.version);
+  ck.insert("plugin_versions", versions);
+  // The data's class names, for `engine export` (a Hugging Face config's id2label) and whoever
+  // reads the checkpoint later without the data.
+  if (const auto* names = static_cast<IPredictionNames*>(plugins_.data.object->query_interface(kPredictionNamesIid))) {
+    c10::List<std::string> classes;
+    for (const auto& n : names->class_names()) classes.push_back(n);
+    if (!classes.empty()) ck.insert("class_names", classes);
+  }
+  if (weights_only) return ck;
+  ck.insert("loops", pos_.to_ivalue());
+  ck.insert("rng", rng_state());
+  ck.insert("plugins", plugin_states());
+  auto callbacks = checkpoint_dict();
+  for (const auto& c : plugins_.callbacks) {
+    auto s = c.object->state_dict();
+    if (!s.isNone()) callbacks.insert(c.name, s);
+  }
+  ck.insert("callbacks", callbacks);
+  auto loggers = checkpoint_dict();
+  for (const auto& l : plugins_.loggers) {
+    auto s = l.object->state_dict();
+    if (!s.isNone()) loggers.insert(l.name, s);
+  }
+  ck.insert("loggers", loggers);
+  return ck;
+}
+
+void TrainingLoop::save_checkpoint(const std::string& path, bool weights_only) {
+  call_hook(Hook::on_save_checkpoint);
+  auto& rt = *runtime_;
+  if (auto* sharded = rt.sharded_checkpoint(); sharded && sharded->sharded_checkpoints() && !weights_only) {
+    // One part per rank, nothing gathered (sharded_checkpoint.h has the layout and the commit).
+    const c10::IValue part = sharded->sharded_state();
+    c10::IValue meta;
+    if (is_global_zero()) {
+      auto ck = checkpoint_meta(false);
+      auto layout = checkpoint_dict();
+      layout.insert("world_size", world_size());
+      layout.insert("strategy", rt.strategy().name);
+      ck.insert("sharded", layout);
+      meta = ck;
+    }
+    ShardedWrite how;
+    how.rank = rank();
+    how.world = world_size();
+    how.max_over_ranks = [&](double v) { return rt.reduce(at::scalar_tensor(v, at::kDouble), ReduceOp::max).item<double>(); };
+    write_sharded_checkpoint(path, part, meta, how);
+    return;
+  }
+  // The model and optimizer state come from the strategy (gathered where it shards); every rank
+  // takes part, only rank 0 builds and writes the checkpoint.
+  rt.save_full(/*with_model=*/true, /*with_optimizer=*/!weights_only, [&](const c10::Dict<std::string, at::Tensor>& model, const std::string& optimizer) {
+    auto ck = checkpoint_meta(weights_only);
+    ck.insert("state_dict", model);
+    if (!weights_only) ck.insert("optimizer", bytes_tensor(optimizer));
+    save_checkpoint_file(path, ck);
+  }, "checkpoint " + path);
+}
+
+void TrainingLoop::write_consolidated(const std::string& path, c10::impl::GenericDict meta) {
+  auto model_state = runtime_->state().full_model_state(/*rank0_only=*/true);
+  const std::string optimizer_state = runtime_->state().full_optimizer_state(/*rank0_only=*/true);
+  auto ck = checkpoint_dict();
+  for (const auto& e : meta)
+    if (e.key().toStringRef() != "sharded") ck.insert(e.key(), e.value());
+  ck.insert("state_dict", model_state);
+  ck.insert("optimizer", bytes_tensor(optimizer_state));
+  save_checkpoint_file(path, ck);
+}
+
+void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only) { restore(file, weights_only, true); }
+
+void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only, bool announce) {
+  const std::string where = "checkpoint " + file.string();
+  const bool sharded_dir = is_sharded_checkpoint(file);
+  auto ck = checkpoint_dict();
+  if (sharded_dir) {
+    ck = read_sharded_meta(file);
+    auto layout = ck.at("sharded").toGenericDict();
+    const int64_t saved_world = layout.at("world_size").toInt();
+    auto* sharded = runtime_->sharded_checkpoint();
+    if (sharded == nullptr)
+      throw RunError(where + " is a sharded checkpoint directory (" + std::to_string(saved_world) + " parts, written by '" +
+                     layout.at("strategy").toStringRef() + "'); resume it with that strategy, or make one file of it first: engine checkpoint consolidate " +
+                     file.string() + " OUT.ckpt");
+    try {
+      sharded->load_sharded_state(saved_world, [&](int64_t k) { return read_sharded_part(file, k); });
+    } catch (const RunError& e) {
+      throw RunError(where + ": " + e.what());
+    } catch (const c10::Error& e) {
+      throw RunError(where + ": its state does not fit this run (" + std::string(e.what_without_backtrace()).substr(0, 160) +
+                     "); resume with the same model and [optimizer] settings");
+    }
+  } else {
+    ck = load_checkpoint_file(file);
+    if (!ck.contains("state_dict")) throw RunError(where + " has no state_dict");
+    try {
+      runtime_->state().load_full_model_state(c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict()));
+    } catch (const RunError& e) {
+      throw RunError(where + ": " + e.what());
+    }
+  }
+  if (weights_only) return;
+  if (!ck.contains("loops") || (!sharded_dir && !ck.contains("optimizer")))
+    throw RunError(where + " holds weights only (save_weights_only); it can be tested but not resumed");
+  pos_ = TrainingState::from_ivalue(ck.at("loops").toGenericDict());
+  resume_batch_ = pos_.resume_batch();
+  // The position a resumed run starts from: the last finished batch of the epoch.
+  batch_idx_ = pos_.last_batch_idx();
+  try {
+    if (!sharded_dir) runtime_->state().load_full_optimizer_state(tensor_bytes(ck.at("optimizer").toTensor()));
+  } catch (const c10::Error& e) {
+    throw RunError(where + ": optimizer state does not fit this optimizer (" + std::string(e.what_without_backtrace()).substr(0, 160) +
+                   "); resume with the same [optimizer] settings");
+  }
+  restore_rng_state(ck.at("rng").toGenericDict());
+  auto plugin_state = ck.at("plugins").toGenericDict();
+  auto restore_one = [&](const std::string& key, IPluginObject& o) {
+    if (plugin_state.contains(key)) o.load_state_dict(plugin_state.at(key));
+  };
+  restore_one("strategy", runtime_->strategy_object());
+  restore_one("precision", runtime_->precision_object());
+  restore_one("model", *plugins_.model.object);
+  restore_one("data", *plugins_.data.object);
+  auto callbacks = ck.at("callbacks").toGenericDict();
+  for (auto& c : plugins_.callbacks)
+    if (callbacks.contains(c.name)) c.object->load_state_dict(callbacks.at(c.name));
+  auto loggers = ck.at("loggers").toGenericDict();
+  for (auto& l : plugins_.loggers)
+    if (loggers.contains(l.name)) l.object->load_state_dict(loggers.at(l.name));
+  call_hook(Hook::on_load_checkpoint);
+  if (announce)
+    log::info("resumed from " + file.string() + " at epoch " + std::to_string(pos_.epoch) + ", step " + std::to_string(pos_.global_step) +
+            (pos_.epoch_finished ? " (end of epoch)" : " (batch " + std::to_string(pos_.batches_done) + " of the epoch)"));
+}
+
+}  // namespace ember::engine

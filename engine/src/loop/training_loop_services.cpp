@@ -1,0 +1,53 @@
+// The training loop's SDK 1.1 services: what tuners, schedulers, precision handlers and averaging
+// callbacks call on ITrainer (trial steps, forward passes, batch iteration, batch size changes).
+#include "loop/training_loop.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include "common/log.h"
+
+namespace ember::engine {
+
+// ---------------------------------------------------------------------------------------------
+// SDK 1.1: what tuners, schedulers, precision handlers and averaging callbacks need.
+
+void TrainingLoop::log_tensor(std::string_view name, const at::Tensor& value, const LogOptions& options) {
+  if (quiet_) return;
+  metrics_.log(std::string(name), value.detach(), options, stage_ == Stage::none ? Stage::fit : stage_, 1);
+}
+
+void TrainingLoop::set_accumulate_grad_batches(int64_t factor) {
+  if (factor < 1) throw RunError("accumulate_grad_batches must be >= 1, got " + std::to_string(factor));
+  settings_.accumulate_grad_batches = factor;
+}
+
+void TrainingLoop::set_batch_size(int64_t size) {
+  if (size < 1) throw RunError("batch size must be >= 1, got " + std::to_string(size));
+  plan_->set_batch_size(size);
+}
+
+int64_t TrainingLoop::num_batches(Split split) const { return plan_->num_batches(split); }
+
+void TrainingLoop::for_each_batch(Split split, int64_t max_batches, const std::function<bool(const Batch&)>& fn) {
+  const DataLoader* loader = plan_->loader(split);
+  int64_t n = num_batches(split);
+  if (max_batches >= 0) n = std::min(n, max_batches);
+  if (!loader || n <= 0) return;
+  auto pass = loader->pass(split == Split::train ? pos_.epoch : 0, 0, n);
+  DeviceFeed feed(*pass, *runtime_, feed_options_);
+  Batch batch;
+  while (feed.next(batch))
+    if (!fn(batch)) break;
+}
+
+void TrainingLoop::load_checkpoint(const std::string& path) { restore(path, /*weights_only=*/false, /*announce=*/false); }
+
+void TrainingLoop::run_validation() {
+  if (!validation_enabled()) return;
+  evaluate(Split::val, Stage::validate, plan_->num_batches(Split::val));
+}
+
+}  // namespace ember::engine
+

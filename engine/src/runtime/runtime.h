@@ -1,0 +1,152 @@
+// ember::engine::Runtime: the one object that drives the strategy and the precision handler
+// (Lightning's Strategy holding its Precision; Marian's GraphGroup). Every loop goes through it:
+// the engine's TrainingLoop (fit, evaluation, predict, the tuners' trial steps) and ember::Fabric
+// (the program's own loop). Nothing else in the engine calls IStrategy or IPrecision for a step,
+// a set-up or a collective; docs/engine.md has the call sequence.
+//
+// Life cycle (each call Requires the ones before it):
+//   Runtime rt(strategy);               the strategy object, made from the plan
+//   rt.launch(request, &code)           processes and ranks (false: this process only launched others)
+//   rt.set_precision(precision)         made after launch, on the rank's own process
+//   rt.setup(model, factory)            precision converts, strategy places/shards, builds the optimizer
+//   ... forward / backward / optimizer_step / clip / zero_grad / collectives / state ...
+//   rt.teardown()                       once, success or not (the destructor does not)
+#pragma once
+#include <ember/model.h>
+#include <ember/precision.h>
+#include <ember/strategy.h>
+
+#include <c10/core/Device.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "registry/named.h"
+
+namespace ember {
+class IConfig;
+}
+
+namespace ember::engine {
+
+class Contract1StrategyState;
+
+class Runtime {
+ public:
+  explicit Runtime(Named<IStrategy> strategy);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  // ---- launch
+  // The LaunchRequest of a [trainer] table (devices, num_nodes, accelerator) and a command line:
+  // the one place it is built (the engine's run and Fabric's).
+  static LaunchRequest launch_request(const IConfig& trainer, std::vector<std::string> argv);
+  // Starts the ranks. Returns true on a process that trains (then rank() and the rest are valid;
+  // the log is tagged with the rank); false on a process that only launched others, whose exit
+  // code is *exit_code. Calling it again after true does nothing and returns true.
+  bool launch(const LaunchRequest& request, int* exit_code);
+  bool launched() const { return launched_; }
+  // Requires launched(). The precision handler of the run (made after launch).
+  void set_precision(Named<IPrecision> precision);
+  bool has_precision() const { return precision_.object != nullptr; }
+
+  // ---- set-up (Lightning's order, docs/strategy.md): the precision handler converts the
+  // module, the strategy places/wraps/shards it, then builds the optimizer through `factory` over
+  // what it trains. A strategy built against SDK 1.0/1.1 (contract 1) gets its old order through
+  // Contract1StrategyState. Requires set_precision; once. Ensures: optimizer() is valid.
+  std::shared_ptr<torch::optim::Optimizer> setup(IModel& model, IOptimizerFactory& factory);
+  bool is_setup() const { return state_ != nullptr; }
+
+  // ---- the step
+  // A host batch on the training device, cast as the precision handler wants it.
+  Batch to_device(Batch batch);
+  // The forward region of a step (training, evaluation, prediction, a tuner's pass): the
+  // strategy's (parameters gathered) around the precision handler's (autocast). Both ends run even
+  // when the step throws.
+  class ForwardRegion {
+   public:
+    ForwardRegion(ForwardRegion&& other) noexcept : rt_(other.rt_) { other.rt_ = nullptr; }
+    ForwardRegion(const ForwardRegion&) = delete;
+    ForwardRegion& operator=(const ForwardRegion&) = delete;
+    ~ForwardRegion();
+
+   private:
+    friend class Runtime;
+    explicit ForwardRegion(Runtime* rt) : rt_(rt) {}
+    Runtime* rt_;
+  };
+  [[nodiscard]] ForwardRegion forward(bool grad_enabled);
+  // Drops the gradients of everything this rank trains.
+  void zero_grad();
+  // Backward of one micro-batch (scaled if the precision scales); `sync_gradients` is false while
+  // gradients accumulate (no communication then).
+  void backward(const at::Tensor& loss, bool sync_gradients);
+  // One optimizer step: strategy -> precision -> step.closure(), unscale, step.before_step(),
+  // step.step() unless the gradients are inf/NaN. Returns false when the step was skipped.
+  // Throws RunError naming the plugins when none of them ran the closure (a plugin bug).
+  bool optimizer_step(IOptimizerStep& step);
+  // Inside a step's before_step (the precision handler has unscaled): clips in place, without a
+  // host sync; sharding strategies take the norm across ranks.
+  void clip_gradients(double max, ClipAlgorithm algorithm);
+  // Between backward and optimizer_step, outside a step (Fabric): unscales first (once per step),
+  // then clips. Returns the total 2-norm before clipping for ClipAlgorithm::norm (a device tensor,
+  // over all ranks' shards), undefined for value clipping.
+  at::Tensor unscale_and_clip_gradients(double max, ClipAlgorithm algorithm);
+
+  // ---- collectives (identity on one process)
+  at::Tensor reduce(const at::Tensor& value, ReduceOp op);
+  // True on every rank when `flag` is true on any rank: the vote for decisions that change
+  // control flow (stop, a failed write). No collective on one process.
+  bool any_rank(bool flag);
+  void barrier(const char* name);
+  bool broadcast_flag(bool value);
+  // Rank `src`'s tensor on every rank (the strategy's ITensorBroadcast); throws RunError when the
+  // strategy has none and there are several ranks.
+  at::Tensor broadcast(const at::Tensor& value, int64_t src);
+
+  // ---- state (Requires is_setup())
+  IModelStateStrategy& state() { return *state_; }
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  const std::shared_ptr<torch::optim::Optimizer>& optimizer_ptr() const { return optimizer_; }
+  // The strategy's sharded checkpoint parts, when it has them (never for a contract-1 strategy).
+  IShardedCheckpoint* sharded_checkpoint() const;
+  // Collective: gathers the full model state (when with_model) and the optimizer's (when
+  // with_optimizer; "" otherwise), calls `write` with them on rank 0, and makes every rank throw
+  // when rank 0's write failed (so no rank is left waiting in a later collective); rank 0 rethrows
+  // its own error. `what` names the file in that message.
+  using FullStateWriter = std::function<void(const c10::Dict<std::string, at::Tensor>& model, const std::string& optimizer)>;
+  void save_full(bool with_model, bool with_optimizer, const FullStateWriter& write, const std::string& what);
+
+  // ---- identity
+  int64_t rank() const { return strategy_.object->rank(); }
+  int64_t world_size() const { return strategy_.object->world_size(); }
+  int64_t local_rank() const { return strategy_.object->local_rank(); }
+  c10::Device root_device() const { return strategy_.object->root_device(); }
+  const Named<IStrategy>& strategy() const { return strategy_; }
+  const Named<IPrecision>& precision() const { return precision_; }
+  // Plugin objects that ask for the trainer (ITrainerAware) get it through the loop; these are
+  // the objects themselves, for that and for state_dict().
+  IStrategy& strategy_object() { return *strategy_.object; }
+  IPrecision& precision_object() { return *precision_.object; }
+
+  // Ends the strategy (processes, communicators); once, after a successful or a failed run.
+  // Never throws: a failure is logged.
+  void teardown();
+
+ private:
+  // Declaration order is destruction order reversed: the strategy outlives the precision handler,
+  // the state adapter and the optimizer it placed.
+  Named<IStrategy> strategy_;
+  Named<IPrecision> precision_;
+  std::unique_ptr<Contract1StrategyState> contract1_;
+  IModelStateStrategy* state_ = nullptr;
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  IGradientUnscaler* unscaler_ = nullptr;   // the precision handler's, when it scales the loss
+  IGradientNormClip* norm_clip_ = nullptr;  // the strategy's, when it shards gradients
+  bool launched_ = false, torn_down_ = false;
+};
+
+}  // namespace ember::engine
