@@ -267,6 +267,26 @@ TEST_F(Sharded, StateMemoryPerRankShrinksWithEachStage) {
   EXPECT_LE(static_cast<double>(stage[3]), 0.5 * static_cast<double>(ddp) * 1.02) << "ddp " << ddp << ", stage 3 " << stage[3];
 }
 
+// The checkpoint callback's "best" is found among sharded directories too (it read the directory
+// as a file: "skipping unreadable .../last.ckpt: Is a directory", then "no 'best' checkpoint"):
+// the default test_after_fit with test_ckpt = "best" tests it, and --resume best continues from it.
+TEST_F(Sharded, BestShardedCheckpointIsTestedAndResumed) {
+  TempDir dir("sharded");
+  const std::vector<std::string> best = {"--set", "sharded.state_dict_type=\"sharded\"", "--set", "trainer.test_after_fit=true",
+                                         "--set", "trainer.test_ckpt=\"best\"", "--set", "data.num_test=24"};
+  auto r = sharded(dir, 3, 2, best, kAdam);
+  EXPECT_EQ(r.err.find("skipping unreadable"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("test_loss"), std::string::npos) << r.out;
+  const fs::path folder = dir / "runs/run/version_0/checkpoints";
+  bool any_dir = false;
+  for (const auto& e : fs::directory_iterator(folder)) any_dir = any_dir || fs::is_directory(e.path());
+  EXPECT_TRUE(any_dir) << "the checkpoints are sharded directories";
+  auto resumed = run_engine_ok(dir, {"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=30.0", "--set", "trainer.devices=2",
+                                     "--set", "sharded.stage=3", "--set", "data.batch_size=12", "--set",
+                                     "sharded.state_dict_type=\"sharded\"", "--set", "trainer.max_epochs=3", "--resume", "best"});
+  EXPECT_NE(resumed.err.find("resumed from"), std::string::npos) << resumed.err;
+}
+
 // state_dict_type = "sharded": a directory of one part per rank, nothing gathered. Saved by 2
 // ranks, it resumes on 3 and on 1 exactly; `engine checkpoint consolidate` makes the single file
 // that single_device resumes from; single_device refuses the directory with one line saying so.

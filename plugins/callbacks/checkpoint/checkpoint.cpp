@@ -247,8 +247,11 @@ bool is_last_name(const fs::path& p) {
 }
 
 // This plugin's state inside an engine checkpoint: the file is a pickled dict whose "callbacks"
-// entry maps plugin names to their state_dict. nullopt when the file has none (weights only).
-std::optional<c10::IValue> read_plugin_state(const std::string& path) {
+// entry maps plugin names to their state_dict. nullopt when the file has none (weights only). A
+// sharded checkpoint directory keeps it in its meta.ckpt (the parts hold only tensors).
+std::optional<c10::IValue> read_plugin_state(const std::string& checkpoint) {
+  std::error_code ec;
+  const std::string path = fs::is_directory(checkpoint, ec) ? (fs::path(checkpoint) / "meta.ckpt").string() : checkpoint;
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ember::RunError("cannot open " + path);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
