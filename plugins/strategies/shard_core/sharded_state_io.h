@@ -1,0 +1,39 @@
+// The model's and optimizer's state of a ZeRO run, saved and restored: whole (gathered onto rank
+// 0, exactly what a replicating strategy saves, so a checkpoint resumes under any strategy and
+// world size) or as one part per rank (nothing gathered; re-sharded onto any world size when it
+// is loaded). Every call is collective where it gathers. The loads leave the module's own
+// parameters to the caller (ZeroStrategy::parameters_changed).
+#pragma once
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <string>
+
+#include "shard_table.h"
+#include "zero_context.h"
+
+namespace ember_shard {
+
+class ShardedStateIO {
+ public:
+  ShardedStateIO(ShardTable& table, ZeroContext ctx) : t_(table), c_(ctx) {}
+
+  c10::Dict<std::string, at::Tensor> full_model_state(torch::nn::Module& module, bool rank0_only);
+  // Throws ember::RunError naming the first tensor that is missing or has another shape.
+  void load_full_model_state(torch::nn::Module& module, const c10::Dict<std::string, at::Tensor>& state);
+  std::string full_optimizer_state(torch::optim::Optimizer& optimizer, bool rank0_only);
+  void load_full_optimizer_state(torch::optim::Optimizer& optimizer, const std::string& bytes);
+  c10::IValue sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer);
+  void load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
+                          const std::function<c10::IValue(int64_t)>& read_part);
+
+ private:
+  // Whole value of one shard-shaped tensor (a parameter's shard, or an optimizer state field).
+  at::Tensor gather_whole(const ShardedParam& p, const at::Tensor& part);
+
+  ShardTable& t_;
+  ZeroContext c_;
+};
+
+}  // namespace ember_shard
