@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 #include <thread>
@@ -303,9 +304,29 @@ void BufferBroadcast::before_forward(torch::nn::Module& module, Communicator& co
   if (!enabled_ || comm.world() == 1) return;
   const bool training = module.is_training();
   if (training || dirty_) {
+    // One broadcast per dtype over the buffers flattened into one tensor (PyTorch DDP coalesces
+    // them too), not one per buffer: a network with batch norm has three buffers per norm layer.
     at::NoGradGuard no_grad;
-    int i = 0;
-    for (auto& b : module.buffers()) comm.broadcast_from_zero(b, "buffer " + std::to_string(i++));
+    std::vector<at::Tensor> buffers;
+    std::vector<at::ScalarType> dtypes;
+    for (auto& b : module.buffers()) {
+      if (!b.defined() || b.numel() == 0) continue;
+      buffers.push_back(b);
+      if (std::find(dtypes.begin(), dtypes.end(), b.scalar_type()) == dtypes.end()) dtypes.push_back(b.scalar_type());
+    }
+    for (const auto dtype : dtypes) {
+      std::vector<at::Tensor> group;
+      for (const auto& b : buffers)
+        if (b.scalar_type() == dtype) group.push_back(b.reshape({-1}));
+      at::Tensor flat = at::cat(group);
+      comm.broadcast_from_zero(flat, std::string("the ") + c10::toString(dtype) + " buffers");
+      int64_t offset = 0;
+      for (auto& b : buffers) {
+        if (b.scalar_type() != dtype) continue;
+        b.copy_(flat.narrow(0, offset, b.numel()).view(b.sizes()));
+        offset += b.numel();
+      }
+    }
   }
   dirty_ = training;
 }
