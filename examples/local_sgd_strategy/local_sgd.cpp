@@ -14,7 +14,6 @@
 #include <ember/plugin.h>
 #include <ember/replicated_state.h>
 
-#include <ATen/ATen.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -74,28 +73,16 @@ class LocalSgd final : public ember::ReplicatingStrategy {
   }
 
  private:
-  // One all-reduce over every parameter and floating buffer, flattened into one tensor per dtype.
+  // The ranks' mean of every parameter and floating buffer: one all-reduce per dtype over them
+  // all, flattened (Ember::distributed's coalesced collective).
   void average() {
     steps_since_sync_ = 0;
-    if (comm_.world() == 1 || module_ == nullptr) return;
+    if (module_ == nullptr) return;
     std::vector<at::Tensor> tensors;
-    for (const auto& p : module_->parameters()) tensors.push_back(p.detach());
+    for (const auto& p : module_->parameters()) tensors.push_back(p);
     for (const auto& b : module_->buffers())
       if (b.is_floating_point()) tensors.push_back(b);
-    for (const auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
-      std::vector<at::Tensor> group;
-      for (const auto& t : tensors)
-        if (t.scalar_type() == dtype) group.push_back(t.reshape(-1));
-      if (group.empty()) continue;
-      comm_.label("local_sgd parameter average");
-      const at::Tensor sum = comm_.reduce(at::cat(group), ember::ReduceOp::sum);
-      int64_t offset = 0;
-      for (const auto& t : tensors) {
-        if (t.scalar_type() != dtype) continue;
-        t.copy_(sum.narrow(0, offset, t.numel()).view(t.sizes()).div(static_cast<double>(comm_.world())));
-        offset += t.numel();
-      }
-    }
+    comm_.all_reduce_coalesced(tensors, ember::ReduceOp::mean, "local_sgd parameter average");
     ++averages_;
   }
 

@@ -8,6 +8,7 @@
 #include "api/fabric_impl.h"
 #include "checkpoint/checkpoint_document.h"
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint/sharded_checkpoint.h"
 #include "loop/training_state.h"
 
 namespace ember {
@@ -23,7 +24,8 @@ void Fabric::save(const std::string& path, const FabricState& state) {
   if ((state.model || state.optimizer) && !d.runtime->is_setup())
     throw RunError("ember::Fabric::save: call setup(module, optimizer factory) first, or save with model = optimizer = false");
   auto& rt = *d.runtime;
-  auto write = [&](const c10::Dict<std::string, at::Tensor>* model_state, const std::string* optimizer_state) {
+  // Built on rank 0 only: everything but the model's and the optimizer's state.
+  auto meta = [&] {
     auto ck = engine::checkpoint_header(state.epoch, state.global_step, !state.optimizer, d.plan.config.to_toml());
     c10::Dict<std::string, std::string> versions;
     versions.insert(rt.strategy().name, rt.strategy().version);
@@ -39,45 +41,37 @@ void Fabric::save(const std::string& path, const FabricState& state) {
     ck.insert("plugins", plugins);
     ck.insert("callbacks", engine::checkpoint_dict());
     ck.insert("loggers", engine::checkpoint_dict());
-    if (model_state) ck.insert("state_dict", *model_state);
-    if (optimizer_state) ck.insert("optimizer", engine::bytes_tensor(*optimizer_state));
     auto values = engine::checkpoint_dict();
     for (const auto& [k, v] : state.values) values.insert(k, v);
     ck.insert("fabric", values);
-    engine::save_checkpoint_file(path, ck);
+    return ck;
   };
-  // Collective: the strategy gathers the full state onto rank 0 (sharding strategies); rank 0's
-  // failure ends every rank.
-  rt.save_full(state.model, state.optimizer, [&](const c10::Dict<std::string, at::Tensor>& model, const std::string& optimizer) {
-    write(state.model ? &model : nullptr, state.optimizer ? &optimizer : nullptr);
-  }, "checkpoint " + path);
+  // Collective, through the same runtime as the engine's loop: a file gathered on rank 0, or a
+  // directory of one part per rank under a strategy whose checkpoints are sharded (the model and
+  // the optimizer saved); rank 0's failure ends every rank.
+  rt.save_checkpoint(path, state.model, state.optimizer, meta);
 }
 
 FabricState Fabric::load(const std::string& path) {
   auto& d = *impl_;
   d.ensure_launched();
-  const std::string where = "checkpoint " + path;
-  c10::impl::GenericDict ck = engine::load_checkpoint_file(path);  // checks every record's CRC32C
+  // A sharded directory carries the model and the optimizer; a file what it was saved with.
+  const bool sharded = engine::is_sharded_checkpoint(path);
+  auto needs_setup = [&] {
+    return RunError("ember::Fabric::load: checkpoint " + path + " holds a model; call setup(module, optimizer factory) before load");
+  };
+  using Part = engine::Runtime::Part;
+  c10::impl::GenericDict ck = engine::checkpoint_dict();
+  if (d.runtime->is_setup()) {
+    ck = d.runtime->load_checkpoint(path, Part::if_present, Part::if_present, "build the same optimizer in setup()");
+  } else {
+    if (sharded) throw needs_setup();
+    ck = engine::load_checkpoint_file(path);  // checks every record's CRC32C
+    if (ck.contains("state_dict") || ck.contains("optimizer")) throw needs_setup();
+  }
   FabricState out;
-  out.model = ck.contains("state_dict");
-  out.optimizer = ck.contains("optimizer");
-  if ((out.model || out.optimizer) && !d.runtime->is_setup())
-    throw RunError("ember::Fabric::load: " + where + " holds a model; call setup(module, optimizer factory) before load");
-  if (out.model) {
-    try {
-      d.runtime->state().load_full_model_state(c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict()));
-    } catch (const RunError& e) {
-      throw RunError(where + ": " + e.what());
-    }
-  }
-  if (out.optimizer) {
-    try {
-      d.runtime->state().load_full_optimizer_state(engine::tensor_bytes(ck.at("optimizer").toTensor()));
-    } catch (const c10::Error& e) {
-      throw RunError(where + ": optimizer state does not fit this optimizer (" +
-                     std::string(e.what_without_backtrace()).substr(0, 160) + "); build the same optimizer in setup()");
-    }
-  }
+  out.model = sharded || ck.contains("state_dict");
+  out.optimizer = sharded || ck.contains("optimizer");
   if (ck.contains("plugins")) {
     auto plugins = ck.at("plugins").toGenericDict();
     if (plugins.contains("strategy")) d.runtime->strategy_object().load_state_dict(plugins.at("strategy"));

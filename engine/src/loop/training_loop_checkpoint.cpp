@@ -13,7 +13,6 @@
 #include "checkpoint/checkpoint_io.h"
 #include "config/engine_schema.h"
 #include "common/log.h"
-#include "checkpoint/sharded_checkpoint.h"
 
 namespace ember::engine {
 
@@ -70,34 +69,8 @@ c10::impl::GenericDict TrainingLoop::checkpoint_meta(bool weights_only) const {
 
 void TrainingLoop::save_checkpoint(const std::string& path, bool weights_only) {
   call_hook(Hook::on_save_checkpoint);
-  auto& rt = *runtime_;
-  if (auto* sharded = rt.sharded_checkpoint(); sharded && sharded->sharded_checkpoints() && !weights_only) {
-    // One part per rank, nothing gathered (sharded_checkpoint.h has the layout and the commit).
-    const c10::IValue part = sharded->sharded_state();
-    c10::IValue meta;
-    if (is_global_zero()) {
-      auto ck = checkpoint_meta(false);
-      auto layout = checkpoint_dict();
-      layout.insert("world_size", world_size());
-      layout.insert("strategy", rt.strategy().name);
-      ck.insert("sharded", layout);
-      meta = ck;
-    }
-    ShardedWrite how;
-    how.rank = rank();
-    how.world = world_size();
-    how.max_over_ranks = [&](double v) { return rt.reduce(at::scalar_tensor(v, at::kDouble), ReduceOp::max).item<double>(); };
-    write_sharded_checkpoint(path, part, meta, how);
-    return;
-  }
-  // The model and optimizer state come from the strategy (gathered where it shards); every rank
-  // takes part, only rank 0 builds and writes the checkpoint.
-  rt.save_full(/*with_model=*/true, /*with_optimizer=*/!weights_only, [&](const c10::Dict<std::string, at::Tensor>& model, const std::string& optimizer) {
-    auto ck = checkpoint_meta(weights_only);
-    ck.insert("state_dict", model);
-    if (!weights_only) ck.insert("optimizer", bytes_tensor(optimizer));
-    save_checkpoint_file(path, ck);
-  }, "checkpoint " + path);
+  // A file gathered on rank 0, or one part per rank when the strategy's checkpoints are sharded.
+  runtime_->save_checkpoint(path, /*with_model=*/true, /*with_optimizer=*/!weights_only, [&] { return checkpoint_meta(weights_only); });
 }
 
 void TrainingLoop::write_consolidated(const std::string& path, c10::impl::GenericDict meta) {
@@ -115,47 +88,14 @@ void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only)
 
 void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only, bool announce) {
   const std::string where = "checkpoint " + file.string();
-  const bool sharded_dir = is_sharded_checkpoint(file);
-  auto ck = checkpoint_dict();
-  if (sharded_dir) {
-    ck = read_sharded_meta(file);
-    auto layout = ck.at("sharded").toGenericDict();
-    const int64_t saved_world = layout.at("world_size").toInt();
-    auto* sharded = runtime_->sharded_checkpoint();
-    if (sharded == nullptr)
-      throw RunError(where + " is a sharded checkpoint directory (" + std::to_string(saved_world) + " parts, written by '" +
-                     layout.at("strategy").toStringRef() + "'); resume it with that strategy, or make one file of it first: engine checkpoint consolidate " +
-                     file.string() + " OUT.ckpt");
-    try {
-      sharded->load_sharded_state(saved_world, [&](int64_t k) { return read_sharded_part(file, k); });
-    } catch (const RunError& e) {
-      throw RunError(where + ": " + e.what());
-    } catch (const c10::Error& e) {
-      throw RunError(where + ": its state does not fit this run (" + std::string(e.what_without_backtrace()).substr(0, 160) +
-                     "); resume with the same model and [optimizer] settings");
-    }
-  } else {
-    ck = load_checkpoint_file(file);
-    if (!ck.contains("state_dict")) throw RunError(where + " has no state_dict");
-    try {
-      runtime_->state().load_full_model_state(c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict()));
-    } catch (const RunError& e) {
-      throw RunError(where + ": " + e.what());
-    }
-  }
+  using Part = Runtime::Part;
+  auto ck = runtime_->load_checkpoint(file, Part::required, weights_only ? Part::skip : Part::required);
   if (weights_only) return;
-  if (!ck.contains("loops") || (!sharded_dir && !ck.contains("optimizer")))
-    throw RunError(where + " holds weights only (save_weights_only); it can be tested but not resumed");
+  if (!ck.contains("loops")) throw RunError(where + " holds weights only (save_weights_only); it can be tested but not resumed");
   pos_ = TrainingState::from_ivalue(ck.at("loops").toGenericDict());
   resume_batch_ = pos_.resume_batch();
   // The position a resumed run starts from: the last finished batch of the epoch.
   batch_idx_ = pos_.last_batch_idx();
-  try {
-    if (!sharded_dir) runtime_->state().load_full_optimizer_state(tensor_bytes(ck.at("optimizer").toTensor()));
-  } catch (const c10::Error& e) {
-    throw RunError(where + ": optimizer state does not fit this optimizer (" + std::string(e.what_without_backtrace()).substr(0, 160) +
-                   "); resume with the same [optimizer] settings");
-  }
   restore_rng_state(ck.at("rng").toGenericDict());
   auto plugin_state = ck.at("plugins").toGenericDict();
   auto restore_one = [&](const std::string& key, IPluginObject& o) {

@@ -6,6 +6,9 @@
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 
+#include "checkpoint/checkpoint_document.h"
+#include "checkpoint/checkpoint_io.h"
+#include "checkpoint/sharded_checkpoint.h"
 #include "common/log.h"
 #include "runtime/contract1_strategy_state.h"
 
@@ -141,7 +144,7 @@ bool Runtime::broadcast_flag(bool value) { return strategy_.object->broadcast_fl
 
 at::Tensor Runtime::broadcast(const at::Tensor& value, int64_t src) {
   if (world_size() == 1) {
-    if (!value.defined()) throw RunError("broadcast: the tensor is undefined");
+    if (!value.defined()) throw RunError("the tensor to broadcast is undefined");
     return value;
   }
   auto* caster = static_cast<ITensorBroadcast*>(strategy_.object->query_interface(kTensorBroadcastIid));
@@ -174,6 +177,79 @@ void Runtime::save_full(bool with_model, bool with_optimizer, const FullStateWri
   if (any_rank(error != nullptr) && !error)
     throw RunError("rank 0 could not write " + what + " (its log says why); stopping with it");
   if (error) std::rethrow_exception(error);
+}
+
+void Runtime::save_checkpoint(const std::string& path, bool with_model, bool with_optimizer, const CheckpointMeta& meta) {
+  if (auto* sharded = sharded_checkpoint(); sharded && sharded->sharded_checkpoints() && with_model && with_optimizer) {
+    // One part per rank, nothing gathered (sharded_checkpoint.h has the layout and the commit).
+    const c10::IValue part = sharded->sharded_state();
+    c10::IValue doc;
+    if (rank() == 0) {
+      auto ck = meta();
+      auto layout = checkpoint_dict();
+      layout.insert("world_size", world_size());
+      layout.insert("strategy", strategy_.name);
+      ck.insert("sharded", layout);
+      doc = ck;
+    }
+    ShardedWrite how;
+    how.rank = rank();
+    how.world = world_size();
+    how.max_over_ranks = [&](double v) { return reduce(at::scalar_tensor(v, at::kDouble), ReduceOp::max).item<double>(); };
+    write_sharded_checkpoint(path, part, doc, how);
+    return;
+  }
+  save_full(with_model, with_optimizer, [&](const c10::Dict<std::string, at::Tensor>& model, const std::string& optimizer) {
+    auto ck = meta();
+    if (with_model) ck.insert("state_dict", model);
+    if (with_optimizer) ck.insert("optimizer", bytes_tensor(optimizer));
+    save_checkpoint_file(path, ck);
+  }, "checkpoint " + path);
+}
+
+c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& path, Part model, Part optimizer,
+                                                const std::string& optimizer_fix) {
+  const std::string where = "checkpoint " + path.string();
+  if (is_sharded_checkpoint(path)) {
+    auto ck = read_sharded_meta(path);
+    auto layout = ck.at("sharded").toGenericDict();
+    const int64_t saved_world = layout.at("world_size").toInt();
+    auto* sharded = sharded_checkpoint();
+    if (sharded == nullptr)
+      throw RunError(where + " is a sharded checkpoint directory (" + std::to_string(saved_world) + " parts, written by '" +
+                     layout.at("strategy").toStringRef() + "'); resume it with that strategy, or make one file of it first: engine checkpoint consolidate " +
+                     path.string() + " OUT.ckpt");
+    try {
+      sharded->load_sharded_state(saved_world, [&](int64_t k) { return read_sharded_part(path, k); });
+    } catch (const RunError& e) {
+      throw RunError(where + ": " + e.what());
+    } catch (const c10::Error& e) {
+      throw RunError(where + ": its state does not fit this run (" + std::string(e.what_without_backtrace()).substr(0, 160) +
+                     "); resume with the same model and [optimizer] settings");
+    }
+    return ck;
+  }
+  auto ck = load_checkpoint_file(path);
+  if (model != Part::skip && ck.contains("state_dict")) {
+    try {
+      state_->load_full_model_state(c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict()));
+    } catch (const RunError& e) {
+      throw RunError(where + ": " + e.what());
+    }
+  } else if (model == Part::required) {
+    throw RunError(where + " has no state_dict");
+  }
+  if (optimizer != Part::skip && ck.contains("optimizer")) {
+    try {
+      state_->load_full_optimizer_state(tensor_bytes(ck.at("optimizer").toTensor()));
+    } catch (const c10::Error& e) {
+      throw RunError(where + ": optimizer state does not fit this optimizer (" + std::string(e.what_without_backtrace()).substr(0, 160) +
+                     "); " + optimizer_fix);
+    }
+  } else if (optimizer == Part::required) {
+    throw RunError(where + " holds weights only (save_weights_only); it can be tested but not resumed");
+  }
+  return ck;
 }
 
 void Runtime::teardown() {

@@ -18,6 +18,7 @@
 
 #include <c10/core/Device.h>
 
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -119,6 +120,27 @@ class Runtime {
   // its own error. `what` names the file in that message.
   using FullStateWriter = std::function<void(const c10::Dict<std::string, at::Tensor>& model, const std::string& optimizer)>;
   void save_full(bool with_model, bool with_optimizer, const FullStateWriter& write, const std::string& what);
+
+  // ---- checkpoints: one document, a file or a sharded directory (docs/checkpoint.md) ----
+  // Collective. Writes the checkpoint `path`: under a strategy whose checkpoints are sharded (and
+  // when the model and optimizer are both saved) a directory of one part per rank plus meta.ckpt,
+  // nothing gathered; otherwise one file with the model's state (when with_model) and the
+  // optimizer's (when with_optimizer), gathered on rank 0. `meta` builds the rest of the document
+  // (header, loop position, RNG, plugin states); it runs on rank 0 only. Atomic either way: a
+  // failed or killed save leaves the previous `path` whole, and every rank throws when one failed.
+  using CheckpointMeta = std::function<c10::impl::GenericDict()>;
+  void save_checkpoint(const std::string& path, bool with_model, bool with_optimizer, const CheckpointMeta& meta);
+  // What load_checkpoint restores besides the run's own tables, which stay the caller's.
+  enum class Part { required, if_present, skip };
+  // Restores the model's state (`model`) and the optimizer's (`optimizer`) from a checkpoint file
+  // or a sharded directory (re-sharded onto this run's ranks; it always carries both). Returns the
+  // document's other tables (header, loops, rng, plugins, ...). Throws RunError starting with
+  // "checkpoint PATH" for a missing required part, a state that does not fit, or a sharded
+  // directory under a strategy that cannot read one (naming `engine checkpoint consolidate`).
+  // `optimizer_fix` ends the line of an optimizer state that does not fit ("resume with the same
+  // [optimizer] settings" for the engine's runs).
+  c10::impl::GenericDict load_checkpoint(const std::filesystem::path& path, Part model, Part optimizer,
+                                         const std::string& optimizer_fix = "resume with the same [optimizer] settings");
 
   // ---- identity
   int64_t rank() const { return strategy_.object->rank(); }

@@ -216,6 +216,49 @@ at::Tensor Communicator::reduce(const at::Tensor& value, ember::ReduceOp op) {
   return t.to(value.device());
 }
 
+namespace {
+// Runs `collective` once per dtype on the tensors of that dtype flattened into one buffer, then
+// copies the result back into each tensor.
+template <class F>
+void for_each_dtype_flattened(const std::vector<at::Tensor>& tensors, const F& collective) {
+  std::vector<at::ScalarType> dtypes;
+  for (const auto& t : tensors)
+    if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) dtypes.push_back(t.scalar_type());
+  at::NoGradGuard no_grad;
+  for (const auto dtype : dtypes) {
+    std::vector<at::Tensor> group;
+    for (const auto& t : tensors)
+      if (t.scalar_type() == dtype) group.push_back(t.detach().reshape({-1}));
+    at::Tensor flat = at::cat(group);
+    collective(flat, dtype);
+    int64_t offset = 0;
+    for (const auto& t : tensors) {
+      if (t.scalar_type() != dtype) continue;
+      t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+}  // namespace
+
+void Communicator::broadcast_coalesced(const std::vector<at::Tensor>& tensors, const std::string& what) {
+  if (info_.world == 1 || tensors.empty()) return;
+  for_each_dtype_flattened(tensors, [&](at::Tensor& flat, at::ScalarType dtype) {
+    broadcast_from_zero(flat, what + " (" + c10::toString(dtype) + ")");
+  });
+}
+
+void Communicator::all_reduce_coalesced(const std::vector<at::Tensor>& tensors, ember::ReduceOp op, const std::string& what) {
+  if (info_.world == 1 || tensors.empty()) return;
+  for_each_dtype_flattened(tensors, [&](at::Tensor& flat, at::ScalarType dtype) {
+    std::vector<at::Tensor> v{flat};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    label(what + " (" + c10::toString(dtype) + ")");
+    backend_->allreduce(v, opts)->wait();
+  });
+}
+
 void Communicator::barrier(const char* name) {
   if (!backend_) return;
   label(std::string("barrier '") + name + "'");
@@ -304,29 +347,13 @@ void BufferBroadcast::before_forward(torch::nn::Module& module, Communicator& co
   if (!enabled_ || comm.world() == 1) return;
   const bool training = module.is_training();
   if (training || dirty_) {
-    // One broadcast per dtype over the buffers flattened into one tensor (PyTorch DDP coalesces
-    // them too), not one per buffer: a network with batch norm has three buffers per norm layer.
+    // One broadcast per dtype, not one per buffer: a network with batch norm has three buffers
+    // per norm layer.
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> buffers;
-    std::vector<at::ScalarType> dtypes;
-    for (auto& b : module.buffers()) {
-      if (!b.defined() || b.numel() == 0) continue;
-      buffers.push_back(b);
-      if (std::find(dtypes.begin(), dtypes.end(), b.scalar_type()) == dtypes.end()) dtypes.push_back(b.scalar_type());
-    }
-    for (const auto dtype : dtypes) {
-      std::vector<at::Tensor> group;
-      for (const auto& b : buffers)
-        if (b.scalar_type() == dtype) group.push_back(b.reshape({-1}));
-      at::Tensor flat = at::cat(group);
-      comm.broadcast_from_zero(flat, std::string("the ") + c10::toString(dtype) + " buffers");
-      int64_t offset = 0;
-      for (auto& b : buffers) {
-        if (b.scalar_type() != dtype) continue;
-        b.copy_(flat.narrow(0, offset, b.numel()).view(b.sizes()));
-        offset += b.numel();
-      }
-    }
+    for (auto& b : module.buffers())
+      if (b.defined() && b.numel() > 0) buffers.push_back(b);
+    comm.broadcast_coalesced(buffers, "buffers");
   }
   dirty_ = training;
 }

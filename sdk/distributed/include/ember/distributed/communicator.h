@@ -16,6 +16,7 @@
 #include <chrono>
 #include <string>
 #include <sys/types.h>
+#include <vector>
 
 #include "ember/distributed/launch.h"
 
@@ -76,6 +77,12 @@ class Communicator {
   // Moves a batch to this rank's device (non-blocking from pinned memory).
   ember::Batch batch_to_device(ember::Batch batch) const;
   at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op);
+  // Coalesced, in place: every tensor of `tensors` (all on device()) takes rank 0's values, or the
+  // reduction over the ranks (ReduceOp::mean averages), with one collective per dtype over the
+  // tensors flattened into one buffer instead of one per tensor (PyTorch DDP's buckets). `what`
+  // names the collective for the watchdog. Identity on one rank.
+  void broadcast_coalesced(const std::vector<at::Tensor>& tensors, const std::string& what);
+  void all_reduce_coalesced(const std::vector<at::Tensor>& tensors, ember::ReduceOp op, const std::string& what);
   void barrier(const char* name);
   bool broadcast_flag(bool value);
   // ember::ITensorBroadcast::broadcast: a header (dtype, shape, or why not) from src, then the
