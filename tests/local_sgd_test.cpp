@@ -36,8 +36,11 @@ const Installed& installed() {
     const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
     const fs::path work = fs::path(EMBER_TEST_TMP) / ("local-sgd-" + test);
     const fs::path build = engine_path().parent_path().parent_path();
+    // Run from a folder of its own (run_process keeps the output there), not the source tree.
+    const fs::path cwd = work.string() + "-log";
+    fs::create_directories(cwd);
     auto r = run_process({"/bin/bash", (source_dir() / "tests/build_example.sh").string(), build.string(), work.string(), "local_sgd_strategy"},
-                         source_dir(), {{"TORCH_DIR", EMBER_TEST_TORCH_DIR}, {"CMAKE_PREFIX_PATH", EMBER_TEST_DEPS_PREFIX_PATH}}, 900);
+                         cwd, {{"TORCH_DIR", EMBER_TEST_TORCH_DIR}, {"CMAKE_PREFIX_PATH", EMBER_TEST_DEPS_PREFIX_PATH}}, 900);
     if (r.exit_code != 0) result.error = "build_example.sh failed (exit " + std::to_string(r.exit_code) + "):\n" + r.out + r.err;
     result.prefix = work / "prefix";
     result.engine = result.prefix / "bin/engine";
