@@ -80,7 +80,9 @@ if [ "$which" = tsan ] || [ "$which" = all ]; then
   # teams (its kernels, oneDNN) synchronize in uninstrumented libgomp, which TSan cannot see:
   # they run single-threaded here (OMP_NUM_THREADS=1) so that every report is about Ember's threads.
   export OMP_NUM_THREADS=1
-  filter=(-R 'DataLoader|DataParallel|Ddp|DistributedBuffers|Sigterm|Sigusr1|DefaultDtype')
+  # LocalSgd (its name says "Ddp") builds an example out of tree against an install of this build,
+  # which the subset's partial build cannot make, and without TSan: it is left out, as under ASan.
+  filter=(-R 'DataLoader|DataParallel|Ddp|DistributedBuffers|Sigterm|Sigusr1|DefaultDtype' -E 'LocalSgd')
   [ $# -gt 0 ] && filter=()
   ctest --test-dir build-tsan --output-on-failure -j"$jobs" --timeout 1800 "${filter[@]}" "$@" || status=1
   echo "tsan: tests $(( $(date +%s) - start ))s"
