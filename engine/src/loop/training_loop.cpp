@@ -541,23 +541,18 @@ void TrainingLoop::end_stage() {
   stage_ = Stage::none;
 }
 
-std::vector<std::pair<std::string, double>> TrainingLoop::test() {
-  if (plan_->num_batches(Split::test) == 0)
-    throw RunError("data '" + plugins_.data.name + "' has no test batches (test split empty, or limit_test_batches = 0)");
-  evaluate(Split::test, Stage::test, plan_->num_batches(Split::test));
+// One pass over `split` on its own (engine test / validate), returning the metrics it published.
+std::vector<std::pair<std::string, double>> TrainingLoop::evaluate_split(Split split) {
+  const bool test = split == Split::test;
+  const int64_t batches = plan_->num_batches(split);
+  if (batches == 0)
+    throw RunError("data '" + plugins_.data.name + "' has no " + (test ? "test batches (test split empty, or limit_test_batches = 0)"
+                                                                        : "validation batches (validation split empty, or limit_val_batches = 0)"));
+  evaluate(split, test ? Stage::test : Stage::validate, batches);
+  const std::string prefix = test ? "test" : "val";
   std::vector<std::pair<std::string, double>> out;
   for (const auto& [k, v] : metrics_.callback_metrics())
-    if (k.starts_with("test")) out.emplace_back(k, v);
-  return out;
-}
-
-std::vector<std::pair<std::string, double>> TrainingLoop::validate() {
-  if (plan_->num_batches(Split::val) == 0)
-    throw RunError("data '" + plugins_.data.name + "' has no validation batches (validation split empty, or limit_val_batches = 0)");
-  evaluate(Split::val, Stage::validate, plan_->num_batches(Split::val));
-  std::vector<std::pair<std::string, double>> out;
-  for (const auto& [k, v] : metrics_.callback_metrics())
-    if (k.starts_with("val")) out.emplace_back(k, v);
+    if (k.starts_with(prefix)) out.emplace_back(k, v);
   return out;
 }
 

@@ -60,9 +60,9 @@ class TrainingLoop final : public ITrainer {
   void restore(const std::filesystem::path& checkpoint, bool weights_only);
   void fit();
   // Runs the test split; returns the test metrics.
-  std::vector<std::pair<std::string, double>> test();
+  std::vector<std::pair<std::string, double>> test() { return evaluate_split(Split::test); }
   // Runs the validation split on its own (Lightning's trainer.validate); returns the val metrics.
-  std::vector<std::pair<std::string, double>> validate();
+  std::vector<std::pair<std::string, double>> validate() { return evaluate_split(Split::val); }
   const std::vector<Named<ICallback>>& callbacks() const { return plugins_.callbacks; }
   // Lightning's trainer.predict: the model's predictions for every sample of `split` (up to
   // limit_predict_batches), written to `csv` atomically (id, prediction, then one column per
@@ -144,6 +144,7 @@ class TrainingLoop final : public ITrainer {
   void call_hook(Hook hook);
   void train_epoch();
   void evaluate(Split split, Stage stage, int64_t max_batches);
+  std::vector<std::pair<std::string, double>> evaluate_split(Split split);
   // `hooks` = false: the step's inner hooks are the caller's (a CUDA-graph capture calls them
   // outside the graph, so every replay gets them too).
   at::Tensor run_micro_batch(const Batch& batch, bool first_in_window, bool sync, bool hooks = true);
