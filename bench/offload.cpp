@@ -11,7 +11,7 @@
 // AdamW are 8 GB either way).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ember/fused_optim.h>
+#include <ember/support/fused_optim.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>

@@ -7,7 +7,7 @@
 // intra-op thread count first.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ember/fused_optim.h>
+#include <ember/support/fused_optim.h>
 
 #include <algorithm>
 #include <chrono>

@@ -2,6 +2,8 @@
 // that names the file, the field, both values and the fix; a scan skips them with a warning.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "registry/plugin_registry.h"
 #include "support.h"
 
@@ -32,8 +34,30 @@ TEST(Abi, GoodPluginLoads) {
 
 TEST(Abi, RefusesOtherSdkMajor) {
   auto msg = refusal("bad_abi_major");
-  EXPECT_NE(msg.find("SDK ABI major 99 != engine 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("SDK ABI major 99 != engine 2"), std::string::npos) << msg;
   EXPECT_NE(msg.find("rebuild the plugin against Ember SDK"), std::string::npos) << msg;
+}
+
+// A plugin built against SDK 1.4's descriptor (tests/sdk1): refused in one line that names its SDK
+// and the engine's, before the loader reads the fingerprint (whose layout changed in 2.0); asked for
+// by name (`engine plugins info`), the engine exits 2 with that line.
+TEST(Abi, RefusesAPluginBuiltAgainstSdk1InOneLine) {
+  const auto file = test_plugin_dir("sdk1") / "libsdk1_callback.so";
+  std::string msg;
+  try {
+    load_descriptor(file, "sdk1_callback");
+  } catch (const PluginError& e) {
+    msg = e.what();
+  }
+  EXPECT_EQ(msg, "plugin 'sdk1_callback' (" + file.string() + ") rejected: built against Ember SDK 1.4, this engine speaks SDK " +
+                     std::to_string(EMBER_SDK_ABI_MAJOR) + "." + std::to_string(EMBER_SDK_ABI_MINOR) + " (SDK ABI major 1 != engine " +
+                     std::to_string(EMBER_SDK_ABI_MAJOR) + "; rebuild the plugin against Ember SDK " + std::to_string(EMBER_SDK_ABI_MAJOR) +
+                     "." + std::to_string(EMBER_SDK_ABI_MINOR) + ": docs/abi.md says what changed)");
+  TempDir dir("abi");
+  auto named = run_engine({"--plugin-path", test_plugin_dir("sdk1").string(), "plugins", "info", "sdk1_callback"}, dir.path());
+  EXPECT_EQ(named.exit_code, 2) << named.err;
+  EXPECT_NE(named.err.find("built against Ember SDK 1.4, this engine speaks SDK 2."), std::string::npos) << named.err;
+  EXPECT_EQ(std::count(named.err.begin(), named.err.end(), '\n'), 1) << named.err;
 }
 
 TEST(Abi, RefusesNewerSdkMinor) {
@@ -42,8 +66,8 @@ TEST(Abi, RefusesNewerSdkMinor) {
   EXPECT_NE(msg.find("upgrade the engine"), std::string::npos) << msg;
 }
 
-TEST(Abi, LoadsPluginBuiltAgainstOlderSdkMinor) {
-  static_assert(EMBER_SDK_ABI_MINOR >= 1, "this test needs a minor to be older than the engine's");
+// The plugin says minor 0: equal to the engine's at 2.0, older from 2.1 on (the rule is "<=").
+TEST(Abi, LoadsPluginBuiltAgainstAnEarlierOrEqualSdkMinor) {
   auto* d = load_descriptor(test_plugin_dir("old") / "libold_minor.so", "old_minor");
   EXPECT_EQ(d->sdk_abi_minor, 0u);
   EXPECT_EQ(d->sdk_abi_major, static_cast<uint32_t>(EMBER_SDK_ABI_MAJOR));
@@ -71,7 +95,7 @@ TEST(Abi, NamedBadPluginIsAnErrorScannedOneAWarning) {
   auto bad = test_plugin_dir("bad").string();
   auto named = run_engine({"--plugin-path", bad, "plugins", "info", "bad_abi_major"}, dir.path());
   EXPECT_EQ(named.exit_code, 2) << named.err;
-  EXPECT_NE(named.err.find("SDK ABI major 99 != engine 1"), std::string::npos) << named.err;
+  EXPECT_NE(named.err.find("SDK ABI major 99 != engine 2"), std::string::npos) << named.err;
 
   auto listed = run_engine({"--plugin-path", bad, "plugins", "list"}, dir.path());
   EXPECT_EQ(listed.exit_code, 0) << listed.err;

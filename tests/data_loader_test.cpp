@@ -23,7 +23,7 @@ class Counting final : public ember::IDataModule {
   ember::Batch get_batch(ember::Split, const int64_t* idx, int64_t count) const override {
     auto t = at::empty({count}, at::kLong);
     for (int64_t i = 0; i < count; ++i) t[i] = idx[i];
-    return ember::Batch{{t}, count};
+    return ember::Batch{.tensors = {t}, .size = count};
   }
 
  private:

@@ -3,6 +3,8 @@
 // bounded time and name the rank; torchrun-style and mpirun-started ranks join; resume works.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 
 #include <arpa/inet.h>
@@ -212,12 +214,14 @@ TEST_F(Ddp, BadSettingsAreOneClearLine) {
   EXPECT_NE(m.err.find("needs the same fixed port on every node"), std::string::npos) << m.err;
 }
 
-TEST(Dp, WithoutCudaStopsAtStartUpSuggestingDdp) {
+// dp was retired in 2.0 (docs/decisions.md): asking for it is one line pointing to ddp, exit 2.
+TEST(Dp, RetiredWithOneLinePointingToDdp) {
   TempDir dir("ddp");
   write_file(dir / "run.toml", kRun);
-  auto r = run_engine({"--plugins", "dp", "run.toml"}, dir.path(), {{"CUDA_VISIBLE_DEVICES", ""}}, 60);
-  EXPECT_EQ(r.exit_code, 1) << r.err;
-  EXPECT_NE(r.err.find("dp needs CUDA GPUs and none is visible; on CPUs use ddp instead"), std::string::npos) << r.err;
+  auto r = run_engine({"--plugins", "dp", "run.toml"}, dir.path(), {}, 60);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("plugin 'dp' was retired in Ember 2.0, as Lightning 2.0 retired DataParallel: use --plugins ddp"), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
 // A parameter no rank uses keeps no gradient under find_unused_parameters: with Adam and weight

@@ -305,23 +305,6 @@ TEST(Fabric, LogsThroughALoggerPluginOnRankZero) {
   EXPECT_EQ(std::stod(rows[1].at("acc")), 0.75);
 }
 
-TEST(Fabric, ContractOneStrategyGoesThroughTheAdapter) {
-  const Data d = make_data(64);
-  ember::Fabric f({.accelerator = "cpu", .strategy = "contract1_strategy",
-                   .plugin_paths = {ember::test::test_plugin_dir("good").string()}});
-  auto net = make_net(4);
-  auto reference = make_net(4);
-  torch::optim::Adam ref_opt(reference->parameters(), torch::optim::AdamOptions(1e-2));
-  f.setup(net, adam());
-  fabric_steps(f, *net, d, 4);
-  for (int64_t s = 0; s < 4; ++s) {
-    ref_opt.zero_grad();
-    torch::cross_entropy_loss(reference->forward(d.x.narrow(0, s * 16, 16)), d.y.narrow(0, s * 16, 16)).backward();
-    ref_opt.step();
-  }
-  EXPECT_LE(max_difference(weights(*reference), weights(*net)), 1e-6);
-}
-
 TEST(Fabric, DistributedSamplerMatchesPyTorch) {
   // torch.utils.data.DistributedSampler(range(10), num_replicas=3, seed=7), set_epoch(2), PyTorch 2.11.
   const std::vector<std::vector<int64_t>> padded = {{0, 7, 9, 3}, {5, 6, 1, 0}, {8, 2, 4, 5}};

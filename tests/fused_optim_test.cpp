@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
-#include <ember/fused_optim.h>
+#include <ember/support/fused_optim.h>
 #include <torch/serialize.h>
 
 #include <functional>

@@ -63,7 +63,6 @@ done
 sgd=(--set 'optimizer.name="sgd"' --set optimizer.lr=0.05 --set optimizer.momentum=0.9)
 run_case cuda_fp32_sgd cuda:0 --set 'trainer.accelerator="cuda"' "${sgd[@]}"
 run_case cuda_16-true_sgd cuda:0 --set 'trainer.accelerator="cuda"' --set 'trainer.precision="16-true"' "${sgd[@]}"
-run_case cuda_dp cuda:0 --plugins dp --set 'trainer.accelerator="cuda"'
 run_case cuda_ddp_one_rank cuda:0 --plugins ddp --set 'trainer.accelerator="cuda"' --set ddp.timeout=60.0
 run_case cuda_ddp_amp16 cuda:0 --plugins ddp --set 'trainer.accelerator="cuda"' --set 'trainer.precision="16-mixed"' --set ddp.timeout=60.0
 run_case cuda_sharded cuda:0 --plugins sharded --set 'trainer.accelerator="cuda"'

@@ -2,8 +2,8 @@
 // start-up check precision handlers run before training.
 #include <gtest/gtest.h>
 
-#include <ember/grad_scaler.h>
-#include <ember/precision_util.h>
+#include <ember/support/grad_scaler.h>
+#include <ember/support/precision_util.h>
 #include <torch/optim/sgd.h>
 
 #include <cmath>

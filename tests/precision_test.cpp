@@ -12,7 +12,7 @@
 #include <sstream>
 #include <thread>
 
-#include <ember/precision_util.h>
+#include <ember/support/precision_util.h>
 
 #include "checkpoint/checkpoint_io.h"
 #include "support.h"

@@ -4,7 +4,7 @@
 // decisions) checked without forking an engine.
 #include <gtest/gtest.h>
 
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/run.h>
 
 #include <torch/nn/modules/linear.h>
@@ -315,7 +315,7 @@ TEST(RunApi, PredictWritesEverySampleWithTheCheckpointsProbabilities) {
   EXPECT_EQ(rows[0].count("prob_2"), 1u);
   // net now holds the checkpoint's weights, on the device the run chose (a GPU where there is one).
   const at::Tensor expected =
-      logits(*net, ember::Batch{{test_split[0].to(net->weight.device())}, 64}).softmax(1).to(at::kCPU);
+      logits(*net, ember::Batch{.tensors = {test_split[0].to(net->weight.device())}, .size = 64}).softmax(1).to(at::kCPU);
   const auto y = test_split[1];
   int64_t correct = 0;
   for (size_t i = 0; i < rows.size(); ++i) {

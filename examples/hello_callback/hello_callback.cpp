@@ -1,6 +1,6 @@
 // A callback written against the installed Ember SDK: greets at the end of every epoch with the
 // step and, when logged, the validation loss.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/plugin.h>
 
 #include <cstdio>

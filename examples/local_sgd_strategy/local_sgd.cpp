@@ -10,9 +10,8 @@
 // Built out of tree against the installed SDK and Ember::distributed (CMakeLists.txt next to it);
 // tests/local_sgd_test.cpp builds, installs and trains it.
 #include <ember/distributed/communicator.h>
-#include <ember/grad_util.h>
 #include <ember/plugin.h>
-#include <ember/replicated_state.h>
+#include <ember/support/replicating_strategy.h>
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -55,9 +54,6 @@ class LocalSgd final : public ember::ReplicatingStrategy {
     if (++steps_since_sync_ >= sync_every_) average();
     return stepped;
   }
-  void clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm) override {
-    ember::clip_gradients_in_place(ember::grads_of(optimizer), max, algorithm);
-  }
 
   // Collective (every rank saves at the same point): the saved model is the average.
   c10::Dict<std::string, at::Tensor> full_model_state(bool rank0_only) override {
@@ -68,6 +64,7 @@ class LocalSgd final : public ember::ReplicatingStrategy {
   at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op) override { return comm_.reduce(value, op); }
   void barrier(const char* name) override { comm_.barrier(name); }
   bool broadcast_flag(bool value) override { return comm_.broadcast_flag(value); }
+  at::Tensor broadcast(const at::Tensor& value, int64_t src) override { return comm_.broadcast(value, src); }
   void teardown() override {
     comm_.teardown("local_sgd: " + std::to_string(averages_) + " parameter averages every " + std::to_string(sync_every_) + " steps");
   }

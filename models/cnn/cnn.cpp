@@ -29,7 +29,6 @@
 #include <ember/predict.h>
 
 #include <ember/model_support/classification.h>
-#include <ember/model_support/data_parallel.h>
 
 namespace {
 
@@ -55,8 +54,8 @@ struct CnnOptions {
   bool speedrun;
 };
 
-// Cloneable so that torch::nn::parallel::replicate can copy it onto other devices (dp): clone()
-// copy-constructs the net and calls reset() to rebuild its layers, then copies the values in.
+// Cloneable: clone() gives a deep copy with the same parameter names (it copy-constructs the net,
+// calls reset() to rebuild its layers, then copies the values in).
 class CnnNet : public torch::nn::Cloneable<CnnNet> {
  public:
   explicit CnnNet(const CnnOptions& o) : o_(o) { reset(); }
@@ -141,7 +140,7 @@ CnnOptions read_options(const ember::IConfig& cfg) {
   return o;
 }
 
-class Cnn final : public ember::IModel, public ember::IDataParallelModel, public ember::IPredictingModel, public ember::IModelFlops {
+class Cnn final : public ember::IModel, public ember::IPredictingModel, public ember::IModelFlops {
  public:
   explicit Cnn(const ember::IConfig& cfg)
       : opts_(read_options(cfg)), section_(cfg.section()) {
@@ -155,7 +154,6 @@ class Cnn final : public ember::IModel, public ember::IDataParallelModel, public
   }
 
   void* query_interface(const char* iid) override {
-    if (std::strcmp(iid, ember::kDataParallelModelIid) == 0) return static_cast<ember::IDataParallelModel*>(this);
     if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
     if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
     return nullptr;
@@ -197,7 +195,6 @@ class Cnn final : public ember::IModel, public ember::IDataParallelModel, public
   }
   at::Tensor predict_step(const ember::Batch& batch) override { return logits(batch).to(at::kFloat).softmax(1); }
   bool predicts_classes() const override { return true; }
-  void set_data_parallel(const std::vector<c10::Device>& devices) override { devices_ = devices; }
 
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
     return step(batch, ctx, Phase::train);
@@ -222,8 +219,8 @@ class Cnn final : public ember::IModel, public ember::IDataParallelModel, public
     check_images(images);
     // Follow the parameters' dtype, so a module converted to reduced precision accepts the
     // float32 images a data module produces (a no-op otherwise).
-    return speedrun_ ? ember_models::data_parallel_forward(speedrun_, images.to(speedrun_->convs[0]->weight.scalar_type()), devices_)
-                     : ember_models::data_parallel_forward(net_, images.to(net_->conv1->weight.scalar_type()), devices_);
+    return speedrun_ ? speedrun_->forward(images.to(speedrun_->convs[0]->weight.scalar_type()))
+                     : net_->forward(images.to(net_->conv1->weight.scalar_type()));
   }
 
   // The first linear layer's width is fixed by in_channels and image_size; a mismatch would
@@ -241,7 +238,6 @@ class Cnn final : public ember::IModel, public ember::IDataParallelModel, public
   std::string section_;
   std::shared_ptr<CnnNet> net_;             // architecture = "classic"
   std::shared_ptr<SpeedrunNet> speedrun_;   // architecture = "speedrun"
-  std::vector<c10::Device> devices_;  // set by the dp strategy; < 2 = plain forward
 };
 
 ember::IModel* make(ember::IHost& /*host*/, const ember::IConfig& cfg) { return new Cnn(cfg); }

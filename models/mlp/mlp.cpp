@@ -25,7 +25,6 @@
 #include <ember/predict.h>
 
 #include <ember/model_support/classification.h>
-#include <ember/model_support/data_parallel.h>
 
 namespace {
 
@@ -52,8 +51,8 @@ struct MlpOptions {
   Task task = Task::classification;
 };
 
-// Cloneable so that torch::nn::parallel::replicate can copy it onto other devices (dp): clone()
-// copy-constructs the net and calls reset() to rebuild its layers, then copies the values in.
+// Cloneable: clone() gives a deep copy with the same parameter names (it copy-constructs the net,
+// calls reset() to rebuild its layers, then copies the values in).
 class MlpNet : public torch::nn::Cloneable<MlpNet> {
  public:
   explicit MlpNet(const MlpOptions& o) : o_(o) { reset(); }
@@ -136,7 +135,7 @@ MlpOptions read_options(const ember::IConfig& cfg) {
   return o;
 }
 
-class Mlp final : public ember::IModel, public ember::IDataParallelModel, public ember::IModelFlops, public ember::UnitModel,
+class Mlp final : public ember::IModel, public ember::IModelFlops, public ember::UnitModel,
                   public ember::IPredictingModel {
  public:
   explicit Mlp(const ember::IConfig& cfg)
@@ -147,7 +146,6 @@ class Mlp final : public ember::IModel, public ember::IDataParallelModel, public
   torch::nn::Module& module() override { return *net_; }
 
   void* query_interface(const char* iid) override {
-    if (std::strcmp(iid, ember::kDataParallelModelIid) == 0) return static_cast<ember::IDataParallelModel*>(this);
     if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
     if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
     return unit_model_interface(iid);
@@ -174,7 +172,6 @@ class Mlp final : public ember::IModel, public ember::IDataParallelModel, public
     }
     return flops;
   }
-  void set_data_parallel(const std::vector<c10::Device>& devices) override { devices_ = devices; }
 
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
     return step(batch, ctx, Phase::train);
@@ -209,7 +206,7 @@ class Mlp final : public ember::IModel, public ember::IDataParallelModel, public
     }
     // Follow the parameters' dtype, so a module converted to reduced precision accepts float32
     // inputs (a no-op otherwise).
-    return ember_models::data_parallel_forward(net_, inputs.to(net_->head_weight().scalar_type()), devices_);
+    return net_->forward(inputs.to(net_->head_weight().scalar_type()));
   }
 
   // Mean squared error against float targets [N, num_classes]; logs only <phase>_loss (there is
@@ -232,7 +229,6 @@ class Mlp final : public ember::IModel, public ember::IDataParallelModel, public
   MlpOptions opts_;
   std::string section_;
   std::shared_ptr<MlpNet> net_;
-  std::vector<c10::Device> devices_;  // set by the dp strategy; < 2 = plain forward
 };
 
 ember::IModel* make(ember::IHost& /*host*/, const ember::IConfig& cfg) { return new Mlp(cfg); }

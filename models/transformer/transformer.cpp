@@ -24,7 +24,6 @@
 #include <ember/predict.h>
 
 #include <ember/model_support/classification.h>
-#include <ember/model_support/data_parallel.h>
 
 namespace {
 
@@ -39,8 +38,8 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("num_classes", "10", "Classes: the width of the output layer.").at_least(2),
 };
 
-// Cloneable so that torch::nn::parallel::replicate can copy it onto other devices (dp): clone()
-// copy-constructs the net and calls reset() to rebuild its layers, then copies the values in.
+// Cloneable: clone() gives a deep copy with the same parameter names (it copy-constructs the net,
+// calls reset() to rebuild its layers, then copies the values in).
 class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
  public:
   TransformerNet(int64_t d_model, int64_t nhead, int64_t ff, int64_t layers, double dropout, int64_t classes)
@@ -81,7 +80,7 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
   torch::nn::Linear head_{nullptr};
 };
 
-class Transformer final : public ember::IModel, public ember::IDataParallelModel, public ember::IModelFlops, public ember::UnitModel,
+class Transformer final : public ember::IModel, public ember::IModelFlops, public ember::UnitModel,
                           public ember::IPredictingModel {
  public:
   explicit Transformer(const ember::IConfig& cfg) : d_model_(cfg.get_int("d_model")), section_(cfg.section()) {
@@ -97,7 +96,6 @@ class Transformer final : public ember::IModel, public ember::IDataParallelModel
   }
   torch::nn::Module& module() override { return *net_; }
   void* query_interface(const char* iid) override {
-    if (std::strcmp(iid, ember::kDataParallelModelIid) == 0) return static_cast<ember::IDataParallelModel*>(this);
     if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
     if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
     return unit_model_interface(iid);
@@ -116,7 +114,6 @@ class Transformer final : public ember::IModel, public ember::IDataParallelModel
     const double forward = static_cast<double>(layers_) * layer + 2.0 * d * c;
     return n * (3.0 * forward - 6.0 * L * d * d);
   }
-  void set_data_parallel(const std::vector<c10::Device>& devices) override { devices_ = devices; }
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override { return step(batch, ctx, Phase::train); }
   void validation_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::val); }
   void test_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::test); }
@@ -132,12 +129,11 @@ class Transformer final : public ember::IModel, public ember::IDataParallelModel
     if (x.dim() != 3 || x.size(2) != d_model_)
       throw ember::RunError(c10::str("transformer: got inputs of shape ", x.sizes(), ", expected [N, seq_len, ", d_model_,
                                      "]: set [", section_, "] d_model to the data's last dimension"));
-    return ember_models::data_parallel_forward(net_, x.to(net_->head_weight().scalar_type()), devices_);
+    return net_->forward(x.to(net_->head_weight().scalar_type()));
   }
   int64_t d_model_, ff_ = 0, layers_ = 0, classes_ = 0;
   std::string section_;
   std::shared_ptr<TransformerNet> net_;
-  std::vector<c10::Device> devices_;  // set by the dp strategy; < 2 = plain forward
 };
 
 ember::IModel* make(ember::IHost&, const ember::IConfig& cfg) { return new Transformer(cfg); }

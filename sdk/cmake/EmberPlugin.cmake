@@ -34,10 +34,11 @@ function(ember_add_plugin name)
     set(target ember_plugin_${name})
   endif()
   add_library(${target} MODULE ${ARG_SOURCES})
+  # The contract (<ember/...>) and the header-only helpers (<ember/support/...>).
   if(TARGET Ember::sdk)
-    target_link_libraries(${target} PRIVATE Ember::sdk ${ARG_LIBRARIES})
+    target_link_libraries(${target} PRIVATE Ember::sdk Ember::support ${ARG_LIBRARIES})
   else()
-    target_link_libraries(${target} PRIVATE ember_sdk ${ARG_LIBRARIES})
+    target_link_libraries(${target} PRIVATE ember_sdk ember_sdk_support ${ARG_LIBRARIES})
   endif()
   target_compile_definitions(${target} PRIVATE ${ARG_DEFINITIONS})
   set_target_properties(${target} PROPERTIES

@@ -2,7 +2,7 @@
 // model's floating-point buffers (batch-norm statistics) that batch was evaluated with, so tests
 // can check that every rank evaluates with the same ones:
 //   buffer_probe: rank R epoch E buffers S
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/host.h>
 #include <ember/plugin.h>
 #include <ember/trainer.h>

@@ -1,6 +1,6 @@
 // Test plugin: makes one rank fail at a chosen step (SIGKILL itself, or hang forever), for the
 // ddp failure tests.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/plugin.h>
 
 #include <signal.h>

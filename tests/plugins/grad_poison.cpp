@@ -3,7 +3,7 @@
 // batch: "batch global_step stepped skipped max_abs_weight_change", the change measured from the
 // end of the previous batch. With it a test checks the loss scaler's skip/backoff/growth sequence
 // and that a skipped step leaves the weights untouched.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/plugin.h>
 

@@ -1,6 +1,6 @@
 // Test plugin: records every hook it sees (and, with `record_model`, marks where the model's hooks
 // fall) to a file, and can log a scripted metric per epoch for checkpoint/top-k tests.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/plugin.h>
 
 #include <fstream>

@@ -7,7 +7,7 @@
 //     counting allocator around that step (LibTorch creates the state lazily in step 1).
 // Logs one line per rank after the step given by `at_step`:
 //   memory_probe: rank R step S: parameters P gradients G trained T optimizer_state O total X bytes
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/host.h>
 #include <ember/plugin.h>
 #include <ember/trainer.h>
@@ -86,8 +86,8 @@ class MemoryProbe final : public ember::Callback {
     int64_t params = 0, grads = 0, trained = 0;
     for (const auto& p : t.module().parameters()) params += bytes_of(p);
     for (const auto& p : t.module().parameters()) grads += bytes_of(p.grad());
-    for (const auto& n : t.trained_parameters()) trained += bytes_of(n.tensor);
-    for (const auto& n : t.trained_parameters()) grads += bytes_of(n.tensor.grad());
+    for (const auto& n : ember::trainer_service<ember::ITrainerWeights>(t, "memory_probe").trained_parameters()) trained += bytes_of(n.tensor);
+    for (const auto& n : ember::trainer_service<ember::ITrainerWeights>(t, "memory_probe").trained_parameters()) grads += bytes_of(n.tensor.grad());
     const int64_t total = params + grads + trained + optimizer_;
     host_.log(ember::LogLevel::info, "memory_probe: rank " + std::to_string(t.rank()) + " step " + std::to_string(step) +
                                          ": parameters " + std::to_string(params) + " gradients " + std::to_string(grads) +

@@ -3,7 +3,7 @@
 // at on_train_batch_end, on_validation_end (not while sanity checking) and on_train_epoch_end;
 // with input_width = true, then the width of the batch's input (tensors[0].size(1): a text batch's
 // padded tokens). Resume tests compare these lines between an uninterrupted and a resumed run.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/plugin.h>
 #include <ember/trainer.h>
 

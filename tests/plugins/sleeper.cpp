@@ -1,6 +1,6 @@
 // Test plugin: sleeps a fixed time in a chosen hook, so the run has a known rate (throughput) and
 // a known phase duration (profilers).
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/error.h>
 #include <ember/plugin.h>
 

@@ -2,7 +2,7 @@
 // on_train_epoch_end and, with every_step, to <dir>/step<S>.pt after every optimizer step (S =
 // global_step after it), so tests can recompute averages by hand. Name it before swa/ema in
 // --plugins: it then sees the weights the optimizer produced, before any averaging touches them.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/plugin.h>
 #include <ember/trainer.h>
 

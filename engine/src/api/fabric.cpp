@@ -306,6 +306,7 @@ bool Fabric::optimizer_step() {
     void before_step() override {}
     void step() override { d.runtime->optimizer().step(); }
     torch::optim::Optimizer& optimizer() override { return d.runtime->optimizer(); }
+    at::Tensor found_inf_on_any_rank(const at::Tensor& found_inf) override { return found_inf; }
   } step(d);
   const bool took = d.runtime->optimizer_step(step);
   d.backward_pending = false;

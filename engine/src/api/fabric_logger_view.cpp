@@ -1,6 +1,6 @@
 // The ITrainer that logger plugins see under ember::Fabric (ILogger::setup takes one): what a
 // logger reads (run folder, ranks, configuration, the step) is there; what only the engine's
-// training loop has throws RunError naming the call.
+// training loop has throws RunError naming the call, and it offers no trainer services.
 #include <ember/error.h>
 #include <ember/trainer.h>
 
@@ -36,23 +36,13 @@ class LoggerView final : public ITrainer {
   bool is_global_zero() const override { return rank_ == 0; }
   std::string run_dir() const override { return run_dir_; }
   std::string resolved_config() const override { return config_; }
-  void save_checkpoint(const std::string&, bool) override { throw missing("save_checkpoint (use Fabric::save)"); }
   void log_metric(std::string_view, double) override { throw missing("log_metric (use Fabric::log)"); }
   void log_tensor(std::string_view, const at::Tensor&, const LogOptions&) override { throw missing("log_tensor (use Fabric::log)"); }
   bool optimizer_stepped() const override { return false; }
   bool optimizer_step_skipped() const override { return false; }
-  int64_t accumulate_grad_batches() const override { return 1; }
-  void set_accumulate_grad_batches(int64_t) override { throw missing("set_accumulate_grad_batches"); }
-  int64_t batch_size() const override { throw missing("batch_size"); }
-  void set_batch_size(int64_t) override { throw missing("set_batch_size"); }
   int64_t num_batches(Split) const override { return 0; }
-  void for_each_batch(Split, int64_t, const std::function<bool(const Batch&)>&) override { throw missing("for_each_batch"); }
-  at::Tensor run_trial_step(const Batch&, bool*) override { throw missing("run_trial_step"); }
-  at::Tensor run_forward(const Batch&) override { throw missing("run_forward"); }
-  void load_checkpoint(const std::string&) override { throw missing("load_checkpoint (use Fabric::load)"); }
-  void run_validation() override { throw missing("run_validation"); }
-  std::vector<NamedTensor> trained_parameters() override { throw missing("trained_parameters"); }
-  void parameters_changed() override { throw missing("parameters_changed"); }
+  // No services: checkpoints are Fabric::save/load, the rest is the program's own loop.
+  void* query_interface(const char*) override { return nullptr; }
   c10::Device root_device() const override { return device_; }
 
  private:

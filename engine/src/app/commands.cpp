@@ -148,7 +148,7 @@ int plugin_info(const std::string& name, const std::vector<std::string>& plugin_
       << "file:        " << p.file.string() << "\n"
       << "sdk abi:     " << d->sdk_abi_major << "." << d->sdk_abi_minor << "\n"
       << "built for:   libtorch " << f.torch_major << "." << f.torch_minor << "." << f.torch_patch << ", cxx11 abi "
-      << f.cxx11_abi << ", cuda " << f.cuda_version << ", libstdc++ " << f.glibcxx_release << "\n"
+      << f.cxx11_abi << ", " << device_runtime_string(f.device_runtime, f.device_runtime_version) << ", libstdc++ " << f.glibcxx_release << "\n"
       << "description: " << d->description << "\n";
   std::string section = d->kind == EMBER_KIND_MODEL ? "model" : d->kind == EMBER_KIND_DATA ? "data" : d->name;
   out << "config [" << section << "]:" << (d->num_config_keys == 0 ? " (no keys)" : "") << "\n";

@@ -1,6 +1,6 @@
 #include "config/engine_schema.h"
 
-#include <ember/fused_optim.h>
+#include <ember/support/fused_optim.h>
 #include <ember/plugin.h>
 
 #include <algorithm>

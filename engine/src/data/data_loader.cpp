@@ -1,5 +1,7 @@
 #include "data/data_loader.h"
 
+#include "common/sized_struct.h"
+
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ember/error.h>
@@ -104,6 +106,7 @@ Batch DataLoader::Pass::load(int64_t batch) const {
   int64_t begin = batch * bs;
   int64_t count = std::min<int64_t>(bs, static_cast<int64_t>(indices_.size()) - begin);
   Batch b = loader_.data_.get_batch(loader_.split_, indices_.data() + begin, count);
+  require_sdk2_fields(b, &Batch::size, "a Batch");
   if (b.size == 0) b.size = count;
   return b;
 }

@@ -21,57 +21,11 @@
 #include "checkpoint/sharded_checkpoint.h"
 #include "config/engine_schema.h"
 #include "common/log.h"
+#include "common/sized_struct.h"
 #include "session/stop_signals.h"
 #include "common/version.h"
 
 namespace ember::engine {
-
-// ---------------------------------------------------------------------------------------------
-// What a model's step sees: self.log(...) goes to the metric store, tagged with the stage.
-class StepContextImpl final : public IStepContext {
- public:
-  StepContextImpl(TrainingLoop& t, Stage stage, int64_t batch_idx, int64_t batch_size)
-      : t_(t), stage_(stage), batch_idx_(batch_idx), batch_size_(batch_size) {}
-  void log(std::string_view name, const at::Tensor& value, const LogOptions& o) override {
-    if (!t_.quiet_) t_.log_from_step(std::string(name), value, o, stage_, batch_size_);
-  }
-  void log(std::string_view name, double value, const LogOptions& o) override {
-    if (t_.quiet_) return;
-    if (t_.recording_logs_) t_.log_from_step(std::string(name), at::scalar_tensor(value, at::kDouble), o, stage_, batch_size_);
-    else t_.metrics_.log(std::string(name), value, o, stage_, batch_size_);
-  }
-  Stage stage() const override { return stage_; }
-  int64_t batch_idx() const override { return batch_idx_; }
-
- private:
-  TrainingLoop& t_;
-  Stage stage_;
-  int64_t batch_idx_, batch_size_;
-};
-
-// The optimizer step the strategy and precision handler drive (docs/step.md).
-class OptimizerStepImpl final : public IOptimizerStep {
- public:
-  OptimizerStepImpl(TrainingLoop& t, const Batch& batch, bool first_in_window)
-      : t_(t), batch_(batch), first_(first_in_window) {}
-  at::Tensor closure() override {
-    if (run_closure) return run_closure();
-    return t_.run_micro_batch(batch_, first_, /*sync=*/true);
-  }
-  std::function<at::Tensor()> run_closure;  // set: the closure runs this instead (a CUDA graph's replay)
-  void before_step() override {
-    t_.call_hook(Hook::on_before_optimizer_step);
-    if (t_.settings_.gradient_clip_val > 0)
-      t_.runtime_->clip_gradients(t_.settings_.gradient_clip_val, t_.settings_.gradient_clip_algorithm);
-  }
-  void step() override { t_.runtime_->optimizer().step(); }
-  torch::optim::Optimizer& optimizer() override { return t_.runtime_->optimizer(); }
-
- private:
-  TrainingLoop& t_;
-  const Batch& batch_;
-  bool first_;
-};
 
 namespace {
 
@@ -88,7 +42,8 @@ TrainingLoop::TrainingLoop(IHost& host, const ResolvedConfig& config, std::uniqu
       plugins_(std::move(plugins)),
       run_dir_(std::move(run_dir)),
       settings_(TrainerSettings::from(config.section("trainer"))),
-      progress_(settings_.enable_progress_bar && runtime_->rank() == 0, Progress::stderr_is_tty()) {}
+      progress_(settings_.enable_progress_bar && runtime_->rank() == 0, Progress::stderr_is_tty()),
+      steps_(std::make_unique<StepRunner>(*runtime_, plugins_.model, metrics_, settings_, [this](Hook h) { call_hook(h); })) {}
 
 TrainingLoop::~TrainingLoop() { attach_plugins(nullptr); }
 
@@ -143,7 +98,7 @@ void TrainingLoop::setup_cuda_graph() {
   if (settings_.accumulate_grad_batches > 1)
     throw UsageError(where + "gradient accumulation (trainer.accumulate_grad_batches = " +
                      std::to_string(settings_.accumulate_grad_batches) + ") cannot be captured: set it to 1");
-  graph_ = std::make_unique<StepGraph>(device, settings_.cuda_graph_warmup_steps);
+  steps_->use_cuda_graph(std::make_unique<StepGraph>(device, settings_.cuda_graph_warmup_steps));
 }
 
 // data.on_device: a data set that fits is moved to the training GPU once, so batches are gathered
@@ -170,6 +125,15 @@ void TrainingLoop::place_data(const Section& d) {
   }
   placeable->move_to(device);
   log::info("data: " + size + " kept on " + device.str() + " (data.on_device = " + mode + ")");
+}
+
+void* TrainingLoop::query_interface(const char* iid) {
+  const std::string_view id(iid);
+  if (id == ITrainerCheckpoints::kIid) return static_cast<ITrainerCheckpoints*>(this);
+  if (id == ITrainerSettings::kIid) return static_cast<ITrainerSettings*>(this);
+  if (id == ITrainerPasses::kIid) return static_cast<ITrainerPasses*>(this);
+  if (id == ITrainerWeights::kIid) return static_cast<ITrainerWeights*>(this);
+  return nullptr;
 }
 
 bool TrainingLoop::metric(std::string_view name, double* value) const {
@@ -221,7 +185,7 @@ void TrainingLoop::publish(const std::vector<std::pair<std::string, double>>& va
 // Lightning's order: callbacks (non-monitoring, then monitoring), then the model; except in
 // on_train_epoch_end, where the model runs between the two groups (docs/hooks.md).
 void TrainingLoop::call_hook(Hook hook) {
-  if (quiet_) return;
+  if (steps_->quiet()) return;
   for (auto& c : plugins_.callbacks)
     if (!c.object->monitors_metrics()) c.object->on_hook(hook, *this);
   if (hook == Hook::on_train_epoch_end) plugins_.model.object->on_hook(hook, *this);
@@ -231,91 +195,6 @@ void TrainingLoop::call_hook(Hook hook) {
 }
 
 bool TrainingLoop::validation_enabled() const { return plan_->validates(); }
-
-at::Tensor TrainingLoop::run_micro_batch(const Batch& batch, bool first_in_window, bool sync, bool hooks) {
-  at::Tensor loss;
-  {
-    StepContextImpl ctx(*this, Stage::fit, batch_idx_, batch.size);
-    auto region = runtime_->forward(/*grad_enabled=*/true);
-    loss = plugins_.model.object->training_step(batch, ctx);
-  }
-  if (!loss.defined() || loss.numel() != 1)
-    throw RunError("model '" + plugins_.model.name + "': training_step must return a scalar loss");
-  if (!loss.requires_grad())
-    throw RunError("model '" + plugins_.model.name + "': the loss does not require grad (was it computed under no_grad, or detached?)");
-  if (first_in_window) {
-    if (hooks) call_hook(Hook::on_before_zero_grad);
-    runtime_->zero_grad();
-  }
-  current_loss_ = loss.detach();
-  at::Tensor to_backward = window_accum_ > 1 ? loss / static_cast<double>(window_accum_) : loss;
-  if (hooks) call_hook(Hook::on_before_backward);
-  runtime_->backward(to_backward, sync);
-  if (hooks) call_hook(Hook::on_after_backward);
-  return current_loss_;
-}
-
-void TrainingLoop::log_from_step(const std::string& name, const at::Tensor& value, const LogOptions& o, Stage stage,
-                                 int64_t batch_size) {
-  if (!recording_logs_) {
-    metrics_.log(name, value, o, stage, batch_size);
-    return;
-  }
-  // Inside a capture nothing may run on the host's behalf (the metric store's sums are device
-  // work): the value's tensor is kept, and logged after every replay has refreshed it.
-  MetricStore::require_scalar(name, value);
-  graph_logs_.push_back({name, value.detach(), o, stage, batch_size});
-}
-
-bool TrainingLoop::optimizer_step(const Batch& batch, bool first_in_window, std::function<at::Tensor()> closure) {
-  OptimizerStepImpl step(*this, batch, first_in_window);
-  step.run_closure = std::move(closure);
-  return runtime_->optimizer_step(step);
-}
-
-// The closure (forward, loss, zero_grad, backward) is what the graph holds; the optimizer step,
-// clipping, the loss scaler's decision and the hooks around them run as usual after it, so
-// schedulers that change momentum or betas every step keep working.
-bool TrainingLoop::graphed_optimizer_step(bool first_in_window) {
-  if (window_accum_ > 1)
-    throw RunError("trainer.cuda_graph: gradient accumulation (" + std::to_string(window_accum_) +
-                   " batches, set by a callback) cannot be captured: drop the accumulation schedule or cuda_graph");
-  const StepGraph::Mode mode = graph_->mode_for(current_batch_);
-  if (mode == StepGraph::Mode::eager) {
-    graph_->count_eager();
-    return optimizer_step(current_batch_, first_in_window);
-  }
-  graph_->load(current_batch_);
-  const Batch& batch = graph_->batch();
-  return optimizer_step(batch, first_in_window, [&, mode] {
-    call_hook(Hook::on_before_zero_grad);
-    call_hook(Hook::on_before_backward);
-    if (mode == StepGraph::Mode::capture) {
-      graph_logs_.clear();
-      recording_logs_ = true;
-      try {
-        graph_->capture([&] { run_micro_batch(batch, first_in_window, /*sync=*/true, /*hooks=*/false); });
-      } catch (...) {
-        recording_logs_ = false;
-        throw;
-      }
-      recording_logs_ = false;
-      graph_loss_ = current_loss_;
-      graph_grads_.clear();
-      for (auto& group : runtime_->optimizer().param_groups())
-        for (auto& p : group.params())
-          if (p.grad().defined()) graph_grads_.emplace_back(p, p.grad());
-    }
-    graph_->replay();
-    // An eager step in between (a smaller last batch) left its own gradients and loss: the
-    // optimizer must read the ones the graph writes.
-    for (auto& [p, g] : graph_grads_) p.mutable_grad() = g;
-    current_loss_ = graph_loss_;
-    for (const auto& r : graph_logs_) metrics_.log(r.name, r.value, r.options, r.stage, r.batch_size);
-    call_hook(Hook::on_after_backward);
-    return current_loss_;
-  });
-}
 
 void TrainingLoop::train_epoch() {
   auto& rt = *runtime_;
@@ -331,7 +210,7 @@ void TrainingLoop::train_epoch() {
   call_hook(Hook::on_train_epoch_start);
   // Read after on_train_epoch_start: an accumulation schedule sets the factor there.
   const int64_t accum = settings_.accumulate_grad_batches;
-  window_accum_ = accum;
+  steps_->set_accumulation(accum);
   bool validated_last = false;
   if (pos_.validation_pending && validation_enabled()) {
     // Resumed from a checkpoint saved between a batch and the validation due after it (the
@@ -357,10 +236,10 @@ void TrainingLoop::train_epoch() {
     step_taken_ = do_step;
     step_skipped_ = false;
     if (do_step) {
-      step_skipped_ = !(graph_ ? graphed_optimizer_step(first_in_window) : optimizer_step(current_batch_, first_in_window));
+      step_skipped_ = !steps_->optimizer_step(current_batch_, b, first_in_window);
       ++pos_.global_step;
     } else {
-      run_micro_batch(current_batch_, first_in_window, /*sync=*/false);
+      steps_->micro_batch(current_batch_, b, first_in_window, /*sync=*/false);
     }
     pos_.batches_done = b + 1;
     ++pos_.total_batch_idx;
@@ -456,7 +335,7 @@ void TrainingLoop::evaluate(Split split, Stage stage, int64_t max_batches) {
       current_batch_ = std::move(batch);
       call_hook(test ? Hook::on_test_batch_start : Hook::on_validation_batch_start);
       {
-        StepContextImpl ctx(*this, stage, b, current_batch_.size);
+        auto ctx = steps_->context(stage, b, current_batch_.size);
         auto region = rt.forward(/*grad_enabled=*/false);
         if (test) model.test_step(current_batch_, ctx);
         else model.validation_step(current_batch_, ctx);
@@ -519,10 +398,10 @@ void TrainingLoop::fit() {
         << static_cast<double>(*peak) / (1 << 20) << " MB allocated on " << device.str();
     log::info(msg.str());
   }
-  if (graph_ && rank() == 0)
-    host_.log(LogLevel::info, "cuda_graph: " + std::string(graph_->captured() ? "the step was captured after " : "nothing captured: ") +
+  if (const StepGraph* graph = steps_->cuda_graph(); graph && rank() == 0)
+    host_.log(LogLevel::info, "cuda_graph: " + std::string(graph->captured() ? "the step was captured after " : "nothing captured: ") +
                                   std::to_string(settings_.cuda_graph_warmup_steps) + " warm-up steps; " +
-                                  std::to_string(graph_->replays()) + " steps replayed, " + std::to_string(graph_->eager_steps()) +
+                                  std::to_string(graph->replays()) + " steps replayed, " + std::to_string(graph->eager_steps()) +
                                   " run as usual (warm-up and batches of other shapes)");
   call_hook(Hook::on_train_end);
   call_hook(Hook::on_fit_end);
@@ -599,34 +478,8 @@ void TrainingLoop::finalize(const std::string& status) {
 }
 
 // Tuner work (SDK 1.1): one training step or forward pass with no hooks and nothing logged.
-namespace {
-// Sets a value for the lifetime of a scope and restores the old one (exceptions included).
-template <class T>
-struct ValueScope {
-  T& ref;
-  T old;
-  ValueScope(T& r, T value) : ref(r), old(r) { ref = value; }
-  ~ValueScope() { ref = old; }
-};
-}  // namespace
+at::Tensor TrainingLoop::run_trial_step(const Batch& batch, bool* skipped) { return steps_->trial_step(batch, batch_idx_, skipped); }
 
-at::Tensor TrainingLoop::run_trial_step(const Batch& batch, bool* skipped) {
-  ValueScope<bool> quiet(quiet_, true);
-  ValueScope<int64_t> accum(window_accum_, 1);
-  module().train();
-  OptimizerStepImpl step(*this, batch, /*first_in_window=*/true);
-  const bool stepped = runtime_->optimizer_step(step);
-  if (skipped) *skipped = !stepped;
-  return current_loss_;
-}
-
-at::Tensor TrainingLoop::run_forward(const Batch& batch) {
-  ValueScope<bool> quiet(quiet_, true);
-  torch::NoGradGuard no_grad;
-  StepContextImpl ctx(*this, Stage::fit, batch_idx_, batch.size);
-  auto region = runtime_->forward(/*grad_enabled=*/false);
-  at::Tensor loss = plugins_.model.object->training_step(batch, ctx);
-  return loss.defined() ? loss.detach() : loss;
-}
+at::Tensor TrainingLoop::run_forward(const Batch& batch) { return steps_->forward_only(batch, batch_idx_); }
 
 }  // namespace ember::engine

@@ -26,7 +26,7 @@
 #include "loop/data_plan.h"
 #include "loop/metrics.h"
 #include "loop/progress.h"
-#include "loop/step_graph.h"
+#include "loop/step_runner.h"
 #include "loop/training_state.h"
 #include "registry/named.h"
 #include "runtime/runtime.h"
@@ -46,7 +46,12 @@ struct RunPlugins {
 std::string locate_checkpoint(const std::vector<Named<ICallback>>& callbacks, const std::string& alias,
                               const std::string& run_dir);
 
-class TrainingLoop final : public ITrainer {
+// The loop is the trainer plugins see: ITrainer and its four services (ember/trainer.h).
+class TrainingLoop final : public ITrainer,
+                           public ITrainerCheckpoints,
+                           public ITrainerSettings,
+                           public ITrainerPasses,
+                           public ITrainerWeights {
  public:
   // `runtime` is launched and has its precision handler; the loop sets it up (setup()) and ends
   // it (finalize()).
@@ -107,55 +112,45 @@ class TrainingLoop final : public ITrainer {
   IModel& model() override { return *plugins_.model.object; }
   torch::optim::Optimizer& optimizer() override { return runtime_->optimizer(); }
   const Batch& current_batch() const override { return current_batch_; }
-  at::Tensor current_loss() const override { return current_loss_; }
+  at::Tensor current_loss() const override { return steps_->loss(); }
   int64_t rank() const override { return runtime_->rank(); }
   int64_t world_size() const override { return runtime_->world_size(); }
   bool is_global_zero() const override { return rank() == 0; }
   std::string run_dir() const override { return run_dir_.string(); }
   std::string resolved_config() const override { return config_.to_toml(); }
-  void save_checkpoint(const std::string& path, bool weights_only) override;
   void log_metric(std::string_view name, double value) override;
-  // SDK 1.1
   void log_tensor(std::string_view name, const at::Tensor& value, const LogOptions& options) override;
   bool optimizer_stepped() const override { return step_taken_; }
   bool optimizer_step_skipped() const override { return step_skipped_; }
+  int64_t num_batches(Split split) const override;
+  c10::Device root_device() const override { return runtime_->root_device(); }
+  void* query_interface(const char* iid) override;
+  // ITrainerCheckpoints
+  void save_checkpoint(const std::string& path, bool weights_only) override;
+  void load_checkpoint(const std::string& path) override;
+  // ITrainerSettings
   int64_t accumulate_grad_batches() const override { return settings_.accumulate_grad_batches; }
   void set_accumulate_grad_batches(int64_t factor) override;
   int64_t batch_size() const override { return plan_->batch_size(); }
   void set_batch_size(int64_t size) override;
-  int64_t num_batches(Split split) const override;
+  // ITrainerPasses
   void for_each_batch(Split split, int64_t max_batches, const std::function<bool(const Batch&)>& fn) override;
   at::Tensor run_trial_step(const Batch& batch, bool* skipped) override;
   at::Tensor run_forward(const Batch& batch) override;
-  void load_checkpoint(const std::string& path) override;
   void run_validation() override;
-  // SDK 1.2
+  // ITrainerWeights
   std::vector<NamedTensor> trained_parameters() override { return runtime_->state().trained_parameters(); }
   void parameters_changed() override { runtime_->state().parameters_changed(); }
-  // SDK 1.4
-  c10::Device root_device() const override { return runtime_->root_device(); }
 
   const MetricStore& metrics() const { return metrics_; }
   Runtime& runtime() { return *runtime_; }
 
  private:
-  friend class StepContextImpl;
-  friend class OptimizerStepImpl;
   void call_hook(Hook hook);
   void train_epoch();
   void evaluate(Split split, Stage stage, int64_t max_batches);
   std::vector<std::pair<std::string, double>> evaluate_split(Split split);
-  // `hooks` = false: the step's inner hooks are the caller's (a CUDA-graph capture calls them
-  // outside the graph, so every replay gets them too).
-  at::Tensor run_micro_batch(const Batch& batch, bool first_in_window, bool sync, bool hooks = true);
-  // One optimizer step over `batch` through the strategy and precision; `closure`, when given,
-  // is what the step's closure runs instead of run_micro_batch (a CUDA graph's capture or replay).
-  bool optimizer_step(const Batch& batch, bool first_in_window, std::function<at::Tensor()> closure = nullptr);
-  // The same through the CUDA graph (trainer.cuda_graph): warm-up, capture, replays.
-  bool graphed_optimizer_step(bool first_in_window);
   void setup_cuda_graph();
-  // Logging from inside a step: recorded while a CUDA graph captures it, logged otherwise.
-  void log_from_step(const std::string& name, const at::Tensor& value, const LogOptions& o, Stage stage, int64_t batch_size);
   void publish(const std::vector<std::pair<std::string, double>>& values);
   // Ends the loop after the current step: the engine's own stops (signals, another rank's stop)
   // and a callback's once trainer.min_epochs/min_steps are met.
@@ -190,26 +185,11 @@ class TrainingLoop final : public ITrainer {
   std::string deferred_stop_;  // a callback's stop request waiting for trainer.min_epochs/min_steps
   bool fitting_ = false;       // inside fit(), validation included
   Batch current_batch_;
-  at::Tensor current_loss_;
   bool step_taken_ = false, step_skipped_ = false;  // of the current training batch
-  int64_t window_accum_ = 1;  // accumulation factor of the current optimizer window
-  // Tuner work (run_trial_step, run_forward): no hooks fire and nothing is logged.
-  bool quiet_ = false;
   bool attached_ = false;
-  // trainer.cuda_graph: the graph, the metrics the captured step logs (logged again after every
-  // replay from the tensors it refreshed), and what the replays must point back to.
-  struct RecordedLog {
-    std::string name;
-    at::Tensor value;
-    LogOptions options;
-    Stage stage;
-    int64_t batch_size;
-  };
-  std::unique_ptr<StepGraph> graph_;
-  bool recording_logs_ = false;
-  std::vector<RecordedLog> graph_logs_;
-  at::Tensor graph_loss_;
-  std::vector<std::pair<at::Tensor, at::Tensor>> graph_grads_;  // (parameter, the gradient the graph writes)
+  // How a step runs (micro-batches, the optimizer step, the CUDA graph, a step's logging); last:
+  // it refers to the runtime, the model, the metric store and the settings above.
+  std::unique_ptr<StepRunner> steps_;
 };
 
 }  // namespace ember::engine

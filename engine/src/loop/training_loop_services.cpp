@@ -1,5 +1,6 @@
-// The training loop's SDK 1.1 services: what tuners, schedulers, precision handlers and averaging
-// callbacks call on ITrainer (trial steps, forward passes, batch iteration, batch size changes).
+// The training loop's trainer services (ember/trainer.h: ITrainerSettings, ITrainerPasses,
+// ITrainerCheckpoints' load) and log_tensor: what tuners, schedulers, precision handlers and
+// averaging callbacks call (trial steps, forward passes, batch iteration, batch size changes).
 #include "loop/training_loop.h"
 
 #include <ATen/ATen.h>
@@ -7,14 +8,16 @@
 #include <torch/optim/optimizer.h>
 
 #include "common/log.h"
+#include "common/sized_struct.h"
 
 namespace ember::engine {
 
 // ---------------------------------------------------------------------------------------------
-// SDK 1.1: what tuners, schedulers, precision handlers and averaging callbacks need.
+// The trainer's services: what tuners, schedulers, precision handlers and averaging callbacks need.
 
 void TrainingLoop::log_tensor(std::string_view name, const at::Tensor& value, const LogOptions& options) {
-  if (quiet_) return;
+  if (steps_->quiet()) return;
+  require_sdk2_fields(options, &LogOptions::batch_size, "LogOptions");
   metrics_.log(std::string(name), value.detach(), options, stage_ == Stage::none ? Stage::fit : stage_, 1);
 }
 

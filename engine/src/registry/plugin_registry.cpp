@@ -69,11 +69,25 @@ std::string version3(uint32_t a, uint32_t b, uint32_t c) {
   return std::to_string(a) + "." + std::to_string(b) + "." + std::to_string(c);
 }
 
-std::string cuda_string(uint32_t v) {
-  return v == 0 ? std::string("none (CPU build)") : std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+// Plugins an engine release removed, with where their users go (docs/decisions.md).
+std::optional<std::string> why_retired(const std::string& name) {
+  if (name == "dp")
+    return std::string("was retired in Ember 2.0, as Lightning 2.0 retired DataParallel: use --plugins ddp "
+                       "(one process per device, on GPUs and CPUs, and faster than dp's module replicas)");
+  return std::nullopt;
 }
 
 }  // namespace
+
+std::string device_runtime_string(uint32_t runtime, uint32_t version) {
+  const std::string v = std::to_string(version / 1000) + "." + std::to_string((version % 1000) / 10);
+  switch (runtime) {
+    case EMBER_DEVICE_RUNTIME_NONE: return "no device runtime (CPU-only LibTorch)";
+    case EMBER_DEVICE_RUNTIME_CUDA: return "CUDA " + v;
+    case EMBER_DEVICE_RUNTIME_ROCM: return "ROCm (HIP " + std::to_string(version) + ")";
+    default: return "device runtime #" + std::to_string(runtime) + " version " + std::to_string(version);
+  }
+}
 
 const char* kind_name(uint32_t kind) {
   switch (kind) {
@@ -91,8 +105,8 @@ const char* kind_name(uint32_t kind) {
 }
 
 EmberBuildFingerprint engine_fingerprint() {
-  return EmberBuildFingerprint{TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH,
-                               _GLIBCXX_USE_CXX11_ABI, EMBER_CUDA_VERSION, _GLIBCXX_RELEASE};
+  return EmberBuildFingerprint{TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH, _GLIBCXX_USE_CXX11_ABI,
+                               EMBER_DEVICE_RUNTIME, EMBER_CUDA_VERSION, _GLIBCXX_RELEASE};
 }
 
 const EmberPluginDescriptor* load_descriptor(const fs::path& file, const std::string& expected_name) {
@@ -120,10 +134,14 @@ const EmberPluginDescriptor* load_descriptor(const fs::path& file, const std::st
   if (d->magic != EMBER_PLUGIN_MAGIC)
     throw PluginError(where + " rejected: descriptor magic 0x" + [&] { char b[16]; std::snprintf(b, sizeof b, "%08x", d->magic); return std::string(b); }() +
                       " is not Ember's 0x454d4252 (not an Ember plugin, or a corrupt file)");
+  // Only the first four fields are read for a plugin of another major: the rest of its descriptor
+  // (the fingerprint, from 2.0 on) may be laid out differently.
   if (d->sdk_abi_major != EMBER_SDK_ABI_MAJOR)
-    throw PluginError(where + " rejected: SDK ABI major " + std::to_string(d->sdk_abi_major) + " != engine " +
-                      std::to_string(EMBER_SDK_ABI_MAJOR) + " (rebuild the plugin against Ember SDK " +
-                      std::to_string(EMBER_SDK_ABI_MAJOR) + "." + std::to_string(EMBER_SDK_ABI_MINOR) + ")");
+    throw PluginError(where + " rejected: built against Ember SDK " + std::to_string(d->sdk_abi_major) + "." +
+                      std::to_string(d->sdk_abi_minor) + ", this engine speaks SDK " + std::to_string(EMBER_SDK_ABI_MAJOR) + "." +
+                      std::to_string(EMBER_SDK_ABI_MINOR) + " (SDK ABI major " + std::to_string(d->sdk_abi_major) + " != engine " +
+                      std::to_string(EMBER_SDK_ABI_MAJOR) + "; rebuild the plugin against Ember SDK " + std::to_string(EMBER_SDK_ABI_MAJOR) +
+                      "." + std::to_string(EMBER_SDK_ABI_MINOR) + (d->sdk_abi_major < EMBER_SDK_ABI_MAJOR ? ": docs/abi.md says what changed)" : ")"));
   if (d->sdk_abi_minor > EMBER_SDK_ABI_MINOR)
     throw PluginError(where + " rejected: SDK ABI minor " + std::to_string(d->sdk_abi_minor) + " > engine " +
                       std::to_string(EMBER_SDK_ABI_MINOR) + " (the plugin needs a newer engine: upgrade the engine, or "
@@ -135,17 +153,17 @@ const EmberPluginDescriptor* load_descriptor(const fs::path& file, const std::st
   const auto& p = d->fingerprint;
   const auto e = engine_fingerprint();
   const std::string fix = " (rebuild the plugin against this engine's LibTorch " +
-                          version3(e.torch_major, e.torch_minor, e.torch_patch) + ", CUDA " +
-                          cuda_string(e.cuda_version) + ")";
+                          version3(e.torch_major, e.torch_minor, e.torch_patch) + ", " +
+                          device_runtime_string(e.device_runtime, e.device_runtime_version) + ")";
   if (p.torch_major != e.torch_major || p.torch_minor != e.torch_minor || p.torch_patch != e.torch_patch)
     throw PluginError(where + " rejected: LibTorch " + version3(p.torch_major, p.torch_minor, p.torch_patch) +
                       " != engine " + version3(e.torch_major, e.torch_minor, e.torch_patch) + fix);
   if (p.cxx11_abi != e.cxx11_abi)
     throw PluginError(where + " rejected: _GLIBCXX_USE_CXX11_ABI " + std::to_string(p.cxx11_abi) + " != engine " +
                       std::to_string(e.cxx11_abi) + fix);
-  if (p.cuda_version != e.cuda_version)
-    throw PluginError(where + " rejected: CUDA " + cuda_string(p.cuda_version) + " != engine " +
-                      cuda_string(e.cuda_version) + fix);
+  if (p.device_runtime != e.device_runtime || p.device_runtime_version != e.device_runtime_version)
+    throw PluginError(where + " rejected: built for " + device_runtime_string(p.device_runtime, p.device_runtime_version) +
+                      ", the engine for " + device_runtime_string(e.device_runtime, e.device_runtime_version) + fix);
   if (p.glibcxx_release > e.glibcxx_release)
     throw PluginError(where + " rejected: built with libstdc++ " + std::to_string(p.glibcxx_release) +
                       " > engine " + std::to_string(e.glibcxx_release) +
@@ -231,6 +249,7 @@ const PluginInfo& PluginRegistry::load(const std::string& name) {
   if (auto it = loaded_.find(name); it != loaded_.end()) return *it->second;
   auto file = find_file(name);
   if (!file) {
+    if (auto why = why_retired(name)) throw UsageError("plugin '" + name + "' " + *why);
     if (auto why = why_not_built(name)) throw UsageError("plugin '" + name + "' is not part of this build: " + *why);
     std::string searched;
     for (const auto& p : paths_) {

@@ -26,6 +26,8 @@ std::optional<std::string> why_not_built(const std::string& name);
 
 // This engine's fingerprint (the same macro a plugin uses, evaluated in the engine).
 EmberBuildFingerprint engine_fingerprint();
+// "CUDA 13.0", "no device runtime (CPU-only LibTorch)": a fingerprint's device runtime in words.
+std::string device_runtime_string(uint32_t runtime, uint32_t version);
 
 struct PluginInfo {
   std::string name;

@@ -2,7 +2,7 @@
 // float32_matmul_precision, benchmark), applied once before any plugin builds tensors, and the
 // decision behind trainer.precision = "auto".
 #pragma once
-#include <ember/cpu_features.h>
+#include <ember/support/cpu_features.h>
 
 #include <cstdint>
 #include <string>

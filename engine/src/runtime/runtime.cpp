@@ -1,7 +1,6 @@
 #include "runtime/runtime.h"
 
 #include <ember/config.h>
-#include <ember/grad_util.h>
 
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
@@ -10,7 +9,6 @@
 #include "checkpoint/checkpoint_io.h"
 #include "checkpoint/sharded_checkpoint.h"
 #include "common/log.h"
-#include "runtime/contract1_strategy_state.h"
 
 namespace ember::engine {
 
@@ -45,23 +43,15 @@ void Runtime::set_precision(Named<IPrecision> precision) {
 
 std::shared_ptr<torch::optim::Optimizer> Runtime::setup(IModel& model, IOptimizerFactory& factory) {
   if (!precision_.object) throw RunError("Runtime::setup before set_precision (an engine bug)");
-  if (state_) throw RunError("Runtime::setup called twice (an engine bug)");
+  if (optimizer_) throw RunError("Runtime::setup called twice (an engine bug)");
   auto& strategy = *strategy_.object;
-  auto* state = static_cast<IModelStateStrategy*>(strategy.query_interface(kModelStateStrategyIid));
-  if (state != nullptr) {
-    precision_.object->setup(model.module(), strategy.root_device());
-  } else {
-    // Contract 1: the adapter builds the optimizer, calls IStrategy::setup, then the precision's.
-    contract1_ = std::make_unique<Contract1StrategyState>(strategy, *precision_.object);
-    state = contract1_.get();
-  }
-  state->setup_module(model);
-  auto optimizer = state->setup_optimizer(factory);
+  precision_.object->setup(model.module(), strategy.root_device());
+  strategy.setup_module(model);
+  auto optimizer = strategy.setup_optimizer(factory);
   if (!optimizer) throw RunError("strategy '" + strategy_.name + "' built no optimizer (a plugin bug)");
-  state_ = state;
   optimizer_ = std::move(optimizer);
   unscaler_ = static_cast<IGradientUnscaler*>(precision_.object->query_interface(kGradientUnscalerIid));
-  norm_clip_ = contract1_ ? nullptr : static_cast<IGradientNormClip*>(strategy.query_interface(kGradientNormClipIid));
+  sharded_ = strategy.query_interface(kShardedCheckpointsIid) != nullptr;
   return optimizer_;
 }
 
@@ -70,11 +60,11 @@ Batch Runtime::to_device(Batch batch) {
 }
 
 Runtime::ForwardRegion Runtime::forward(bool grad_enabled) {
-  state_->forward_begin(grad_enabled);
+  strategy_.object->forward_begin(grad_enabled);
   try {
     precision_.object->forward_begin();
   } catch (...) {
-    state_->forward_end();
+    strategy_.object->forward_end();
     throw;
   }
   return ForwardRegion(this);
@@ -83,10 +73,10 @@ Runtime::ForwardRegion Runtime::forward(bool grad_enabled) {
 Runtime::ForwardRegion::~ForwardRegion() {
   if (!rt_) return;
   rt_->precision_.object->forward_end();
-  rt_->state_->forward_end();
+  rt_->strategy_.object->forward_end();
 }
 
-void Runtime::zero_grad() { state_->zero_grad(); }
+void Runtime::zero_grad() { strategy_.object->zero_grad(); }
 
 void Runtime::backward(const at::Tensor& loss, bool sync_gradients) {
   strategy_.object->backward(loss, *precision_.object, sync_gradients);
@@ -106,6 +96,7 @@ bool Runtime::optimizer_step(IOptimizerStep& step) {
     void before_step() override { inner.before_step(); }
     void step() override { inner.step(); }
     torch::optim::Optimizer& optimizer() override { return inner.optimizer(); }
+    at::Tensor found_inf_on_any_rank(const at::Tensor& found_inf) override { return inner.found_inf_on_any_rank(found_inf); }
   } checked(step);
   const bool stepped = strategy_.object->optimizer_step(checked, *precision_.object);
   if (!checked.ran)
@@ -114,21 +105,13 @@ bool Runtime::optimizer_step(IOptimizerStep& step) {
 }
 
 void Runtime::clip_gradients(double max, ClipAlgorithm algorithm) {
-  strategy_.object->clip_gradients(*optimizer_, max, algorithm);
+  (void)strategy_.object->clip_gradients(*optimizer_, max, algorithm);
 }
 
 at::Tensor Runtime::unscale_and_clip_gradients(double max, ClipAlgorithm algorithm) {
   // Lightning's order: unscale, then clip what the step will use.
   if (unscaler_) unscaler_->unscale_gradients(*optimizer_);
-  if (algorithm == ClipAlgorithm::value) {
-    strategy_.object->clip_gradients(*optimizer_, max, algorithm);
-    return {};
-  }
-  if (norm_clip_) return norm_clip_->clip_gradients_norm(*optimizer_, max);
-  // Without the extension the strategy's ranks hold whole gradients: their norm is the total.
-  at::Tensor total = total_gradient_norm(grads_of(*optimizer_));
-  strategy_.object->clip_gradients(*optimizer_, max, algorithm);
-  return total;
+  return strategy_.object->clip_gradients(*optimizer_, max, algorithm);
 }
 
 at::Tensor Runtime::reduce(const at::Tensor& value, ReduceOp op) { return strategy_.object->reduce(value, op); }
@@ -147,23 +130,14 @@ at::Tensor Runtime::broadcast(const at::Tensor& value, int64_t src) {
     if (!value.defined()) throw RunError("the tensor to broadcast is undefined");
     return value;
   }
-  auto* caster = static_cast<ITensorBroadcast*>(strategy_.object->query_interface(kTensorBroadcastIid));
-  if (caster == nullptr)
-    throw RunError("strategy '" + strategy_.name + "' has no tensor broadcast (" + kTensorBroadcastIid +
-                   "); use all_reduce, or a strategy that has it (ddp, sharded, offload)");
-  return caster->broadcast(value, src);
-}
-
-IShardedCheckpoint* Runtime::sharded_checkpoint() const {
-  if (contract1_) return nullptr;
-  return static_cast<IShardedCheckpoint*>(strategy_.object->query_interface(kShardedCheckpointIid));
+  return strategy_.object->broadcast(value, src);
 }
 
 void Runtime::save_full(bool with_model, bool with_optimizer, const FullStateWriter& write, const std::string& what) {
   // Every rank takes part in the gathers; only rank 0 writes.
   c10::Dict<std::string, at::Tensor> model_state;
-  if (with_model) model_state = state_->full_model_state(/*rank0_only=*/true);
-  const std::string optimizer_state = with_optimizer ? state_->full_optimizer_state(/*rank0_only=*/true) : std::string();
+  if (with_model) model_state = strategy_.object->full_model_state(/*rank0_only=*/true);
+  const std::string optimizer_state = with_optimizer ? strategy_.object->full_optimizer_state(/*rank0_only=*/true) : std::string();
   std::exception_ptr error;
   if (rank() == 0) {
     try {
@@ -180,9 +154,9 @@ void Runtime::save_full(bool with_model, bool with_optimizer, const FullStateWri
 }
 
 void Runtime::save_checkpoint(const std::string& path, bool with_model, bool with_optimizer, const CheckpointMeta& meta) {
-  if (auto* sharded = sharded_checkpoint(); sharded && sharded->sharded_checkpoints() && with_model && with_optimizer) {
+  if (writes_sharded_checkpoints() && with_model && with_optimizer) {
     // One part per rank, nothing gathered (sharded_checkpoint.h has the layout and the commit).
-    const c10::IValue part = sharded->sharded_state();
+    const c10::IValue part = strategy_.object->sharded_state();
     c10::IValue doc;
     if (rank() == 0) {
       auto ck = meta();
@@ -214,13 +188,12 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
     auto ck = read_sharded_meta(path);
     auto layout = ck.at("sharded").toGenericDict();
     const int64_t saved_world = layout.at("world_size").toInt();
-    auto* sharded = sharded_checkpoint();
-    if (sharded == nullptr)
+    if (!sharded_)
       throw RunError(where + " is a sharded checkpoint directory (" + std::to_string(saved_world) + " parts, written by '" +
                      layout.at("strategy").toStringRef() + "'); resume it with that strategy, or make one file of it first: engine checkpoint consolidate " +
                      path.string() + " OUT.ckpt");
     try {
-      sharded->load_sharded_state(saved_world, [&](int64_t k) { return read_sharded_part(path, k); });
+      strategy_.object->load_sharded_state(saved_world, [&](int64_t k) { return read_sharded_part(path, k); });
     } catch (const RunError& e) {
       throw RunError(where + ": " + e.what());
     } catch (const c10::Error& e) {
@@ -232,7 +205,7 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
   auto ck = load_checkpoint_file(path);
   if (model != Part::skip && ck.contains("state_dict")) {
     try {
-      state_->load_full_model_state(c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict()));
+      strategy_.object->load_full_model_state(c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict()));
     } catch (const RunError& e) {
       throw RunError(where + ": " + e.what());
     }
@@ -241,7 +214,7 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
   }
   if (optimizer != Part::skip && ck.contains("optimizer")) {
     try {
-      state_->load_full_optimizer_state(tensor_bytes(ck.at("optimizer").toTensor()));
+      strategy_.object->load_full_optimizer_state(tensor_bytes(ck.at("optimizer").toTensor()));
     } catch (const c10::Error& e) {
       throw RunError(where + ": optimizer state does not fit this optimizer (" + std::string(e.what_without_backtrace()).substr(0, 160) +
                      "); " + optimizer_fix);

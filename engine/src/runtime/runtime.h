@@ -32,8 +32,6 @@ class IConfig;
 
 namespace ember::engine {
 
-class Contract1StrategyState;
-
 class Runtime {
  public:
   explicit Runtime(Named<IStrategy> strategy);
@@ -56,10 +54,9 @@ class Runtime {
 
   // ---- set-up (Lightning's order, docs/strategy.md): the precision handler converts the
   // module, the strategy places/wraps/shards it, then builds the optimizer through `factory` over
-  // what it trains. A strategy built against SDK 1.0/1.1 (contract 1) gets its old order through
-  // Contract1StrategyState. Requires set_precision; once. Ensures: optimizer() is valid.
+  // what it trains. Requires set_precision; once. Ensures: optimizer() is valid.
   std::shared_ptr<torch::optim::Optimizer> setup(IModel& model, IOptimizerFactory& factory);
-  bool is_setup() const { return state_ != nullptr; }
+  bool is_setup() const { return optimizer_ != nullptr; }
 
   // ---- the step
   // A host batch on the training device, cast as the precision handler wants it.
@@ -104,16 +101,19 @@ class Runtime {
   bool any_rank(bool flag);
   void barrier(const char* name);
   bool broadcast_flag(bool value);
-  // Rank `src`'s tensor on every rank (the strategy's ITensorBroadcast); throws RunError when the
-  // strategy has none and there are several ranks.
+  // Rank `src`'s tensor on every rank (IStrategy::broadcast; the tensor itself on one process).
   at::Tensor broadcast(const at::Tensor& value, int64_t src);
 
   // ---- state (Requires is_setup())
-  IModelStateStrategy& state() { return *state_; }
+  // The strategy, for the model-state calls the loops make themselves (trained_parameters,
+  // parameters_changed).
+  IStrategy& state() { return *strategy_.object; }
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
   const std::shared_ptr<torch::optim::Optimizer>& optimizer_ptr() const { return optimizer_; }
-  // The strategy's sharded checkpoint parts, when it has them (never for a contract-1 strategy).
-  IShardedCheckpoint* sharded_checkpoint() const;
+  // Whether the strategy reads sharded checkpoint directories (kShardedCheckpointsIid), and
+  // whether this run writes them.
+  bool reads_sharded_checkpoints() const { return sharded_; }
+  bool writes_sharded_checkpoints() const { return sharded_ && strategy_.object->sharded_checkpoints(); }
   // Collective: gathers the full model state (when with_model) and the optimizer's (when
   // with_optimizer; "" otherwise), calls `write` with them on rank 0, and makes every rank throw
   // when rank 0's write failed (so no rank is left waiting in a later collective); rank 0 rethrows
@@ -159,15 +159,13 @@ class Runtime {
   void teardown();
 
  private:
-  // Declaration order is destruction order reversed: the strategy outlives the precision handler,
-  // the state adapter and the optimizer it placed.
+  // Declaration order is destruction order reversed: the strategy outlives the precision handler
+  // and the optimizer it placed.
   Named<IStrategy> strategy_;
   Named<IPrecision> precision_;
-  std::unique_ptr<Contract1StrategyState> contract1_;
-  IModelStateStrategy* state_ = nullptr;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
-  IGradientUnscaler* unscaler_ = nullptr;   // the precision handler's, when it scales the loss
-  IGradientNormClip* norm_clip_ = nullptr;  // the strategy's, when it shards gradients
+  IGradientUnscaler* unscaler_ = nullptr;  // the precision handler's, when it scales the loss
+  bool sharded_ = false;                   // the strategy answers kShardedCheckpointsIid
   bool launched_ = false, torn_down_ = false;
 };
 

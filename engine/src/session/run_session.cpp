@@ -87,7 +87,11 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
   } else {
     make(plugins.data, plan_.data, cfg.section("data"));
   }
-  plugins.data.object->setup(DataSetup{seed, rank, runtime->world_size()});
+  DataSetup data_setup;
+  data_setup.seed = seed;
+  data_setup.rank = rank;
+  data_setup.world_size = runtime->world_size();
+  plugins.data.object->setup(data_setup);
   if (req.provided.model) plugins.model = {"model object", "", req.provided.model};
   else make(plugins.model, plan_.model, cfg.section("model"));
   Named<IPrecision> precision;

@@ -5,7 +5,7 @@
 // topk.h (the top-k bookkeeping) and suggest.h ("did you mean"). This file is the glue: when to
 // save, the file work, the state_dict and the checkpoint locator.
 #include <ember/callback.h>
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>
@@ -541,7 +541,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
         std::error_code ec;
         fs::create_directories(fs::path(path).parent_path(), ec);
       }
-      trainer.save_checkpoint(path, save_weights_only_);
+      ember::trainer_service<ember::ITrainerCheckpoints>(trainer, "checkpoint").save_checkpoint(path, save_weights_only_);
     } catch (...) {
       topk_.state() = before;
       throw;

@@ -8,7 +8,7 @@
 // use: [+][0][width][.precision][type], type one of d f F e E g G (or none). Header-only and free
 // of Ember and LibTorch types so unit tests can compile it directly.
 #pragma once
-#include <ember/number_text.h>
+#include <ember/support/number_text.h>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -29,7 +29,7 @@ inline constexpr const char* kNameLast = "last";    // CHECKPOINT_NAME_LAST
 inline constexpr const char* kExtension = ".ckpt";  // FILE_EXTENSION
 inline constexpr int kStartingVersion = 1;          // STARTING_VERSION
 
-// The shortest text that reads back as the same number (see <ember/number_text.h>).
+// The shortest text that reads back as the same number (see <ember/support/number_text.h>).
 inline std::string shortest_number(double v) { return ember::shortest_number(v); }
 
 // The parsed form of one SPEC.

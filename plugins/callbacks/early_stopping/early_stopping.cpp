@@ -2,7 +2,7 @@
 // to stop when it has not improved for `patience` checks, reached a goal, diverged or became
 // non-finite. The decision itself lives in criteria.h; this file is the glue (when to check,
 // config, state across --resume).
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>

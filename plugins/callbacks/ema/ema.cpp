@@ -12,7 +12,7 @@
 //   on_train_end              the model keeps the average for good (test_ckpt = "current").
 // On resume, on_load_checkpoint puts the model's own weights back and the average into the EMA.
 // Until the first update there is no average: the model's own weights are used everywhere.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>
@@ -108,7 +108,7 @@ class Ema final : public ember::Callback {
   void on_load_checkpoint(ember::ITrainer& t) override {
     if (pending_model_.empty()) return;
     copy_into(tracked_tensors(t, use_buffers_), pending_model_);
-    t.parameters_changed();
+    ember::trainer_service<ember::ITrainerWeights>(t, "ema").parameters_changed();
     pending_model_.clear();
   }
 
@@ -142,12 +142,12 @@ class Ema final : public ember::Callback {
     auto tracked = tracked_tensors(t, use_buffers_);
     stash_ = clones(tracked);
     copy_into(tracked, averaged_);
-    t.parameters_changed();
+    ember::trainer_service<ember::ITrainerWeights>(t, "ema").parameters_changed();
     swapped_ = true;
   }
   void swap_out(ember::ITrainer& t) {
     copy_into(tracked_tensors(t, use_buffers_), stash_);
-    t.parameters_changed();
+    ember::trainer_service<ember::ITrainerWeights>(t, "ema").parameters_changed();
     stash_.clear();
     swapped_ = false;
   }

@@ -1,7 +1,7 @@
 // Plugin "grad_accum_schedule": Lightning's GradientAccumulationScheduler. Sets the gradient
 // accumulation factor at the start of every training epoch from an {epoch: factor} schedule,
 // written as two lists: epochs = [0, 4], factors = [1, 2] means "1 from epoch 0, 2 from epoch 4".
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>
@@ -68,18 +68,18 @@ class GradAccumSchedule final : public ember::Callback {
   void setup(ember::ITrainer& t) override {
     // Lightning refuses both: the trainer's factor would be silently overridden (only training
     // accumulates; validate/test/predict run setup too).
-    if (t.stage() == ember::Stage::fit && t.accumulate_grad_batches() != 1)
-      throw ember::ConfigError("trainer.accumulate_grad_batches = " + std::to_string(t.accumulate_grad_batches()) +
+    if (t.stage() == ember::Stage::fit && ember::trainer_service<ember::ITrainerSettings>(t, "grad_accum_schedule").accumulate_grad_batches() != 1)
+      throw ember::ConfigError("trainer.accumulate_grad_batches = " + std::to_string(ember::trainer_service<ember::ITrainerSettings>(t, "grad_accum_schedule").accumulate_grad_batches()) +
                                " and [grad_accum_schedule] both set gradient accumulation: remove "
                                "trainer.accumulate_grad_batches (the schedule's factor for epoch 0 replaces it)");
   }
 
   void on_train_epoch_start(ember::ITrainer& t) override {
     const int64_t f = factor_at(t.current_epoch());
-    if (f != t.accumulate_grad_batches())
+    if (f != ember::trainer_service<ember::ITrainerSettings>(t, "grad_accum_schedule").accumulate_grad_batches())
       host_.log(ember::LogLevel::info, "grad_accum_schedule: accumulating " + std::to_string(f) +
                                            " batches per optimizer step from epoch " + std::to_string(t.current_epoch()));
-    t.set_accumulate_grad_batches(f);
+    ember::trainer_service<ember::ITrainerSettings>(t, "grad_accum_schedule").set_accumulate_grad_batches(f);
   }
 
   // The factor follows from the epoch alone, so a resume needs nothing but the loop's epoch;

@@ -4,7 +4,7 @@
 // optimizer, loop, RNG and every plugin's state go back to where they were), writes
 // <run_dir>/lr_find.csv and lr_find.png, logs the suggested rate and, with update_attr, trains
 // with it.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>
@@ -87,7 +87,7 @@ class LrFind final : public ember::Callback {
     if (t.num_batches(ember::Split::train) == 0) throw ember::RunError("lr_find: the run has no training batches");
 
     const fs::path tmp = fs::path(t.run_dir()) / (".lr_find." + std::to_string(::getpid()) + ".ckpt");
-    t.save_checkpoint(tmp.string());
+    ember::trainer_service<ember::ITrainerCheckpoints>(t, "lr_find").save_checkpoint(tmp.string());
     std::vector<double> lrs, losses, smoothed;
     try {
       sweep(t, lrs, losses, smoothed);
@@ -144,10 +144,10 @@ class LrFind final : public ember::Callback {
     while (!stop && static_cast<int64_t>(lrs.size()) < steps_) {
       // One pass over the training batches per round: the sweep may be longer than an epoch.
       const size_t before = lrs.size();
-      t.for_each_batch(ember::Split::train, steps_ - static_cast<int64_t>(lrs.size()), [&](const ember::Batch& batch) {
+      ember::trainer_service<ember::ITrainerPasses>(t, "lr_find").for_each_batch(ember::Split::train, steps_ - static_cast<int64_t>(lrs.size()), [&](const ember::Batch& batch) {
         const double lr = lf::lr_at(mode_, min_lr_, max_lr_, static_cast<int64_t>(lrs.size()), steps_);
         set_lr(opt, lr);
-        const double loss = t.run_trial_step(batch).item<double>();
+        const double loss = ember::trainer_service<ember::ITrainerPasses>(t, "lr_find").run_trial_step(batch).item<double>();
         lrs.push_back(lr);
         losses.push_back(loss);
         smoothed.push_back(smoother.add(loss));
@@ -162,7 +162,7 @@ class LrFind final : public ember::Callback {
   }
 
   void restore(ember::ITrainer& t, const fs::path& tmp) {
-    t.load_checkpoint(tmp.string());
+    ember::trainer_service<ember::ITrainerCheckpoints>(t, "lr_find").load_checkpoint(tmp.string());
     std::error_code ec;
     fs::remove(tmp, ec);
   }

@@ -7,7 +7,7 @@
 // whatever order schedulers and swa were named in. Per step it logs like self.log(on_step=True):
 // loggers receive it every trainer.log_every_n_steps steps, at the step's index. Per epoch it logs
 // once, at the first optimizer step of the epoch.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/plugin.h>
 #include <ember/trainer.h>

@@ -1,7 +1,7 @@
 // Plugin "model_summary": Lightning's ModelSummary. At fit start (rank 0) logs a table of the
 // model's layers down to `max_depth` (name, type, parameters, train/eval mode) and the totals:
 // trainable, non-trainable, all parameters and their size in MB.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/host.h>
 #include <ember/plugin.h>

@@ -10,7 +10,7 @@
 // hooks of the callbacks that run after this one at its start (name simple_profiler first to
 // keep them out), and "data fetch" is everything between one batch's end and the next batch's
 // start (loading, transfer to the device, logging, the progress bar).
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>

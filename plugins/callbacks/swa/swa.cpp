@@ -21,7 +21,7 @@
 // Resume: the state holds the running mean, n_averaged, lr0 and, once the averaged weights were
 // swapped in, the model's own last weights; on_load_checkpoint puts those back, so a finished run
 // resumed with a larger max_epochs goes on exactly as an uninterrupted run would.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>
@@ -143,7 +143,7 @@ class Swa final : public ember::Callback {
     if (pending_params_.empty()) return;
     copy_into(tracked_tensors(t, false), pending_params_);
     copy_into(all_buffers(t.module()), pending_buffers_);
-    t.parameters_changed();
+    ember::trainer_service<ember::ITrainerWeights>(t, "swa").parameters_changed();
     pending_params_.clear();
     pending_buffers_.clear();
     transferred_ = false;
@@ -202,12 +202,12 @@ class Swa final : public ember::Callback {
     raw_params_ = clones(params);
     raw_buffers_ = clones(all_buffers(t.module()));
     copy_into(params, averaged_);
-    t.parameters_changed();
+    ember::trainer_service<ember::ITrainerWeights>(t, "swa").parameters_changed();
     transferred_ = true;
     const int64_t bn = update_batch_norm(t);
     host_.log(ember::LogLevel::info, name_ + ": the model now holds the average of " + std::to_string(n_averaged_) + " epochs" +
                                          (bn > 0 ? " (batch-norm statistics recomputed on the training split)" : ""));
-    t.run_validation();
+    ember::trainer_service<ember::ITrainerPasses>(t, "swa").run_validation();
   }
 
   ember::IHost& host_;

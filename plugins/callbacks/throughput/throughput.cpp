@@ -13,7 +13,7 @@
 // size afterwards); the device's peak comes from peak_flops.h's
 // table of GPUs for the run's compute dtype, or from peak_tflops (CPUs: look up your own).
 #include <ATen/cuda/CUDAContext.h>
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>

@@ -1,6 +1,6 @@
 // Plugin "timer": Lightning's Timer. Stops training once the time spent in it reaches
 // `duration`, checked after every step or every epoch. Time spent before a --resume counts.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>

@@ -19,7 +19,7 @@
 // (torch.autograd.profiler.emit_nvtx): every operator and the ranges above, for the whole
 // training, with nothing written by Ember; run `nsys profile -t cuda,nvtx engine ...` to record them.
 #include <ATen/record_function.h>
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>

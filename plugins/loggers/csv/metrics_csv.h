@@ -1,7 +1,7 @@
 // The pieces of the csv logger that need no trainer: number cells, RFC 4180 quoting and parsing,
 // atomic file replacement and durable appends. Header-only and free of Ember types so unit tests can include it.
 #pragma once
-#include <ember/number_text.h>
+#include <ember/support/number_text.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -26,7 +26,7 @@ namespace fs = std::filesystem;
 // One row of metrics.csv: column name -> cell text. Columns a row lacks are empty cells.
 using Row = std::map<std::string, std::string>;
 
-// The shortest text that reads back as the same number (see <ember/number_text.h>).
+// The shortest text that reads back as the same number (see <ember/support/number_text.h>).
 inline std::string format_number(double v) { return ember::shortest_number(v); }
 
 // RFC 4180: a field with a comma, quote or line break is quoted, quotes doubled.

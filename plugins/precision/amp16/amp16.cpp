@@ -4,11 +4,11 @@
 // inf/NaN gradients (the engine tells schedulers through ITrainer::optimizer_step_skipped), back
 // off or grow the scale. Gradient accumulation needs nothing extra: every micro-batch is scaled
 // by the same scale, which only changes after the step. Logs amp_scale and amp_skipped_steps.
-#include <ember/grad_scaler.h>
+#include <ember/support/grad_scaler.h>
 #include <ember/host.h>
 #include <ember/plugin.h>
 #include <ember/precision.h>
-#include <ember/precision_util.h>
+#include <ember/support/precision_util.h>
 #include <ember/trainer.h>
 
 #include <torch/nn/module.h>
@@ -55,11 +55,12 @@ class Amp16 final : public ember::IPrecision, public ember::ITrainerAware, publi
     step.closure();
     // Hooks and clipping see true gradient values (Lightning's order: unscale, then
     // on_before_optimizer_step and clipping, then the step if the gradients are finite).
-    // A program that unscaled already (Fabric's clip_gradients) gets only the inf/NaN check, which
-    // also sees what a strategy marked in the closure (ZeRO's vote across ranks).
+    // A program that unscaled already (Fabric's clip_gradients) gets only the inf/NaN check.
     if (unscaled_) scaler_.check_finite(step.optimizer());
     else scaler_.unscale(step.optimizer());
     unscaled_ = false;
+    // Every rank skips the same steps: under a sharding strategy a rank sees only its shard.
+    scaler_.set_found_inf(step.found_inf_on_any_rank(scaler_.found_inf()));
     step.before_step();
     const bool finite = scaler_.finite();
     if (finite) step.step();

@@ -1,11 +1,11 @@
 // bf16 ("bf16-mixed"): float32 parameters, forward and loss under autocast to bfloat16. bfloat16
 // has float32's exponent range, so gradients neither underflow nor overflow the way float16's
 // do: no loss scaling, every step is taken.
-#include <ember/cpu_features.h>
+#include <ember/support/cpu_features.h>
 #include <ember/host.h>
 #include <ember/plugin.h>
 #include <ember/precision.h>
-#include <ember/precision_util.h>
+#include <ember/support/precision_util.h>
 
 #include <torch/nn/module.h>
 

@@ -2,10 +2,10 @@
 // float32 copy anywhere: half the memory of float32 for weights, gradients and optimizer state, at
 // the cost of precision in the update itself. bfloat16 keeps float32's exponent range, so no
 // loss scaling is needed.
-#include <ember/cpu_features.h>
+#include <ember/support/cpu_features.h>
 #include <ember/host.h>
 #include <ember/plugin.h>
-#include <ember/precision_util.h>
+#include <ember/support/precision_util.h>
 
 namespace {
 

@@ -3,7 +3,7 @@
 // the cost of precision in the update itself. No loss scaling, so gradients below float16's
 // range (~6e-8) flush to zero; use amp16 when that matters.
 #include <ember/plugin.h>
-#include <ember/precision_util.h>
+#include <ember/support/precision_util.h>
 
 namespace {
 

@@ -2,7 +2,7 @@
 // numerics checks and problems that need the range; several times slower than float32, and
 // most GPUs have little float64 throughput.
 #include <ember/plugin.h>
-#include <ember/precision_util.h>
+#include <ember/support/precision_util.h>
 
 namespace {
 

@@ -8,7 +8,7 @@
 // Validation metrics and the training epoch metrics (<name>_epoch) are published before
 // on_train_epoch_end; a metric that a callback logs in its own on_train_epoch_end is seen when
 // that callback is named before this one.
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>

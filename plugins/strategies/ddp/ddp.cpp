@@ -3,9 +3,8 @@
 // launcher (trainer.devices = N), torchrun, mpirun or srun, and talk through NCCL on GPUs or
 // Open MPI on CPUs (sdk/distributed: Ember::distributed, docs/decisions.md).
 #include <ember/error.h>
-#include <ember/grad_util.h>
 #include <ember/plugin.h>
-#include <ember/replicated_state.h>
+#include <ember/support/replicating_strategy.h>
 #include <ember/strategy.h>
 
 #include <ATen/ATen.h>
@@ -34,7 +33,7 @@ constexpr EmberConfigKey kKeys[] = {
                      "evaluating after one (PyTorch DDP's broadcast_buffers), so all ranks evaluate with the same statistics."),
 };
 
-class Ddp final : public ember::ReplicatingStrategy, public ember::ITensorBroadcast {
+class Ddp final : public ember::ReplicatingStrategy {
  public:
   Ddp(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
@@ -87,19 +86,12 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::ITensorBroadc
     return precision.optimizer_step(step);
   }
 
-  // Gradients are identical on every rank after the sync, so local clipping agrees everywhere.
-  void clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm) override {
-    ember::clip_gradients_in_place(ember::grads_of(optimizer), max, algorithm);
-  }
+  // Clipping: ReplicatingStrategy's; gradients are identical on every rank after the sync.
 
   at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op) override { return comm_.reduce(value, op); }
   void barrier(const char* name) override { comm_.barrier(name); }
   bool broadcast_flag(bool value) override { return comm_.broadcast_flag(value); }
   at::Tensor broadcast(const at::Tensor& value, int64_t src) override { return comm_.broadcast(value, src); }
-  void* query_interface(const char* iid) override {
-    if (std::string_view(iid) == ember::kTensorBroadcastIid) return static_cast<ember::ITensorBroadcast*>(this);
-    return ReplicatingStrategy::query_interface(iid);
-  }
 
   void teardown() override {
     std::string stats;

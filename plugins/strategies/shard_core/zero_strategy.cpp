@@ -23,7 +23,7 @@
 #include "zero_strategy.h"
 
 #include <ember/error.h>
-#include <ember/grad_util.h>
+#include <ember/support/grad_util.h>
 #include <ember/model.h>
 #include <ember/model_units.h>
 
@@ -49,28 +49,24 @@ using namespace ember_dist;
 
 class ZeroStrategy;
 
-// The engine's optimizer step with the strategy's part added: after the closure's backward, every
-// rank agrees whether any gradient is non-finite (a rank sees only its shard, and amp16 must skip
-// the step on all ranks or none).
+// The engine's optimizer step with the strategy's part added: the precision handler's non-finite
+// vote is reduced across ranks (a rank sees only its shard, and amp16 must skip the step on all
+// ranks or none).
 class ZeroStep final : public ember::IOptimizerStep {
  public:
   ZeroStep(ember::IOptimizerStep& inner, ZeroStrategy& strategy) : inner_(inner), s_(strategy) {}
-  at::Tensor closure() override;
+  at::Tensor closure() override { return inner_.closure(); }
   void before_step() override { inner_.before_step(); }
   void step() override { inner_.step(); }
   torch::optim::Optimizer& optimizer() override { return inner_.optimizer(); }
+  at::Tensor found_inf_on_any_rank(const at::Tensor& found_inf) override;
 
  private:
   ember::IOptimizerStep& inner_;
   ZeroStrategy& s_;
 };
 
-class ZeroStrategy final : public ember::IStrategy,
-                           public ember::IModelStateStrategy,
-                           public ember::IShardedCheckpoint,
-                           public ember::IGradientNormClip,
-                           public ember::ITensorBroadcast,
-                           public ember::IUnitHooks {
+class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks {
  public:
   ZeroStrategy(ember::IHost& host, const ember::IConfig& cfg, ZeroOptions o)
       : host_(host),
@@ -87,15 +83,13 @@ class ZeroStrategy final : public ember::IStrategy,
   // unit hooks were taken back in teardown().
   ~ZeroStrategy() override { teardown(); }
 
+  // Checkpoints as one part per rank (sharded_state below), read at any world size.
   void* query_interface(const char* iid) override {
-    if (std::strcmp(iid, ember::kModelStateStrategyIid) == 0) return static_cast<ember::IModelStateStrategy*>(this);
-    if (std::strcmp(iid, ember::kShardedCheckpointIid) == 0) return static_cast<ember::IShardedCheckpoint*>(this);
-    if (std::strcmp(iid, ember::kGradientNormClipIid) == 0) return static_cast<ember::IGradientNormClip*>(this);
-    if (std::strcmp(iid, ember::kTensorBroadcastIid) == 0) return static_cast<ember::ITensorBroadcast*>(this);
+    if (std::strcmp(iid, ember::kShardedCheckpointsIid) == 0) return this;
     return nullptr;
   }
 
-  // ---- IStrategy ----
+  // ---- processes and the step ----
   bool launch(const ember::LaunchRequest& request, int* exit_code) override {
     const bool go_on = comm_.launch(request, exit_code);
     if (go_on) copies_ = HostCopies(comm_.device(), o_.pin_memory);
@@ -105,10 +99,6 @@ class ZeroStrategy final : public ember::IStrategy,
   int64_t rank() const override { return comm_.rank(); }
   int64_t world_size() const override { return comm_.world(); }
   int64_t local_rank() const override { return comm_.info().local_rank; }
-
-  void setup(torch::nn::Module& /*module*/, std::shared_ptr<torch::optim::Optimizer>& /*optimizer*/) override {
-    throw ember::RunError(o_.name + " needs an engine with strategy contract 2 (SDK 1.2 or newer): upgrade the engine");
-  }
 
   ember::Batch batch_to_device(ember::Batch batch) override { return comm_.batch_to_device(std::move(batch)); }
 
@@ -136,15 +126,9 @@ class ZeroStrategy final : public ember::IStrategy,
   }
 
   // Clipping by norm needs the norm over all shards: the local sum of squares is all-reduced.
-  void clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm) override {
-    if (algorithm == ember::ClipAlgorithm::value) {
-      ember::clip_gradients_in_place(ember::grads_of(optimizer), max, algorithm);
-      return;
-    }
-    clip_gradients_norm(optimizer, max);
-  }
-  at::Tensor clip_gradients_norm(torch::optim::Optimizer& optimizer, double max) override {
+  at::Tensor clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm) override {
     auto grads = ember::grads_of(optimizer);
+    if (algorithm == ember::ClipAlgorithm::value) return ember::clip_gradients_in_place(grads, max, algorithm);
     if (comm_.world() == 1) return ember::clip_gradients_norm_in_place(grads, max);
     const c10::Device where = grads.empty() ? comm_.device() : grads.front().device();
     at::Tensor sumsq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(where));
@@ -203,7 +187,7 @@ class ZeroStrategy final : public ember::IStrategy,
                                            "; each rank's share of the data differs from here on");
   }
 
-  // ---- strategy contract 2 ----
+  // ---- the model's state ----
   void setup_module(ember::IModel& model) override;
   std::shared_ptr<torch::optim::Optimizer> setup_optimizer(ember::IOptimizerFactory& factory) override;
 
@@ -270,25 +254,15 @@ class ZeroStrategy final : public ember::IStrategy,
     if (o_.prefetch) gather_.prefetch_unit(unit - 1);
   }
 
-  // Called by ZeroStep after the closure: every rank learns whether some rank's shard holds a
-  // non-finite gradient, and then every rank's gradients say so (the precision handler checks
-  // only what it sees).
-  void agree_on_finite() {
-    if (comm_.world() == 1) return;
-    std::vector<at::Tensor> grads;
-    for (auto& p : table_.params)
-      if (p.shard.grad().defined() && p.shard.numel() > 0) grads.push_back(p.shard.grad());
-    at::Tensor flag = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
-    if (!grads.empty()) {
-      auto norms = at::stack(at::_foreach_norm(grads, 1)).to(at::kFloat);
-      flag = at::logical_not(at::isfinite(norms.sum())).to(at::kFloat).reshape({1}).to(comm_.device());
-    }
+  // The ranks' verdict on the precision handler's non-finite flag: the maximum over ranks.
+  at::Tensor any_rank_found_inf(const at::Tensor& found_inf) {
+    if (comm_.world() == 1) return found_inf;
     comm_.label("non-finite gradient vote");
-    std::vector<at::Tensor> v{flag};
+    std::vector<at::Tensor> v{found_inf.to(comm_.device(), at::kFloat).reshape({1}).clone()};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::MAX;
     comm_.backend().allreduce(v, opts)->wait();
-    if (flag.item<float>() > 0 && !grads.empty()) grads.front().view(-1)[0].fill_(std::numeric_limits<float>::infinity());
+    return v.front().reshape({}).to(found_inf.device(), found_inf.scalar_type());
   }
 
  private:
@@ -312,10 +286,8 @@ class ZeroStrategy final : public ember::IStrategy,
   bool forward_grad_ = false, ready_ = false;
 };
 
-at::Tensor ZeroStep::closure() {
-  at::Tensor loss = inner_.closure();
-  s_.agree_on_finite();
-  return loss;
+at::Tensor ZeroStep::found_inf_on_any_rank(const at::Tensor& found_inf) {
+  return inner_.found_inf_on_any_rank(s_.any_rank_found_inf(found_inf));
 }
 
 void ZeroStrategy::setup_module(ember::IModel& model) {

@@ -1,9 +1,8 @@
 // single_device: one process, one device (the CPU or one CUDA GPU). The reference strategy: every
 // other strategy must give the same numbers as this one does on one device.
 #include <ember/error.h>
-#include <ember/grad_util.h>
 #include <ember/plugin.h>
-#include <ember/replicated_state.h>
+#include <ember/support/replicating_strategy.h>
 #include <ember/strategy.h>
 
 #include <torch/cuda.h>
@@ -85,10 +84,6 @@ class SingleDevice final : public ember::ReplicatingStrategy {
 
   bool optimizer_step(ember::IOptimizerStep& step, ember::IPrecision& precision) override {
     return precision.optimizer_step(step);
-  }
-
-  void clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm) override {
-    ember::clip_gradients_in_place(ember::grads_of(optimizer), max, algorithm);
   }
 
   at::Tensor reduce(const at::Tensor& value, ember::ReduceOp /*op*/) override { return value; }

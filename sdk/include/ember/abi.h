@@ -15,8 +15,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define EMBER_SDK_ABI_MAJOR 1
-#define EMBER_SDK_ABI_MINOR 4
+#define EMBER_SDK_ABI_MAJOR 2
+#define EMBER_SDK_ABI_MINOR 0
 #define EMBER_PLUGIN_MAGIC 0x454D4252u /* "EMBR" */
 #define EMBER_PLUGIN_ENTRY_SYMBOL "ember_plugin_descriptor"
 
@@ -71,15 +71,24 @@ typedef struct EmberConfigKey {
   double max_value;
 } EmberConfigKey;
 
+// The device runtime a LibTorch build (and so a plugin built against it) was compiled for.
+// Values are stable; new runtimes are appended.
+typedef enum EmberDeviceRuntime {
+  EMBER_DEVICE_RUNTIME_NONE = 0,  // a CPU-only LibTorch
+  EMBER_DEVICE_RUNTIME_CUDA = 1,  // version: CUDA_VERSION style (13000 = 13.0)
+  EMBER_DEVICE_RUNTIME_ROCM = 2   // version: HIP_VERSION style
+} EmberDeviceRuntime;
+
 // What the plugin was compiled against. Every field must equal the engine's, except
 // glibcxx_release, which must be <= the engine's (a newer libstdc++ is backward compatible).
 typedef struct EmberBuildFingerprint {
   uint32_t torch_major;
   uint32_t torch_minor;
   uint32_t torch_patch;
-  uint32_t cxx11_abi;        // _GLIBCXX_USE_CXX11_ABI
-  uint32_t cuda_version;     // CUDA_VERSION style (13000 = 13.0); 0 for a CPU-only LibTorch
-  uint32_t glibcxx_release;  // _GLIBCXX_RELEASE (the GCC major of the libstdc++ headers)
+  uint32_t cxx11_abi;               // _GLIBCXX_USE_CXX11_ABI
+  uint32_t device_runtime;          // EmberDeviceRuntime
+  uint32_t device_runtime_version;  // 0 for EMBER_DEVICE_RUNTIME_NONE
+  uint32_t glibcxx_release;         // _GLIBCXX_RELEASE (the GCC major of the libstdc++ headers)
 } EmberBuildFingerprint;
 
 // Creates the plugin's object. `host` is an ember::IHost*, `config` an ember::IConfig* holding

@@ -11,6 +11,7 @@
 namespace ember {
 
 struct DataSetup {
+  uint32_t struct_size = sizeof(DataSetup);  // ember::has_field (ember/types.h)
   uint64_t seed = 0;         // trainer.seed: use it for any random split
   int64_t rank = 0;          // this process's global rank and the world size, for data modules
   int64_t world_size = 1;    // that want to download/prepare on one rank only

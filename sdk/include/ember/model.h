@@ -33,19 +33,4 @@ class EMBER_SDK_API IModel : public IPluginObject {
   virtual void on_hook(Hook /*hook*/, ITrainer& /*trainer*/) {}
 };
 
-// Extension interface (IModel::query_interface(kDataParallelModelIid)) for models whose network
-// can run on module replicas, which the dp strategy needs for more than one device. SDK 1.1.
-// set_data_parallel(devices): from now on the model runs its network's forward split over
-// `devices` along dim 0 (replicate the module onto each device, scatter the input, run the
-// replicas in parallel, gather the outputs onto devices[0]); loss and metrics are computed on the
-// gathered outputs as before. Gradients flow back from the replicas to the module's own
-// parameters, so backward and the optimizer step stay single-device operations. An empty list
-// or a single device means the plain forward. The module already lives on devices[0].
-inline constexpr const char* kDataParallelModelIid = "ember.IDataParallelModel/1";
-class EMBER_SDK_API IDataParallelModel {
- public:
-  virtual ~IDataParallelModel() = default;
-  virtual void set_data_parallel(const std::vector<c10::Device>& devices) = 0;
-};
-
 }  // namespace ember

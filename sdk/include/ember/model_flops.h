@@ -1,5 +1,5 @@
 // The FLOPs of a training step, as a model reports them, for FLOP/s and model FLOPs utilisation
-// (MFU) in the throughput callback. SDK 1.2, additive: an optional extension interface that the
+// (MFU) in the throughput callback. An optional extension interface that the
 // engine never requires (IModel::query_interface(kModelFlopsIid) returns nullptr when a model
 // does not implement it).
 //

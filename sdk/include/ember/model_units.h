@@ -1,5 +1,5 @@
 // Units: the blocks of a model (transformer layers, say) that a sharding or offloading strategy
-// materialises one at a time. SDK 1.2.
+// materialises one at a time.
 //
 // LibTorch modules have no forward hooks, so a model declares its units and runs each one's
 // forward through ember::ModelUnits::run; a strategy installs IUnitHooks to act around them.

@@ -88,10 +88,12 @@ inline void copy_error(char* out, size_t size, const char* text) {
 #ifndef EMBER_FINGERPRINT_SDK_MINOR
 #define EMBER_FINGERPRINT_SDK_MINOR EMBER_SDK_ABI_MINOR
 #endif
+// The device runtime: CUDA when the LibTorch build has it (EMBER_CUDA_VERSION != 0), else none.
+#define EMBER_DEVICE_RUNTIME (EMBER_CUDA_VERSION != 0 ? EMBER_DEVICE_RUNTIME_CUDA : EMBER_DEVICE_RUNTIME_NONE)
 #define EMBER_BUILD_FINGERPRINT                                                                 \
   EmberBuildFingerprint {                                                                       \
     TORCH_VERSION_MAJOR, EMBER_FINGERPRINT_TORCH_MINOR, TORCH_VERSION_PATCH,                    \
-        _GLIBCXX_USE_CXX11_ABI, EMBER_CUDA_VERSION, _GLIBCXX_RELEASE                             \
+        _GLIBCXX_USE_CXX11_ABI, EMBER_DEVICE_RUNTIME, EMBER_CUDA_VERSION, _GLIBCXX_RELEASE       \
   }
 
 #define EMBER_CONFIG_KEYS(array) array, static_cast<uint32_t>(sizeof(array) / sizeof((array)[0]))

@@ -35,7 +35,6 @@ class EMBER_SDK_API IPrecision : public IPluginObject {
 // gradients between backward and the optimizer step (ember::Fabric::clip_gradients). The next
 // optimizer_step does not unscale again; it still checks the gradients for inf/NaN then (another
 // rank or the strategy may have marked them since). Handlers that do not scale need not have it.
-// Additive in SDK 1.2 (docs/abi.md).
 inline constexpr const char* kGradientUnscalerIid = "ember.IGradientUnscaler/1";
 class EMBER_SDK_API IGradientUnscaler {
  public:

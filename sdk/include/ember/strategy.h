@@ -19,106 +19,16 @@ namespace torch::optim { class Optimizer; }
 
 namespace ember {
 
-// What the engine hands a strategy when it asks it to launch processes.
+// What the engine hands a strategy when it asks it to launch processes. Crosses the boundary, so
+// it carries its size: fields are only appended, and a strategy reads a field only when
+// `struct_size` covers it (ember::has_field, ember/types.h).
 struct LaunchRequest {
+  uint32_t struct_size = sizeof(LaunchRequest);
   std::vector<std::string> argv;  // the engine's own command line (argv[0] is its path)
   int64_t devices = 1;            // trainer.devices
   int64_t num_nodes = 1;          // trainer.num_nodes
   std::string accelerator = "auto";  // trainer.accelerator: auto, cpu or cuda
 };
-
-class EMBER_SDK_API IStrategy : public IPluginObject {
- public:
-  // First call, before data or model exist. A multi-process strategy may start workers here.
-  // Returns true when this process should go on training; false when it only launched others,
-  // in which case *exit_code is what the engine exits with.
-  virtual bool launch(const LaunchRequest& request, int* exit_code) = 0;
-
-  virtual c10::Device root_device() const = 0;
-  virtual int64_t rank() const = 0;
-  virtual int64_t world_size() const = 0;
-  virtual int64_t local_rank() const = 0;
-  bool is_global_zero() const { return rank() == 0; }
-
-  // Moves the module to its device(s) and sets up synchronization. May replace `optimizer` (for
-  // sharded optimizer state); it is called after the optimizer was built, and before precision
-  // setup.
-  virtual void setup(torch::nn::Module& module, std::shared_ptr<torch::optim::Optimizer>& optimizer) = 0;
-  virtual Batch batch_to_device(Batch batch) = 0;
-
-  // Backward of one micro-batch. `sync_gradients` is false while gradients are being accumulated
-  // (no communication then), true on the micro-batch that completes an optimizer step.
-  virtual void backward(const at::Tensor& loss, IPrecision& precision, bool sync_gradients) = 0;
-  // One optimizer step; normally `return precision.optimizer_step(step)`, with the strategy's
-  // own part around it. Returns false when the step was skipped.
-  virtual bool optimizer_step(IOptimizerStep& step, IPrecision& precision) = 0;
-  // Clips gradients in place, without a device-to-host sync. Strategies that shard parameters
-  // compute the norm across ranks.
-  virtual void clip_gradients(torch::optim::Optimizer& optimizer, double max, ClipAlgorithm algorithm) = 0;
-
-  // Collectives for metrics and control (`sync_dist`, stop requests). Identity on one process.
-  virtual at::Tensor reduce(const at::Tensor& value, ReduceOp op) = 0;
-  virtual void barrier(const char* name) = 0;
-  // Rank 0's value of a flag (used so every rank stops at the same step).
-  virtual bool broadcast_flag(bool value) = 0;
-
-  // Called at the end of the run, success or not.
-  virtual void teardown() = 0;
-};
-
-// Extension interface (IStrategy::query_interface(kGradientNormClipIid)): clipping by norm that
-// also returns the total 2-norm of the gradients before clipping (what torch's clip_grad_norm_
-// and Lightning's fabric.clip_gradients return), as a device tensor (no host sync). A strategy
-// whose gradients are split across ranks implements it (the norm covers all ranks); for the
-// others the caller takes the norm of the optimizer's gradients, which every rank holds whole.
-// Additive in SDK 1.2 (docs/abi.md).
-inline constexpr const char* kGradientNormClipIid = "ember.IGradientNormClip/1";
-class EMBER_SDK_API IGradientNormClip {
- public:
-  virtual ~IGradientNormClip() = default;
-  virtual at::Tensor clip_gradients_norm(torch::optim::Optimizer& optimizer, double max_norm) = 0;
-};
-
-// Extension interface (IStrategy::query_interface(kTensorBroadcastIid)) of a multi-process
-// strategy: torch.distributed.broadcast through its communicator (Lightning's fabric.broadcast).
-// Collective. Returns rank `src`'s tensor (its dtype, shape and values) on every rank; the other
-// ranks' `value` only says on which device they want it (undefined: the strategy's device). Any
-// dense (strided, non-quantized) tensor; otherwise every rank throws the same RunError.
-// Additive in SDK 1.2 (docs/abi.md).
-inline constexpr const char* kTensorBroadcastIid = "ember.ITensorBroadcast/1";
-class EMBER_SDK_API ITensorBroadcast {
- public:
-  virtual ~ITensorBroadcast() = default;
-  virtual at::Tensor broadcast(const at::Tensor& value, int64_t src) = 0;
-};
-
-// Capability (SDK 1.3): IStrategy::query_interface(kCapturableStepIid) != nullptr says that this
-// strategy's backward and optimizer step, on the process count it runs with, do no host work and
-// no collective between forward and the optimizer step (no gradient hooks that leave the device,
-// no communication), so the engine may capture forward, loss and backward of a step as one CUDA
-// graph and replay it (trainer.cuda_graph, docs/step.md). The engine never asks for a strategy
-// by name; a strategy without this answer is refused for trainer.cuda_graph in one line. The
-// pointer it returns is never dereferenced (return `this`).
-inline constexpr const char* kCapturableStepIid = "ember.capability.CapturableStep/1";
-
-// ---------------------------------------------------------------------------------------------
-// SDK 1.2: strategy contract 2, "the strategy owns the model's state" (docs/strategy.md).
-//
-// A strategy whose IPluginObject::query_interface(kModelStateStrategyIid) returns this interface
-// owns parameter storage, the optimizer and the model/optimizer state, the way Lightning's
-// Strategy does for FSDP and DeepSpeed. The engine then sets a run up in this order:
-//
-//   strategy.launch(...)                         (processes, ranks, root_device)
-//   precision.setup(module, root_device)         converts the module (dtypes), before any wrap
-//   state.setup_module(model)                    places, wraps or shards it
-//   optimizer = state.setup_optimizer(factory)   built by the strategy over what it trains
-//
-// and never touches parameters, gradients or optimizer state itself afterwards: zero_grad, the
-// forward region, checkpoints and weight averaging all go through the calls below. A strategy
-// without this interface (SDK 1.0/1.1) keeps its old contract: the engine builds the optimizer
-// over the module's parameters, calls IStrategy::setup, then precision.setup, and reads state
-// from the module directly.
-inline constexpr const char* kModelStateStrategyIid = "ember.IModelStateStrategy/1";
 
 // Implemented by the engine: builds the run's optimizer ([optimizer] table, or the model's
 // configure_optimizers with its parameter groups and options kept) over tensors that stand for
@@ -133,18 +43,41 @@ class EMBER_SDK_API IOptimizerFactory {
 
 class IModel;
 
-class EMBER_SDK_API IModelStateStrategy {
+// SDK 2.0: the one strategy contract. The strategy owns the processes, where the model lives,
+// its parameters, gradients and optimizer state, and the collectives; the engine's runtime
+// (docs/engine.md) is its only caller and sets a run up in this order:
+//
+//   strategy.launch(request, &code)              processes, ranks, root_device
+//   precision.setup(module, root_device)         converts the module (dtypes), before any wrap
+//   strategy.setup_module(model)                 places, wraps or shards it
+//   optimizer = strategy.setup_optimizer(factory) built over what this rank trains
+//
+// after which the engine never touches parameters, gradients or optimizer state itself: zero_grad,
+// the forward region, clipping, checkpoints and weight averaging all go through the calls below.
+// Most strategies derive from a base of <ember/support/replicating_strategy.h>, which implements
+// the model-state half for strategies whose every rank holds the whole model; docs/strategy.md.
+class EMBER_SDK_API IStrategy : public IPluginObject {
  public:
-  virtual ~IModelStateStrategy() = default;
+  // ---- processes
+  // First call, before data or model exist. A multi-process strategy may start workers here.
+  // Returns true when this process should go on training; false when it only launched others,
+  // in which case *exit_code is what the engine exits with.
+  virtual bool launch(const LaunchRequest& request, int* exit_code) = 0;
+  // Requires launch() returned true. Ensures: the same values for the whole run.
+  virtual c10::Device root_device() const = 0;
+  virtual int64_t rank() const = 0;
+  virtual int64_t world_size() const = 0;
+  virtual int64_t local_rank() const = 0;
+  bool is_global_zero() const { return rank() == 0; }
 
-  // Places, wraps or shards model.module() (already converted by the precision handler).
-  // A model may declare units (ember/model_units.h); a strategy that acts around them installs
-  // its hooks here. Collective (e.g. rank 0's initial weights are broadcast).
+  // ---- the model's state
+  // Places, wraps or shards model.module() (already converted by the precision handler). A model
+  // may declare units (ember/model_units.h); a strategy that acts around them installs its hooks
+  // here. Collective (e.g. rank 0's initial weights are broadcast).
   virtual void setup_module(IModel& model) = 0;
-  // Builds the optimizer through `factory` over the tensors this rank trains (full parameters,
-  // or shards) and keeps it. Returns it for the engine, schedulers and precision handlers.
+  // Builds the optimizer through `factory` over the tensors this rank trains (full parameters, or
+  // shards) and keeps it. Ensures: not null; returned for the engine, schedulers and precisions.
   virtual std::shared_ptr<torch::optim::Optimizer> setup_optimizer(IOptimizerFactory& factory) = 0;
-
   // Around every forward of the whole model (training step, evaluation step, tuners' passes):
   // e.g. gathers the parameters that belong to no unit. `grad_enabled` tells whether a backward
   // of this forward follows. Always called in pairs; forward_end also runs when the step threw.
@@ -152,45 +85,82 @@ class EMBER_SDK_API IModelStateStrategy {
   virtual void forward_end() = 0;
   // Drops the gradients of everything this rank trains (set to none).
   virtual void zero_grad() = 0;
-
-  // What the optimizer trains, one entry per module parameter in named_parameters() order:
-  // the parameters themselves, or this rank's 1-D shard of each (possibly empty).
+  // What the optimizer trains, one entry per module parameter in named_parameters() order: the
+  // parameters themselves, or this rank's 1-D shard of each (possibly empty).
   virtual std::vector<NamedTensor> trained_parameters() = 0;
   // Brings the module's parameters up to date after trained_parameters() changed in place.
   // Collective.
   virtual void parameters_changed() = 0;
-
   // Full state (world-size independent; what single_device saves and loads). Collective: every
   // rank calls these at the same point. Ensures: on rank 0 (on every rank when rank0_only is
   // false) the result holds every parameter and buffer of the module under its own name, whole,
   // as a CPU tensor; other ranks get an empty dict and build nothing.
   virtual c10::Dict<std::string, at::Tensor> full_model_state(bool rank0_only) = 0;
-  // Every rank passes the same full dict. Throws ember::RunError naming the first tensor that is
-  // missing or has another shape.
+  // Requires: every rank passes the same full dict. Throws ember::RunError naming the first
+  // tensor that is missing or has another shape.
   virtual void load_full_model_state(const c10::Dict<std::string, at::Tensor>& state) = 0;
   // The optimizer state as torch::save writes it for an optimizer over the full parameters (so a
   // checkpoint resumes under any strategy and world size); "" off rank 0 when rank0_only.
   virtual std::string full_optimizer_state(bool rank0_only) = 0;
   virtual void load_full_optimizer_state(const std::string& bytes) = 0;
-};
 
-// SDK 1.2: a strategy that can save and restore checkpoints as one part per rank (a sharded
-// checkpoint directory: docs/checkpoint.md), found through query_interface(kShardedCheckpointIid)
-// next to IModelStateStrategy. The engine writes every rank's part into a temporary directory,
-// the run's own state (loops, RNG, plugins) next to them, and commits the directory atomically.
-inline constexpr const char* kShardedCheckpointIid = "ember.IShardedCheckpoint/1";
-class EMBER_SDK_API IShardedCheckpoint {
- public:
-  virtual ~IShardedCheckpoint() = default;
-  // Whether this run's checkpoints are sharded directories (the strategy's setting).
+  // ---- sharded checkpoints (docs/checkpoint.md): one part per rank, nothing gathered
+  // A strategy that answers query_interface(kShardedCheckpointsIid) implements the three calls;
+  // the engine makes none of them on one that does not. Whether this run writes its checkpoints
+  // as sharded directories (the strategy's setting); it reads them either way.
   virtual bool sharded_checkpoints() const = 0;
   // This rank's part of the model and optimizer state, with what re-sharding needs (names,
-  // shapes, dtypes, offsets, the world size). Every rank calls it at the same point.
+  // shapes, dtypes, offsets, the world size). Collective.
   virtual c10::IValue sharded_state() = 0;
   // Restores from the parts of all `saved_world` ranks of the saving run, whatever its world size
-  // was; `read_part(k)` returns saved rank k's part (the strategy reads only the parts it needs,
-  // one at a time). Throws ember::RunError naming the first tensor that does not fit the model.
+  // was; `read_part(k)` returns saved rank k's part (read only the parts needed, one at a time).
+  // Throws ember::RunError naming the first tensor that does not fit the model. A strategy that
+  // cannot read sharded directories throws ember::RunError saying so.
   virtual void load_sharded_state(int64_t saved_world, const std::function<c10::IValue(int64_t)>& read_part) = 0;
+
+  // ---- the step
+  virtual Batch batch_to_device(Batch batch) = 0;
+  // Backward of one micro-batch. `sync_gradients` is false while gradients are being accumulated
+  // (no communication then), true on the micro-batch that completes an optimizer step.
+  virtual void backward(const at::Tensor& loss, IPrecision& precision, bool sync_gradients) = 0;
+  // One optimizer step; normally `return precision.optimizer_step(step)`, with the strategy's
+  // own part around it. Requires: step.closure() is called exactly once. Returns false when the
+  // step was skipped.
+  virtual bool optimizer_step(IOptimizerStep& step, IPrecision& precision) = 0;
+  // Clips the gradients the optimizer will use, in place, without a device-to-host sync; the
+  // gradients are unscaled. For ClipAlgorithm::norm returns the total 2-norm before clipping as a
+  // device tensor, over every rank's share when gradients are split across ranks (what torch's
+  // clip_grad_norm_ returns); an undefined tensor for ClipAlgorithm::value.
+  virtual at::Tensor clip_gradients(torch::optim::Optimizer& optimizer, double max, ClipAlgorithm algorithm) = 0;
+
+  // ---- collectives for metrics and control (identity on one process)
+  virtual at::Tensor reduce(const at::Tensor& value, ReduceOp op) = 0;
+  virtual void barrier(const char* name) = 0;
+  // Rank 0's value of a flag (used so every rank stops at the same step).
+  virtual bool broadcast_flag(bool value) = 0;
+  // torch.distributed.broadcast (Lightning's fabric.broadcast). Collective. Returns rank `src`'s
+  // tensor (its dtype, shape and values) on every rank; the other ranks' `value` only says on
+  // which device they want it (undefined: the strategy's device). Any dense (strided,
+  // non-quantized) tensor; otherwise every rank throws the same RunError.
+  virtual at::Tensor broadcast(const at::Tensor& value, int64_t src) = 0;
+
+  // Called at the end of the run, success or not.
+  virtual void teardown() = 0;
 };
+
+// Capability: IStrategy::query_interface(kShardedCheckpointsIid) != nullptr says that this
+// strategy saves and restores its state as one part per rank (sharded_state, load_sharded_state)
+// and so reads sharded checkpoint directories of any world size. The pointer it returns is never
+// dereferenced (return `this`).
+inline constexpr const char* kShardedCheckpointsIid = "ember.capability.ShardedCheckpoints/1";
+
+// Capability: IStrategy::query_interface(kCapturableStepIid) != nullptr says that this
+// strategy's backward and optimizer step, on the process count it runs with, do no host work and
+// no collective between forward and the optimizer step (no gradient hooks that leave the device,
+// no communication), so the engine may capture forward, loss and backward of a step as one CUDA
+// graph and replay it (trainer.cuda_graph, docs/step.md). The engine never asks for a strategy
+// by name; a strategy without this answer is refused for trainer.cuda_graph in one line. The
+// pointer it returns is never dereferenced (return `this`).
+inline constexpr const char* kCapturableStepIid = "ember.capability.CapturableStep/1";
 
 }  // namespace ember

@@ -11,9 +11,21 @@
 
 namespace ember {
 
+// Every struct that crosses the plugin boundary (Batch, LogOptions, LaunchRequest, DataSetup)
+// carries its size as its first field, filled by the default initializer of the binary that
+// built it. Fields are only ever appended (a minor bump, docs/abi.md); whoever reads a struct that
+// another binary filled reads an appended field only when has_field says that binary knew it:
+//   if (ember::has_field(options, &LogOptions::new_field)) use(options.new_field);
+template <class T, class M>
+bool has_field(const T& object, M T::*field) {
+  const auto offset = reinterpret_cast<const char*>(&(object.*field)) - reinterpret_cast<const char*>(&object);
+  return object.struct_size >= static_cast<size_t>(offset) + sizeof(M);
+}
+
 // A mini-batch: tensors in the order the data module defines (by convention inputs, then
 // targets), plus the number of samples it holds (for weighting epoch means).
 struct Batch {
+  uint32_t struct_size = sizeof(Batch);
   std::vector<at::Tensor> tensors;
   int64_t size = 0;
 
@@ -24,8 +36,8 @@ struct Batch {
 enum class Split : int { train = 0, val = 1, test = 2 };
 
 // What the trainer is doing (ITrainer::stage(), and the stage setup/teardown hooks run for, as
-// Lightning's setup(stage)). Values are stable; new ones are appended: predict since SDK 1.2's
-// additive changes (docs/abi.md), so treat an unknown value as "none of the above".
+// Lightning's setup(stage)). Values are stable; new ones are appended (a minor bump), so treat an unknown
+// value as "none of the above".
 enum class Stage : int { none = 0, fit = 1, validate = 2, test = 3, sanity_check = 4, predict = 5 };
 
 // Callback hooks, in Lightning's names. Values are stable; new hooks are appended (minor bump):
@@ -73,6 +85,7 @@ enum class Reduce : int { mean = 0, sum = 1, max = 2, min = 3 };
 // Like Lightning's self.log(...) arguments. `on_step`/`on_epoch` left at -1 take Lightning's
 // defaults: training steps log per step, validation and test per epoch.
 struct LogOptions {
+  uint32_t struct_size = sizeof(LogOptions);
   int on_step = -1;
   int on_epoch = -1;
   bool prog_bar = false;
@@ -84,7 +97,7 @@ struct LogOptions {
 
 enum class ReduceOp : int { sum = 0, mean = 1, max = 2, min = 3 };
 
-// A tensor with the module parameter (or buffer) name it stands for. SDK 1.2.
+// A tensor with the module parameter (or buffer) name it stands for.
 struct NamedTensor {
   std::string name;
   at::Tensor tensor;

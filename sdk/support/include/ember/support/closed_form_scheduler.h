@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include <ember/callback_base.h>
+#include <ember/support/callback_base.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>
@@ -52,7 +52,7 @@ inline double required_float(const ember::IConfig& cfg, const std::string& key, 
 // Optimizer steps (interval step) or epochs (interval epoch) of the whole run, as Lightning's
 // trainer.estimated_stepping_batches counts them: ceil(batches / accumulate) per epoch, times
 // max_epochs, capped by max_steps.
-inline int64_t estimated_total(const ember::ITrainer& t, Interval interval, const std::string& section,
+inline int64_t estimated_total(ember::ITrainer& t, Interval interval, const std::string& section,
                                const std::string& key) {
   if (interval == Interval::epoch) {
     if (t.max_epochs() < 0)
@@ -60,7 +60,7 @@ inline int64_t estimated_total(const ember::ITrainer& t, Interval interval, cons
                                section + "." + key + " (epochs) or trainer.max_epochs");
     return t.max_epochs();
   }
-  const int64_t accum = std::max<int64_t>(1, t.accumulate_grad_batches());
+  const int64_t accum = std::max<int64_t>(1, ember::trainer_service<ember::ITrainerSettings>(t, "a scheduler").accumulate_grad_batches());
   const int64_t per_epoch = (t.num_training_batches() + accum - 1) / accum;
   if (t.max_epochs() < 0 && t.max_steps() < 0)
     throw ember::ConfigError("[" + section + "] " + key + " is unset and neither trainer.max_epochs nor trainer.max_steps " +

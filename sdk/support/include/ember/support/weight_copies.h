@@ -20,10 +20,10 @@ namespace ember::support {
 // The tensors the strategy trains (parameters, or this rank's shards of them under a sharding
 // strategy: averaging is element-wise, so each rank averages what it holds), then (with_buffers)
 // the floating-point buffers (batch-norm running statistics; integer counters are never
-// averaged; buffers are never sharded). After writing into them, call t.parameters_changed().
+// averaged; buffers are never sharded). After writing into them, call ITrainerWeights::parameters_changed().
 inline std::vector<at::Tensor> tracked_tensors(ember::ITrainer& t, bool with_buffers) {
   std::vector<at::Tensor> out;
-  for (auto& p : t.trained_parameters()) out.push_back(p.tensor);
+  for (auto& p : ember::trainer_service<ember::ITrainerWeights>(t, "weight averaging").trained_parameters()) out.push_back(p.tensor);
   if (with_buffers)
     for (auto& b : t.module().named_buffers())
       if (b.value().is_floating_point()) out.push_back(b.value());
@@ -90,8 +90,9 @@ inline int64_t update_batch_norm(ember::ITrainer& t) {
   }
   const bool was_training = t.module().is_training();
   t.module().train();
-  t.for_each_batch(ember::Split::train, -1, [&](const ember::Batch& b) {
-    t.run_forward(b);
+  auto& passes = ember::trainer_service<ember::ITrainerPasses>(t, "weight averaging");
+  passes.for_each_batch(ember::Split::train, -1, [&](const ember::Batch& b) {
+    passes.run_forward(b);
     return true;
   });
   t.module().train(was_training);

@@ -75,6 +75,10 @@ class GradScaler {
 
   // Whether the last unscale saw only finite gradients (a device-to-host read).
   bool finite() const { return found_inf_.item<float>() == 0.0f; }
+  // What unscale/check_finite found on this rank (a device scalar, non-zero for inf/NaN), and the
+  // ranks' verdict in its place (IOptimizerStep::found_inf_on_any_rank), before finite()/update().
+  const at::Tensor& found_inf() const { return found_inf_; }
+  void set_found_inf(const at::Tensor& verdict) { found_inf_.copy_(verdict.reshape({})); }
 
   void update() {
     require_ready();

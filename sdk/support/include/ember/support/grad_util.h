@@ -35,14 +35,15 @@ inline at::Tensor clip_gradients_norm_in_place(const std::vector<at::Tensor>& gr
 }
 
 // clip_grad_norm_ / clip_grad_value_ without reading the norm back to the host (LibTorch's
-// clip_grad_norm_ returns a double and so syncs on every step).
-inline void clip_gradients_in_place(const std::vector<at::Tensor>& grads, double max, ClipAlgorithm algorithm) {
-  if (grads.empty()) return;
+// clip_grad_norm_ returns a double and so syncs on every step). Returns the total 2-norm before
+// clipping for ClipAlgorithm::norm, an undefined tensor for ClipAlgorithm::value (what
+// IStrategy::clip_gradients returns).
+inline at::Tensor clip_gradients_in_place(const std::vector<at::Tensor>& grads, double max, ClipAlgorithm algorithm) {
   if (algorithm == ClipAlgorithm::value) {
     for (const auto& g : grads) g.clamp_(-max, max);
-    return;
+    return {};
   }
-  clip_gradients_norm_in_place(grads, max);
+  return clip_gradients_norm_in_place(grads, max);
 }
 
 }  // namespace ember

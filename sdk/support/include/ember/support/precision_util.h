@@ -12,7 +12,7 @@
 
 #include <torch/nn/module.h>
 
-#include "ember/autocast.h"
+#include "ember/support/autocast.h"
 #include "ember/error.h"
 #include "ember/precision.h"
 #include "ember/types.h"

@@ -1,6 +1,8 @@
-// ember::ReplicatedModelState: strategy contract 2 (IModelStateStrategy) for strategies whose
-// every rank holds the whole module (single_device, dp, ddp). Header-only: a strategy keeps one
-// and forwards the state calls to it, adding only its own part (placement, broadcasts).
+// ember::ReplicatingStrategy: the base of a strategy whose every rank holds the whole module
+// (single_device, ddp, the local-SGD example). It implements the model-state half of IStrategy
+// (optimizer, zero_grad, full state in and out), clipping over whole gradients, and no sharded
+// checkpoints; a strategy adds processes, placement and collectives. ReplicatedModelState is that
+// model-state half on its own, for a strategy with another base. Header-only.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
@@ -18,6 +20,7 @@
 #include "ember/error.h"
 #include "ember/model.h"
 #include "ember/strategy.h"
+#include "ember/support/grad_util.h"
 
 namespace ember {
 
@@ -105,22 +108,11 @@ class ReplicatedModelState {
 
 namespace ember {
 
-// Base of a strategy whose ranks all hold the whole module: implements strategy contract 2 with a
-// ReplicatedModelState and answers query_interface(kModelStateStrategyIid). The strategy adds
-// its own part in place_module (move to its device, broadcast rank 0's weights, hook gradients)
-// and implements the rest of IStrategy.
-class ReplicatingStrategy : public IStrategy, public IModelStateStrategy {
+// Requires: the derived strategy implements launch, root_device, rank, world_size, local_rank,
+// place_module, batch_to_device, backward, optimizer_step, reduce, barrier, broadcast_flag,
+// teardown, and broadcast when it runs more than one process.
+class ReplicatingStrategy : public IStrategy {
  public:
-  // Contract 1 (an engine older than SDK 1.2 calls this instead of setup_module).
-  void setup(torch::nn::Module& module, std::shared_ptr<torch::optim::Optimizer>& /*optimizer*/) override {
-    place_module(module);
-  }
-
-  void* query_interface(const char* iid) override {
-    if (std::string_view(iid) == kModelStateStrategyIid) return static_cast<IModelStateStrategy*>(this);
-    return IStrategy::query_interface(iid);
-  }
-
   void setup_module(IModel& model) override {
     place_module(model.module());
     state_.set_module(model.module());
@@ -139,6 +131,28 @@ class ReplicatingStrategy : public IStrategy, public IModelStateStrategy {
   void load_full_model_state(const c10::Dict<std::string, at::Tensor>& state) override { state_.load_full_model_state(state); }
   std::string full_optimizer_state(bool rank0_only) override { return state_.full_optimizer_state(!rank0_only || rank() == 0); }
   void load_full_optimizer_state(const std::string& bytes) override { state_.load_full_optimizer_state(bytes); }
+
+  // Every rank holds whole gradients (synchronised ones, for a data-parallel strategy), so the
+  // local norm is the total and local clipping agrees on every rank.
+  at::Tensor clip_gradients(torch::optim::Optimizer& optimizer, double max, ClipAlgorithm algorithm) override {
+    return clip_gradients_in_place(grads_of(optimizer), max, algorithm);
+  }
+
+  // Checkpoints are one file gathered on rank 0; no sharded_state (kShardedCheckpointsIid unset).
+  bool sharded_checkpoints() const override { return false; }
+  c10::IValue sharded_state() override { throw RunError("this strategy writes no sharded checkpoints"); }
+  void load_sharded_state(int64_t /*saved_world*/, const std::function<c10::IValue(int64_t)>& /*read_part*/) override {
+    throw RunError("this strategy cannot read sharded checkpoint directories");
+  }
+
+  // One process: the value itself. A multi-process strategy overrides it with its communicator's.
+  at::Tensor broadcast(const at::Tensor& value, int64_t src) override {
+    if (world_size() != 1)
+      throw RunError("this strategy runs " + std::to_string(world_size()) + " processes but has no tensor broadcast (a plugin bug)");
+    if (src != 0) throw RunError("broadcast from rank " + std::to_string(src) + " of a single-process run");
+    if (!value.defined()) throw RunError("the tensor to broadcast is undefined");
+    return value;
+  }
 
  protected:
   // Moves the module to the strategy's device(s) and does its own setup (broadcasts, hooks).
