@@ -133,7 +133,7 @@ TEST(TrainingState, RoundTripsThroughTheCheckpointsLoopsTable) {
   EXPECT_EQ(back.next_epoch(), 3);
   // A table of format version 1 has no validation_pending: saved after its validation.
   auto old = table;
-  old.erase("validation_pending");
+  ASSERT_EQ(old.erase("validation_pending"), 1u);
   EXPECT_FALSE(TrainingState::from_ivalue(old).validation_pending);
   // At an epoch's end (what Fabric writes) the next run starts the next epoch from its first batch.
   const auto end = TrainingState::from_ivalue(TrainingState::end_of_epoch(4, 100).to_ivalue());

@@ -67,6 +67,44 @@ TEST(DataLoader, DistributedShardsAreEqualAndCoverEverything) {
   EXPECT_EQ(epoch_indices(10, o, 2).size(), 3u);
 }
 
+// Exact evaluation: 10 samples on 3 ranks are 4 + 3 + 3, every sample once, and every rank still
+// takes the same number of batches: the padded tail (DistributedSampler repeats samples 0 and 1
+// for ranks 1 and 2) is cut from a rank's last batch, or, when it is the whole batch, loaded with
+// Batch::size 0 so that it counts for nothing.
+TEST(DataLoader, ExactEvaluationCountsEverySampleOnceWithEqualBatchCounts) {
+  Counting data(10);
+  for (int64_t bs : {2, 3}) {
+    std::multiset<int64_t> seen;
+    for (int64_t r = 0; r < 3; ++r) {
+      LoaderOptions o;
+      o.batch_size = bs;
+      o.world_size = 3;
+      o.rank = r;
+      o.exact = true;
+      EXPECT_EQ(real_samples_on_rank(10, o), r == 0 ? 4 : 3);
+      DataLoader loader(data, ember::Split::train, o);
+      auto pass = loader.pass(0, 0, loader.num_batches());
+      std::vector<int64_t> sizes;
+      ember::Batch b;
+      while (pass->next(b)) {
+        sizes.push_back(b.size);
+        for (int64_t i = 0; i < b.size; ++i) seen.insert(b[0][i].item<int64_t>());
+        if (b.size == 0) EXPECT_EQ(b[0].size(0), 1) << "a padding-only batch still holds its sample";
+      }
+      EXPECT_EQ(static_cast<int64_t>(sizes.size()), loader.num_batches()) << "bs " << bs << " rank " << r;
+      const std::vector<int64_t> expected = bs == 2 ? std::vector<int64_t>{2, r == 0 ? 2 : 1} : std::vector<int64_t>{3, r == 0 ? 1 : 0};
+      EXPECT_EQ(sizes, expected) << "bs " << bs << " rank " << r;
+    }
+    EXPECT_EQ(seen, (std::multiset<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9})) << "bs " << bs;
+  }
+  // Without it (training), the padding is served as DistributedSampler serves it.
+  LoaderOptions o;
+  o.batch_size = 2;
+  o.world_size = 3;
+  o.rank = 1;
+  EXPECT_EQ(collect(DataLoader(data, ember::Split::train, o), 0), (std::vector<int64_t>{1, 4, 7, 0}));
+}
+
 TEST(DataLoader, BatchesDropLastAndResumeOffset) {
   Counting data(10);
   LoaderOptions o;

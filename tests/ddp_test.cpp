@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <regex>
 
 #include "checkpoint/checkpoint_io.h"
 #include "checkpoint_support.h"
@@ -212,6 +213,33 @@ TEST_F(Ddp, BadSettingsAreOneClearLine) {
   auto m = run_engine({"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=20.0", "--set", "trainer.devices=2", "--set", "trainer.num_nodes=2"}, dir.path(), {}, 60);
   EXPECT_NE(m.exit_code, 0);
   EXPECT_NE(m.err.find("needs the same fixed port on every node"), std::string::npos) << m.err;
+}
+
+// Exact evaluation (docs/data.md): 49 validation samples on 3 ranks are 17 + 16 + 16, where
+// DistributedSampler's padding would count samples 0 and 1 twice. Under ddp the metrics equal
+// single_device's, with a rank's last batch cut short (eval batch 5: 1 sample instead of 1 + 1
+// padding) and with a batch of padding only (eval batch 8), which still runs so the ranks take
+// the same steps.
+TEST_F(Ddp, EvaluationCountsEverySampleOnceOnThreeRanks) {
+  TempDir dir("ddp");
+  reference(dir);
+  const std::string ckpt = last_checkpoint(dir).string();
+  auto metric = [](const std::string& out, const std::string& name) {
+    std::smatch m;
+    if (!std::regex_search(out, m, std::regex("(^|\\n)" + name + "\\s+(\\S+)"))) return std::string("missing");
+    return m[2].str();
+  };
+  for (const std::string bs : {"5", "8"}) {
+    const std::vector<std::string> common = {"run.toml", "--set", "data.num_val=49", "--set", "data.eval_batch_size=" + bs};
+    std::vector<std::string> one = {"validate", "--ckpt", ckpt}, three = {"validate", "--ckpt", ckpt, "--plugins", "ddp"};
+    one.insert(one.end(), common.begin(), common.end());
+    three.insert(three.end(), common.begin(), common.end());
+    three.insert(three.end(), {"--set", "trainer.devices=3", "--set", "ddp.timeout=20.0"});
+    auto a = run_engine_ok(dir, one), b = run_engine_ok(dir, three);
+    ASSERT_NE(metric(a.out, "val_acc"), "missing") << a.out;
+    EXPECT_EQ(metric(a.out, "val_acc"), metric(b.out, "val_acc")) << "eval batch " << bs << "\n" << a.out << b.out;
+    EXPECT_NEAR(std::stod(metric(a.out, "val_loss")), std::stod(metric(b.out, "val_loss")), 1e-5) << "eval batch " << bs;
+  }
 }
 
 // dp was retired in 2.0 (docs/decisions.md): asking for it is one line pointing to ddp, exit 2.

@@ -88,6 +88,41 @@ TEST(Resume, MidEpochMatchesAnUninterruptedRunExactly) {
   expect_identical(full / "runs/run/version_0/checkpoints/last.ckpt", split / "runs/run/version_0/checkpoints/last.ckpt");
 }
 
+// A job its agent restarted resumes by itself from its last checkpoint (issue "Training that heals
+// itself"): torchrun's elastic agent sets TORCHELASTIC_RESTART_COUNT, SLURM's requeue
+// SLURM_RESTART_COUNT. A run killed (SIGKILL: no graceful save) at step 8, in the middle of epoch
+// 1, and started again with the same command line and a restart count of 1 ends with exactly the
+// weights of an uninterrupted run. (The agent itself, which restarts the group, is torchrun's or
+// SLURM's; here the test restarts the process as it would.)
+TEST(Resume, RestartedJobResumesByItselfFromItsLastCheckpoint) {
+  for (const char* variable : {"TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"}) {
+    TempDir full("resume"), killed("resume");
+    write_file(full / "run.toml", kCnn);
+    write_file(killed / "run.toml", kCnn);
+    const std::vector<std::string> common = {"run.toml", "--set", "trainer.max_steps=15", "--set", "trainer.max_epochs=-1",
+                                             "--set", "checkpoint.every_n_train_steps=1", "--set", "checkpoint.save_top_k=-1"};
+    engine_in(full, common);
+    // The chaos test plugin kills rank 0 at step 8 on attempt 0 only.
+    std::vector<std::string> cmd = {"--plugin-path", test_plugin_dir("good").string(), "--plugins", "chaos", "--set", "chaos.rank=0",
+                                    "--set", "chaos.step=8"};
+    cmd.insert(cmd.end(), common.begin(), common.end());
+    auto first = run_engine(cmd, killed.path(), {{variable, "0"}});
+    EXPECT_NE(first.exit_code, 0) << variable << ": the first attempt was to be killed";
+    auto second = run_engine(cmd, killed.path(), {{variable, "1"}});
+    EXPECT_EQ(second.exit_code, 0) << second.err;
+    EXPECT_NE(second.err.find(std::string("restart 1 of this job (") + variable + "=1): resuming from its last checkpoint"), std::string::npos)
+        << second.err;
+    EXPECT_NE(second.err.find("(batch 2 of the epoch)"), std::string::npos) << second.err;
+    expect_identical(full / "runs/run/version_0/checkpoints/last.ckpt", killed / "runs/run/version_0/checkpoints/last.ckpt");
+  }
+  // A count that is not one is a one-line error, not a silent fresh start.
+  TempDir dir("resume");
+  write_file(dir / "run.toml", kCnn);
+  auto bad = run_engine({"run.toml"}, dir.path(), {{"TORCHELASTIC_RESTART_COUNT", "one"}});
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("TORCHELASTIC_RESTART_COUNT='one' is not a restart count"), std::string::npos) << bad.err;
+}
+
 TEST(Resume, BestAndExplicitPath) {
   TempDir dir("resume");
   write_file(dir / "run.toml", kCnn);

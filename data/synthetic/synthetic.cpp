@@ -8,6 +8,7 @@
 // Batch: tensors[0] = inputs float [N, shape...], tensors[1] = labels or targets.
 #include <array>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -33,6 +34,9 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("num_classes", "10", "Classes (classification) or target width (regression).").at_least(1),
     ember::key::String("task", "\"classification\"", "Class labels around random centroids, or float targets of a random linear map.").choices("classification|regression"),
     ember::key::Float("noise", "0.5", "Standard deviation of the Gaussian noise added to every sample (classification) or target (regression).").at_least(0.0),
+    ember::key::IntList("nan_samples", "[]", "Training samples whose inputs are NaN: a planted non-finite loss, for testing guards (spike_guard).").at_least(0),
+    ember::key::IntList("spike_samples", "[]", "Training samples whose inputs are multiplied by spike_scale: a planted loss spike, for testing guards.").at_least(0),
+    ember::key::Float("spike_scale", "1000.0", "What spike_samples' inputs are multiplied by.").above(0.0),
 };
 
 enum class Task { classification, regression };
@@ -60,7 +64,10 @@ class Synthetic final : public ember::IDataModule {
         shape_(cfg.get_int_list("shape")),
         num_classes_(cfg.get_int("num_classes")),
         task_(cfg.get_string("task") == "regression" ? Task::regression : Task::classification),
-        noise_(cfg.get_float("noise")) {
+        noise_(cfg.get_float("noise")),
+        nan_samples_(cfg.get_int_list("nan_samples")),
+        spike_samples_(cfg.get_int_list("spike_samples")),
+        spike_scale_(cfg.get_float("spike_scale")) {
     // Constraints the schema cannot express.
     const std::string s = c10::str("[", cfg.section(), "] ");
     if (shape_.empty()) {
@@ -71,6 +78,12 @@ class Synthetic final : public ember::IDataModule {
       throw ember::ConfigError(c10::str(s, "num_classes = ", num_classes_, " (", cfg.where("num_classes"),
                                         ") is too few for task = \"classification\": use at least 2, or task = \"regression\""));
     }
+    for (const auto* list : {&nan_samples_, &spike_samples_})
+      for (int64_t i : *list)
+        if (i >= counts_[0])
+          throw ember::ConfigError(c10::str(s, list == &nan_samples_ ? "nan_samples" : "spike_samples", " names sample ", i, " (",
+                                            cfg.where(list == &nan_samples_ ? "nan_samples" : "spike_samples"), ") but num_train = ", counts_[0],
+                                            ": give indices below num_train"));
     if (task_ == Task::classification && counts_[0] < num_classes_) {
       throw ember::ConfigError(c10::str(s, "num_train = ", counts_[0], " (", cfg.where("num_train"),
                                         ") is smaller than num_classes = ", num_classes_, " (", cfg.where("num_classes"),
@@ -108,6 +121,10 @@ class Synthetic final : public ember::IDataModule {
         splits_[i] = {std::move(inputs), std::move(targets)};
       }
     }
+    // Planted faults, after every draw: the other samples are the same as without them.
+    at::Tensor& train = splits_[0].inputs;
+    for (int64_t i : spike_samples_) train[i].mul_(spike_scale_);
+    for (int64_t i : nan_samples_) train[i].fill_(std::numeric_limits<float>::quiet_NaN());
     ready_ = true;
     host_.log(ember::LogLevel::info, c10::str("synthetic: ", counts_[0], " train, ", counts_[1], " val, ", counts_[2],
                                               " test samples of shape ", c10::IntArrayRef(shape_),
@@ -148,6 +165,8 @@ class Synthetic final : public ember::IDataModule {
   int64_t num_classes_;
   Task task_;
   double noise_;
+  std::vector<int64_t> nan_samples_, spike_samples_;
+  double spike_scale_;
   std::array<Samples, 3> splits_;
   bool ready_ = false;
 };

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <string>
 
 namespace {
@@ -18,7 +19,16 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::String("hook", "\"on_train_batch_start\"",
                        "When: at the start of the step's batch, or when a checkpoint of that step is being saved (mid-save).")
         .choices("on_train_batch_start|on_save_checkpoint"),
+    ember::key::Int("attempt", "0",
+                    "Fails only on this attempt of a restarted job (TORCHELASTIC_RESTART_COUNT, else SLURM_RESTART_COUNT; 0 when unset), "
+                    "so the restarted job gets past it.").at_least(0),
 };
+
+int64_t restart_attempt() {
+  for (const char* name : {"TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"})
+    if (const char* v = std::getenv(name); v && *v) return std::atoll(v);
+  return 0;
+}
 
 class Chaos final : public ember::ICallback {
  public:
@@ -27,11 +37,12 @@ class Chaos final : public ember::ICallback {
         step_(cfg.get_int("step")),
         hang_(cfg.get_string("action") == "hang"),
         stop_(cfg.get_string("action") == "stop"),
-        at_save_(cfg.get_string("hook") == "on_save_checkpoint") {}
+        at_save_(cfg.get_string("hook") == "on_save_checkpoint"),
+        armed_(cfg.get_int("attempt") == restart_attempt()) {}
 
   void on_hook(ember::Hook hook, ember::ITrainer& t) override {
     const ember::Hook when = at_save_ ? ember::Hook::on_save_checkpoint : ember::Hook::on_train_batch_start;
-    if (hook != when || t.rank() != rank_ || t.global_step() != step_) return;
+    if (!armed_ || hook != when || t.rank() != rank_ || t.global_step() != step_) return;
     if (stop_) {
       t.request_stop("chaos: asked on rank " + std::to_string(rank_) + " only");
       return;
@@ -42,7 +53,7 @@ class Chaos final : public ember::ICallback {
 
  private:
   int64_t rank_, step_;
-  bool hang_, stop_, at_save_;
+  bool hang_, stop_, at_save_, armed_;
 };
 
 ember::ICallback* make(ember::IHost&, const ember::IConfig& cfg) { return new Chaos(cfg); }

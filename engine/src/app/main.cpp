@@ -3,8 +3,10 @@
 #include <torch/headeronly/version.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <boost/program_options.hpp>
@@ -25,7 +27,7 @@ namespace {
 
 const char* kUsage =
     "usage:\n"
-    "  engine [--plugins a,b,...] [--set section.key=value ...] [--resume last|best|PATH] run.toml\n"
+    "  engine [--plugins a,b,...] [--set section.key=value ...] [--resume last|auto|best|PATH] run.toml\n"
     "      train (fit, then test when trainer.test_after_fit is set)\n"
     "  engine validate|test|predict [--ckpt best|last|PATH] [--plugins ...] [--set ...] run.toml\n"
     "      one validation or test pass (Lightning's trainer.validate/test) over a checkpoint's weights, or\n"
@@ -54,6 +56,21 @@ std::vector<std::string> split_commas(const std::vector<std::string>& items) {
   return out;
 }
 
+// The attempt number of a restarted job and the variable that says it: torchrun's elastic agent
+// sets TORCHELASTIC_RESTART_COUNT, SLURM's requeue SLURM_RESTART_COUNT; {0, ""} otherwise.
+std::pair<int64_t, std::string> restart_attempt() {
+  for (const char* name : {"TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"}) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') continue;
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    if (*end != '\0' || n < 0)
+      throw UsageError(std::string(name) + "='" + v + "' is not a restart count (a non-negative integer); unset it or fix the launcher");
+    return {n, std::string(name) + "=" + v};
+  }
+  return {0, ""};
+}
+
 int run(int argc, char** argv) {
   po::options_description opts("options");
   opts.add_options()
@@ -61,7 +78,7 @@ int run(int argc, char** argv) {
       ("version", "print the engine and SDK versions")
       ("plugins,p", po::value<std::vector<std::string>>()->composing(), "plugins to load, comma-separated (repeatable)")
       ("set,s", po::value<std::vector<std::string>>()->composing(), "override a config value: section.key=value (repeatable)")
-      ("resume", po::value<std::string>(), "resume training: last, best, or a checkpoint file")
+      ("resume", po::value<std::string>(), "resume training: last (auto: the same; from scratch when there is none), best, or a checkpoint file; a job torchrun or SLURM restarted resumes from last by itself")
       ("ckpt", po::value<std::string>(), "engine validate/test/predict: the weights to evaluate: best, last, or a checkpoint file")
       ("plugin-path", po::value<std::vector<std::string>>()->composing(), "extra folder to search for plugins (repeatable)")
       ("output,o", po::value<std::string>(), "engine plot: the PNG file to write")
@@ -136,6 +153,16 @@ int run(int argc, char** argv) {
   if (vm.count("ckpt")) throw UsageError("--ckpt is for `engine validate|test|predict`; to continue training from a checkpoint use --resume");
   if (args.size() != 1) throw UsageError("expected one config file, got " + std::to_string(args.size()) + " arguments");
   req.config_path = args[0];
+  // A job its agent restarted (torchrun's elastic agent, SLURM's requeue) resumes by itself from
+  // its newest run's last checkpoint, or starts from scratch when it never saved one: what
+  // `--resume last` (or its alias `auto`) does.
+  if (req.resume == "auto") req.resume = "last";
+  if (req.resume.empty()) {
+    if (const auto [restart, variable] = restart_attempt(); restart > 0) {
+      ember::log::info("restart " + std::to_string(restart) + " of this job (" + variable + "): resuming from its last checkpoint (--resume last)");
+      req.resume = "last";
+    }
+  }
   return run_training(req);
 }
 

@@ -64,6 +64,13 @@ std::vector<int64_t> epoch_indices(int64_t n, const LoaderOptions& o, int64_t ep
   return mine;
 }
 
+int64_t real_samples_on_rank(int64_t n, const LoaderOptions& o) {
+  if (o.world_size <= 1) return n;
+  if (o.drop_last) return n / o.world_size;
+  // Positions rank, rank + W, ... below n are real; those at n and beyond repeat the start.
+  return n > o.rank ? (n - o.rank + o.world_size - 1) / o.world_size : 0;
+}
+
 DataLoader::DataLoader(const IDataModule& data, Split split, LoaderOptions options, const ISampleLengths* lengths)
     : data_(data), split_(split), options_(options), size_(data.size(split)) {
   if (!options_.group_by_length) return;
@@ -84,7 +91,9 @@ std::unique_ptr<DataLoader::Pass> DataLoader::pass(int64_t epoch, int64_t first,
 }
 
 DataLoader::Pass::Pass(const DataLoader& loader, int64_t epoch, int64_t first, int64_t count)
-    : loader_(loader), indices_(epoch_indices(loader.size_, loader.options_, epoch, loader.lengths_)) {
+    : loader_(loader),
+      indices_(epoch_indices(loader.size_, loader.options_, epoch, loader.lengths_)),
+      real_(loader.options_.exact ? real_samples_on_rank(loader.size_, loader.options_) : static_cast<int64_t>(indices_.size())) {
   int64_t total = loader.num_batches();
   next_ = std::min(first, total);
   end_ = std::min(total, next_ + std::max<int64_t>(count, 0));
@@ -105,9 +114,14 @@ Batch DataLoader::Pass::load(int64_t batch) const {
   int64_t bs = loader_.options_.batch_size;
   int64_t begin = batch * bs;
   int64_t count = std::min<int64_t>(bs, static_cast<int64_t>(indices_.size()) - begin);
+  // Exact evaluation: the padded tail is left out; a batch of padding only still runs (every rank
+  // takes the same steps) but holds no sample that counts.
+  const int64_t real = std::clamp<int64_t>(real_ - begin, 0, count);
+  if (real > 0) count = real;
   Batch b = loader_.data_.get_batch(loader_.split_, indices_.data() + begin, count);
   require_sdk2_fields(b, &Batch::size, "a Batch");
   if (b.size == 0) b.size = count;
+  if (real == 0) b.size = 0;
   return b;
 }
 

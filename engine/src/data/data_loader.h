@@ -28,12 +28,19 @@ struct LoaderOptions {
   int64_t world_size = 1;
   // Batches of samples of similar length (the data module's ISampleLengths); training only.
   bool group_by_length = false;
+  // Evaluation: every sample counts once on any number of ranks. The ranks still take the same
+  // number of batches (collectives inside a step need that), but DistributedSampler's padding
+  // (the first samples repeated so the ranks' shares are equal) is left out of a rank's last batch;
+  // a batch of padding only is run with Batch::size 0, which the metrics count for nothing.
+  bool exact = false;
 };
 
 // Sample indices of one rank for one epoch (exposed for tests). `lengths` (one per sample, or
 // empty) are used when options.group_by_length is set.
 std::vector<int64_t> epoch_indices(int64_t dataset_size, const LoaderOptions& options, int64_t epoch,
                                    const std::vector<int64_t>& lengths = {});
+// How many of this rank's epoch_indices are real samples (the rest, at the end, are padding).
+int64_t real_samples_on_rank(int64_t dataset_size, const LoaderOptions& options);
 
 class DataLoader {
  public:
@@ -57,6 +64,7 @@ class DataLoader {
     void worker();
     const DataLoader& loader_;
     std::vector<int64_t> indices_;
+    int64_t real_ = 0;                 // indices_[0, real_) are real samples, the rest padding
     int64_t next_ = 0, end_ = 0;       // next batch to hand out, one past the last
     int64_t next_to_load_ = 0;         // next batch a worker will take
     std::map<int64_t, Batch> ready_;

@@ -44,6 +44,7 @@ DataPlan::DataPlan(IDataModule& data, const std::string& data_name, const Sectio
   eval_opts_.shuffle = false;
   eval_opts_.drop_last = false;
   eval_opts_.group_by_length = false;  // evaluation keeps the split's order
+  eval_opts_.exact = true;             // every sample counted once on any number of ranks
   eval_batch_size_set_ = d.has("eval_batch_size");
   if (eval_batch_size_set_) eval_opts_.batch_size = d.get_int("eval_batch_size");
   build();

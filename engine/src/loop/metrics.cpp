@@ -40,7 +40,10 @@ void MetricStore::record(const std::string& name, const Value& value, const LogO
   const bool training = stage == Stage::fit;
   const bool on_step = o.on_step < 0 ? training : o.on_step != 0;
   const bool on_epoch = o.on_epoch < 0 ? !training : o.on_epoch != 0;
-  if (on_step && stage != Stage::sanity_check) {
+  // A batch of 0 samples is exact evaluation's padding (data/data_loader.h): it counts for
+  // nothing, but the metric exists on this rank, so every rank reduces the same metrics.
+  const bool counts = batch_size != 0;
+  if (on_step && counts && stage != Stage::sanity_check) {
     const std::string key = on_epoch ? name + "_step" : name;
     step_values_[key] = StepValue{value, o.prog_bar, o.logger};
     if (o.prog_bar) step_prog_bar_[key] = true;
@@ -48,7 +51,8 @@ void MetricStore::record(const std::string& name, const Value& value, const LogO
   if (on_epoch) {
     auto& acc = epoch_[static_cast<int>(stage)][name];
     const double w = static_cast<double>(o.batch_size > 0 ? o.batch_size : std::max<int64_t>(batch_size, 1));
-    if (acc.weight == 0) {
+    if (!acc.configured) {
+      acc.configured = true;
       acc.reduce = o.reduce;
       acc.prog_bar = o.prog_bar;
       acc.logger = o.logger;
@@ -56,7 +60,7 @@ void MetricStore::record(const std::string& name, const Value& value, const LogO
       acc.key = on_step ? name + "_epoch" : name;
       acc.plain = name;
     }
-    accumulate(acc, value, w);
+    if (counts) accumulate(acc, value, w);
   }
 }
 
@@ -64,7 +68,8 @@ void MetricStore::record(const std::string& name, const Value& value, const LogO
 // one fused op per value; a host one the same arithmetic in doubles, so both give the same bits
 // (ATen's add with alpha is a fused multiply-add on CPUs that have one).
 void MetricStore::accumulate(Accumulator& acc, const Value& value, double w) {
-  const bool first = acc.weight == 0;
+  const bool first = !acc.started;
+  acc.started = true;
   acc.weight += w;
   if (!acc.sum.defined() && !value.device.defined()) {
     const double v = value.host;
@@ -126,6 +131,12 @@ std::vector<std::pair<std::string, double>> MetricStore::finish_epoch(Stage stag
   auto it = epoch_.find(static_cast<int>(stage));
   if (it == epoch_.end()) return out;
   for (auto& [name, acc] : it->second) {
+    // Nothing counted on this rank: the reduction's identity (a mean of no samples is NaN here,
+    // and the other ranks' value once reduced).
+    if (!acc.started)
+      acc.host_sum = acc.reduce == Reduce::max   ? -std::numeric_limits<double>::infinity()
+                     : acc.reduce == Reduce::min ? std::numeric_limits<double>::infinity()
+                                                 : 0.0;
     double v = acc.host_sum;
     double weight = acc.weight;
     if (acc.sync_dist && reduce) {

@@ -58,7 +58,9 @@ class MetricStore {
     // from a device, else the host number host_sum.
     at::Tensor sum;
     double host_sum = 0;
-    double weight = 0;    // total batch size (mean); 0 until the first value
+    double weight = 0;    // total batch size (mean)
+    bool started = false;     // a value was accumulated (a rank may have none: exact evaluation)
+    bool configured = false;  // the options below were taken from the first log call
     Reduce reduce = Reduce::mean;
     bool prog_bar = false;
     bool logger = true;

@@ -133,6 +133,7 @@ void* TrainingLoop::query_interface(const char* iid) {
   if (id == ITrainerSettings::kIid) return static_cast<ITrainerSettings*>(this);
   if (id == ITrainerPasses::kIid) return static_cast<ITrainerPasses*>(this);
   if (id == ITrainerWeights::kIid) return static_cast<ITrainerWeights*>(this);
+  if (id == ITrainerCollectives::kIid) return static_cast<ITrainerCollectives*>(this);
   return nullptr;
 }
 

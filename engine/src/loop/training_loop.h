@@ -46,12 +46,13 @@ struct RunPlugins {
 std::string locate_checkpoint(const std::vector<Named<ICallback>>& callbacks, const std::string& alias,
                               const std::string& run_dir);
 
-// The loop is the trainer plugins see: ITrainer and its four services (ember/trainer.h).
+// The loop is the trainer plugins see: ITrainer and its services (ember/trainer.h).
 class TrainingLoop final : public ITrainer,
                            public ITrainerCheckpoints,
                            public ITrainerSettings,
                            public ITrainerPasses,
-                           public ITrainerWeights {
+                           public ITrainerWeights,
+                           public ITrainerCollectives {
  public:
   // `runtime` is launched and has its precision handler; the loop sets it up (setup()) and ends
   // it (finalize()).
@@ -141,6 +142,9 @@ class TrainingLoop final : public ITrainer,
   // ITrainerWeights
   std::vector<NamedTensor> trained_parameters() override { return runtime_->state().trained_parameters(); }
   void parameters_changed() override { runtime_->state().parameters_changed(); }
+  // ITrainerCollectives (SDK 2.1)
+  bool any_rank(bool flag) override { return runtime_->any_rank(flag); }
+  at::Tensor reduce(const at::Tensor& value, ReduceOp op) override { return runtime_->reduce(value, op); }
 
   const MetricStore& metrics() const { return metrics_; }
   Runtime& runtime() { return *runtime_; }

@@ -172,6 +172,19 @@ class EMBER_SDK_API ITrainerWeights {
   virtual void parameters_changed() = 0;
 };
 
+// Service (SDK 2.1): collectives for plugins whose decision every rank must share (a guard that
+// stops the run, say). Collective: every rank calls them at the same point. Identity on one
+// process.
+class EMBER_SDK_API ITrainerCollectives {
+ public:
+  static constexpr const char* kIid = "ember.trainer.Collectives/1";
+  virtual ~ITrainerCollectives() = default;
+  // True on every rank when `flag` is true on any rank.
+  virtual bool any_rank(bool flag) = 0;
+  // `value` (a scalar or any dense tensor) reduced over the ranks, on every rank.
+  virtual at::Tensor reduce(const at::Tensor& value, ReduceOp op) = 0;
+};
+
 // The service `Service` of `trainer` (one of the interfaces above). Throws ember::RunError naming
 // `who` and the service when this trainer has none (e.g. a callback used under Fabric's logger view).
 template <class Service>
