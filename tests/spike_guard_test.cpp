@@ -84,3 +84,14 @@ TEST(SpikeGuard, EveryDdpRankStopsAtTheSameBatch) {
   EXPECT_EQ(stops(r.err).size(), 1u) << "both ranks name the same batch: " << r.err;
   EXPECT_EQ(r.err.find("timed out"), std::string::npos) << "stopped by the vote, not by the watchdog: " << r.err;
 }
+
+// trainer.detect_anomaly (Lightning's meaning: autograd's anomaly mode): the planted NaN stops the
+// run at the backward that produced it, naming the operation; without it the run trains on.
+TEST(SpikeGuard, DetectAnomalyStopsAtTheBackwardThatMadeNaN) {
+  TempDir dir("spike");
+  write_file(dir / "run.toml", kRun);
+  auto r = run_engine({"run.toml", "--set", "data.nan_samples=[5]", "--set", "trainer.detect_anomaly=true"}, dir.path(), {}, 120);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("autograd anomaly detection on"), std::string::npos) << r.err;
+  EXPECT_TRUE(std::regex_search(r.err, std::regex("Function '\\w+Backward\\d*' returned nan values"))) << r.err;
+}

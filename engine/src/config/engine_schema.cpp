@@ -38,6 +38,9 @@ constexpr EmberConfigKey kTrainerKeys[] = {
     Int("log_every_n_steps", "50", "Send per-step metrics to loggers every n optimizer steps.").at_least(1),
     Int("seed", "0", "Seed for parameters, dropout, shuffling and splits.").at_least(0),
     Bool("deterministic", "false", "Use deterministic algorithms only (torch.use_deterministic_algorithms)."),
+    Bool("detect_anomaly", "false",
+         "Lightning's detect_anomaly: autograd's anomaly detection for the run (torch.autograd.set_detect_anomaly): a backward that "
+         "produces NaN stops with the operation that made it. Slow: for debugging."),
     String("accelerator", "\"auto\"", "Device type: cuda when available, else cpu (auto), or force one.").choices("auto|cpu|cuda"),
     Int("devices", "1", "Devices (processes for ddp) per node.").at_least(1),
     Int("num_nodes", "1", "Machines taking part in the run.").at_least(1),

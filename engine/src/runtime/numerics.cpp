@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <torch/cuda.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <dlfcn.h>
 #include <sched.h>
 
@@ -39,6 +40,7 @@ NumericsSettings numerics_settings(const Section& t, bool on_cpu, int64_t local_
   // Lightning's benchmark = None: cudnn.benchmark stays off under deterministic; Ember turns it
   // on otherwise (fast by default; it only matters on CUDA).
   s.cudnn_benchmark = t.has("benchmark") ? t.get_bool("benchmark") : !t.get_bool("deterministic");
+  s.detect_anomaly = t.get_bool("detect_anomaly");
   return s;
 }
 
@@ -48,7 +50,8 @@ std::string apply_numerics(const NumericsSettings& s) {
   const bool flushing = at::globalContext().setFlushDenormal(s.flush_denormal) && s.flush_denormal;
   at::globalContext().setFloat32MatmulPrecision(s.float32_matmul_precision);
   at::globalContext().setBenchmarkCuDNN(s.cudnn_benchmark);
-  return "numerics: " + std::to_string(s.num_threads) + " intra-op threads, denormals " +
+  torch::autograd::AnomalyMode::set_enabled(s.detect_anomaly);
+  return std::string(s.detect_anomaly ? "autograd anomaly detection on (trainer.detect_anomaly: slow); " : "") + "numerics: " + std::to_string(s.num_threads) + " intra-op threads, denormals " +
          (flushing ? "flushed to zero" : "kept") + ", float32 matmul precision " + s.float32_matmul_precision +
          ", cudnn.benchmark " + (s.cudnn_benchmark ? "on" : "off") + ", allocator " + host_allocator();
 }

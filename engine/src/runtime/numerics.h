@@ -24,6 +24,7 @@ struct NumericsSettings {
   bool flush_denormal = true;
   std::string float32_matmul_precision = "highest";
   bool cudnn_benchmark = false;
+  bool detect_anomaly = false;  // trainer.detect_anomaly: autograd's anomaly mode
 };
 
 // [trainer]'s values with the defaults resolved for this process.
