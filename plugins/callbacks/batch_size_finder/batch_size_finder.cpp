@@ -32,6 +32,11 @@
 
 namespace {
 
+// The trainer services this tuner uses (ember/trainer.h).
+ember::ITrainerSettings& loop_settings(ember::ITrainer& t) { return ember::trainer_service<ember::ITrainerSettings>(t, "batch_size_finder"); }
+ember::ITrainerCheckpoints& checkpoints(ember::ITrainer& t) { return ember::trainer_service<ember::ITrainerCheckpoints>(t, "batch_size_finder"); }
+ember::ITrainerPasses& passes(ember::ITrainer& t) { return ember::trainer_service<ember::ITrainerPasses>(t, "batch_size_finder"); }
+
 namespace bs = ember_batch_size;
 namespace fs = std::filesystem;
 
@@ -77,38 +82,38 @@ class BatchSizeFinder final : public ember::Callback {
     if (found_ > 0) {  // resumed: the checkpoint's loop position counts batches of this size
       host_.log(ember::LogLevel::info, "batch_size_finder: using batch size " + std::to_string(found_) +
                                            " found before this resume");
-      ember::trainer_service<ember::ITrainerSettings>(t, "batch_size_finder").set_batch_size(found_);
+      loop_settings(t).set_batch_size(found_);
       return;
     }
     if (t.world_size() > 1)
       throw ember::RunError("batch_size_finder: runs in single-process training only (an out-of-memory on one rank "
                             "would leave the others waiting); find the size with trainer.devices = 1, then set "
                             "[data] batch_size");
-    const int64_t configured = ember::trainer_service<ember::ITrainerSettings>(t, "batch_size_finder").batch_size();
+    const int64_t configured = loop_settings(t).batch_size();
     cuda_ = t.root_device().is_cuda();
     if (cuda_ && budget_bytes_ > 0)
       host_.log(ember::LogLevel::warn, "batch_size_finder: memory_budget_mb applies to CPU training; on CUDA the "
                                        "search stops at the first out-of-memory");
 
     const fs::path tmp = fs::path(t.run_dir()) / (".batch_size_finder." + std::to_string(::getpid()) + ".ckpt");
-    ember::trainer_service<ember::ITrainerCheckpoints>(t, "batch_size_finder").save_checkpoint(tmp.string());
+    checkpoints(t).save_checkpoint(tmp.string());
     bs::Result result;
     try {
       result = bs::search(settings_, [&](int64_t n) { return trial(t, n); });
     } catch (...) {
       restore(t, tmp);
-      ember::trainer_service<ember::ITrainerSettings>(t, "batch_size_finder").set_batch_size(configured);
+      loop_settings(t).set_batch_size(configured);
       throw;
     }
     restore(t, tmp);  // also resets this plugin's state: set found_ after
     if (result.size == 0) {
-      ember::trainer_service<ember::ITrainerSettings>(t, "batch_size_finder").set_batch_size(configured);
+      loop_settings(t).set_batch_size(configured);
       throw ember::RunError("batch_size_finder: not even batch size 1 fits" +
                             std::string(!cuda_ && budget_bytes_ > 0 ? " in memory_budget_mb" : "") +
                             "; raise the budget or make the model smaller");
     }
     found_ = result.size;
-    ember::trainer_service<ember::ITrainerSettings>(t, "batch_size_finder").set_batch_size(found_);
+    loop_settings(t).set_batch_size(found_);
     host_.log(ember::LogLevel::info, "batch_size_finder: batch size " + std::to_string(found_) + " (" +
                                          (settings_.mode == bs::Mode::power ? "power" : "binsearch") + ", largest that fit: " +
                                          std::to_string(result.largest_fitting) + ", " + std::to_string(result.trials.size()) +
@@ -133,7 +138,7 @@ class BatchSizeFinder final : public ember::Callback {
  private:
   // steps_per_trial optimizer steps at batch size n.
   bs::Outcome trial(ember::ITrainer& t, int64_t n) {
-    ember::trainer_service<ember::ITrainerSettings>(t, "batch_size_finder").set_batch_size(n);
+    loop_settings(t).set_batch_size(n);
     if (t.num_batches(ember::Split::train) == 0) return data_limited(n);
     bool data_limit = false;
     int64_t done = 0, peak = 0;
@@ -146,12 +151,12 @@ class BatchSizeFinder final : public ember::Callback {
       counter.reset_peak();
       while (done < steps_ && !data_limit) {
         int64_t pass = 0;
-        ember::trainer_service<ember::ITrainerPasses>(t, "batch_size_finder").for_each_batch(ember::Split::train, steps_ - done, [&](const ember::Batch& batch) {
+        passes(t).for_each_batch(ember::Split::train, steps_ - done, [&](const ember::Batch& batch) {
           if (pass++ == 0 && batch.size < n) {  // a pass's first batch is a full one if the data has n samples
             data_limit = true;
             return false;
           }
-          ember::trainer_service<ember::ITrainerPasses>(t, "batch_size_finder").run_trial_step(batch);
+          passes(t).run_trial_step(batch);
           ++done;
           return true;
         });
@@ -188,7 +193,7 @@ class BatchSizeFinder final : public ember::Callback {
   }
 
   void restore(ember::ITrainer& t, const fs::path& tmp) {
-    ember::trainer_service<ember::ITrainerCheckpoints>(t, "batch_size_finder").load_checkpoint(tmp.string());
+    checkpoints(t).load_checkpoint(tmp.string());
     std::error_code ec;
     fs::remove(tmp, ec);
   }

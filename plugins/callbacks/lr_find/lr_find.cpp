@@ -31,6 +31,10 @@
 
 namespace {
 
+// The trainer services this tuner uses (ember/trainer.h).
+ember::ITrainerCheckpoints& checkpoints(ember::ITrainer& t) { return ember::trainer_service<ember::ITrainerCheckpoints>(t, "lr_find"); }
+ember::ITrainerPasses& passes(ember::ITrainer& t) { return ember::trainer_service<ember::ITrainerPasses>(t, "lr_find"); }
+
 namespace lf = ember_lr_find;
 namespace fs = std::filesystem;
 
@@ -87,7 +91,7 @@ class LrFind final : public ember::Callback {
     if (t.num_batches(ember::Split::train) == 0) throw ember::RunError("lr_find: the run has no training batches");
 
     const fs::path tmp = fs::path(t.run_dir()) / (".lr_find." + std::to_string(::getpid()) + ".ckpt");
-    ember::trainer_service<ember::ITrainerCheckpoints>(t, "lr_find").save_checkpoint(tmp.string());
+    checkpoints(t).save_checkpoint(tmp.string());
     std::vector<double> lrs, losses, smoothed;
     try {
       sweep(t, lrs, losses, smoothed);
@@ -144,10 +148,10 @@ class LrFind final : public ember::Callback {
     while (!stop && static_cast<int64_t>(lrs.size()) < steps_) {
       // One pass over the training batches per round: the sweep may be longer than an epoch.
       const size_t before = lrs.size();
-      ember::trainer_service<ember::ITrainerPasses>(t, "lr_find").for_each_batch(ember::Split::train, steps_ - static_cast<int64_t>(lrs.size()), [&](const ember::Batch& batch) {
+      passes(t).for_each_batch(ember::Split::train, steps_ - static_cast<int64_t>(lrs.size()), [&](const ember::Batch& batch) {
         const double lr = lf::lr_at(mode_, min_lr_, max_lr_, static_cast<int64_t>(lrs.size()), steps_);
         set_lr(opt, lr);
-        const double loss = ember::trainer_service<ember::ITrainerPasses>(t, "lr_find").run_trial_step(batch).item<double>();
+        const double loss = passes(t).run_trial_step(batch).item<double>();
         lrs.push_back(lr);
         losses.push_back(loss);
         smoothed.push_back(smoother.add(loss));
@@ -162,7 +166,7 @@ class LrFind final : public ember::Callback {
   }
 
   void restore(ember::ITrainer& t, const fs::path& tmp) {
-    ember::trainer_service<ember::ITrainerCheckpoints>(t, "lr_find").load_checkpoint(tmp.string());
+    checkpoints(t).load_checkpoint(tmp.string());
     std::error_code ec;
     fs::remove(tmp, ec);
   }
