@@ -1,120 +1,176 @@
-// <ember/support/metrics.h>: metrics computed from states whose reduction across ranks is
-// declared, so the value over shards (ranks) is the value over the whole data. Expected values are
-// worked out by hand (and agree with scikit-learn's for the same inputs: r2_score's documented
-// example, roc_auc_score's).
+// The metric store reads CPU values at once and accumulates them as host doubles (no tensor op
+// per logged value); these tests hold it to the numbers the tensor arithmetic it replaced gives,
+// bit for bit. And the models' CPU accuracy count against ATen's argmax.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 
-#include <ember/support/metrics.h>
+#include <cmath>
+#include <limits>
+#include <vector>
 
-namespace m = ember::metrics;
+#include <ember/model_support/classification.h>
+#include "loop/metrics.h"
+
+using namespace ember::engine;
 
 namespace {
-// 6 samples, 4 classes: (target, predicted) = (0,0) (1,2) (1,1) (3,3) (2,1) (0,0).
-const at::Tensor kPred = at::tensor({0, 2, 1, 3, 1, 0}, at::kLong);
-const at::Tensor kTarget = at::tensor({0, 1, 1, 3, 2, 0}, at::kLong);
 
-double score(std::unique_ptr<m::ClassificationScore> metric, const at::Tensor& p = kPred, const at::Tensor& t = kTarget) {
-  metric->update(p, t);
-  return metric->compute();
+struct Logged {
+  float value;
+  int64_t batch_size;
+};
+
+// What the store computed before it kept CPU values on the host: a double tensor accumulator,
+// one ATen op per value, read back at epoch end.
+double tensor_reference(const std::vector<Logged>& values, ember::Reduce reduce) {
+  at::Tensor sum;
+  double weight = 0;
+  for (const auto& [v, bs] : values) {
+    const at::Tensor t = at::scalar_tensor(v, at::kFloat);
+    const double w = static_cast<double>(bs);
+    if (!sum.defined()) {
+      sum = t.to(at::kDouble) * (reduce == ember::Reduce::mean ? w : 1.0);
+    } else {
+      switch (reduce) {
+        case ember::Reduce::mean: sum.add_(t, w); break;
+        case ember::Reduce::sum: sum.add_(t); break;
+        case ember::Reduce::max: sum = at::maximum(sum, t); break;
+        case ember::Reduce::min: sum = at::minimum(sum, t); break;
+      }
+    }
+    weight += w;
+  }
+  const double v = sum.item<double>();
+  return reduce == ember::Reduce::mean ? v / weight : v;
 }
+
+void expect_same_bits(double expected, double actual) {
+  if (std::isnan(expected)) EXPECT_TRUE(std::isnan(actual)) << actual;
+  else EXPECT_EQ(expected, actual);
+}
+
+std::vector<Logged> random_values(int64_t n, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const at::Tensor v = at::randn({n}, gen) * 3.7;
+  const at::Tensor bs = at::randint(1, 97, {n}, gen);
+  std::vector<Logged> out;
+  for (int64_t i = 0; i < n; ++i) out.push_back({v[i].item<float>(), bs[i].item<int64_t>()});
+  return out;
+}
+
+double epoch_value(MetricStore& store, const char* key, const MetricStore::Reducer& reduce = nullptr) {
+  for (const auto& [k, v] : store.finish_epoch(ember::Stage::fit, reduce))
+    if (k == key) return v;
+  ADD_FAILURE() << "no " << key;
+  return 0;
+}
+
 }  // namespace
 
-TEST(Metrics, MulticlassScoresAveragedEveryWay) {
-  EXPECT_NEAR(score(m::accuracy(4)), 4.0 / 6, 1e-12);
-  EXPECT_NEAR(score(m::accuracy(4, m::Average::macro)), 0.625, 1e-12);  // mean per-class recall
-  EXPECT_NEAR(score(m::precision(4, m::Average::macro)), 0.625, 1e-12);
-  EXPECT_NEAR(score(m::precision(4, m::Average::weighted)), 4.0 / 6, 1e-12);
-  EXPECT_NEAR(score(m::recall(4, m::Average::macro)), 0.625, 1e-12);
-  EXPECT_NEAR(score(m::f1(4, m::Average::macro)), 0.625, 1e-12);
-  EXPECT_NEAR(score(m::f1(4, m::Average::micro)), 4.0 / 6, 1e-12);
-  EXPECT_NEAR(score(m::specificity(4, m::Average::macro)), (1 + 0.75 + 0.8 + 1) / 4, 1e-12);
-  auto per = m::f1(4, m::Average::none);
-  per->update(kPred, kTarget);
-  EXPECT_TRUE(at::allclose(per->per_class(), at::tensor({1.0, 0.5, 0.0, 1.0}, at::kDouble)));
-  // Scores [N, C] give the same as their arg-max.
-  EXPECT_NEAR(score(m::f1(4), at::one_hot(kPred, 4).to(at::kFloat) * 3 - 1), 0.625, 1e-12);
-  // The confusion matrix: rows are targets, columns predictions.
-  m::ConfusionMatrix cm(4);
-  cm.update(kPred, kTarget);
-  EXPECT_TRUE(at::equal(cm.matrix(), at::tensor({2, 0, 0, 0, 0, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 1}, at::kLong).reshape({4, 4})));
-  // ignore_index leaves the samples of that target out (here class 3's one sample).
-  m::ClassificationScore ignoring(m::ClassificationScore::Kind::accuracy, 4, m::Average::micro, 1.0, /*ignore_index=*/3);
-  ignoring.update(kPred, kTarget);
-  EXPECT_NEAR(ignoring.compute(), 3.0 / 5, 1e-12);
-}
-
-// The point of declared reductions: three shards merged (what sync() does across three ranks)
-// give the whole data's value, where the mean of the shards' F1 would not.
-TEST(Metrics, ShardsMergedEqualTheWholeAndSyncReducesEveryState) {
-  at::manual_seed(3);
-  const at::Tensor logits = at::randn({301, 5});
-  const at::Tensor target = at::randint(0, 5, {301}, at::kLong);
-  auto whole = m::f1(5);
-  whole->update(logits, target);
-  std::vector<std::unique_ptr<m::ClassificationScore>> shards;
-  double mean_of_shards = 0;
-  for (int64_t r = 0; r < 3; ++r) {
-    shards.push_back(m::f1(5));
-    const at::Tensor idx = at::arange(r, 301, 3, at::kLong);
-    shards.back()->update(logits.index_select(0, idx), target.index_select(0, idx));
-    mean_of_shards += shards.back()->compute() / 3;
+TEST(MetricStore, CpuValuesAccumulateToTheTensorArithmeticsBits) {
+  const auto values = random_values(1000, 7);
+  for (auto reduce : {ember::Reduce::mean, ember::Reduce::sum, ember::Reduce::max, ember::Reduce::min}) {
+    MetricStore store;
+    ember::LogOptions o;
+    o.on_step = 0;
+    o.on_epoch = 1;
+    o.reduce = reduce;
+    for (const auto& [v, bs] : values) store.log("m", at::scalar_tensor(v, at::kFloat), o, ember::Stage::fit, bs);
+    expect_same_bits(tensor_reference(values, reduce), epoch_value(store, "m"));
   }
-  shards[0]->merge(*shards[1]);
-  shards[0]->merge(*shards[2]);
-  EXPECT_NEAR(shards[0]->compute(), whole->compute(), 1e-12);
-  EXPECT_GT(std::abs(mean_of_shards - whole->compute()), 1e-6) << "averaging per shard would have been wrong";
-  // sync() through a reducer standing for two ranks with the same data: counts double, F1 stays.
-  const double before = whole->compute();
-  const at::Tensor matrix = whole->matrix();
-  whole->sync([](const at::Tensor& t, ember::ReduceOp op) { return op == ember::ReduceOp::sum ? t * 2 : t; });
-  EXPECT_TRUE(at::equal(whole->matrix(), matrix * 2));
-  EXPECT_NEAR(whole->compute(), before, 1e-12);
-  whole->reset();
-  EXPECT_EQ(whole->matrix().sum().item<int64_t>(), 0);
 }
 
-TEST(Metrics, BinnedAurocMatchesTheExactArea) {
-  // scikit-learn: roc_auc_score([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8]) = 0.75.
-  m::BinnedAuroc small(1001);
-  small.update(at::tensor({0.1, 0.4, 0.35, 0.8}), at::tensor({0, 0, 1, 1}));
-  EXPECT_NEAR(small.compute(), 0.75, 1e-12);
-  // Random scores against the exact area (the share of positive-negative pairs ordered right).
-  at::manual_seed(7);
-  const at::Tensor p = at::rand({2000}, at::kDouble);
-  const at::Tensor t = (at::rand({2000}, at::kDouble) < p).to(at::kLong);  // informative scores
-  const at::Tensor pos = p.masked_select(t.to(at::kBool)), neg = p.masked_select(t.to(at::kBool).logical_not());
-  const double exact = (pos.unsqueeze(1) > neg.unsqueeze(0)).to(at::kDouble).mean().item<double>();
-  m::BinnedAuroc binned(10000);
-  binned.update(p.narrow(0, 0, 1000), t.narrow(0, 0, 1000));
-  binned.update(p.narrow(0, 1000, 1000), t.narrow(0, 1000, 1000));
-  EXPECT_NEAR(binned.compute(), exact, 1e-3);
-  EXPECT_GT(exact, 0.7);
+TEST(MetricStore, NumbersAndTensorsAccumulateAlike) {
+  const auto values = random_values(300, 11);
+  MetricStore tensors, numbers;
+  ember::LogOptions o;
+  o.on_step = 1;
+  o.on_epoch = 1;  // -> m_step and m_epoch
+  for (const auto& [v, bs] : values) {
+    tensors.log("m", at::scalar_tensor(v, at::kFloat), o, ember::Stage::fit, bs);
+    numbers.log("m", static_cast<double>(v), o, ember::Stage::fit, bs);
+  }
+  const auto step_t = tensors.take_step_values(), step_n = numbers.take_step_values();
+  ASSERT_EQ(step_t.size(), 1u);
+  EXPECT_EQ(step_t, step_n);
+  EXPECT_EQ(step_t[0].first, "m_step");
+  EXPECT_EQ(step_t[0].second, static_cast<double>(values.back().value));
+  const double expected = tensor_reference(values, ember::Reduce::mean);
+  EXPECT_EQ(expected, epoch_value(tensors, "m_epoch"));
+  EXPECT_EQ(expected, epoch_value(numbers, "m_epoch"));
+  EXPECT_EQ(expected, *tensors.get("m"));  // the plain name follows the latest reduction
 }
 
-TEST(Metrics, RegressionPerplexityAndAggregates) {
-  // scikit-learn's r2_score example: y_true [3, -0.5, 2, 7], y_pred [2.5, 0.0, 2, 8].
-  const at::Tensor y = at::tensor({3.0, -0.5, 2.0, 7.0}), yhat = at::tensor({2.5, 0.0, 2.0, 8.0});
-  auto value = [&](m::Regression::Kind k) {
-    m::Regression r(k);
-    r.update(yhat.narrow(0, 0, 2), y.narrow(0, 0, 2));
-    r.update(yhat.narrow(0, 2, 2), y.narrow(0, 2, 2));
-    return r.compute();
+// NaN wins max/min, as at::maximum / at::minimum decide it.
+TEST(MetricStore, NanWinsExtremesAsInATen) {
+  for (auto reduce : {ember::Reduce::max, ember::Reduce::min}) {
+    for (size_t at_index : {0u, 2u, 4u}) {
+      std::vector<Logged> values = {{1.f, 1}, {5.f, 1}, {-2.f, 1}, {3.f, 1}, {0.5f, 1}};
+      values[at_index].value = std::numeric_limits<float>::quiet_NaN();
+      MetricStore store;
+      ember::LogOptions o;
+      o.on_step = 0;
+      o.on_epoch = 1;
+      o.reduce = reduce;
+      for (const auto& [v, bs] : values) store.log("m", at::scalar_tensor(v, at::kFloat), o, ember::Stage::fit, bs);
+      const double got = epoch_value(store, "m");
+      EXPECT_TRUE(std::isnan(got)) << got;
+      expect_same_bits(tensor_reference(values, reduce), got);
+    }
+  }
+}
+
+// sync_dist: the reducer still sees a double tensor holding the accumulated sum and the weight.
+TEST(MetricStore, SyncDistReducesTheHostSumAsATensor) {
+  const auto values = random_values(50, 3);
+  MetricStore store;
+  ember::LogOptions o;
+  o.on_step = 0;
+  o.on_epoch = 1;
+  o.sync_dist = true;
+  for (const auto& [v, bs] : values) store.log("m", at::scalar_tensor(v, at::kFloat), o, ember::Stage::fit, bs);
+  std::vector<double> seen;
+  // Two ranks with the same values: sums and weights double, the mean stays.
+  auto two_ranks = [&](const at::Tensor& t, ember::ReduceOp op) {
+    EXPECT_EQ(op, ember::ReduceOp::sum);
+    EXPECT_EQ(t.scalar_type(), at::kDouble);
+    seen.push_back(t.item<double>());
+    return t * 2;
   };
-  EXPECT_NEAR(value(m::Regression::Kind::mae), 0.5, 1e-12);
-  EXPECT_NEAR(value(m::Regression::Kind::mse), 0.375, 1e-12);
-  EXPECT_NEAR(value(m::Regression::Kind::rmse), std::sqrt(0.375), 1e-12);
-  EXPECT_NEAR(value(m::Regression::Kind::r2), 0.9486081370449679, 1e-12);
-  // Uniform logits over 4 tokens: perplexity 4; the ignored token changes nothing.
-  m::Perplexity ppl(-100);
-  ppl.update(at::zeros({2, 3, 4}), at::tensor({0, 1, 2, 3, -100, 1}, at::kLong).reshape({2, 3}));
-  EXPECT_NEAR(ppl.compute(), 4.0, 1e-9);
-  m::Aggregate mean(m::Aggregate::Kind::mean), mx(m::Aggregate::Kind::max);
-  mean.update(at::tensor({1.0, 3.0}), at::tensor({1.0, 3.0}));  // weighted: (1 + 9) / 4
-  mx.update(at::tensor({1.0, 3.0}), at::Tensor());
-  EXPECT_NEAR(mean.compute(), 2.5, 1e-12);
-  EXPECT_EQ(mx.compute(), 3.0);
-  m::Aggregate empty(m::Aggregate::Kind::mean);
-  EXPECT_TRUE(std::isnan(empty.compute()));
+  const double got = epoch_value(store, "m", two_ranks);
+  ASSERT_EQ(seen.size(), 2u);
+  double weight = 0;
+  for (const auto& l : values) weight += static_cast<double>(l.batch_size);
+  EXPECT_EQ(seen[1], weight);
+  EXPECT_EQ(got, tensor_reference(values, ember::Reduce::mean));
+}
+
+TEST(MetricStore, RefusesNonScalars) {
+  MetricStore store;
+  EXPECT_THROW(store.log("m", at::ones({2}), {}, ember::Stage::fit, 1), std::invalid_argument);
+}
+
+// The CPU accuracy count gives ATen's value on every dtype a model's logits can have, with ties
+// and NaNs (argmax takes the first largest, NaN as the largest) and strided logits.
+TEST(ClassificationAccuracy, CpuCountMatchesArgmaxMean) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+    for (int64_t n : {1, 3, 7, 32, 33, 100}) {
+      for (int64_t c : {1, 2, 10}) {
+        // Few distinct values: many ties.
+        at::Tensor logits = at::randint(0, 3, {n, c}, gen).to(dtype);
+        if (n > 3) {
+          logits[1][c - 1] = std::numeric_limits<float>::quiet_NaN();
+          logits[2].fill_(std::numeric_limits<float>::quiet_NaN());
+        }
+        const at::Tensor labels = at::randint(0, c, {n}, gen);
+        const double expected = (logits.argmax(1) == labels).to(at::kFloat).mean().item<double>();
+        EXPECT_EQ(expected, ember_models::cpu_accuracy(logits, labels)) << dtype << " n=" << n << " c=" << c;
+        const at::Tensor strided = at::stack({logits, logits}, 2).select(2, 0);  // the same values, strided
+        EXPECT_EQ(expected, ember_models::cpu_accuracy(strided, labels));
+      }
+    }
+  }
 }
