@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "common/sized_struct.h"
 #include "registry/plugin_registry.h"
 #include "support.h"
 
@@ -103,4 +104,26 @@ TEST(Abi, NamedBadPluginIsAnErrorScannedOneAWarning) {
   EXPECT_NE(listed.err.find("skipped"), std::string::npos) << listed.err;
   EXPECT_EQ(listed.out.find("bad_torch_minor"), std::string::npos) << listed.out;  // not listed as usable
   EXPECT_NE(listed.out.find("single_device"), std::string::npos) << listed.out;    // the good ones still are
+}
+
+// Plain structs carry their size (SDK 2.0): a reader uses a field only when the writer's size
+// covers it, and the engine refuses, in one line, a LogOptions or Batch too small for 2.0's fields.
+TEST(Abi, SizedStructsSayWhichFieldsTheWriterKnew) {
+  ember::LogOptions options;
+  EXPECT_EQ(options.struct_size, sizeof(ember::LogOptions));
+  EXPECT_TRUE(ember::has_field(options, &ember::LogOptions::batch_size));
+  EXPECT_NO_THROW(require_sdk2_fields(options, &ember::LogOptions::batch_size, "LogOptions"));
+  options.struct_size = 8;  // a writer that knew only the first fields
+  EXPECT_TRUE(ember::has_field(options, &ember::LogOptions::on_step));
+  EXPECT_FALSE(ember::has_field(options, &ember::LogOptions::batch_size));
+  try {
+    require_sdk2_fields(options, &ember::LogOptions::batch_size, "LogOptions");
+    ADD_FAILURE() << "a too-small LogOptions was accepted";
+  } catch (const ember::RunError& e) {
+    EXPECT_EQ(std::string(e.what()), "LogOptions from a plugin has struct_size 8, too small for SDK 2.0's fields (build it with its "
+                                     "default initializer, against this engine's SDK)");
+  }
+  ember::Batch batch{.tensors = {}, .size = 3};
+  EXPECT_EQ(batch.struct_size, sizeof(ember::Batch));
+  EXPECT_TRUE(ember::has_field(batch, &ember::Batch::size));
 }
