@@ -14,6 +14,7 @@
 #include <ember/plugin.h>
 #include <ember/support/callback_base.h>
 #include <ember/support/number_text.h>
+#include <ember/support/plugin_state.h>
 #include <ember/trainer.h>
 
 #include <cmath>
@@ -21,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -67,20 +69,17 @@ class SpikeGuard final : public ember::Callback {
   }
 
   c10::IValue state_dict() const override {
-    c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
-    c10::List<double> l;
-    for (double v : losses_) l.push_back(v);
-    d.insert("losses", l);
+    auto d = ember::support::new_state();
+    d.insert("losses", ember::support::double_list(std::vector<double>(losses_.begin(), losses_.end())));
     d.insert("seen", seen_);
     return d;
   }
   void load_state_dict(const c10::IValue& state) override {
-    if (!state.isGenericDict()) return;
-    auto d = state.toGenericDict();
-    losses_.clear();
-    if (d.contains("losses"))
-      for (double v : d.at("losses").toDoubleList()) losses_.push_back(v);
-    if (d.contains("seen")) seen_ = d.at("seen").toInt();
+    if (state.isNone()) return;
+    ember::support::StateReader r(state, "spike_guard");
+    const auto losses = r.get_doubles("losses");
+    losses_.assign(losses.begin(), losses.end());
+    seen_ = r.get_int("seen");
   }
 
  private:
