@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <iostream>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -75,6 +76,19 @@ int evaluate_checkpoint(const RunRequest& req, Split split, const std::string& c
     auto results = split == Split::test ? session.test(checkpoint) : session.validate(checkpoint);
     if (session.loop().is_global_zero()) print_results(results);
   }
+  session.finish("success");
+  return 0;
+}
+
+int generate_text(const RunRequest& req, const std::string& checkpoint, const GenerationOptions& options) {
+  if (!checkpoint.empty() && checkpoint != "best" && checkpoint != "last") {
+    std::error_code ec;
+    if (!fs::is_regular_file(checkpoint, ec) && !is_sharded_checkpoint(checkpoint))
+      throw UsageError("--ckpt " + checkpoint + ": no such checkpoint file (give a .ckpt path, or best / last)");
+  }
+  RunSession session(req);
+  if (!session.is_rank()) return session.launcher_exit_code();
+  session.generate(checkpoint, options, std::cout);
   session.finish("success");
   return 0;
 }

@@ -9,6 +9,7 @@
 #include <ember/types.h>
 
 #include "config/run_request.h"
+#include "loop/generation.h"
 
 namespace ember::engine {
 
@@ -19,6 +20,9 @@ EMBER_API int run_training(const RunRequest& request);
 // over the checkpoint's weights ("" = the freshly set-up model), results printed; or (predict)
 // the predictions for data.predict_split in <run folder>/predictions.csv. Returns the exit code.
 EMBER_API int evaluate_checkpoint(const RunRequest& request, Split split, const std::string& checkpoint, bool predict = false);
+// `engine generate [--ckpt best|last|PATH] [--prompt TEXT] run.toml`: text from a language model
+// (the prompt, then the sampled tokens streamed to stdout). Returns the exit code.
+EMBER_API int generate_text(const RunRequest& request, const std::string& checkpoint, const GenerationOptions& options);
 // `engine checkpoint consolidate DIR OUT.ckpt`: the single-file checkpoint of a sharded checkpoint
 // directory (what single_device and Python read), made by restoring DIR into the run's own
 // configuration on one process.

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,6 +34,10 @@ const char* kUsage =
     "      one validation or test pass (Lightning's trainer.validate/test) over a checkpoint's weights, or\n"
     "      predictions.csv for data.predict_split (trainer.predict); best/last: the newest run of this\n"
     "      config that saved one; no --ckpt: the model as set up\n"
+    "  engine generate [--ckpt best|last|PATH] [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K]\n"
+    "                  [--top-p P] [--seed S] [--no-kv-cache] run.toml\n"
+    "      text from a language model (gpt + text_lm): the prompt (--prompt, else standard input), then the\n"
+    "      sampled tokens as they come; <run folder>/generated.txt keeps it\n"
     "  engine config [--plugins ...] [--set ...] run.toml   print the resolved configuration as TOML\n"
     "  engine plugins list                                   list the plugins found\n"
     "  engine plugins info NAME                              a plugin's kind, version, file and config keys\n"
@@ -79,10 +84,17 @@ int run(int argc, char** argv) {
       ("plugins,p", po::value<std::vector<std::string>>()->composing(), "plugins to load, comma-separated (repeatable)")
       ("set,s", po::value<std::vector<std::string>>()->composing(), "override a config value: section.key=value (repeatable)")
       ("resume", po::value<std::string>(), "resume training: last (auto: the same; from scratch when there is none), best, or a checkpoint file; a job torchrun or SLURM restarted resumes from last by itself")
-      ("ckpt", po::value<std::string>(), "engine validate/test/predict: the weights to evaluate: best, last, or a checkpoint file")
+      ("ckpt", po::value<std::string>(), "engine validate/test/predict/generate: the weights to evaluate: best, last, or a checkpoint file")
       ("plugin-path", po::value<std::vector<std::string>>()->composing(), "extra folder to search for plugins (repeatable)")
       ("output,o", po::value<std::string>(), "engine plot: the PNG file to write")
       ("format", po::value<std::string>()->default_value("safetensors"), "engine export: the format to write (safetensors)")
+      ("prompt", po::value<std::string>(), "engine generate: the text to continue (default: standard input)")
+      ("max-new-tokens", po::value<int64_t>()->default_value(200), "engine generate: tokens to sample after the prompt")
+      ("temperature", po::value<double>()->default_value(0.8), "engine generate: sampling temperature; 0 = greedy (always the most likely token)")
+      ("top-k", po::value<int64_t>()->default_value(0), "engine generate: sample among the k most likely tokens; 0 = all")
+      ("top-p", po::value<double>()->default_value(1.0), "engine generate: sample among the most likely tokens holding this much probability (nucleus); 1 = all")
+      ("seed", po::value<uint64_t>()->default_value(1337), "engine generate: seed of the sampling")
+      ("no-kv-cache", "engine generate: run the whole sequence again for every token instead of caching keys and values (slow; a check)")
       ("quiet,q", "only warnings and errors")
       ("verbose,v", "debug output");
   po::options_description hidden;
@@ -149,6 +161,32 @@ int run(int argc, char** argv) {
     req.config_path = args[1];
     return evaluate_checkpoint(req, args[0] == "test" ? ember::Split::test : ember::Split::val,
                                vm.count("ckpt") ? vm["ckpt"].as<std::string>() : std::string(), args[0] == "predict");
+  }
+  if (args[0] == "generate") {
+    if (args.size() != 2) throw UsageError("expected `engine generate [--ckpt best|last|PATH] [--prompt TEXT] run.toml`");
+    if (!req.resume.empty()) throw UsageError("--resume continues training; `engine generate` takes --ckpt best|last|PATH");
+    req.config_path = args[1];
+    GenerationOptions g;
+    if (vm.count("prompt")) {
+      g.prompt = vm["prompt"].as<std::string>();
+    } else {
+      std::ostringstream in;
+      in << std::cin.rdbuf();
+      g.prompt = in.str();
+      // A prompt typed or piped as a line ends with the line's newline, which is not part of it.
+      if (!g.prompt.empty() && g.prompt.back() == '\n') g.prompt.pop_back();
+    }
+    g.max_new_tokens = vm["max-new-tokens"].as<int64_t>();
+    g.temperature = vm["temperature"].as<double>();
+    g.top_k = vm["top-k"].as<int64_t>();
+    g.top_p = vm["top-p"].as<double>();
+    g.seed = vm["seed"].as<uint64_t>();
+    g.use_cache = vm.count("no-kv-cache") == 0;
+    if (g.max_new_tokens < 0) throw UsageError("--max-new-tokens " + std::to_string(g.max_new_tokens) + ": give 0 or more");
+    if (!(g.temperature >= 0.0)) throw UsageError("--temperature " + std::to_string(g.temperature) + ": give 0 (greedy) or more");
+    if (g.top_k < 0) throw UsageError("--top-k " + std::to_string(g.top_k) + ": give 0 (all tokens) or more");
+    if (!(g.top_p > 0.0 && g.top_p <= 1.0)) throw UsageError("--top-p " + std::to_string(g.top_p) + ": give a probability in (0, 1]");
+    return generate_text(req, vm.count("ckpt") ? vm["ckpt"].as<std::string>() : std::string(), g);
   }
   if (vm.count("ckpt")) throw UsageError("--ckpt is for `engine validate|test|predict`; to continue training from a checkpoint use --resume");
   if (args.size() != 1) throw UsageError("expected one config file, got " + std::to_string(args.size()) + " arguments");

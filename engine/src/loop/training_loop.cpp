@@ -75,6 +75,9 @@ void TrainingLoop::setup() {
   // Before the precision handler and the strategy: their dtype casts and placement keep the
   // memory format.
   if (feed_options_.channels_last) to_channels_last(model.module());
+  // A language model must know every token id its data makes (else the first batch fails deep
+  // inside an embedding lookup).
+  check_vocabularies(model, plugins_.model.name, *plugins_.data.object, plugins_.data.name);
   OptimizerFactory factory(model, plugins_.model.name, config_.section("optimizer"));
   rt.setup(model, factory);
   place_data(d);

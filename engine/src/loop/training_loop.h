@@ -24,6 +24,7 @@
 #include "data/device_feed.h"
 #include "loop/cadence.h"
 #include "loop/data_plan.h"
+#include "loop/generation.h"
 #include "loop/metrics.h"
 #include "loop/progress.h"
 #include "loop/step_runner.h"
@@ -75,6 +76,10 @@ class TrainingLoop final : public ITrainer,
   // class probability or output). One process only. No per-batch hooks (the SDK has no
   // on_predict_* hooks); RunSession wraps it in begin_stage/end_stage. Returns the rows written.
   int64_t predict(Split split, const std::filesystem::path& csv);
+  // `engine generate`: the prompt and the tokens sampled after it, streamed to `out` as they are
+  // decoded (one process; the model needs ICausalLanguageModel, the data ITokenizer). Returns
+  // the text generated after the prompt.
+  std::string generate(const GenerationOptions& options, std::ostream& out);
   // Lightning's trainer.validate/test/predict around their run: begin_stage calls the setup hooks
   // with stage() = `stage` (before the checkpoint is restored, as Lightning does), end_stage the
   // teardown hooks (after a successful run; a failure gets on_exception instead).

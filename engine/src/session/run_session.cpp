@@ -254,6 +254,22 @@ fs::path RunSession::predict(const std::string& checkpoint) {
   });
 }
 
+std::string RunSession::generate(const std::string& checkpoint, const GenerationOptions& options, std::ostream& out) {
+  return guarded([&] {
+    loop_->begin_stage(Stage::predict);
+    if (checkpoint.empty()) log::warn("no --ckpt: generating with the model as set up (untrained, unless it loaded pretrained weights)");
+    restore_weights(checkpoint, "generating with");
+    std::string text = loop_->generate(options, out);
+    if (loop_->is_global_zero()) {
+      std::ofstream(folder_.dir / "config.toml") << plan_.config.to_toml();
+      std::ofstream(folder_.dir / "generated.txt", std::ios::binary) << options.prompt << text << "\n";
+      log::info("run folder " + folder_.dir.string() + " (generated.txt)");
+    }
+    loop_->end_stage();
+    return text;
+  });
+}
+
 MetricValues RunSession::validate(const std::string& checkpoint) { return evaluate(Split::val, checkpoint); }
 MetricValues RunSession::test(const std::string& checkpoint) { return evaluate(Split::test, checkpoint); }
 

@@ -45,6 +45,9 @@ class RunSession {
   MetricValues test(const std::string& checkpoint);
   // Predictions for data.predict_split into <run folder>/predictions.csv (one process).
   std::filesystem::path predict(const std::string& checkpoint);
+  // `engine generate`: text from the weights of `checkpoint` (as predict), streamed to `out`;
+  // the run folder keeps config.toml and generated.txt.
+  std::string generate(const std::string& checkpoint, const GenerationOptions& options, std::ostream& out);
   // `engine checkpoint consolidate`: writes the single-file checkpoint of the restored state.
   void write_consolidated(const std::string& path);
   void finish(const std::string& status = "success");

@@ -1,0 +1,163 @@
+// The decoder-only transformer of the `gpt` model plugin, in the two layouts that matter:
+//   gpt2:  learned positions, LayerNorm, GELU MLP, biases, tied input/output embeddings, the
+//          attention and MLP weights stored as Hugging Face's Conv1D ([in, out]);
+//   llama: rotary positions (RoPE), RMSNorm, SwiGLU MLP, grouped-query attention, no biases,
+//          untied or tied output.
+// Parameter names are transformers' own (GPT2LMHeadModel: transformer.h.0.attn.c_attn.weight;
+// LlamaForCausalLM: model.layers.0.self_attn.q_proj.weight), so Hugging Face safetensors load
+// and export without renaming or transposing.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <ember/model_units.h>
+
+namespace ember_gpt {
+
+enum class Flavour { gpt2, llama };
+
+struct GptShape {
+  Flavour flavour = Flavour::gpt2;
+  int64_t vocab_size = 0;
+  int64_t context_length = 0;  // gpt2: n_positions; llama: max_position_embeddings
+  int64_t layers = 0;
+  int64_t heads = 0;
+  int64_t kv_heads = 0;        // llama: num_key_value_heads (== heads for gpt2)
+  int64_t width = 0;           // n_embd / hidden_size
+  int64_t ff_width = 0;        // the MLP's inner width
+  bool bias = true;            // gpt2 only (llama has none)
+  bool tied = true;            // output layer = the token embedding's transpose
+  bool gelu_tanh = true;       // gpt2: "gelu_new" (tanh approximation), else exact GELU
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  double dropout = 0.0;
+  double init_std = 0.02;
+  int64_t head_dim() const { return width / heads; }
+  // One line for logs: "gpt2, 4 layers x 4 heads x 128 wide, context 64, vocabulary 96".
+  std::string describe() const;
+  // transformers' config.json for this shape (model_type gpt2 or llama), for `engine export`.
+  std::string hf_config_json() const;
+  // The shape a transformers config.json describes (GPT2Config or LlamaConfig). Throws
+  // ember::RunError naming the file and the key when it is neither or lacks a key.
+  static GptShape from_hf_config(const std::string& path);
+};
+
+// Keys and values of every layer for generation: [N, kv_heads, capacity, head_dim] each.
+struct GenerationCache {
+  std::vector<at::Tensor> k, v;
+  int64_t length = 0;  // positions filled
+  int64_t capacity = 0;
+};
+
+// x [.., in] -> [.., out] with weight [in, out]: the GPT-2 checkpoint's layout.
+class Conv1DImpl : public torch::nn::Module {
+ public:
+  Conv1DImpl(int64_t in, int64_t out, bool bias);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight, bias;
+};
+TORCH_MODULE(Conv1D);
+
+// LayerNorm whose bias is optional (nanoGPT's bias = False), or RMSNorm (no mean, no bias;
+// computed in float32 as transformers' LlamaRMSNorm does).
+class NormImpl : public torch::nn::Module {
+ public:
+  NormImpl(int64_t width, bool rms, bool bias, double eps);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight, bias;
+
+ private:
+  bool rms_;
+  double eps_;
+};
+TORCH_MODULE(Norm);
+
+// Self-attention: gpt2's fused c_attn + c_proj, or llama's q/k/v/o projections with RoPE and
+// grouped-query heads. Causal, through at::scaled_dot_product_attention.
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const GptShape& shape);
+  // x [N, T, C] at positions [past, past + T); k_cache/v_cache (undefined: no cache) hold the
+  // earlier positions and get this call's appended. cos/sin [T, head_dim] (llama).
+  at::Tensor forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache, int64_t past, const at::Tensor& cos,
+                     const at::Tensor& sin);
+
+ private:
+  GptShape shape_;
+  Conv1D c_attn_{nullptr}, c_proj_{nullptr};
+  torch::nn::Linear q_{nullptr}, k_{nullptr}, v_{nullptr}, o_{nullptr};
+};
+TORCH_MODULE(Attention);
+
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const GptShape& shape);
+  at::Tensor forward(const at::Tensor& x);
+
+ private:
+  GptShape shape_;
+  Conv1D c_fc_{nullptr}, c_proj_{nullptr};
+  torch::nn::Linear gate_{nullptr}, up_{nullptr}, down_{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+// One decoder block: pre-norm attention and MLP, each with a residual.
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const GptShape& shape);
+  at::Tensor forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache, int64_t past, const at::Tensor& cos,
+                     const at::Tensor& sin);
+
+ private:
+  double dropout_;
+  Norm norm1_{nullptr}, norm2_{nullptr};
+  Attention attn_{nullptr};
+  Mlp mlp_{nullptr};
+};
+TORCH_MODULE(Block);
+
+class GptNet : public torch::nn::Module {
+ public:
+  explicit GptNet(const GptShape& shape);
+  const GptShape& shape() const { return shape_; }
+  // Draws the weights from the current default generator: N(0, init_std) for every matrix and
+  // embedding, GPT-2's residual projections (attn/mlp c_proj, llama's o_proj/down_proj) scaled by
+  // 1/sqrt(2 * layers) as GPT-2 and nanoGPT do, zero biases, unit norms.
+  void initialise();
+  // ids [N, T] int64 -> logits [N, T, vocab]. With a cache: the positions follow the cached ones
+  // and this call's keys and values are appended.
+  at::Tensor forward(const at::Tensor& ids, GenerationCache* cache = nullptr);
+  // Every block is a unit (sharding strategies gather one block at a time).
+  void declare_units(ember::ModelUnits& units);
+  // An empty cache for `batch` sequences of up to `capacity` positions, like the parameters.
+  GenerationCache new_cache(int64_t batch, int64_t capacity) const;
+  // Loads transformers' safetensors (one file, or the files of model.safetensors.index.json);
+  // GPT-2 files saved from GPT2Model (no "transformer." prefix) load too. Throws ember::RunError
+  // naming the file and the tensor on a missing tensor or a shape mismatch. Returns the names
+  // of the file's tensors this network does not use.
+  std::vector<std::string> load_safetensors(const std::string& path);
+  // Matrix-multiply parameters that a token's forward runs through (the lm_head included, the
+  // embedding lookups not): the 6N of the FLOPs estimate.
+  int64_t matmul_parameters() const;
+
+ private:
+  std::pair<at::Tensor, at::Tensor> rope(int64_t past, int64_t length, const at::Tensor& like);
+  GptShape shape_;
+  std::shared_ptr<torch::nn::Module> body_;  // "transformer" (gpt2) or "model" (llama)
+  torch::nn::Embedding embed_{nullptr}, positions_{nullptr};
+  torch::nn::ModuleList block_list_{nullptr};
+  std::vector<Block> blocks_;
+  Norm final_norm_{nullptr};
+  torch::nn::Linear lm_head_{nullptr};
+  ember::ModelUnits* units_ = nullptr;
+  at::Tensor inv_freq_;  // llama: [head_dim / 2] float, on the CPU
+};
+
+}  // namespace ember_gpt

@@ -1,0 +1,70 @@
+"""Reference outputs of Hugging Face transformers for tests/lm_test.cpp (the gpt model).
+
+  reference.py tiny-models OUT_DIR      random GPT-2 and Llama (grouped-query) models saved with
+                                        save_pretrained, and their logits on fixed ids (reference.json)
+  reference.py logits FOLDER IDS_JSON OUT_JSON
+                                        transformers' logits for the ids, from a folder (e.g. `engine export`'s)
+"""
+import json
+import pathlib
+import sys
+
+
+def perturb(model):
+    # Non-trivial norm weights and biases, so a swapped or skipped tensor changes the logits.
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def tiny_models(out_dir):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    out = pathlib.Path(out_dir)
+    ids = torch.randint(0, 96, (2, 11))
+    cases = {}
+    models = {
+        "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=24,
+                                           bos_token_id=0, eos_token_id=0)),
+        "llama": LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, intermediate_size=48, max_position_embeddings=24,
+                                              rope_theta=500.0, bos_token_id=0, eos_token_id=0, pad_token_id=None)),
+        "llama_tied": LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                   intermediate_size=40, max_position_embeddings=24, tie_word_embeddings=True,
+                                                   bos_token_id=0, eos_token_id=0, pad_token_id=None)),
+    }
+    for name, model in models.items():
+        model.eval()
+        perturb(model)
+        folder = out / name
+        model.save_pretrained(folder, safe_serialization=True)
+        with torch.no_grad():
+            cases[name] = model(input_ids=ids).logits.tolist()
+    json.dump({"input_ids": ids.tolist(), "logits": cases}, open(out / "reference.json", "w"))
+
+
+def logits(folder, ids_json, out_json):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.eval()
+    ids = torch.tensor(json.load(open(ids_json)))
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+    json.dump({"architecture": type(model).__name__, "logits": out.tolist()}, open(out_json, "w"))
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1]
+    if cmd == "tiny-models":
+        tiny_models(sys.argv[2])
+    elif cmd == "logits":
+        logits(sys.argv[2], sys.argv[3], sys.argv[4])
+    else:
+        sys.exit(f"unknown command {cmd}")

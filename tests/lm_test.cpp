@@ -1,0 +1,306 @@
+// Language models (issue "Train and fine-tune language models"): the gpt network against Hugging
+// Face transformers (GPT-2 and Llama layouts), its key/value cache against the full forward, the
+// character tokenizer, and the gpt + text_lm plugins in real engine runs: training, perplexity,
+// `engine generate` (cached == uncached, seeded sampling), exact mid-epoch resume, export that
+// transformers loads, and the one-line errors for bad input.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "char_vocabulary.h"
+#include "checkpoint_support.h"
+#include "gpt_net.h"
+#include "support.h"
+
+using namespace ember::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+at::Tensor tensor_from_json(const nlohmann::json& j) {
+  // Nested lists of numbers of any depth -> a double tensor of that shape.
+  std::vector<int64_t> shape;
+  for (const nlohmann::json* p = &j; p->is_array(); p = &(*p)[0]) shape.push_back(static_cast<int64_t>(p->size()));
+  std::vector<double> flat;
+  std::function<void(const nlohmann::json&)> walk = [&](const nlohmann::json& x) {
+    if (x.is_array())
+      for (const auto& e : x) walk(e);
+    else
+      flat.push_back(x.get<double>());
+  };
+  walk(j);
+  return at::tensor(flat, at::kDouble).view(shape);
+}
+
+nlohmann::json json_from_tensor(const at::Tensor& t) {
+  if (t.dim() == 0) return at::isFloatingType(t.scalar_type()) ? nlohmann::json(t.item<double>()) : nlohmann::json(t.item<int64_t>());
+  nlohmann::json out = nlohmann::json::array();
+  for (int64_t i = 0; i < t.size(0); ++i) out.push_back(json_from_tensor(t[i]));
+  return out;
+}
+
+ember_gpt::GptShape small_shape(ember_gpt::Flavour flavour) {
+  ember_gpt::GptShape s;
+  s.flavour = flavour;
+  s.vocab_size = 50;
+  s.context_length = 32;
+  s.layers = 2;
+  s.heads = 4;
+  s.kv_heads = flavour == ember_gpt::Flavour::llama ? 2 : 4;
+  s.width = 32;
+  s.ff_width = 48;
+  s.bias = flavour == ember_gpt::Flavour::gpt2;
+  s.tied = flavour == ember_gpt::Flavour::gpt2;
+  return s;
+}
+
+}  // namespace
+
+#ifdef EMBER_TEST_PYTHON
+// transformers' GPT2LMHeadModel and LlamaForCausalLM (grouped-query attention, untied and tied
+// output), saved with save_pretrained, load into GptNet under their own names and give the same
+// logits to 1e-5.
+TEST(GptNet, SameLogitsAsTransformersForGpt2AndLlama) {
+  TempDir dir("gpt_parity");
+  auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/lm/reference.py").string(), "tiny-models",
+                        dir.path().string()},
+                       dir.path(), {}, 600);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::ifstream f(dir / "reference.json");
+  const auto ref = nlohmann::json::parse(f);
+  const at::Tensor ids = tensor_from_json(ref["input_ids"]).to(at::kLong);
+  for (const std::string kind : {"gpt2", "llama", "llama_tied"}) {
+    const auto shape = ember_gpt::GptShape::from_hf_config((dir / kind / "config.json").string());
+    ember_gpt::GptNet net(shape);
+    const auto unused = net.load_safetensors((dir / kind / "model.safetensors").string());
+    EXPECT_TRUE(unused.empty()) << kind << ": unused " << unused.front();
+    net.eval();
+    torch::NoGradGuard no_grad;
+    const at::Tensor logits = net.forward(ids).to(at::kDouble);
+    const at::Tensor want = tensor_from_json(ref["logits"][kind]);
+    ASSERT_EQ(logits.sizes(), want.sizes()) << kind;
+    EXPECT_LT((logits - want).abs().max().item<double>(), 1e-5) << kind;
+  }
+  EXPECT_EQ(ember_gpt::GptShape::from_hf_config((dir / "llama" / "config.json").string()).rope_theta, 500.0);
+}
+#endif
+
+// Generation with the key/value cache sees what the full forward sees: a prompt, then one token
+// at a time, then several at once after cached ones (the offset causal mask) give the logits of
+// one pass over the whole sequence.
+TEST(GptNet, CachedForwardEqualsTheFullForward) {
+  for (const auto flavour : {ember_gpt::Flavour::gpt2, ember_gpt::Flavour::llama}) {
+    torch::manual_seed(3);
+    ember_gpt::GptNet net(small_shape(flavour));
+    net.eval();
+    torch::NoGradGuard no_grad;
+    const at::Tensor ids = at::randint(0, 50, {2, 12}, at::kLong);
+    const at::Tensor full = net.forward(ids);
+    auto cache = net.new_cache(2, 32);
+    std::vector<at::Tensor> parts;
+    parts.push_back(net.forward(ids.narrow(1, 0, 5), &cache));
+    for (int64_t t = 5; t < 9; ++t) parts.push_back(net.forward(ids.narrow(1, t, 1), &cache));
+    parts.push_back(net.forward(ids.narrow(1, 9, 3), &cache));
+    EXPECT_EQ(cache.length, 12);
+    EXPECT_LT((at::cat(parts, 1) - full).abs().max().item<double>(), 1e-5) << (flavour == ember_gpt::Flavour::gpt2 ? "gpt2" : "llama");
+  }
+  // Past the context: one line naming the lengths.
+  ember_gpt::GptNet net(small_shape(ember_gpt::Flavour::gpt2));
+  try {
+    net.forward(at::zeros({1, 33}, at::kLong));
+    ADD_FAILURE() << "no error for 33 tokens in a context of 32";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("a sequence of 33 tokens is longer than the model's context of 32 positions"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(CharVocabulary, RoundTripsUtf8AndRefusesMalformedBytes) {
+  std::vector<uint32_t> cps;
+  size_t bad = 0;
+  ASSERT_TRUE(ember_text_lm::decode_utf8("Émile, 中文!\n", cps, bad));
+  ember_text_lm::CharVocabulary vocab(cps);
+  EXPECT_EQ(vocab.size(), 11);  // É m i l e , space 中 文 ! newline
+  std::string back;
+  for (uint32_t cp : cps) ember_text_lm::append_utf8(back, vocab.symbol(vocab.id(cp)));
+  EXPECT_EQ(back, "Émile, 中文!\n");
+  EXPECT_EQ(vocab.symbols().front(), static_cast<uint32_t>('\n'));  // code point order
+  EXPECT_EQ(vocab.id('z'), -1);
+  EXPECT_FALSE(ember_text_lm::decode_utf8(std::string("ab\xC3", 3), cps, bad));
+  EXPECT_EQ(bad, 2u);
+  EXPECT_FALSE(ember_text_lm::decode_utf8(std::string("\xC0\xAF", 2), cps, bad));  // overlong '/'
+  EXPECT_FALSE(ember_text_lm::decode_utf8(std::string("\xED\xA0\x80", 3), cps, bad));  // a surrogate
+}
+
+namespace {
+
+// A small corpus: a few sentences in varied order, so a tiny model learns something in 40 steps.
+std::string corpus_text() {
+  const std::vector<std::string> lines = {
+      "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife.",
+      "The sun was shining on the sea, shining with all his might.",
+      "Emma Woodhouse, handsome, clever, and rich, seemed to unite some of the best blessings of existence.",
+      "She was the youngest of the two daughters of a most affectionate, indulgent father.",
+      "Happy families are all alike; every unhappy family is unhappy in its own way."};
+  std::string out;
+  for (int round = 0; round < 12; ++round)
+    for (size_t i = 0; i < lines.size(); ++i) out += lines[(i * 3 + static_cast<size_t>(round)) % lines.size()] + "\n";
+  return out;
+}
+
+std::string lm_toml(const TempDir& dir) {
+  return "[trainer]\nmax_steps = 40\nmax_epochs = -1\nval_check_interval = 20\nlimit_val_batches = 4\nnum_sanity_val_steps = 0\n"
+         "enable_progress_bar = false\nenable_model_summary = false\nlog_every_n_steps = 5\ndeterministic = true\n"
+         "[model]\nname = \"gpt\"\nvocab_size = 48\ncontext_length = 32\nlayers = 2\nheads = 2\nwidth = 32\n"
+         "[data]\nname = \"text_lm\"\ncorpus = \"" + (dir / "corpus.txt").string() + "\"\ncache_dir = \"" + (dir / "tokens").string() +
+         "\"\nblock_size = 16\nbatch_size = 8\n"
+         "[optimizer]\nname = \"adamw\"\nlr = 0.003\n"
+         "[checkpoint]\nevery_n_train_steps = 10\nsave_top_k = -1\n";
+}
+
+void write_lm_run(const TempDir& dir) {
+  write_file(dir / "corpus.txt", corpus_text());
+  write_file(dir / "run.toml", lm_toml(dir));
+}
+
+}  // namespace
+
+// Trains gpt on text_lm, logs validation loss and perplexity, then `engine generate` continues a
+// prompt: greedy decoding with the key/value cache prints exactly what the uncached path prints,
+// and seeded sampling repeats itself.
+TEST(LanguageModel, TrainsThenGeneratesTheSameTextWithAndWithoutTheCache) {
+  TempDir dir("lm_train_generate");
+  write_lm_run(dir);
+  auto r = run_engine_ok(dir, {"run.toml"}, 600);
+  EXPECT_NE(r.err.find("text_lm: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("characters of the corpus (vocabulary 34)"), std::string::npos) << r.err;
+  const auto rows = read_csv(dir / "runs/run/version_0/metrics.csv");
+  std::vector<double> val_loss;
+  double ppl = -1, loss_at_ppl = -1;
+  for (const auto& row : rows) {
+    if (row.count("val_loss") && !row.at("val_loss").empty()) val_loss.push_back(std::stod(row.at("val_loss")));
+    if (row.count("val_ppl") && !row.at("val_ppl").empty()) ppl = std::stod(row.at("val_ppl"));
+  }
+  ASSERT_EQ(val_loss.size(), 2u) << "validation at steps 20 and 40";
+  loss_at_ppl = val_loss.back();
+  EXPECT_LT(val_loss[1], val_loss[0]);
+  EXPECT_LT(val_loss[1], std::log(34.0));  // better than uniform over the vocabulary
+  EXPECT_NEAR(ppl, std::exp(loss_at_ppl), 1e-3 * ppl);
+
+  const std::vector<std::string> greedy = {"generate", "--ckpt", "last", "--prompt", "It is a ", "--max-new-tokens", "40", "--temperature", "0",
+                                           "run.toml"};
+  auto cached = run_engine_ok(dir, greedy);
+  auto uncached_args = greedy;
+  uncached_args.insert(uncached_args.begin() + 1, "--no-kv-cache");
+  auto uncached = run_engine_ok(dir, uncached_args);
+  EXPECT_EQ(cached.out.rfind("It is a ", 0), 0u) << cached.out;
+  EXPECT_EQ(cached.out.size(), std::string("It is a ").size() + 40 + 1) << cached.out;  // one character a token, then a newline
+  EXPECT_EQ(cached.out, uncached.out);
+  EXPECT_NE(cached.err.find("generated 40 tokens after a prompt of 8 (key/value cache)"), std::string::npos) << cached.err;
+  // Past the context (32 positions): the cache starts again from the last 32 tokens, as the
+  // uncached path crops; both still agree.
+  auto long_cached = greedy, long_uncached = uncached_args;
+  long_cached[6] = long_uncached[7] = "60";
+  EXPECT_EQ(run_engine_ok(dir, long_cached).out, run_engine_ok(dir, long_uncached).out);
+
+  const std::vector<std::string> sample = {"generate", "--ckpt", "last", "--prompt", "The ", "--max-new-tokens", "30", "--top-k", "10",
+                                           "--top-p", "0.9", "--seed", "7", "run.toml"};
+  auto a = run_engine_ok(dir, sample), b = run_engine_ok(dir, sample);
+  EXPECT_EQ(a.out, b.out);
+  auto other_seed = sample;
+  other_seed[12] = "8";
+  EXPECT_NE(run_engine_ok(dir, other_seed).out, a.out);
+  // The prompt on standard input (a piped line), and the run folder keeps the text.
+  auto piped = run_process({"/bin/bash", "-c", "echo 'It is a ' | \"$0\" \"$@\"", engine_path().string(), "generate", "--ckpt", "last",
+                            "--max-new-tokens", "40", "--temperature", "0", "run.toml"},
+                           dir.path(), {{"EMBER_PLUGIN_PATH", ""}}, 240);
+  EXPECT_EQ(piped.exit_code, 0) << piped.err;
+  EXPECT_EQ(piped.out, cached.out);
+  bool kept = false;
+  for (const auto& e : fs::directory_iterator(dir / "runs/run"))
+    if (fs::exists(e.path() / "generated.txt") && read_file(e.path() / "generated.txt") == cached.out) kept = true;
+  EXPECT_TRUE(kept);
+}
+
+// A run stopped in the middle of an epoch and resumed ends with exactly the weights of an
+// uninterrupted run: text_lm's windows are a pure function of the sample index, and the engine's
+// sampler resumes its permutation.
+TEST(LanguageModel, MidEpochResumeIsExact) {
+  TempDir full("lm_resume"), split("lm_resume");
+  write_lm_run(full);
+  write_lm_run(split);
+  run_engine_ok(full, {"run.toml", "--set", "trainer.max_steps=24"}, 600);
+  run_engine_ok(split, {"run.toml", "--set", "trainer.max_steps=13"}, 600);
+  auto r = run_engine_ok(split, {"run.toml", "--set", "trainer.max_steps=24", "--resume", "last"}, 600);
+  EXPECT_NE(r.err.find("(batch 13 of the epoch)"), std::string::npos) << r.err;  // stopped at step 13, mid-epoch
+  EXPECT_EQ(max_weight_difference(last_checkpoint(full), last_checkpoint(split)).value, 0.0);
+}
+
+#ifdef EMBER_TEST_PYTHON
+// `engine export` writes a folder that transformers' AutoModelForCausalLM loads, for both layouts,
+// and it gives Ember's logits.
+TEST(LanguageModel, ExportLoadsInTransformersWithTheSameLogits) {
+  TempDir dir("lm_export");
+  write_lm_run(dir);
+  for (const std::string flavour : {"gpt2", "llama"}) {
+    run_engine_ok(dir, {"run.toml", "--set", "trainer.max_steps=5", "--set", "model.flavour=\"" + flavour + "\"", "--set",
+                        "trainer.version=" + std::string(flavour == "gpt2" ? "0" : "1")},
+                  600);
+    const fs::path ckpt = dir / ("runs/run/version_" + std::string(flavour == "gpt2" ? "0" : "1") + "/checkpoints/last.ckpt");
+    const fs::path out = dir / ("export_" + flavour);
+    run_engine_ok(dir, {"export", ckpt.string(), out.string()});
+    const auto shape = ember_gpt::GptShape::from_hf_config((out / "config.json").string());
+    ember_gpt::GptNet net(shape);
+    ASSERT_TRUE(net.load_safetensors((out / "model.safetensors").string()).empty());
+    net.eval();
+    torch::NoGradGuard no_grad;
+    const at::Tensor ids = at::randint(0, 34, {2, 9}, at::kLong);
+    write_file(dir / "ids.json", json_from_tensor(ids).dump());
+    auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/lm/reference.py").string(), "logits", out.string(),
+                          (dir / "ids.json").string(), (dir / "hf.json").string()},
+                         dir.path(), {}, 600);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    std::ifstream f(dir / "hf.json");
+    const auto hf = nlohmann::json::parse(f);
+    EXPECT_EQ(hf["architecture"], flavour == "gpt2" ? "GPT2LMHeadModel" : "LlamaForCausalLM");
+    EXPECT_LT((net.forward(ids).to(at::kDouble) - tensor_from_json(hf["logits"])).abs().max().item<double>(), 1e-5) << flavour;
+  }
+}
+#endif
+
+// Bad input is one line that says what and how to fix it, and nothing trains.
+TEST(LanguageModel, BadInputIsOneLineWithTheFix) {
+  TempDir dir("lm_bad");
+  write_lm_run(dir);
+  auto missing = run_engine({"run.toml", "--set", "data.corpus=\"nowhere.txt\""}, dir.path());
+  EXPECT_EQ(missing.exit_code, 2) << missing.err;
+  EXPECT_NE(missing.err.find("corpus = \"nowhere.txt\" (--set data.corpus=\"nowhere.txt\"): no file or folder"), std::string::npos) << missing.err;
+  auto small_vocab = run_engine({"run.toml", "--set", "model.vocab_size=30"}, dir.path());
+  EXPECT_EQ(small_vocab.exit_code, 1) << small_vocab.err;
+  EXPECT_NE(small_vocab.err.find("makes token ids up to 33 (characters of the corpus (vocabulary 34)) but model 'gpt' knows 30 tokens: set "
+                                 "model.vocab_size = 34 or more"),
+            std::string::npos)
+      << small_vocab.err;
+  auto long_block = run_engine({"run.toml", "--set", "data.block_size=40"}, dir.path());
+  EXPECT_EQ(long_block.exit_code, 1) << long_block.err;
+  EXPECT_NE(long_block.err.find("a sequence of 40 tokens is longer than the model's context of 32 positions: shorten it (data.block_size"),
+            std::string::npos)
+      << long_block.err;
+  auto no_vocab = run_engine({"run.toml", "--set", "model.vocab_size=0"}, dir.path());
+  EXPECT_EQ(no_vocab.exit_code, 2) << no_vocab.err;
+  EXPECT_NE(no_vocab.err.find("vocab_size is not set"), std::string::npos) << no_vocab.err;
+  run_engine_ok(dir, {"run.toml", "--set", "trainer.max_steps=2"}, 600);
+  auto foreign = run_engine({"generate", "--ckpt", "last", "--prompt", "Zebra", "run.toml"}, dir.path());
+  EXPECT_EQ(foreign.exit_code, 1) << foreign.err;
+  EXPECT_NE(foreign.err.find("the character U+005A 'Z' is not in the vocabulary of"), std::string::npos) << foreign.err;
+  auto too_long = run_engine({"generate", "--ckpt", "last", "--prompt", std::string(33, 'e'), "run.toml"}, dir.path());
+  EXPECT_EQ(too_long.exit_code, 2) << too_long.err;
+  EXPECT_NE(too_long.err.find("the prompt is 33 tokens, longer than the model's context of 32 tokens: shorten it"), std::string::npos)
+      << too_long.err;
+  auto bad_p = run_engine({"generate", "--top-p", "0", "--prompt", "a", "run.toml"}, dir.path());
+  EXPECT_EQ(bad_p.exit_code, 2) << bad_p.err;
+}
