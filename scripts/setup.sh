@@ -17,7 +17,7 @@ debs=(build-essential cmake ninja-build ccache pkg-config python3-venv zlib1g-de
       libtomlplusplus-dev libspdlog-dev libfmt-dev libgtest-dev
       libcairo2-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin
       libprotobuf-dev protobuf-compiler
-      nlohmann-json3-dev libutf8proc-dev libcsv-dev r-cran-modeldata r-cran-jsonlite
+      nlohmann-json3-dev libutf8proc-dev libcsv-dev r-cran-modeldata r-cran-jsonlite r-cran-janeaustenr
       libtcmalloc-minimal4)
 missing=()
 for p in "${debs[@]}"; do
@@ -121,6 +121,33 @@ for (split in c("train", "test")) {
 }
 R
   echo "$modeldata_version" > "$foods/.complete"
+fi
+
+# Jane Austen's six novels (r-cran-janeaustenr: one character vector of lines per novel), one UTF-8
+# file each, named so that path order is publication order: the text_lm data module's default
+# corpus (configs/austen_char_gpt.toml). About 4 M characters.
+austen_version=$(dpkg-query -W -f='${Version}' r-cran-janeaustenr)
+austen="$cache/austen"
+if [ ! -f "$austen/.complete" ] || [ "$(cat "$austen/.complete")" != "$austen_version" ]; then
+  log "writing r-cran-janeaustenr's novels into $austen (once per machine)"
+  rm -rf "$austen"; mkdir -p "$austen"
+  Rscript --vanilla - "$austen" >&2 <<'R'
+out <- commandArgs(trailingOnly = TRUE)[1]
+books <- c("1811_sense_and_sensibility" = "sensesensibility", "1813_pride_and_prejudice" = "prideprejudice",
+           "1814_mansfield_park" = "mansfieldpark", "1815_emma" = "emma",
+           "1817_northanger_abbey" = "northangerabbey", "1818_persuasion" = "persuasion")
+for (file in names(books)) {
+  data(list = books[[file]], package = "janeaustenr", envir = environment())
+  text <- get(books[[file]])
+  stopifnot(is.character(text), length(text) > 1000)
+  tmp <- file.path(out, paste0(file, ".txt.tmp"))
+  con <- file(tmp, open = "w", encoding = "UTF-8")
+  writeLines(enc2utf8(text), con)
+  close(con)
+  file.rename(tmp, file.path(out, paste0(file, ".txt")))
+}
+R
+  echo "$austen_version" > "$austen/.complete"
 fi
 
 "$venv/bin/python" -W ignore -c 'import torch.utils; print(torch.utils.cmake_prefix_path)'

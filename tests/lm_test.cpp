@@ -272,6 +272,26 @@ TEST(LanguageModel, ExportLoadsInTransformersWithTheSameLogits) {
 }
 #endif
 
+// ZeRO stage 3 on 2 CPU ranks (every block a unit, gathered one at a time) trains gpt to the
+// weights single_device reaches with the same global batch.
+TEST(LanguageModel, ShardedStage3OnTwoRanksMatchesSingleDevice) {
+  EMBER_SKIP_WITHOUT_MPI();
+  TempDir dir("lm_sharded");
+  write_lm_run(dir);
+  const std::vector<std::string> common = {"run.toml", "--set", "trainer.max_steps=6", "--set", "trainer.accelerator=\"cpu\"", "--set",
+                                           "data.shuffle=false", "--set", "trainer.val_check_interval=6"};
+  auto single = common, sharded = common;
+  for (const char* s : {"--set", "trainer.name=\"single\"", "--set", "data.batch_size=8"}) single.push_back(s);
+  for (const char* s : {"--plugins", "sharded", "--set", "sharded.stage=3", "--set", "trainer.devices=2", "--set", "trainer.name=\"sharded\"",
+                        "--set", "data.batch_size=4"})
+    sharded.push_back(s);
+  run_engine_ok(dir, single, 600);
+  auto r = run_engine_ok(dir, sharded, 600);
+  EXPECT_NE(r.err.find("2 units declared by the model"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(dir / "runs/single/version_0/checkpoints/last.ckpt", dir / "runs/sharded/version_0/checkpoints/last.ckpt"),
+            1e-5);
+}
+
 // Bad input is one line that says what and how to fix it, and nothing trains.
 TEST(LanguageModel, BadInputIsOneLineWithTheFix) {
   TempDir dir("lm_bad");
