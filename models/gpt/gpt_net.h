@@ -114,8 +114,10 @@ class BlockImpl : public torch::nn::Module {
   explicit BlockImpl(const GptShape& shape);
   at::Tensor forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache, int64_t past, const at::Tensor& cos,
                      const at::Tensor& sin);
+  void recompute_mlp(bool on) { recompute_mlp_ = on; }
 
  private:
+  bool recompute_mlp_ = false;
   double dropout_;
   Norm norm1_{nullptr}, norm2_{nullptr};
   Attention attn_{nullptr};
@@ -134,8 +136,11 @@ class GptNet : public torch::nn::Module {
   // ids [N, T] int64 -> logits [N, T, vocab]. With a cache: the positions follow the cached ones
   // and this call's keys and values are appended.
   at::Tensor forward(const at::Tensor& ids, GenerationCache* cache = nullptr);
-  // Every block is a unit (sharding strategies gather one block at a time).
+  // Every block is a unit (sharding strategies gather one block at a time; full activation
+  // checkpointing recomputes one block at a time).
   void declare_units(ember::ModelUnits& units);
+  // Selective activation checkpointing: each block recomputes its MLP in backward.
+  void set_selective_checkpointing(bool on);
   // An empty cache for `batch` sequences of up to `capacity` positions, like the parameters.
   GenerationCache new_cache(int64_t batch, int64_t capacity) const;
   // Loads transformers' safetensors (one file, or the files of model.safetensors.index.json);

@@ -76,11 +76,13 @@ class MlpNet : public torch::nn::Cloneable<MlpNet> {
   at::Tensor forward(at::Tensor x) {
     x = x.flatten(1);
     for (size_t i = 0; i < layers_.size(); ++i) {
-      auto block = [&] {
-        at::Tensor y = activate(layers_[i](x));
+      // By value (the net outlives every backward): under activation checkpointing the block runs
+      // again during backward.
+      auto block = [this, layer = layers_[i].ptr()](const at::Tensor& in) {
+        at::Tensor y = activate(layer->forward(in));
         return dropout_ ? dropout_(y) : y;
       };
-      x = units_ ? units_->run(static_cast<int64_t>(i), block) : block();
+      x = units_ ? units_->run(static_cast<int64_t>(i), x, block) : block(x);
     }
     return head_(x);
   }

@@ -299,8 +299,9 @@ at::Tensor BertClassifierNet::pooled(const at::Tensor& input_ids, const at::Tens
   if (token_type_) x = x + token_type_->weight[0];  // single sequences: every token is of type 0
   x = dropout_(emb_norm_(x));
   for (size_t i = 0; i < layers_.size(); ++i) {
-    auto run = [&] { return layers_[i]->forward(x, keep4, layout); };
-    x = units_ != nullptr ? units_->run(static_cast<int64_t>(i), run) : run();
+    // By value: under activation checkpointing the layer runs again during backward.
+    auto run = [layer = layers_[i].ptr(), keep4, layout](const at::Tensor& in) { return layer->forward(in, keep4, layout); };
+    x = units_ != nullptr ? units_->run(static_cast<int64_t>(i), x, run) : run(x);
   }
   // Pooling reads the padded layout (zeros at the padding, which it leaves out or never reads).
   if (layout.unpadded()) x = layout.pad(x).view({n, s, x.size(-1)});

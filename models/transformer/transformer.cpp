@@ -60,7 +60,8 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
   at::Tensor forward(at::Tensor x) {
     at::Tensor h = x.transpose(0, 1);
     for (size_t i = 0; i < blocks_.size(); ++i)
-      h = units_ ? units_->run(static_cast<int64_t>(i), [&] { return blocks_[i]->forward(h); }) : blocks_[i]->forward(h);
+      h = units_ ? units_->run(static_cast<int64_t>(i), h, [block = blocks_[i].ptr()](const at::Tensor& in) { return block->forward(in); })
+                 : blocks_[i]->forward(h);
     return head_(h.mean(0));
   }
   const at::Tensor& head_weight() const { return head_->weight; }

@@ -4,6 +4,9 @@
                                         save_pretrained, and their logits on fixed ids (reference.json)
   reference.py logits FOLDER IDS_JSON OUT_JSON
                                         transformers' logits for the ids, from a folder (e.g. `engine export`'s)
+  reference.py sentencepiece-ids MODEL CORPUS OUT_JSON
+                                        Python sentencepiece's ids for the corpus, line by line with the
+                                        newline's byte token <0x0A> between lines (text_lm's layout)
 """
 import json
 import pathlib
@@ -60,11 +63,28 @@ def logits(folder, ids_json, out_json):
     json.dump({"architecture": type(model).__name__, "logits": out.tolist()}, open(out_json, "w"))
 
 
+def sentencepiece_ids(model, corpus, out_json):
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=model)
+    newline = sp.piece_to_id("<0x0A>")
+    ids = []
+    lines = open(corpus, encoding="utf-8").read().split("\n")
+    for i, line in enumerate(lines):
+        if line:
+            ids += sp.encode(line)
+        if i + 1 < len(lines):
+            ids.append(newline)
+    json.dump({"ids": ids, "vocab_size": sp.get_piece_size()}, open(out_json, "w"))
+
+
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "tiny-models":
         tiny_models(sys.argv[2])
     elif cmd == "logits":
         logits(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif cmd == "sentencepiece-ids":
+        sentencepiece_ids(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
         sys.exit(f"unknown command {cmd}")

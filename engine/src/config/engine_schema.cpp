@@ -62,6 +62,7 @@ constexpr EmberConfigKey kTrainerKeys[] = {
     Bool("benchmark", nullptr, "torch.backends.cudnn.benchmark (Lightning's Trainer(benchmark)): time the cuDNN algorithms for each new input shape and keep the fastest; unset = on unless deterministic."),
     Bool("cuda_graph", "false", "Capture forward, loss and backward as one CUDA graph after cuda_graph_warmup_steps and replay it for every batch of the same shapes: one launch instead of hundreds (the optimizer step, loss scaling, clipping and hooks run around it as usual). single_device on a GPU, no gradient accumulation (refused otherwise, at start-up)."),
     Int("cuda_graph_warmup_steps", "3", "Steps run as usual before the capture (cuDNN and cuBLAS settle, the optimizer makes its state).").at_least(1),
+    String("activation_checkpointing", "\"none\"", "Trade compute for activation memory in training forwards: full = each unit of the model (a transformer block) keeps only its input and runs again during backward; selective = the model's own choice inside each unit (gpt: the MLP is recomputed, attention kept); none = keep everything. The same gradients either way. Models that declare units (gpt, transformer, bert, mlp).").choices("none|full|selective"),
     Bool("channels_last", "false", "Keep 4-d parameters and input batches in channels-last (NHWC) memory format, which oneDNN and cuDNN convolutions run faster on many devices."),
 };
 

@@ -78,11 +78,34 @@ void TrainingLoop::setup() {
   // A language model must know every token id its data makes (else the first batch fails deep
   // inside an embedding lookup).
   check_vocabularies(model, plugins_.model.name, *plugins_.data.object, plugins_.data.name);
+  apply_activation_checkpointing(model);
   OptimizerFactory factory(model, plugins_.model.name, config_.section("optimizer"));
   rt.setup(model, factory);
   place_data(d);
   if (settings_.cuda_graph) setup_cuda_graph();
   attach_plugins(this);
+}
+
+// trainer.activation_checkpointing: handed to the model's units before the first forward; a model
+// without units, or without the mode asked for, is refused in one line.
+void TrainingLoop::apply_activation_checkpointing(IModel& model) {
+  const auto& t = config_.section("trainer");
+  const std::string mode = t.get_string("activation_checkpointing");
+  if (mode == "none") return;
+  const std::string where = t.where("activation_checkpointing") + ": trainer.activation_checkpointing = \"" + mode + "\": model '" +
+                            plugins_.model.name + "' ";
+  auto* units = static_cast<IUnitModel*>(model.query_interface(kUnitModelIid));
+  auto* checkpointing = static_cast<IActivationCheckpointing*>(model.query_interface(kActivationCheckpointingIid));
+  if (units == nullptr || units->num_units() == 0)
+    throw UsageError(where + "declares no units to recompute (ember::UnitModel, sdk/include/ember/model_units.h): set it to \"none\"");
+  if (checkpointing == nullptr)
+    throw UsageError(where + "does not offer activation checkpointing (built against an SDK before 2.3?): rebuild it, or set \"none\"");
+  const auto m = mode == "full" ? ActivationCheckpointing::full : ActivationCheckpointing::selective;
+  if (!checkpointing->set_activation_checkpointing(m))
+    throw UsageError(where + "offers no selective checkpointing (what to keep inside a unit is the model's choice): use \"full\"");
+  if (rank() == 0)
+    log::info("activation checkpointing: " + mode + " (" + std::to_string(units->num_units()) + " units recomputed in backward" +
+              (mode == "selective" ? ", in part" : "") + ")");
 }
 
 // trainer.cuda_graph: what cannot be captured is refused here, in one line, before training.

@@ -6,6 +6,7 @@
 #include <ember/host.h>
 #include <ember/logger.h>
 #include <ember/model.h>
+#include <ember/model_units.h>
 #include <ember/precision.h>
 #include <ember/strategy.h>
 #include <ember/trainer.h>
@@ -160,6 +161,7 @@ class TrainingLoop final : public ITrainer,
   void evaluate(Split split, Stage stage, int64_t max_batches);
   std::vector<std::pair<std::string, double>> evaluate_split(Split split);
   void setup_cuda_graph();
+  void apply_activation_checkpointing(IModel& model);
   void publish(const std::vector<std::pair<std::string, double>>& values);
   // Ends the loop after the current step: the engine's own stops (signals, another rank's stop)
   // and a callback's once trainer.min_epochs/min_steps are met.
