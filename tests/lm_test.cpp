@@ -43,6 +43,12 @@ nlohmann::json json_from_tensor(const at::Tensor& t) {
   return out;
 }
 
+fs::path ember_test_cache_dir() {
+  if (const char* c = std::getenv("EMBER_CACHE"); c != nullptr && *c != '\0') return c;
+  const char* home = std::getenv("HOME");
+  return fs::path(home != nullptr ? home : ".") / ".cache" / "ember";
+}
+
 ember_gpt::GptShape small_shape(ember_gpt::Flavour flavour) {
   ember_gpt::GptShape s;
   s.flavour = flavour;
@@ -409,6 +415,51 @@ TEST(LanguageModel, SentencePieceTokensMatchPythonAndRoundTrip) {
   EXPECT_EQ(g.out.rfind("Zoë said:\nIt is", 0), 0u) << g.out;
 }
 #endif
+
+// tokenizer = "bytelevel_bpe": GPT-2-style byte-level BPE from a Hugging Face tokenizer.json gives
+// `tokenizers`' ids on the whole Jane Austen corpus (scripts/setup.sh installs it), and the small
+// test corpus trains and generates through it.
+TEST(LanguageModel, ByteLevelBpeGivesHuggingFaceIdsOnTheWholeCorpus) {
+  const fs::path austen = ember_test_cache_dir() / "austen";
+  if (!fs::exists(austen)) GTEST_SKIP() << "no " << austen << ": run scripts/setup.sh";
+  TempDir dir("lm_bytelevel");
+  write_lm_run(dir);
+  auto py = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/lm/reference.py").string(), "bytelevel-bpe",
+                         austen.string(), "1000", (dir / "hf").string()},
+                        dir.path(), {}, 600);
+  ASSERT_EQ(py.exit_code, 0) << py.err;
+  const std::vector<std::string> bpe = {"--set", "data.tokenizer=\"bytelevel_bpe\"", "--set", "data.tokenizer_json=\"" + (dir / "hf/tokenizer.json").string() + "\"",
+                                        "--set", "model.vocab_size=1000"};
+  auto args = bpe;
+  for (const char* a : {"run.toml", "--set", "trainer.max_steps=1", "--set", "trainer.val_check_interval=1"}) args.push_back(a);
+  args.push_back("--set");
+  args.push_back("data.corpus=\"" + austen.string() + "\"");
+  auto r = run_engine_ok(dir, args, 600);
+  EXPECT_NE(r.err.find("byte-level BPE " + (dir / "hf/tokenizer.json").string() + " (vocabulary 1000)"), std::string::npos) << r.err;
+  fs::path folder;
+  for (const auto& e : fs::directory_iterator(dir / "tokens"))
+    if (fs::exists(e.path() / "tokenizer.json")) folder = e.path();
+  ASSERT_FALSE(folder.empty());
+  std::ifstream f(dir / "hf/ids.json");
+  const auto want = nlohmann::json::parse(f)["ids"].get<std::vector<int64_t>>();
+  const std::string bytes = read_file(folder / "tokens.u16");
+  ASSERT_EQ(bytes.size(), want.size() * 2);
+  int64_t differ = 0, first = -1;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const int64_t id = static_cast<unsigned char>(bytes[2 * i]) | (static_cast<unsigned char>(bytes[2 * i + 1]) << 8);
+    if (id != want[i] && first < 0) first = static_cast<int64_t>(i);
+    differ += id != want[i];
+  }
+  EXPECT_EQ(differ, 0) << "of " << want.size() << " tokens; the first at " << first;
+  // The small corpus: train, then a prompt with a character Austen never wrote comes back as it went in.
+  auto small = bpe;
+  for (const char* a : {"run.toml", "--set", "trainer.max_steps=5"}) small.push_back(a);
+  run_engine_ok(dir, small, 600);
+  auto gen = bpe;
+  for (const char* a : {"generate", "--ckpt", "last", "--prompt", "Zoë said:\n 'It is", "--max-new-tokens", "5", "run.toml"}) gen.push_back(a);
+  auto g = run_engine_ok(dir, gen);
+  EXPECT_EQ(g.out.rfind("Zoë said:\n 'It is", 0), 0u) << g.out;
+}
 
 // Bad input is one line that says what and how to fix it, and nothing trains.
 TEST(LanguageModel, BadInputIsOneLineWithTheFix) {

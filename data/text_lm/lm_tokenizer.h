@@ -1,6 +1,7 @@
-// The tokenizers of text_lm behind one small interface: characters of the corpus (CharTokenizer)
-// and SentencePiece (BPE or unigram, trained on the corpus once, or a given tokenizer.model such
-// as a Llama-family model's). Both keep text exactly: decode(encode(text)) == text.
+// The tokenizers of text_lm behind one small interface: characters of the corpus (CharTokenizer),
+// SentencePiece (BPE or unigram, trained on the corpus once, or a given tokenizer.model such as a
+// Llama-family model's) and byte-level BPE from a Hugging Face tokenizer.json (GPT-2's). All keep
+// text exactly: decode(encode(text)) == text.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -20,6 +21,8 @@ class LmTokenizer {
   virtual std::string describe() const = 0;
   // Writes what load() needs into `folder` (the token cache).
   virtual void save(const std::filesystem::path& folder) const = 0;
+  // The id that ends a document, -1 when the vocabulary has none.
+  virtual int64_t end_of_text() const { return -1; }
 };
 
 // Characters of `texts` (Unicode code points, ids in code point order).
@@ -35,5 +38,11 @@ struct SentencePieceSettings {
 // identity normalization so that nothing is rewritten), or loads settings.model_file.
 std::unique_ptr<LmTokenizer> make_sentencepiece(const SentencePieceSettings& settings, const std::vector<std::string>& texts);
 std::unique_ptr<LmTokenizer> load_sentencepiece(const std::filesystem::path& folder);
+
+// A Hugging Face tokenizer.json of a byte-level BPE (GPT-2's tokenizer and its kin: the ByteLevel
+// pre-tokenizer with GPT-2's split pattern, bytes mapped to printable characters, ranked merges).
+// Throws ember::RunError naming the file and what it does not support.
+std::unique_ptr<LmTokenizer> load_bytelevel_bpe(const std::filesystem::path& tokenizer_json);
+
 
 }  // namespace ember_text_lm

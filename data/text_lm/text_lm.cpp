@@ -44,7 +44,8 @@ namespace {
 
 constexpr EmberConfigKey kKeys[] = {
     ember::key::String("corpus", "\"austen\"", "A UTF-8 text file, or a folder whose files are read in path order. A bare name is looked up in the Ember cache ($EMBER_CACHE, default ~/.cache/ember), where scripts/setup.sh installs austen (Jane Austen's six novels, Debian's r-cran-janeaustenr)."),
-    ember::key::String("tokenizer", "\"char\"", "char: one token per Unicode character of the corpus (nanoGPT's shakespeare_char); sentencepiece: SentencePiece trained on the corpus once (or sentencepiece_model).").choices("char|sentencepiece"),
+    ember::key::String("tokenizer", "\"char\"", "char: one token per Unicode character of the corpus (nanoGPT's shakespeare_char); sentencepiece: SentencePiece trained on the corpus once (or sentencepiece_model).").choices("char|sentencepiece|bytelevel_bpe"),
+    ember::key::String("tokenizer_json", "\"\"", "tokenizer = bytelevel_bpe: a Hugging Face tokenizer.json of a byte-level BPE (GPT-2's tokenizer, or one trained with the tokenizers library)."),
     ember::key::Int("sentencepiece_vocab_size", "2048", "tokenizer = sentencepiece: the vocabulary to train (256 byte tokens for characters it does not know, the corpus's characters, then merges).").at_least(300),
     ember::key::String("sentencepiece_model_type", "\"bpe\"", "tokenizer = sentencepiece: the algorithm to train.").choices("bpe|unigram"),
     ember::key::String("sentencepiece_model", "\"\"", "tokenizer = sentencepiece: a trained tokenizer.model (e.g. a Llama-family model's) instead of training one; it needs byte fallback (<0x0A> for the newline)."),
@@ -137,6 +138,14 @@ class TextLm final : public ember::IDataModule, public ember::ITokenizer {
         eval_stride_(cfg.get_int("eval_stride") == 0 ? cfg.get_int("block_size") : cfg.get_int("eval_stride")),
         section_(cfg.section()) {
     sentencepiece_ = cfg.get_string("tokenizer") == "sentencepiece";
+    bytelevel_ = cfg.get_string("tokenizer") == "bytelevel_bpe";
+    if (bytelevel_) {
+      const std::string j = cfg.get_string("tokenizer_json");
+      tokenizer_json_ = ember_text::resolve_asset(j);
+      if (j.empty() || !fs::is_regular_file(tokenizer_json_))
+        throw ember::ConfigError(c10::str("[", section_, "] tokenizer = \"bytelevel_bpe\" needs tokenizer_json, a Hugging Face tokenizer.json (",
+                                          cfg.where("tokenizer_json"), j.empty() ? ": not set)" : c10::str(": no file ", tokenizer_json_.string(), ")")));
+    }
     sp_.vocab_size = cfg.get_int("sentencepiece_vocab_size");
     sp_.model_type = cfg.get_string("sentencepiece_model_type");
     sp_.model_file = cfg.get_string("sentencepiece_model");
@@ -167,7 +176,10 @@ class TextLm final : public ember::IDataModule, public ember::ITokenizer {
     // The token file's name: the corpus's bytes and file names, and the tokenizer.
     Fnv1a hash;
     hash.add(std::string("text_lm/2"));
-    if (sentencepiece_) {
+    if (bytelevel_) {
+      hash.add(std::string("bytelevel_bpe"));
+      hash.add(read_file(tokenizer_json_));
+    } else if (sentencepiece_) {
       hash.add(c10::str("sentencepiece/", sp_.model_type, "/", sp_.vocab_size));
       if (!sp_.model_file.empty()) hash.add(read_file(sp_.model_file));
     } else {
@@ -237,7 +249,7 @@ class TextLm final : public ember::IDataModule, public ember::ITokenizer {
   int64_t vocab_size() const override { return tokenizer_->vocab_size(); }
   std::vector<int64_t> encode(const std::string& text) const override { return tokenizer_->encode(text); }
   std::string decode(const std::vector<int64_t>& ids) const override { return tokenizer_->decode(ids); }
-  int64_t end_of_text_id() const override { return -1; }
+  int64_t end_of_text_id() const override { return tokenizer_->end_of_text(); }
   std::string describe() const override { return tokenizer_->describe(); }
 
  private:
@@ -249,7 +261,9 @@ class TextLm final : public ember::IDataModule, public ember::ITokenizer {
   // ids, little-endian). Written into a temporary folder and renamed, so a concurrent rank or an
   // interrupted run never leaves a half-written cache behind.
   void build_token_file(const std::vector<fs::path>& files, const std::vector<std::string>& texts, const fs::path& folder) {
-    const auto tokenizer = sentencepiece_ ? ember_text_lm::make_sentencepiece(sp_, texts) : ember_text_lm::train_char_tokenizer(texts, files);
+    const auto tokenizer = bytelevel_       ? ember_text_lm::load_bytelevel_bpe(tokenizer_json_)
+                           : sentencepiece_ ? ember_text_lm::make_sentencepiece(sp_, texts)
+                                            : ember_text_lm::train_char_tokenizer(texts, files);
     std::vector<int64_t> all;
     for (const auto& text : texts) {
       const auto ids = tokenizer->encode(text);
@@ -285,7 +299,9 @@ class TextLm final : public ember::IDataModule, public ember::ITokenizer {
   }
 
   void load(const fs::path& folder) {
-    tokenizer_ = sentencepiece_ ? ember_text_lm::load_sentencepiece(folder) : ember_text_lm::load_char_tokenizer(folder);
+    tokenizer_ = bytelevel_       ? ember_text_lm::load_bytelevel_bpe(folder / "tokenizer.json")
+                 : sentencepiece_ ? ember_text_lm::load_sentencepiece(folder)
+                                  : ember_text_lm::load_char_tokenizer(folder);
     wide_ = fs::exists(folder / "tokens.u32");
     tokens_ = std::make_unique<Mapping>(folder / (wide_ ? "tokens.u32" : "tokens.u16"));
     num_tokens_ = static_cast<int64_t>(tokens_->size() / (wide_ ? 4 : 2));
@@ -300,7 +316,8 @@ class TextLm final : public ember::IDataModule, public ember::ITokenizer {
   int64_t train_stride_, eval_stride_;
   std::string section_;
   fs::path cache_dir_, corpus_;
-  bool sentencepiece_ = false;
+  bool sentencepiece_ = false, bytelevel_ = false;
+  fs::path tokenizer_json_;
   ember_text_lm::SentencePieceSettings sp_;
   std::unique_ptr<ember_text_lm::LmTokenizer> tokenizer_;
   std::unique_ptr<Mapping> tokens_;

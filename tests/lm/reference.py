@@ -4,6 +4,9 @@
                                         save_pretrained, and their logits on fixed ids (reference.json)
   reference.py logits FOLDER IDS_JSON OUT_JSON
                                         transformers' logits for the ids, from a folder (e.g. `engine export`'s)
+  reference.py bytelevel-bpe CORPUS_DIR VOCAB OUT_DIR
+                                        a GPT-2-style byte-level BPE trained with `tokenizers` on the corpus
+                                        (OUT_DIR/tokenizer.json) and its ids for every file in path order (ids.json)
   reference.py sentencepiece-ids MODEL CORPUS OUT_JSON
                                         Python sentencepiece's ids for the corpus, line by line with the
                                         newline's byte token <0x0A> between lines (text_lm's layout)
@@ -63,6 +66,26 @@ def logits(folder, ids_json, out_json):
     json.dump({"architecture": type(model).__name__, "logits": out.tolist()}, open(out_json, "w"))
 
 
+def bytelevel_bpe(corpus_dir, vocab, out_dir):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    files = sorted(p for p in pathlib.Path(corpus_dir).rglob("*") if p.is_file() and not p.name.startswith("."))
+    texts = [p.read_text(encoding="utf-8") for p in files]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=int(vocab), special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    ids = []
+    for text in texts:
+        ids += tok.encode(text).ids
+    json.dump({"ids": ids, "vocab_size": tok.get_vocab_size()}, open(out / "ids.json", "w"))
+
+
 def sentencepiece_ids(model, corpus, out_json):
     import sentencepiece as spm
 
@@ -84,6 +107,8 @@ if __name__ == "__main__":
         tiny_models(sys.argv[2])
     elif cmd == "logits":
         logits(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif cmd == "bytelevel-bpe":
+        bytelevel_bpe(sys.argv[2], sys.argv[3], sys.argv[4])
     elif cmd == "sentencepiece-ids":
         sentencepiece_ids(sys.argv[2], sys.argv[3], sys.argv[4])
     else:

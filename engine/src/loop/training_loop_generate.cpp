@@ -30,6 +30,9 @@ std::string TrainingLoop::generate(const GenerationOptions& options, std::ostrea
     throw UsageError("the prompt is " + std::to_string(ids.size()) + " tokens, longer than the model's context of " + std::to_string(context) +
                      " tokens: shorten it");
   const size_t prompt_tokens = ids.size();
+  // An empty prompt starts from the end-of-text token, which is not printed.
+  const auto skip = static_cast<std::ptrdiff_t>(options.prompt.empty() ? 1 : 0);
+  auto decode = [&] { return tokenizer.decode(std::vector<int64_t>(ids.begin() + skip, ids.end())); };
   const c10::Device device = runtime_->root_device();
   auto tensor_of = [&](std::vector<int64_t>::const_iterator first, std::vector<int64_t>::const_iterator last) {
     std::vector<int64_t> v(first, last);
@@ -39,7 +42,7 @@ std::string TrainingLoop::generate(const GenerationOptions& options, std::ostrea
 
   const bool was_training = module().is_training();
   module().eval();
-  std::string printed = ids.front() == end && prompt_tokens == 1 && options.prompt.empty() ? "" : tokenizer.decode(ids);
+  std::string printed = decode();
   out << printed << std::flush;
   const std::string prompt_text = printed;
   {
@@ -64,7 +67,7 @@ std::string TrainingLoop::generate(const GenerationOptions& options, std::ostrea
       const int64_t next = sample_next_token(logits[0][logits.size(1) - 1].to(at::kCPU), options, generator);
       if (next == end) break;
       ids.push_back(next);
-      const std::string text = tokenizer.decode(ids);
+      const std::string text = decode();
       const size_t whole = complete_utf8_prefix(text);
       if (whole > printed.size()) {
         out << text.substr(printed.size(), whole - printed.size()) << std::flush;
@@ -74,7 +77,7 @@ std::string TrainingLoop::generate(const GenerationOptions& options, std::ostrea
     if (options.use_cache) model.end_generation();
   }
   if (was_training) module().train();
-  const std::string all = tokenizer.decode(ids);
+  const std::string all = decode();
   if (all.size() > printed.size()) out << all.substr(printed.size());
   out << "\n" << std::flush;
   log::info("generated " + std::to_string(ids.size() - prompt_tokens) + " tokens after a prompt of " + std::to_string(prompt_tokens) +
