@@ -15,6 +15,7 @@
 #include "checkpoint_support.h"
 #include "gpt_net.h"
 #include "support.h"
+#include <ember/support/safetensors.h>
 
 using namespace ember::test;
 namespace fs = std::filesystem;
@@ -459,6 +460,77 @@ TEST(LanguageModel, ByteLevelBpeGivesHuggingFaceIdsOnTheWholeCorpus) {
   for (const char* a : {"generate", "--ckpt", "last", "--prompt", "Zoë said:\n 'It is", "--max-new-tokens", "5", "run.toml"}) gen.push_back(a);
   auto g = run_engine_ok(dir, gen);
   EXPECT_EQ(g.out.rfind("Zoë said:\n 'It is", 0), 0u) << g.out;
+}
+
+// lora: the model's weights stay as they were, only the adapters (lora_A, lora_B on c_attn) train;
+// `engine export` folds them in (W + alpha/r B A, Conv1D's [in, out] layout), and the folded model
+// loaded back through model_dir generates exactly the text the adapted one does. Under sharded
+// stage 3 on 2 ranks it trains the adapters single_device does, and it runs under bf16-mixed.
+TEST(LanguageModel, LoraTrainsOnlyTheAdaptersAndExportFoldsThemIn) {
+  TempDir dir("lm_lora");
+  write_lm_run(dir);
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = {"--plugins", "lora", "run.toml", "--set", "trainer.accelerator=\"cpu\"", "--set", "data.shuffle=false",
+                                     "--set", "trainer.val_check_interval=6", "--set", "lora.rank=4", "--set", "lora.alpha=8.0"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  auto r = run_engine_ok(dir, with({"--set", "trainer.max_steps=1", "--set", "trainer.name=\"one\"", "--set", "data.batch_size=8"}), 600);
+  EXPECT_NE(r.err.find("lora: rank 4, alpha 8 on 2 of 8 linear layers (transformer.h.0.attn.c_attn, ...): 1024 trainable parameters"),
+            std::string::npos)
+      << r.err;
+  run_engine_ok(dir, with({"--set", "trainer.max_steps=6", "--set", "trainer.name=\"six\"", "--set", "data.batch_size=8"}), 600);
+  const auto one = weights(dir / "runs/one/version_0/checkpoints/last.ckpt"), six = weights(dir / "runs/six/version_0/checkpoints/last.ckpt");
+  ASSERT_EQ(one.size(), six.size());
+  int adapters = 0;
+  for (const auto& [name, t] : six) {
+    if (name.find(".lora_") != std::string::npos) {
+      ++adapters;
+      EXPECT_FALSE(at::equal(t, one.at(name))) << name << " did not train";
+    } else {
+      EXPECT_TRUE(at::equal(t, one.at(name))) << name << " is frozen but changed";
+    }
+  }
+  EXPECT_EQ(adapters, 4);  // lora_A and lora_B on the two c_attn layers
+  EXPECT_GT(six.at("transformer.h.1.attn.c_attn.lora_B").abs().max().item<double>(), 0.0);
+
+  // Export folds the adapters in.
+  const fs::path out = dir / "folded";
+  run_engine_ok(dir, {"export", (dir / "runs/six/version_0/checkpoints/last.ckpt").string(), out.string()});
+  ember::support::SafetensorsFile exported((out / "model.safetensors").string());
+  for (const auto& name : exported.names()) EXPECT_EQ(name.find("lora"), std::string::npos) << name;
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::string p = "transformer.h." + std::to_string(layer) + ".attn.c_attn.";
+    const at::Tensor want = six.at(p + "weight") + 2.0 * at::matmul(six.at(p + "lora_B"), six.at(p + "lora_A")).t();
+    EXPECT_LT((exported.tensor(p + "weight") - want).abs().max().item<double>(), 1e-6) << p;
+  }
+  const std::vector<std::string> greedy = {"generate", "--ckpt", (dir / "runs/six/version_0/checkpoints/last.ckpt").string(), "--prompt", "It is a ",
+                                           "--max-new-tokens", "30", "--temperature", "0", "--set", "trainer.accelerator=\"cpu\""};
+  auto adapted = greedy;
+  adapted.insert(adapted.begin(), {"--plugins", "lora", "--set", "lora.rank=4", "--set", "lora.alpha=8.0"});
+  adapted.push_back("run.toml");
+  auto folded = greedy;
+  folded.erase(folded.begin() + 1, folded.begin() + 3);  // no --ckpt: the weights come from model_dir
+  for (const std::string& a : std::vector<std::string>{"--set", "model.model_dir=\"" + out.string() + "\"", "run.toml"}) folded.push_back(a);
+  const auto a = run_engine_ok(dir, adapted), b = run_engine_ok(dir, folded);
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.out.size(), std::string("It is a ").size() + 30 + 1) << a.out;
+
+  if (EMBER_TEST_WITH_MPI) {
+    run_engine_ok(dir, with({"--plugins", "sharded", "--set", "sharded.stage=3", "--set", "trainer.devices=2", "--set", "trainer.max_steps=6",
+                             "--set", "trainer.name=\"sharded\"", "--set", "data.batch_size=4"}),
+                  600);
+    EXPECT_LE(max_weight_difference(dir / "runs/six/version_0/checkpoints/last.ckpt", dir / "runs/sharded/version_0/checkpoints/last.ckpt"), 1e-5);
+  }
+  run_engine_ok(dir, with({"--set", "trainer.max_steps=3", "--set", "trainer.name=\"bf16\"", "--set", "trainer.precision=\"bf16-mixed\""}), 600);
+
+  auto none = run_engine(with({"--set", "lora.target_modules=[\"nothing_here\"]", "--set", "trainer.max_steps=1"}), dir.path());
+  EXPECT_EQ(none.exit_code, 2) << none.err;
+  EXPECT_NE(none.err.find("matches none of model 'gpt''s 8 linear layers (e.g. transformer.h.0.attn.c_attn)"), std::string::npos) << none.err;
+  write_file(dir / "cnn.toml", "[trainer]\nmax_steps = 1\n[model]\nname = \"cnn\"\n[data]\nname = \"synthetic\"\n");
+  auto cnn = run_engine({"--plugins", "lora", "cnn.toml"}, dir.path());
+  EXPECT_EQ(cnn.exit_code, 2) << cnn.err;
+  EXPECT_NE(cnn.err.find("lora: model 'cnn' does not list its linear layers"), std::string::npos) << cnn.err;
 }
 
 // Bad input is one line that says what and how to fix it, and nothing trains.

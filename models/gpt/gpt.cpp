@@ -19,6 +19,7 @@
 #include <ember/host.h>
 #include <ember/language_model.h>
 #include <ember/model.h>
+#include <ember/model_adapters.h>
 #include <ember/model_export.h>
 #include <ember/model_flops.h>
 #include <ember/model_units.h>
@@ -87,6 +88,7 @@ class Gpt final : public ember::IModel,
                   public ember::UnitModel,
                   public ember::IModelFlops,
                   public ember::ICausalLanguageModel,
+                  public ember::ILinearLayers,
                   public ember::IExportableModel2 {
  public:
   Gpt(ember::IHost& host, const ember::IConfig& cfg) : host_(host) {
@@ -130,6 +132,7 @@ class Gpt final : public ember::IModel,
     if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
     if (std::strcmp(iid, ember::kCausalLanguageModelIid) == 0) return static_cast<ember::ICausalLanguageModel*>(this);
     if (std::strcmp(iid, ember::kExportableModel2Iid) == 0) return static_cast<ember::IExportableModel2*>(this);
+    if (std::strcmp(iid, ember::kLinearLayersIid) == 0) return static_cast<ember::ILinearLayers*>(this);
     if (std::strcmp(iid, ember::kExportableModelIid) == 0) return static_cast<ember::IExportableModel*>(this);
     return unit_model_interface(iid);
   }
@@ -160,6 +163,12 @@ class Gpt final : public ember::IModel,
   bool set_selective_checkpointing(bool on) override {
     net_->set_selective_checkpointing(on);
     return true;
+  }
+
+  // ILinearLayers: the blocks' projections (attention and MLP), for adapters such as LoRA.
+  std::vector<ember::LinearLayer> linear_layers() override { return net_->linear_layers(); }
+  void set_linear_adapter(const std::string& name, std::shared_ptr<ember::ILinearAdapter> adapter) override {
+    net_->set_linear_adapter(name, std::move(adapter));
   }
 
   // ICausalLanguageModel

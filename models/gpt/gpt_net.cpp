@@ -1,5 +1,6 @@
 #include "gpt_net.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -153,7 +154,8 @@ at::Tensor NormImpl::forward(const at::Tensor& x) {
   return weight * normed.to(x.scalar_type());
 }
 
-AttentionImpl::AttentionImpl(const GptShape& shape) : shape_(shape) {
+AttentionImpl::AttentionImpl(const GptShape& shape, std::shared_ptr<const Adapters> adapters, std::string prefix)
+    : shape_(shape), adapters_(std::move(adapters)), prefix_(std::move(prefix)) {
   const int64_t c = shape.width, kv = shape.kv_heads * shape.head_dim();
   if (shape.flavour == Flavour::gpt2) {
     c_attn_ = register_module("c_attn", Conv1D(c, 3 * c, shape.bias));
@@ -172,14 +174,14 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, at::Tensor* k_cache, at::
   const int64_t n = x.size(0), t = x.size(1), h = shape_.heads, kvh = shape_.kv_heads, d = shape_.head_dim();
   at::Tensor q, k, v;
   if (shape_.flavour == Flavour::gpt2) {
-    const auto qkv = c_attn_(x).split(shape_.width, -1);
+    const auto qkv = adapters_->apply(prefix_ + "c_attn", x, c_attn_(x)).split(shape_.width, -1);
     q = qkv[0].view({n, t, h, d}).transpose(1, 2);
     k = qkv[1].view({n, t, h, d}).transpose(1, 2);
     v = qkv[2].view({n, t, h, d}).transpose(1, 2);
   } else {
-    q = q_(x).view({n, t, h, d}).transpose(1, 2);
-    k = k_(x).view({n, t, kvh, d}).transpose(1, 2);
-    v = v_(x).view({n, t, kvh, d}).transpose(1, 2);
+    q = adapters_->apply(prefix_ + "q_proj", x, q_(x)).view({n, t, h, d}).transpose(1, 2);
+    k = adapters_->apply(prefix_ + "k_proj", x, k_(x)).view({n, t, kvh, d}).transpose(1, 2);
+    v = adapters_->apply(prefix_ + "v_proj", x, v_(x)).view({n, t, kvh, d}).transpose(1, 2);
     q = q * cos + rotate_half(q) * sin;
     k = k * cos + rotate_half(k) * sin;
   }
@@ -203,10 +205,11 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, at::Tensor* k_cache, at::
     mask = at::ones({t, past + t}, x.options().dtype(at::kBool)).tril(past);
   const double p = is_training() ? shape_.dropout : 0.0;
   const at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, p, causal).transpose(1, 2).reshape({n, t, shape_.width});
-  return shape_.flavour == Flavour::gpt2 ? c_proj_(y) : o_(y);
+  return shape_.flavour == Flavour::gpt2 ? adapters_->apply(prefix_ + "c_proj", y, c_proj_(y)) : adapters_->apply(prefix_ + "o_proj", y, o_(y));
 }
 
-MlpImpl::MlpImpl(const GptShape& shape) : shape_(shape) {
+MlpImpl::MlpImpl(const GptShape& shape, std::shared_ptr<const Adapters> adapters, std::string prefix)
+    : shape_(shape), adapters_(std::move(adapters)), prefix_(std::move(prefix)) {
   if (shape.flavour == Flavour::gpt2) {
     c_fc_ = register_module("c_fc", Conv1D(shape.width, shape.ff_width, shape.bias));
     c_proj_ = register_module("c_proj", Conv1D(shape.ff_width, shape.width, shape.bias));
@@ -219,16 +222,22 @@ MlpImpl::MlpImpl(const GptShape& shape) : shape_(shape) {
 }
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
-  if (shape_.flavour == Flavour::gpt2) return c_proj_(at::gelu(c_fc_(x), shape_.gelu_tanh ? "tanh" : "none"));
-  return down_(at::silu(gate_(x)) * up_(x));
+  const Adapters& a = *adapters_;
+  if (shape_.flavour == Flavour::gpt2) {
+    const at::Tensor h = at::gelu(a.apply(prefix_ + "c_fc", x, c_fc_(x)), shape_.gelu_tanh ? "tanh" : "none");
+    return a.apply(prefix_ + "c_proj", h, c_proj_(h));
+  }
+  const at::Tensor h = at::silu(a.apply(prefix_ + "gate_proj", x, gate_(x))) * a.apply(prefix_ + "up_proj", x, up_(x));
+  return a.apply(prefix_ + "down_proj", h, down_(h));
 }
 
-BlockImpl::BlockImpl(const GptShape& shape) : dropout_(shape.dropout) {
+BlockImpl::BlockImpl(const GptShape& shape, const std::shared_ptr<const Adapters>& adapters, const std::string& prefix)
+    : dropout_(shape.dropout) {
   const bool llama = shape.flavour == Flavour::llama;
   norm1_ = register_module(llama ? "input_layernorm" : "ln_1", Norm(shape.width, llama, shape.bias, shape.norm_eps));
-  attn_ = register_module(llama ? "self_attn" : "attn", Attention(shape));
+  attn_ = register_module(llama ? "self_attn" : "attn", Attention(shape, adapters, prefix + (llama ? "self_attn." : "attn.")));
   norm2_ = register_module(llama ? "post_attention_layernorm" : "ln_2", Norm(shape.width, llama, shape.bias, shape.norm_eps));
-  mlp_ = register_module("mlp", Mlp(shape));
+  mlp_ = register_module("mlp", Mlp(shape, adapters, prefix + "mlp."));
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache, int64_t past, const at::Tensor& cos,
@@ -249,7 +258,7 @@ GptNet::GptNet(const GptShape& shape) : shape_(shape) {
   if (!llama) positions_ = body_->register_module("wpe", torch::nn::Embedding(shape.context_length, shape.width));
   block_list_ = body_->register_module(llama ? "layers" : "h", torch::nn::ModuleList());
   for (int64_t i = 0; i < shape.layers; ++i) {
-    blocks_.emplace_back(shape);
+    blocks_.emplace_back(shape, adapters_, c10::str(llama ? "model.layers." : "transformer.h.", i, "."));
     block_list_->push_back(blocks_.back());
   }
   final_norm_ = body_->register_module(llama ? "norm" : "ln_f", Norm(shape.width, llama, shape.bias, shape.norm_eps));
@@ -382,6 +391,36 @@ std::vector<std::string> GptNet::load_safetensors(const std::string& path) {
     unused.push_back(name);
   }
   return unused;
+}
+
+std::vector<ember::LinearLayer> GptNet::linear_layers() {
+  std::vector<ember::LinearLayer> out;
+  for (auto& item : named_modules()) {
+    ember::LinearLayer l;
+    l.name = item.key();
+    if (l.name.rfind(shape_.flavour == Flavour::llama ? "model.layers." : "transformer.h.", 0) != 0) continue;
+    if (auto* conv = dynamic_cast<Conv1DImpl*>(item.value().get())) {
+      l.in_features = conv->weight.size(0);
+      l.out_features = conv->weight.size(1);
+      l.weight_in_out = true;
+    } else if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(item.value().get())) {
+      l.in_features = linear->weight.size(1);
+      l.out_features = linear->weight.size(0);
+    } else {
+      continue;
+    }
+    l.module = item.value().get();
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
+void GptNet::set_linear_adapter(const std::string& name, std::shared_ptr<ember::ILinearAdapter> adapter) {
+  const auto layers = linear_layers();
+  if (std::none_of(layers.begin(), layers.end(), [&](const ember::LinearLayer& l) { return l.name == name; }))
+    throw ember::RunError("gpt: no linear layer named '" + name + "' (e.g. " + (layers.empty() ? std::string("none") : layers.front().name) + ")");
+  if (adapter) adapters_->by_name[name] = std::move(adapter);
+  else adapters_->by_name.erase(name);
 }
 
 int64_t GptNet::matmul_parameters() const {

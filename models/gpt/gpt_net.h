@@ -8,6 +8,7 @@
 // and export without renaming or transposing.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
+#include <ember/model_adapters.h>
 #include <ember/model_units.h>
 
 namespace ember_gpt {
@@ -56,6 +58,17 @@ struct GenerationCache {
   int64_t capacity = 0;
 };
 
+// The branches plugins added to the network's linear layers (ember/model_adapters.h: LoRA), by
+// the layer's name in module(); shared by the blocks, empty unless a plugin adds one.
+struct Adapters {
+  std::map<std::string, std::shared_ptr<ember::ILinearAdapter>> by_name;
+  at::Tensor apply(const std::string& name, const at::Tensor& x, const at::Tensor& y) const {
+    if (by_name.empty()) return y;
+    const auto it = by_name.find(name);
+    return it == by_name.end() ? y : y + it->second->forward(x);
+  }
+};
+
 // x [.., in] -> [.., out] with weight [in, out]: the GPT-2 checkpoint's layout.
 class Conv1DImpl : public torch::nn::Module {
  public:
@@ -83,14 +96,17 @@ TORCH_MODULE(Norm);
 // grouped-query heads. Causal, through at::scaled_dot_product_attention.
 class AttentionImpl : public torch::nn::Module {
  public:
-  explicit AttentionImpl(const GptShape& shape);
+  AttentionImpl(const GptShape& shape, std::shared_ptr<const Adapters> adapters, std::string prefix);
   // x [N, T, C] at positions [past, past + T); k_cache/v_cache (undefined: no cache) hold the
   // earlier positions and get this call's appended. cos/sin [T, head_dim] (llama).
   at::Tensor forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache, int64_t past, const at::Tensor& cos,
                      const at::Tensor& sin);
 
  private:
+  at::Tensor project(const std::string& name, torch::nn::Module& layer, const at::Tensor& x);
   GptShape shape_;
+  std::shared_ptr<const Adapters> adapters_;
+  std::string prefix_;  // "transformer.h.3.attn." / "model.layers.3.self_attn."
   Conv1D c_attn_{nullptr}, c_proj_{nullptr};
   torch::nn::Linear q_{nullptr}, k_{nullptr}, v_{nullptr}, o_{nullptr};
 };
@@ -98,11 +114,13 @@ TORCH_MODULE(Attention);
 
 class MlpImpl : public torch::nn::Module {
  public:
-  explicit MlpImpl(const GptShape& shape);
+  MlpImpl(const GptShape& shape, std::shared_ptr<const Adapters> adapters, std::string prefix);
   at::Tensor forward(const at::Tensor& x);
 
  private:
   GptShape shape_;
+  std::shared_ptr<const Adapters> adapters_;
+  std::string prefix_;
   Conv1D c_fc_{nullptr}, c_proj_{nullptr};
   torch::nn::Linear gate_{nullptr}, up_{nullptr}, down_{nullptr};
 };
@@ -111,7 +129,7 @@ TORCH_MODULE(Mlp);
 // One decoder block: pre-norm attention and MLP, each with a residual.
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const GptShape& shape);
+  BlockImpl(const GptShape& shape, const std::shared_ptr<const Adapters>& adapters, const std::string& prefix);
   at::Tensor forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache, int64_t past, const at::Tensor& cos,
                      const at::Tensor& sin);
   void recompute_mlp(bool on) { recompute_mlp_ = on; }
@@ -148,6 +166,9 @@ class GptNet : public torch::nn::Module {
   // naming the file and the tensor on a missing tensor or a shape mismatch. Returns the names
   // of the file's tensors this network does not use.
   std::vector<std::string> load_safetensors(const std::string& path);
+  // The blocks' linear layers, and the branches plugins add to them (ember/model_adapters.h).
+  std::vector<ember::LinearLayer> linear_layers();
+  void set_linear_adapter(const std::string& name, std::shared_ptr<ember::ILinearAdapter> adapter);
   // Matrix-multiply parameters that a token's forward runs through (the lm_head included, the
   // embedding lookups not): the 6N of the FLOPs estimate.
   int64_t matmul_parameters() const;
@@ -162,6 +183,7 @@ class GptNet : public torch::nn::Module {
   Norm final_norm_{nullptr};
   torch::nn::Linear lm_head_{nullptr};
   ember::ModelUnits* units_ = nullptr;
+  std::shared_ptr<Adapters> adapters_ = std::make_shared<Adapters>();
   at::Tensor inv_freq_;  // llama: [head_dim / 2] float, on the CPU
 };
 

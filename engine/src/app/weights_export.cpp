@@ -15,6 +15,8 @@
 #include <vector>
 
 #include <ember/model.h>
+#include <ember/callback.h>
+#include <ember/model_adapters.h>
 #include <ember/model_export.h>
 #include <ember/support/safetensors.h>
 
@@ -90,6 +92,25 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
     const Plan plan = make_plan(req);
     make_plugin_object(model, *plan.model, host, plan.config.section("model"));
     model_name = model.name;
+    // Plugins that changed the model for training (LoRA) change it again, so that the names match,
+    // and fold what they added into the model's own weights below.
+    std::vector<Named<ICallback>> transforms;
+    // A resolved configuration states every default, which some callbacks refuse as a conflict
+    // (checkpoint's every_n_epochs with every_n_train_steps): one that cannot be made from it is
+    // left out here; had it changed the model, the name check below would say so.
+    for (const auto* c : plan.callbacks) {
+      Named<ICallback> n;
+      try {
+        make_plugin_object(n, *c, host, plan.config.section(c->name));
+      } catch (const std::exception& e) {
+        log::debug("export: callback '" + c->name + "' not made from the checkpoint's config (" + e.what() + ")");
+        continue;
+      }
+      if (auto* t = static_cast<IModelTransform*>(n.object->query_interface(kModelTransformIid))) {
+        t->transform_model(*model.object, model.name);
+        transforms.push_back(std::move(n));
+      }
+    }
     // The checkpoint must be this module's: same names, same shapes (a changed config or model
     // folder would otherwise export names that do not fit the tensors).
     const auto expected = module_tensors(model.object->module());
@@ -107,6 +128,13 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
     for (const auto& [name, t] : expected)
       if (!seen.count(name))
         throw UsageError(c10::str(ckpt, ": state_dict lacks '", name, "' of model '", model.name, "': not a checkpoint of this model"));
+    for (auto& t : transforms) {
+      std::vector<NamedTensor> named;
+      for (auto& [name, tensor] : state) named.push_back({name, tensor});
+      static_cast<IModelTransform*>(t.object->query_interface(kModelTransformIid))->fold_for_export(named);
+      state.clear();
+      for (auto& n : named) state.emplace_back(std::move(n.name), std::move(n.tensor));
+    }
     auto* exportable2 = static_cast<IExportableModel2*>(model.object->query_interface(kExportableModel2Iid));
     auto* exportable = exportable2 ? exportable2 : static_cast<IExportableModel*>(model.object->query_interface(kExportableModelIid));
     if (exportable) {

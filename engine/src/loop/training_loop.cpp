@@ -75,6 +75,10 @@ void TrainingLoop::setup() {
   // Before the precision handler and the strategy: their dtype casts and placement keep the
   // memory format.
   if (feed_options_.channels_last) to_channels_last(model.module());
+  // Plugins that change the model (LoRA) do it before anything converts, places or shards it.
+  for (auto& c : plugins_.callbacks)
+    if (auto* transform = static_cast<IModelTransform*>(c.object->query_interface(kModelTransformIid)))
+      transform->transform_model(model, plugins_.model.name);
   // A language model must know every token id its data makes (else the first batch fails deep
   // inside an embedding lookup).
   check_vocabularies(model, plugins_.model.name, *plugins_.data.object, plugins_.data.name);

@@ -6,6 +6,7 @@
 #include <ember/host.h>
 #include <ember/logger.h>
 #include <ember/model.h>
+#include <ember/model_adapters.h>
 #include <ember/model_units.h>
 #include <ember/precision.h>
 #include <ember/strategy.h>

@@ -64,7 +64,10 @@ std::string TrainingLoop::generate(const GenerationOptions& options, std::ostrea
           logits = model.generation_step(tensor_of(ids.end() - 1, ids.end()));
         }
       }
-      const int64_t next = sample_next_token(logits[0][logits.size(1) - 1].to(at::kCPU), options, generator);
+      // Only tokens the tokenizer knows: a model's vocabulary may be padded past it (nanoGPT's
+      // 50,304 for GPT-2's 50,257), and those ids decode to nothing.
+      const at::Tensor last = logits[0][logits.size(1) - 1].narrow(0, 0, std::min<int64_t>(logits.size(2), tokenizer.vocab_size()));
+      const int64_t next = sample_next_token(last.to(at::kCPU), options, generator);
       if (next == end) break;
       ids.push_back(next);
       const std::string text = decode();

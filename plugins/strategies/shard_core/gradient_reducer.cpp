@@ -72,7 +72,7 @@ void GradientReducer::launch_scatter(size_t g) {
       deliver(p, p.param.grad().reshape({-1}));
       if (c_.o.stage >= 2) p.param.mutable_grad() = at::Tensor();
     }
-    if (c_.o.stage == 3 && grp.unit >= 0) gather_.release(g);
+    if (c_.o.stage == 3 && grp.unit >= 0 && !t_.has_frozen(g)) gather_.release(g);
     return;
   }
   const auto& first = t_.params[grp.params.front()];
@@ -92,8 +92,10 @@ void GradientReducer::launch_scatter(size_t g) {
   c_.comm.label("reduce-scatter of " + grp.name);
   at::Tensor flat = grp.scatter_in.view({-1});
   grp.scatter_work = c_.comm.backend()._reduce_scatter_base(grp.scatter_out, flat, opts);
-  // Stage 3: this unit's backward is done, its parameters can go.
-  if (c_.o.stage == 3 && grp.unit >= 0) gather_.release(g);
+  // Stage 3: this unit's backward is done, its parameters can go. Not when the unit holds frozen
+  // parameters (LoRA's base weights): its backward still needs them for the input's gradient
+  // after the last trainable gradient arrived; the earlier unit's backward releases them.
+  if (c_.o.stage == 3 && grp.unit >= 0 && !t_.has_frozen(g)) gather_.release(g);
 }
 
 void GradientReducer::finish_scatter(size_t g) {

@@ -109,6 +109,12 @@ size_t ShardTable::group_of_unit(int64_t unit) const {
   return unit_group[static_cast<size_t>(unit)];
 }
 
+bool ShardTable::has_frozen(size_t g) const {
+  for (size_t k : groups.at(g).params)
+    if (!params[k].trainable) return true;
+  return false;
+}
+
 at::Tensor ShardTable::my_part(const ShardedParam& p, const at::Tensor& whole, int64_t rank) {
   return whole.reshape({-1}).narrow(0, std::min(rank * p.chunk, p.numel), p.valid);
 }

@@ -36,6 +36,8 @@ struct ShardTable {
   void index_shards();
 
   size_t group_of_unit(int64_t unit) const;
+  // Whether group g holds a parameter that trains no gradient (frozen: LoRA's base weights).
+  bool has_frozen(size_t g) const;
   // This rank's part of a whole tensor shaped like parameter p.
   static at::Tensor my_part(const ShardedParam& p, const at::Tensor& whole, int64_t rank);
   const ShardedParam& param_of(const at::Tensor& shard) const { return params[param_of_shard.at(shard.unsafeGetTensorImpl())]; }

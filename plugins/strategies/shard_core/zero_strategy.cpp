@@ -248,6 +248,10 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks {
     if (g != kNone) gather_.release(g);
   }
   void before_unit_backward(int64_t unit) override {
+    // The unit after this one has finished its backward (its input is this unit's output): a
+    // unit with frozen parameters kept them for it (gradient_reducer.cpp) and lets them go now.
+    const size_t done = table_.group_of_unit(unit + 1);
+    if (done != kNone && table_.has_frozen(done)) gather_.release(done);
     const size_t g = table_.group_of_unit(unit);
     if (g == kNone) return;
     gather_.materialize(g);

@@ -1,0 +1,160 @@
+// lora: low-rank adaptation (Hu et al. 2021, PEFT's LoraConfig): the model's weights are frozen
+// and each targeted linear layer gets a trainable branch
+//     y = W x + (alpha / rank) * B A dropout(x),   A [rank, in] (Kaiming-uniform), B [out, rank] (zeros),
+// so training starts from the model as it is. A and B are parameters of the layer's module
+// (`<layer>.lora_A`, `<layer>.lora_B`): the precision handler converts them, strategies place,
+// shard and synchronise them and checkpoints hold them like any other parameter. `engine export`
+// folds them into the weights (W + (alpha / rank) B A), so the export is the plain model's.
+// Needs a model that lists its linear layers (ember/model_adapters.h: gpt).
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <c10/util/StringUtil.h>
+#include <torch/nn/init.h>
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <ember/config.h>
+#include <ember/error.h>
+#include <ember/host.h>
+#include <ember/model.h>
+#include <ember/model_adapters.h>
+#include <ember/plugin.h>
+#include <ember/support/callback_base.h>
+
+namespace {
+
+constexpr EmberConfigKey kKeys[] = {
+    ember::key::Int("rank", "8", "Rank r of the update B A.").at_least(1),
+    ember::key::Float("alpha", "16.0", "Scale: the update is multiplied by alpha / rank (PEFT's lora_alpha).").above(0.0),
+    ember::key::Float("dropout", "0.0", "Dropout on the branch's input while training, in [0, 1) (PEFT's lora_dropout).").at_least(0.0).below(1.0),
+    ember::key::StringList("target_modules", "[\"c_attn\", \"q_proj\", \"v_proj\"]", "Layers to adapt: a layer whose name ends with an entry (\"c_attn\", \"mlp.c_fc\", \"q_proj\") or matches it as a regular expression (\"layers\\\\.[0-3]\\\\..*_proj\"). The defaults are PEFT's for GPT-2 (c_attn) and Llama (q_proj, v_proj)."),
+};
+
+// The branch of one layer. Its parameters live in the layer's module; it keeps handles to them.
+class LoraBranch final : public ember::ILinearAdapter {
+ public:
+  LoraBranch(at::Tensor a, at::Tensor b, double scale, double dropout, torch::nn::Module& layer)
+      : a_(std::move(a)), b_(std::move(b)), scale_(scale), dropout_(dropout), layer_(layer) {}
+  at::Tensor forward(const at::Tensor& x) override {
+    const at::Tensor in = dropout_ > 0.0 && layer_.is_training() ? at::dropout(x, dropout_, true) : x;
+    return at::matmul(at::matmul(in, a_.t()), b_.t()) * scale_;
+  }
+
+ private:
+  at::Tensor a_, b_;
+  double scale_, dropout_;
+  torch::nn::Module& layer_;
+};
+
+bool targets(const std::string& name, const std::vector<std::string>& patterns) {
+  for (const auto& p : patterns) {
+    if (name.size() >= p.size() && name.compare(name.size() - p.size(), p.size(), p) == 0 &&
+        (name.size() == p.size() || name[name.size() - p.size() - 1] == '.'))
+      return true;
+    try {
+      if (std::regex_match(name, std::regex(p))) return true;
+    } catch (const std::regex_error&) {
+    }
+  }
+  return false;
+}
+
+class Lora final : public ember::Callback, public ember::IModelTransform {
+ public:
+  Lora(ember::IHost& host, const ember::IConfig& cfg)
+      : host_(host),
+        rank_(cfg.get_int("rank")),
+        alpha_(cfg.get_float("alpha")),
+        dropout_(cfg.get_float("dropout")),
+        patterns_(cfg.get_string_list("target_modules")),
+        where_(cfg.where("target_modules")),
+        section_(cfg.section()) {
+    if (patterns_.empty())
+      throw ember::ConfigError(c10::str("[", section_, "] target_modules = [] (", where_, "): name the layers to adapt, e.g. [\"c_attn\"]"));
+  }
+
+  void* query_interface(const char* iid) override {
+    return std::strcmp(iid, ember::kModelTransformIid) == 0 ? static_cast<ember::IModelTransform*>(this) : nullptr;
+  }
+
+  void transform_model(ember::IModel& model, const std::string& model_name) override {
+    auto* linears = static_cast<ember::ILinearLayers*>(model.query_interface(ember::kLinearLayersIid));
+    if (linears == nullptr)
+      throw ember::ConfigError(c10::str("lora: model '", model_name, "' does not list its linear layers (ember::ILinearLayers, ",
+                                        "sdk/include/ember/model_adapters.h), so it cannot be adapted: use a model that does (gpt)"));
+    const auto layers = linears->linear_layers();
+    std::vector<ember::LinearLayer> chosen;
+    for (const auto& l : layers)
+      if (targets(l.name, patterns_)) chosen.push_back(l);
+    if (chosen.empty())
+      throw ember::ConfigError(c10::str("[", section_, "] target_modules (", where_, ") matches none of model '", model_name, "''s ", layers.size(),
+                                        " linear layers (e.g. ", layers.empty() ? std::string("none") : layers.front().name, ")"));
+    int64_t frozen = 0, trained = 0;
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : model.module().parameters()) {
+        p.set_requires_grad(false);
+        frozen += p.numel();
+      }
+      const double scale = alpha_ / static_cast<double>(rank_);
+      for (const auto& l : chosen) {
+        const auto options = l.module->named_parameters(false)["weight"].options().requires_grad(false);
+        at::Tensor a = at::empty({rank_, l.in_features}, options);
+        // PEFT's initialisation: A Kaiming-uniform (a = sqrt(5), as nn.Linear), B zero.
+        torch::nn::init::kaiming_uniform_(a, std::sqrt(5.0));
+        at::Tensor b = at::zeros({l.out_features, rank_}, options);
+        a = l.module->register_parameter("lora_A", a);
+        b = l.module->register_parameter("lora_B", b);
+        trained += a.numel() + b.numel();
+        linears->set_linear_adapter(l.name, std::make_shared<LoraBranch>(a, b, scale, dropout_, *l.module));
+        layers_[l.name] = l;
+      }
+    }
+    host_.log(ember::LogLevel::info,
+              c10::str("lora: rank ", rank_, ", alpha ", alpha_, " on ", chosen.size(), " of ", layers.size(), " linear layers (", chosen.front().name,
+                       chosen.size() > 1 ? ", ..." : "", "): ", trained, " trainable parameters, ", frozen, " frozen (",
+                       100.0 * static_cast<double>(trained) / static_cast<double>(trained + frozen), "% trained)"));
+  }
+
+  void fold_for_export(std::vector<ember::NamedTensor>& state) override {
+    std::map<std::string, size_t> index;
+    for (size_t i = 0; i < state.size(); ++i) index[state[i].name] = i;
+    const double scale = alpha_ / static_cast<double>(rank_);
+    std::vector<bool> drop(state.size(), false);
+    for (const auto& [name, l] : layers_) {
+      const auto w = index.find(name + ".weight"), a = index.find(name + ".lora_A"), b = index.find(name + ".lora_B");
+      if (w == index.end() || a == index.end() || b == index.end())
+        throw ember::RunError(c10::str("lora: the checkpoint lacks ", name, ".weight, .lora_A or .lora_B: not a checkpoint of this LoRA configuration"));
+      at::Tensor& weight = state[w->second].tensor;
+      const at::Tensor delta = at::matmul(state[b->second].tensor.to(at::kDouble), state[a->second].tensor.to(at::kDouble)) * scale;  // [out, in]
+      weight = (weight.to(at::kDouble) + (l.weight_in_out ? delta.t() : delta)).to(weight.scalar_type()).contiguous();
+      drop[a->second] = drop[b->second] = true;
+    }
+    std::vector<ember::NamedTensor> kept;
+    for (size_t i = 0; i < state.size(); ++i)
+      if (!drop[i]) kept.push_back(std::move(state[i]));
+    state = std::move(kept);
+    host_.log(ember::LogLevel::info, c10::str("lora: folded the adapters of ", layers_.size(), " layers into their weights (W + ", scale, " B A)"));
+  }
+
+ private:
+  ember::IHost& host_;
+  int64_t rank_;
+  double alpha_, dropout_;
+  std::vector<std::string> patterns_;
+  std::string where_, section_;
+  std::map<std::string, ember::LinearLayer> layers_;
+};
+
+ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return new Lora(host, cfg); }
+
+}  // namespace
+
+EMBER_PLUGIN(ember::ICallback, "lora", "0.1.0", "Apache-2.0",
+             "Low-rank adaptation: freezes the model and trains rank-r branches on the chosen linear layers; engine export folds them in.",
+             EMBER_CONFIG_KEYS(kKeys), make)
