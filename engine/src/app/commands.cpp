@@ -38,6 +38,14 @@ void print_results(const std::vector<std::pair<std::string, double>>& results) {
   std::fflush(stdout);
 }
 
+// --ckpt: best, last, or an existing checkpoint file or sharded folder (checked before any rank starts).
+void require_checkpoint_argument(const std::string& checkpoint) {
+  if (checkpoint.empty() || checkpoint == "best" || checkpoint == "last") return;
+  std::error_code ec;
+  if (!fs::is_regular_file(checkpoint, ec) && !is_sharded_checkpoint(checkpoint))
+    throw UsageError("--ckpt " + checkpoint + ": no such checkpoint file (give a .ckpt path, or best / last)");
+}
+
 }  // namespace
 
 int print_config(const RunRequest& req, std::ostream& out) {
@@ -63,11 +71,7 @@ int run_training(const RunRequest& req) {
 }
 
 int evaluate_checkpoint(const RunRequest& req, Split split, const std::string& checkpoint, bool predict) {
-  if (!checkpoint.empty() && checkpoint != "best" && checkpoint != "last") {
-    std::error_code ec;
-    if (!fs::is_regular_file(checkpoint, ec) && !is_sharded_checkpoint(checkpoint))
-      throw UsageError("--ckpt " + checkpoint + ": no such checkpoint file (give a .ckpt path, or best / last)");
-  }
+  require_checkpoint_argument(checkpoint);
   RunSession session(req);
   if (!session.is_rank()) return session.launcher_exit_code();
   if (predict) {
@@ -81,11 +85,7 @@ int evaluate_checkpoint(const RunRequest& req, Split split, const std::string& c
 }
 
 int generate_text(const RunRequest& req, const std::string& checkpoint, const GenerationOptions& options) {
-  if (!checkpoint.empty() && checkpoint != "best" && checkpoint != "last") {
-    std::error_code ec;
-    if (!fs::is_regular_file(checkpoint, ec) && !is_sharded_checkpoint(checkpoint))
-      throw UsageError("--ckpt " + checkpoint + ": no such checkpoint file (give a .ckpt path, or best / last)");
-  }
+  require_checkpoint_argument(checkpoint);
   RunSession session(req);
   if (!session.is_rank()) return session.launcher_exit_code();
   session.generate(checkpoint, options, std::cout);
