@@ -533,6 +533,16 @@ TEST(LanguageModel, LoraTrainsOnlyTheAdaptersAndExportFoldsThemIn) {
   EXPECT_NE(cnn.err.find("lora: model 'cnn' does not list its linear layers"), std::string::npos) << cnn.err;
 }
 
+// The language-model configs resolve: every key is one their plugins know, with a valid value.
+TEST(LanguageModel, ConfigsResolve) {
+  TempDir dir("lm_configs");
+  for (const char* config : {"austen_char_gpt.toml", "austen_bpe_llama.toml", "gpt2_124m_gpu.toml"}) {
+    auto r = run_engine({"config", (source_dir() / "configs" / config).string()}, dir.path());
+    EXPECT_EQ(r.exit_code, 0) << config << ": " << r.err;
+    EXPECT_NE(r.out.find("name = 'gpt'"), std::string::npos) << config;
+  }
+}
+
 // Bad input is one line that says what and how to fix it, and nothing trains.
 TEST(LanguageModel, BadInputIsOneLineWithTheFix) {
   TempDir dir("lm_bad");
