@@ -91,7 +91,7 @@ class Gpt final : public ember::IModel,
                   public ember::ILinearLayers,
                   public ember::IExportableModel2 {
  public:
-  Gpt(ember::IHost& host, const ember::IConfig& cfg) : host_(host) {
+  Gpt(ember::IHost& host, const ember::IConfig& cfg) {
     GptShape shape;
     std::string origin = "initialised from the [model] keys";
     const std::string dir = cfg.get_string("model_dir");
@@ -218,7 +218,6 @@ class Gpt final : public ember::IModel,
       throw ember::RunError(c10::str("gpt: got inputs ", ids.scalar_type(), " ", ids.sizes(), ", expected token ids int64 [N, T] (the text_lm data module)"));
     return ids.scalar_type() == at::kLong ? ids : ids.to(at::kLong);
   }
-  ember::IHost& host_;
   std::shared_ptr<ember_gpt::GptNet> net_;
   ember_gpt::GenerationCache cache_;
 };
