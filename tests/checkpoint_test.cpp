@@ -122,6 +122,42 @@ monitor = "val_los"
   EXPECT_NE(r.err.find("did you mean 'val_loss'"), std::string::npos) << r.err;
 }
 
+// Lightning's rule: every_n_train_steps and an every_n_epochs the user gave are mutually
+// exclusive (one line); every_n_train_steps alone turns saving by epoch off. A run's own
+// config.toml (the resolved configuration, every key that has a value) trains again: it does not
+// state the unset every_n_epochs, so it is no conflict.
+TEST(CheckpointRun, StepAndEpochTriggersAndTheRunsOwnConfigTrainsAgain) {
+  TempDir dir("ckpt");
+  write_file(dir / "run.toml", R"(
+[trainer]
+max_epochs = 2
+enable_progress_bar = false
+[model]
+name = "mlp"
+input_size = 8
+hidden = [4]
+[data]
+name = "synthetic"
+shape = [8]
+num_train = 32
+batch_size = 8
+[checkpoint]
+every_n_train_steps = 3
+save_top_k = -1
+)");
+  auto both = run_engine({"run.toml", "--set", "checkpoint.every_n_epochs=1"}, dir.path());
+  EXPECT_EQ(both.exit_code, 2) << both.err;
+  EXPECT_NE(both.err.find("every_n_epochs = 1 and every_n_train_steps = 3 are mutually exclusive"), std::string::npos) << both.err;
+  run_engine_ok(dir, {"run.toml"});
+  // 8 steps: saves at steps 3 and 6 only (not at the epoch ends, steps 4 and 8), and last.ckpt.
+  EXPECT_TRUE(std::filesystem::exists(dir / "runs/run/version_0/checkpoints/epoch=0-step=3.ckpt"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "runs/run/version_0/checkpoints/epoch=0-step=4.ckpt"));
+  const std::string resolved = read_file(dir / "runs/run/version_0/config.toml");
+  EXPECT_EQ(resolved.find("\nevery_n_epochs ="), std::string::npos) << resolved;
+  auto again = run_engine({"runs/run/version_0/config.toml", "--set", "trainer.default_root_dir=\"again\""}, dir.path());
+  EXPECT_EQ(again.exit_code, 0) << again.err;
+}
+
 TEST(CheckpointFile, AtomicWriteSurvivesAKilledWriter) {
   TempDir dir("ckpt");
   const auto path = dir / "model.ckpt";

@@ -95,9 +95,9 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
     // Plugins that changed the model for training (LoRA) change it again, so that the names match,
     // and fold what they added into the model's own weights below.
     std::vector<Named<ICallback>> transforms;
-    // A resolved configuration states every default, which some callbacks refuse as a conflict
-    // (checkpoint's every_n_epochs with every_n_train_steps): one that cannot be made from it is
-    // left out here; had it changed the model, the name check below would say so.
+    // Only the callbacks that change the model matter here: one that cannot be made from the
+    // checkpoint's configuration (a file it names moved, say) is left out; had it changed the
+    // model, the name check below would say so.
     for (const auto* c : plan.callbacks) {
       Named<ICallback> n;
       try {

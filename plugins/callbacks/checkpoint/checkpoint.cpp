@@ -57,8 +57,8 @@ constexpr EmberConfigKey kKeys[] = {
         "How many of the best checkpoints to keep: -1 = all, 0 = none (last.ckpt is still written).").at_least(-1),
     ember::key::Bool("save_last", "true",
         "Also write last.ckpt at every save; true by default (Lightning: off) so `--resume last` works out of the box."),
-    ember::key::Int("every_n_epochs", "1",
-        "Save top-k every N training epochs (0 = never by epoch); unless set explicitly, 0 when every_n_train_steps > 0.").at_least(0),
+    ember::key::Int("every_n_epochs", nullptr,
+        "Save top-k every N training epochs (0 = never by epoch); unset = 1, or 0 when every_n_train_steps > 0.").at_least(0),
     ember::key::Int("every_n_train_steps", "0",
         "Save top-k every N optimizer steps (0 = off); excludes an explicitly set every_n_epochs, like Lightning.").at_least(0),
     ember::key::Bool("save_weights_only", "false",
@@ -274,7 +274,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
         monitor_(cfg.get_string("monitor")),
         save_top_k_(cfg.get_int("save_top_k")),
         save_last_(cfg.get_bool("save_last")),
-        every_n_epochs_(cfg.get_int("every_n_epochs")),
+        every_n_epochs_(cfg.has("every_n_epochs") ? cfg.get_int("every_n_epochs") : 1),
         every_n_train_steps_(cfg.get_int("every_n_train_steps")),
         save_weights_only_(cfg.get_bool("save_weights_only")),
         auto_insert_metric_name_(cfg.get_bool("auto_insert_metric_name")),
@@ -292,7 +292,9 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     // Lightning: the step and epoch triggers are mutually exclusive; giving only the step trigger
     // turns the epoch trigger off (its default of 1 applies only when it is alone).
     if (every_n_train_steps_ > 0) {
-      if (cfg.where("every_n_epochs") != "default" && every_n_epochs_ > 0) {
+      // Only a value the user gave conflicts: left unset, the epoch trigger is off here (and a
+      // resolved configuration, which writes every key that has a value, does not state it).
+      if (cfg.has("every_n_epochs") && every_n_epochs_ > 0) {
         config_error(cfg, "every_n_epochs",
                      "every_n_epochs = " + std::to_string(every_n_epochs_) + " and every_n_train_steps = " +
                          std::to_string(every_n_train_steps_) + " are mutually exclusive",
