@@ -100,23 +100,17 @@ filename = "{epoch}-{score:.1f}"
   EXPECT_NE(state.at("best_model_path").toStringRef().find("epoch=3-score=0.1.ckpt"), std::string::npos);
 }
 
+// A tiny mlp on 32 synthetic samples for `epochs` epochs; `tail` adds settings (the [data]
+// table is last open, then whatever tables `tail` starts).
+std::string tiny_mlp_run(int epochs, const std::string& tail) {
+  return "[trainer]\nmax_epochs = " + std::to_string(epochs) +
+         "\nenable_progress_bar = false\n[model]\nname = \"mlp\"\ninput_size = 8\nhidden = [4]\n"
+         "[data]\nname = \"synthetic\"\nshape = [8]\nnum_train = 32\n" + tail;
+}
+
 TEST(CheckpointRun, MissingMonitorIsAnErrorWithSuggestion) {
   TempDir dir("ckpt");
-  write_file(dir / "run.toml", R"(
-[trainer]
-max_epochs = 1
-enable_progress_bar = false
-[model]
-name = "mlp"
-input_size = 8
-hidden = [4]
-[data]
-name = "synthetic"
-shape = [8]
-num_train = 32
-[checkpoint]
-monitor = "val_los"
-)");
+  write_file(dir / "run.toml", tiny_mlp_run(1, "[checkpoint]\nmonitor = \"val_los\"\n"));
   auto r = run_engine({"run.toml"}, dir.path());
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("did you mean 'val_loss'"), std::string::npos) << r.err;
@@ -128,23 +122,7 @@ monitor = "val_los"
 // state the unset every_n_epochs, so it is no conflict.
 TEST(CheckpointRun, StepAndEpochTriggersAndTheRunsOwnConfigTrainsAgain) {
   TempDir dir("ckpt");
-  write_file(dir / "run.toml", R"(
-[trainer]
-max_epochs = 2
-enable_progress_bar = false
-[model]
-name = "mlp"
-input_size = 8
-hidden = [4]
-[data]
-name = "synthetic"
-shape = [8]
-num_train = 32
-batch_size = 8
-[checkpoint]
-every_n_train_steps = 3
-save_top_k = -1
-)");
+  write_file(dir / "run.toml", tiny_mlp_run(2, "batch_size = 8\n[checkpoint]\nevery_n_train_steps = 3\nsave_top_k = -1\n"));
   auto both = run_engine({"run.toml", "--set", "checkpoint.every_n_epochs=1"}, dir.path());
   EXPECT_EQ(both.exit_code, 2) << both.err;
   EXPECT_NE(both.err.find("every_n_epochs = 1 and every_n_train_steps = 3 are mutually exclusive"), std::string::npos) << both.err;
