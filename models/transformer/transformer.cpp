@@ -24,6 +24,10 @@
 #include <ember/predict.h>
 
 #include <ember/model_support/classification.h>
+#include <ember/support/tensor_parallel.h>
+#include <ember/tensor_parallel.h>
+
+#include "tensor_parallel_plan.h"
 
 namespace {
 
@@ -59,10 +63,33 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
   // x: [N, S, E]. LibTorch's encoder layer takes [S, N, E] (it has no batch_first option).
   at::Tensor forward(at::Tensor x) {
     at::Tensor h = x.transpose(0, 1);
-    for (size_t i = 0; i < blocks_.size(); ++i)
-      h = units_ ? units_->run(static_cast<int64_t>(i), h, [block = blocks_[i].ptr()](const at::Tensor& in) { return block->forward(in); })
-                 : blocks_[i]->forward(h);
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      auto block = [this, layer = blocks_[i].ptr()](const at::Tensor& in) {
+        return tensor_parallel_ ? ember_transformer::encoder_layer_forward(*layer, in, nhead_, *tensor_parallel_) : layer->forward(in);
+      };
+      h = units_ ? units_->run(static_cast<int64_t>(i), h, block) : block(h);
+    }
     return head_(h.mean(0));
+  }
+  // The plan (tensor_parallel_plan.h): every encoder layer split over the group; the head stays whole.
+  std::vector<ember::TensorShard> parallelize(ember::ITensorParallelGroup& group, const std::string& section,
+                                              const std::string& where_nhead, const std::string& where_ff) {
+    if (nhead_ % group.size() != 0)
+      throw ember::ConfigError(c10::str(where_nhead, ": [", section, "] nhead = ", nhead_, " cannot be split over tensor_parallel = ",
+                                        group.size(), " ranks (each rank takes whole attention heads): choose a degree that divides ",
+                                        nhead_));
+    if (ff_ % group.size() != 0)
+      throw ember::ConfigError(c10::str(where_ff, ": [", section, "] dim_feedforward = ", ff_, " cannot be split over tensor_parallel = ",
+                                        group.size(), " ranks: choose a degree that divides it"));
+    std::vector<ember::TensorShard> shards;
+    auto params = named_parameters();
+    for (size_t i = 0; i < blocks_.size(); ++i)
+      for (auto& s : ember_transformer::encoder_layer_shards("layer" + std::to_string(i + 1))) {
+        ember::keep_shard(params[s.name], s, group.rank(), group.size());
+        shards.push_back(std::move(s));
+      }
+    tensor_parallel_ = &group;
+    return shards;
   }
   const at::Tensor& head_weight() const { return head_->weight; }
   // Each encoder layer is a unit (ember/model_units.h): sharding strategies gather its
@@ -77,14 +104,17 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
   double dropout_;
   int64_t classes_;
   ember::ModelUnits* units_ = nullptr;
+  ember::ITensorParallelGroup* tensor_parallel_ = nullptr;  // set by the plan
   std::vector<torch::nn::TransformerEncoderLayer> blocks_;
   torch::nn::Linear head_{nullptr};
 };
 
 class Transformer final : public ember::IModel, public ember::IModelFlops, public ember::UnitModel,
-                          public ember::IPredictingModel {
+                          public ember::IPredictingModel, public ember::ITensorParallelModel {
  public:
-  explicit Transformer(const ember::IConfig& cfg) : d_model_(cfg.get_int("d_model")), section_(cfg.section()) {
+  explicit Transformer(const ember::IConfig& cfg)
+      : d_model_(cfg.get_int("d_model")), section_(cfg.section()), where_nhead_(cfg.where("nhead")),
+        where_ff_(cfg.where("dim_feedforward")) {
     const int64_t nhead = cfg.get_int("nhead");
     if (d_model_ % nhead != 0)
       throw ember::ConfigError(c10::str("[", section_, "] nhead = ", nhead, " (", cfg.where("nhead"), ") does not divide d_model = ",
@@ -99,7 +129,11 @@ class Transformer final : public ember::IModel, public ember::IModelFlops, publi
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
     if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
+    if (std::strcmp(iid, ember::kTensorParallelModelIid) == 0) return static_cast<ember::ITensorParallelModel*>(this);
     return unit_model_interface(iid);
+  }
+  std::vector<ember::TensorShard> parallelize_tensors(ember::ITensorParallelGroup& group) override {
+    return net_->parallelize(group, section_, where_nhead_, where_ff_);
   }
   at::Tensor predict_step(const ember::Batch& batch) override { return logits(batch).to(at::kFloat).softmax(1); }
   bool predicts_classes() const override { return true; }
@@ -133,7 +167,7 @@ class Transformer final : public ember::IModel, public ember::IModelFlops, publi
     return net_->forward(x.to(net_->head_weight().scalar_type()));
   }
   int64_t d_model_, ff_ = 0, layers_ = 0, classes_ = 0;
-  std::string section_;
+  std::string section_, where_nhead_, where_ff_;
   std::shared_ptr<TransformerNet> net_;
 };
 

@@ -121,7 +121,7 @@ Fabric::Impl::Impl(FabricOptions o) : options(std::move(o)) {
 
 bool Fabric::Impl::launch_ranks(int* exit_code) {
   if (launched) return true;
-  if (!runtime->launch(engine::Runtime::launch_request(plan.config.section("trainer"), options.argv), exit_code)) return false;
+  if (!runtime->launch(engine::Runtime::launch_request(plan.config.section("trainer"), plan.config.section("parallelism"), options.argv), exit_code)) return false;
   launched = true;
   try {
     engine::Named<IPrecision> precision;
@@ -223,7 +223,9 @@ std::shared_ptr<torch::optim::Optimizer> Fabric::setup(std::shared_ptr<torch::nn
 
 DistributedSampler Fabric::distributed_sampler(int64_t size, bool shuffle, uint64_t seed, bool drop_last) {
   impl_->ensure_launched();
-  return DistributedSampler(size, world_size(), rank(), shuffle, seed, drop_last);
+  // Tensor-parallel ranks of one data-parallel rank draw the same samples.
+  const auto& rt = *impl_->runtime;
+  return DistributedSampler(size, rt.data_parallel_size(), rt.data_parallel_rank(), shuffle, seed, drop_last);
 }
 
 Batch Fabric::to_device(Batch batch) {

@@ -100,6 +100,15 @@ constexpr EmberConfigKey kDataBaseKeys[] = {
     Bool("pin_memory", "true", "On CUDA: copy host batches from pinned memory, asynchronously on a side stream, one batch ahead of the step. No effect on the CPU or for data kept on the device."),
 };
 
+// The device mesh (torchtitan's degrees; docs/parallelism.md). Their product is the run's ranks,
+// trainer.devices x trainer.num_nodes.
+constexpr EmberConfigKey kParallelismKeys[] = {
+    Int("data_parallel_replicate", "1", "Data-parallel replicas: ranks that each hold the whole (or, with data_parallel_shard, a sharded) model and see other batches.").at_least(1),
+    Int("data_parallel_shard", "-1", "Data-parallel ranks the strategy shards over (sharded) or replicates over (ddp); -1 = the ranks left over by the other degrees.").at_least(-1),
+    Int("tensor_parallel", "1", "Ranks each layer is split over (Megatron's tensor parallelism): they see the same batch; the model must have a tensor-parallel plan and the strategy a device mesh (ddp).").at_least(1),
+    Int("pipeline_parallel", "1", "Pipeline stages; only 1 is built so far.").at_least(1),
+};
+
 SectionSchema make(const char* name, const char* description, const EmberConfigKey* keys, size_t n) {
   SectionSchema s;
   s.name = name;
@@ -112,6 +121,10 @@ SectionSchema make(const char* name, const char* description, const EmberConfigK
 
 SectionSchema trainer_schema() {
   return make("trainer", "the loop (Lightning's Trainer flags)", kTrainerKeys, std::size(kTrainerKeys));
+}
+SectionSchema parallelism_schema() {
+  return make("parallelism", "the device mesh: how the run's ranks split the data and the model", kParallelismKeys,
+              std::size(kParallelismKeys));
 }
 SectionSchema optimizer_schema() {
   return make("optimizer", "the optimizer the engine builds", kOptimizerKeys, std::size(kOptimizerKeys));

@@ -15,6 +15,7 @@ namespace ember::engine {
 
 SectionSchema trainer_schema();
 SectionSchema optimizer_schema();
+SectionSchema parallelism_schema();
 std::vector<KeySchema> model_base_keys();
 std::vector<KeySchema> data_base_keys();
 

@@ -65,8 +65,8 @@ void TrainingLoop::attach_plugins(ITrainer* trainer) {
 void TrainingLoop::setup() {
   auto& rt = *runtime_;
   const auto& d = config_.section("data");
-  plan_ = std::make_unique<DataPlan>(*plugins_.data.object, plugins_.data.name, d, config_.section("trainer"), settings_, rt.rank(),
-                                     rt.world_size());
+  plan_ = std::make_unique<DataPlan>(*plugins_.data.object, plugins_.data.name, d, config_.section("trainer"), settings_, rt.data_parallel_rank(),
+                                     rt.data_parallel_size());
   feed_options_.pin_memory = d.get_bool("pin_memory");
   feed_options_.channels_last = config_.section("trainer").get_bool("channels_last");
 

@@ -1,6 +1,7 @@
 #include "runtime/runtime.h"
 
 #include <ember/config.h>
+#include <ember/tensor_parallel.h>
 
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
@@ -18,21 +19,69 @@ Runtime::Runtime(Named<IStrategy> strategy) : strategy_(std::move(strategy)) {
 
 Runtime::~Runtime() = default;
 
-LaunchRequest Runtime::launch_request(const IConfig& trainer, std::vector<std::string> argv) {
+LaunchRequest Runtime::launch_request(const IConfig& trainer, const IConfig& parallelism, std::vector<std::string> argv) {
   LaunchRequest request;
   request.argv = std::move(argv);
   request.devices = trainer.get_int("devices");
   request.num_nodes = trainer.get_int("num_nodes");
   request.accelerator = trainer.get_string("accelerator");
+  request.data_parallel_replicate = parallelism.get_int("data_parallel_replicate");
+  request.tensor_parallel = parallelism.get_int("tensor_parallel");
+  request.pipeline_parallel = parallelism.get_int("pipeline_parallel");
+  if (request.pipeline_parallel != 1)
+    throw ConfigError(parallelism.where("pipeline_parallel") + ": parallelism.pipeline_parallel = " + std::to_string(request.pipeline_parallel) +
+                      ": no strategy builds pipeline stages yet (set it to 1; docs/parallelism.md says what is built)");
+  const int64_t ranks = request.devices * request.num_nodes;
+  const int64_t fixed = request.data_parallel_replicate * request.tensor_parallel * request.pipeline_parallel;
+  const std::string product = "data_parallel_replicate (" + std::to_string(request.data_parallel_replicate) + ") x tensor_parallel (" +
+                              std::to_string(request.tensor_parallel) + ") x pipeline_parallel (" +
+                              std::to_string(request.pipeline_parallel) + ")";
+  const std::string run = "trainer.devices (" + std::to_string(request.devices) + ") x trainer.num_nodes (" +
+                          std::to_string(request.num_nodes) + ") = " + std::to_string(ranks) + " ranks";
+  // Name the key the user set (the first that is not the default) for the file:line.
+  std::string where;
+  for (const char* k : {"tensor_parallel", "pipeline_parallel", "data_parallel_replicate", "data_parallel_shard"})
+    if (where.empty() && parallelism.where(k) != "default") where = parallelism.where(k);
+  if (where.empty()) where = trainer.where("devices");
+  const int64_t shard = parallelism.get_int("data_parallel_shard");
+  if (shard == -1) {
+    if (ranks % fixed != 0)
+      throw ConfigError(where + ": the device mesh does not fit the run: " + product + " = " + std::to_string(fixed) +
+                        " does not divide " + run + " (make the product of the [parallelism] degrees divide the ranks)");
+    request.data_parallel_shard = ranks / fixed;
+  } else {
+    if (shard == 0)
+      throw ConfigError(parallelism.where("data_parallel_shard") + ": parallelism.data_parallel_shard = 0: use -1 (the ranks left over) or a count");
+    if (fixed * shard != ranks)
+      throw ConfigError(where + ": the device mesh does not fit the run: " + product + " x data_parallel_shard (" + std::to_string(shard) +
+                        ") = " + std::to_string(fixed * shard) + ", but " + run +
+                        " (make the product equal the ranks, or set data_parallel_shard = -1)");
+    request.data_parallel_shard = shard;
+  }
   return request;
 }
 
 bool Runtime::launch(const LaunchRequest& request, int* exit_code) {
   if (launched_) return true;
+  // A strategy without a device mesh would ignore the degrees and train something else.
+  if (request.tensor_parallel > 1 && !strategy_.object->query_interface(kDeviceMeshIid))
+    throw ConfigError("parallelism.tensor_parallel = " + std::to_string(request.tensor_parallel) +
+                      " needs a strategy with a device mesh, and strategy '" + strategy_.name +
+                      "' has none (use --plugins ddp, or set tensor_parallel = 1; docs/parallelism.md)");
   if (!strategy_.object->launch(request, exit_code)) return false;
   launched_ = true;
   log::set_rank(static_cast<int>(strategy_.object->rank()));
   return true;
+}
+
+int64_t Runtime::data_parallel_rank() const {
+  if (auto* mesh = static_cast<IDeviceMesh*>(strategy_.object->query_interface(kDeviceMeshIid))) return mesh->data_parallel_rank();
+  return rank();
+}
+
+int64_t Runtime::data_parallel_size() const {
+  if (auto* mesh = static_cast<IDeviceMesh*>(strategy_.object->query_interface(kDeviceMeshIid))) return mesh->data_parallel_size();
+  return world_size();
 }
 
 void Runtime::set_precision(Named<IPrecision> precision) {

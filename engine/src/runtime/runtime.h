@@ -40,14 +40,21 @@ class Runtime {
   Runtime& operator=(const Runtime&) = delete;
 
   // ---- launch
-  // The LaunchRequest of a [trainer] table (devices, num_nodes, accelerator) and a command line:
-  // the one place it is built (the engine's run and Fabric's).
-  static LaunchRequest launch_request(const IConfig& trainer, std::vector<std::string> argv);
+  // The LaunchRequest of a [trainer] table (devices, num_nodes, accelerator), a [parallelism]
+  // table (the mesh's degrees, data_parallel_shard's -1 resolved) and a command line: the one
+  // place it is built (the engine's run and Fabric's). Throws ConfigError, naming the key's
+  // file:line and the arithmetic, when the degrees do not multiply to devices x num_nodes.
+  static LaunchRequest launch_request(const IConfig& trainer, const IConfig& parallelism, std::vector<std::string> argv);
   // Starts the ranks. Returns true on a process that trains (then rank() and the rest are valid;
   // the log is tagged with the rank); false on a process that only launched others, whose exit
   // code is *exit_code. Calling it again after true does nothing and returns true.
   bool launch(const LaunchRequest& request, int* exit_code);
   bool launched() const { return launched_; }
+  // Requires launched(). What the data and the metric sums split over: the strategy's
+  // data-parallel rank and size when it has a device mesh (ember/tensor_parallel.h), else the
+  // global ones.
+  int64_t data_parallel_rank() const;
+  int64_t data_parallel_size() const;
   // Requires launched(). The precision handler of the run (made after launch).
   void set_precision(Named<IPrecision> precision);
   bool has_precision() const { return precision_.object != nullptr; }

@@ -64,7 +64,7 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
   Named<IStrategy> strategy;
   make(strategy, plan_.strategy, cfg.section(plan_.strategy->name));
   auto runtime = std::make_unique<Runtime>(std::move(strategy));
-  const LaunchRequest launch = Runtime::launch_request(trainer_cfg, req.argv);
+  const LaunchRequest launch = Runtime::launch_request(trainer_cfg, cfg.section("parallelism"), req.argv);
   if (!runtime->launch(launch, &launcher_exit_code_)) return;
   const int64_t rank = runtime->rank();
 
@@ -89,8 +89,9 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
   }
   DataSetup data_setup;
   data_setup.seed = seed;
-  data_setup.rank = rank;
-  data_setup.world_size = runtime->world_size();
+  // Tensor-parallel ranks of one data-parallel rank see the same data.
+  data_setup.rank = runtime->data_parallel_rank();
+  data_setup.world_size = runtime->data_parallel_size();
   plugins.data.object->setup(data_setup);
   if (req.provided.model) plugins.model = {"model object", "", req.provided.model};
   else make(plugins.model, plan_.model, cfg.section("model"));

@@ -1,7 +1,10 @@
 // ddp: multi-process data parallel on LibTorch's c10d. One rank per device; gradients are
 // all-reduced in buckets while backward runs (grad_buckets.h); ranks come from the local
 // launcher (trainer.devices = N), torchrun, mpirun or srun, and talk through NCCL on GPUs or
-// Open MPI on CPUs (sdk/distributed: Ember::distributed, docs/decisions.md).
+// Open MPI on CPUs (sdk/distributed: Ember::distributed, docs/decisions.md). With
+// [parallelism] tensor_parallel = T > 1 the ranks form a device mesh (data parallel x tensor
+// parallel): the model's own plan splits its layers over T consecutive ranks, which see the same
+// batch, and gradients are averaged over the data-parallel ranks only (docs/parallelism.md).
 #include <ember/error.h>
 #include <ember/plugin.h>
 #include <ember/support/replicating_strategy.h>
@@ -12,12 +15,20 @@
 #include <torch/optim/optimizer.h>
 
 #include <ember/distributed/communicator.h>
+#include <ember/distributed/device_mesh.h>
+#include <ember/model.h>
+#include <ember/tensor_parallel.h>
+
+#include <cstring>
+
 #include "grad_buckets.h"
+#include "tensor_parallel_state.h"
 
 namespace {
 
 using namespace ember_dist;
 using ember_ddp::GradBuckets;
+using ember_ddp::TensorParallelState;
 
 constexpr EmberConfigKey kKeys[] = {
     EMBER_DIST_CONFIG_KEYS,
@@ -33,7 +44,7 @@ constexpr EmberConfigKey kKeys[] = {
                      "evaluating after one (PyTorch DDP's broadcast_buffers), so all ranks evaluate with the same statistics."),
 };
 
-class Ddp final : public ember::ReplicatingStrategy {
+class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
  public:
   Ddp(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
@@ -46,16 +57,47 @@ class Ddp final : public ember::ReplicatingStrategy {
 
   ~Ddp() override { teardown(); }
 
-  bool launch(const ember::LaunchRequest& request, int* exit_code) override { return comm_.launch(request, exit_code); }
+  bool launch(const ember::LaunchRequest& request, int* exit_code) override {
+    if (!comm_.launch(request, exit_code)) return false;
+    mesh_ = std::make_unique<DeviceMesh>(comm_, request);
+    if (mesh_->tensor_parallel_size() > 1)
+      host_.log(ember::LogLevel::info, "ddp: device mesh " + mesh_->describe() + "; rank " + std::to_string(comm_.rank()) +
+                                           " is data-parallel rank " + std::to_string(mesh_->data_parallel_rank()) +
+                                           ", tensor-parallel rank " + std::to_string(mesh_->tensor_parallel_rank()));
+    return true;
+  }
+
+  void* query_interface(const char* iid) override {
+    if (std::strcmp(iid, ember::kDeviceMeshIid) == 0) return static_cast<ember::IDeviceMesh*>(this);
+    return ember::ReplicatingStrategy::query_interface(iid);
+  }
+  // ---- ember::IDeviceMesh (before launch: one rank)
+  int64_t data_parallel_rank() const override { return mesh_ ? mesh_->data_parallel_rank() : 0; }
+  int64_t data_parallel_size() const override { return mesh_ ? mesh_->data_parallel_size() : 1; }
+  int64_t tensor_parallel_rank() const override { return mesh_ ? mesh_->tensor_parallel_rank() : 0; }
+  int64_t tensor_parallel_size() const override { return mesh_ ? mesh_->tensor_parallel_size() : 1; }
 
   c10::Device root_device() const override { return comm_.device(); }
   int64_t rank() const override { return comm_.rank(); }
   int64_t world_size() const override { return comm_.world(); }
   int64_t local_rank() const override { return comm_.info().local_rank; }
 
-  void place_module(torch::nn::Module& module) override {
-    module.to(comm_.device());
-    comm_.broadcast_module_from_zero(module);  // every rank starts from rank 0's weights and buffers
+  void setup_module(ember::IModel& model) override {
+    auto& module = model.module();
+    place_module(module);
+    if (tensor_parallel_size() > 1) {
+      auto* plan = static_cast<ember::ITensorParallelModel*>(model.query_interface(ember::kTensorParallelModelIid));
+      if (!plan)
+        throw ember::ConfigError("parallelism.tensor_parallel = " + std::to_string(tensor_parallel_size()) +
+                                 ": the model has no tensor-parallel plan (it does not implement ember::ITensorParallelModel); set "
+                                 "tensor_parallel = 1, or use a model that has one (transformer; docs/parallelism.md)");
+      // Every rank holds rank 0's whole weights now; each keeps its slices.
+      tensor_parallel_ = std::make_unique<TensorParallelState>(mesh_->tensor_parallel(), module,
+                                                               plan->parallelize_tensors(mesh_->tensor_parallel()));
+    }
+    state_.set_module(module);
+    // Gradients meet over the data-parallel ranks; tensor-parallel ranks already agree on the
+    // replicated ones and hold different slices of the rest.
     std::vector<at::Tensor> params;
     std::vector<std::string> names;
     for (auto& p : module.named_parameters())
@@ -63,8 +105,14 @@ class Ddp final : public ember::ReplicatingStrategy {
         params.push_back(p.value());
         names.push_back(p.key());
       }
-    buckets_ = std::make_unique<GradBuckets>(params, names, bucket_cap_bytes_, comm_.backend_ptr(), comm_.world(), find_unused_,
+    auto& data = mesh_->data_parallel();
+    buckets_ = std::make_unique<GradBuckets>(params, names, bucket_cap_bytes_, data.backend(), static_cast<int>(data.size()), find_unused_,
                                              [this](std::string l) { comm_.label(std::move(l)); });
+  }
+
+  void place_module(torch::nn::Module& module) override {
+    module.to(comm_.device());
+    comm_.broadcast_module_from_zero(module);  // every rank starts from rank 0's weights and buffers
   }
 
   void forward_begin(bool /*grad_enabled*/) override { buffers_.before_forward(state_.module(), comm_); }
@@ -86,9 +134,40 @@ class Ddp final : public ember::ReplicatingStrategy {
     return precision.optimizer_step(step);
   }
 
-  // Clipping: ReplicatingStrategy's; gradients are identical on every rank after the sync.
+  // Clipping: ReplicatingStrategy's (gradients are identical on every rank after the sync), or,
+  // with tensor parallelism, over the whole model's gradients.
+  at::Tensor clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm) override {
+    if (tensor_parallel_) return tensor_parallel_->clip_gradients(optimizer, max, algorithm);
+    return ember::ReplicatingStrategy::clip_gradients(optimizer, max, algorithm);
+  }
 
-  at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op) override { return comm_.reduce(value, op); }
+  // Checkpoints hold whole tensors: a tensor-parallel run gathers its slices (and cuts them on load).
+  c10::Dict<std::string, at::Tensor> full_model_state(bool rank0_only) override {
+    if (tensor_parallel_) return tensor_parallel_->full_model_state(!rank0_only || rank() == 0);
+    return ember::ReplicatingStrategy::full_model_state(rank0_only);
+  }
+  void load_full_model_state(const c10::Dict<std::string, at::Tensor>& state) override {
+    if (tensor_parallel_) return tensor_parallel_->load_full_model_state(state);
+    ember::ReplicatingStrategy::load_full_model_state(state);
+  }
+  std::string full_optimizer_state(bool rank0_only) override {
+    if (tensor_parallel_) return tensor_parallel_->full_optimizer_state(*state_.optimizer(), !rank0_only || rank() == 0);
+    return ember::ReplicatingStrategy::full_optimizer_state(rank0_only);
+  }
+  void load_full_optimizer_state(const std::string& bytes) override {
+    if (tensor_parallel_) return tensor_parallel_->load_full_optimizer_state(*state_.optimizer(), bytes);
+    ember::ReplicatingStrategy::load_full_optimizer_state(bytes);
+  }
+
+  // A sum (a metric's total) counts each batch once: over the data-parallel ranks, whose
+  // tensor-parallel peers hold the same value. Means, maxima and minima are the same either way
+  // and go over every rank (the stop votes).
+  at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op) override {
+    if (op != ember::ReduceOp::sum || tensor_parallel_size() == 1) return comm_.reduce(value, op);
+    at::Tensor t = value.detach().to(comm_.device(), /*non_blocking=*/false, /*copy=*/true).contiguous();
+    mesh_->data_parallel().all_reduce(t, op, "metric reduction");
+    return t.to(value.device());
+  }
   void barrier(const char* name) override { comm_.barrier(name); }
   bool broadcast_flag(bool value) override { return comm_.broadcast_flag(value); }
   at::Tensor broadcast(const at::Tensor& value, int64_t src) override { return comm_.broadcast(value, src); }
@@ -100,6 +179,7 @@ class Ddp final : public ember::ReplicatingStrategy {
       stats = "ddp: " + std::to_string(s.syncs) + " gradient syncs, " + std::to_string(s.all_reduces) + " bucket all-reduces in " +
               std::to_string(s.buckets) + " buckets, " + std::to_string(s.started_early) + " started while backward was still running";
     }
+    if (mesh_) mesh_->shutdown();
     comm_.teardown(stats);
   }
 
@@ -126,6 +206,8 @@ class Ddp final : public ember::ReplicatingStrategy {
   int64_t bucket_cap_bytes_;
   bool find_unused_;
   BufferBroadcast buffers_;
+  std::unique_ptr<DeviceMesh> mesh_;
+  std::unique_ptr<TensorParallelState> tensor_parallel_;
   std::unique_ptr<GradBuckets> buckets_;
 };
 

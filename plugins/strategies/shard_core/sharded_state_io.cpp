@@ -11,9 +11,11 @@
 #include <sstream>
 #include <vector>
 
-#include "optimizer_state_tensors.h"
+#include <ember/support/optimizer_state_tensors.h>
 
 namespace ember_shard {
+
+using ember::for_each_state_tensor;
 
 at::Tensor ShardedStateIO::gather_whole(const ShardedParam& p, const at::Tensor& part) {
   at::NoGradGuard no_grad;

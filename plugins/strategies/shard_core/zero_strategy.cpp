@@ -36,7 +36,7 @@
 
 #include "gradient_reducer.h"
 #include "host_offload.h"
-#include "optimizer_state_tensors.h"
+#include <ember/support/optimizer_state_tensors.h>
 #include "parameter_gather.h"
 #include "shard_table.h"
 #include "sharded_state_io.h"
@@ -46,6 +46,7 @@ namespace ember_shard {
 namespace {
 
 using namespace ember_dist;
+using ember::state_tensors_per_element;
 
 class ZeroStrategy;
 

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <signal.h>
 #include <sys/wait.h>
@@ -320,6 +321,29 @@ at::Tensor Communicator::broadcast(const at::Tensor& value, int64_t src) {
     backend_->broadcast(bytes, opts)->wait();
   }
   return data.to(out);
+}
+
+Subgroup Communicator::split(int color, int sub_rank, int sub_size, const std::string& name) {
+  Subgroup group;
+  group.rank = sub_rank;
+  group.size = sub_size;
+  if (info_.world == 1) return group;
+#ifdef EMBER_WITH_MPI
+  // MPI_Comm_split is collective over every rank, also those whose group has one rank.
+  if (mpi_) {
+    auto child = mpi_->split(color, sub_rank);
+    if (child->getSize() != sub_size || child->getRank() != sub_rank)
+      throw ember::RunError(name_ + ": device mesh group '" + name + "' has " + std::to_string(child->getSize()) + " ranks, expected " +
+                            std::to_string(sub_size) + " (an Ember bug)");
+    if (sub_size > 1) group.backend = child;
+    else child->shutdown();
+    return group;
+  }
+#endif
+  if (sub_size == 1) return group;
+  auto store = c10::make_intrusive<c10d::PrefixStore>("mesh/" + name + "/" + std::to_string(color), store_);
+  group.backend = make_nccl_backend(store, sub_rank, sub_size, timeout_, device_);
+  return group;
 }
 
 void Communicator::teardown(const std::string& stats) {

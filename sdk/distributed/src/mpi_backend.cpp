@@ -118,9 +118,48 @@ MpiBackend::MpiBackend(MPI_Comm comm, std::chrono::milliseconds timeout,
   watchdog_ = std::thread([this] { watch(); });
 }
 
+MpiBackend::MpiBackend(Child, MPI_Comm comm, int rank, int size, MpiBackend& executor)
+    : c10d::Backend(rank, size),
+      comm_(comm),
+      executor_(&executor),
+      executor_ref_(c10::intrusive_ptr<MpiBackend>::reclaim_copy(&executor)),
+      timeout_(executor.timeout_) {}
+
+c10::intrusive_ptr<MpiBackend> MpiBackend::split(int color, int key) {
+  MPI_Comm out = MPI_COMM_NULL;
+  int rank = 0, size = 0;
+  enqueue(c10d::OpType::UNKNOWN, {}, " (device mesh split)", [&] {
+    check_mpi(MPI_Comm_split(comm_, color, key, &out), "MPI_Comm_split");
+    MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(out, &rank);
+    MPI_Comm_size(out, &size);
+  })->wait();
+  return c10::make_intrusive<MpiBackend>(Child{}, out, rank, size, *executor_);
+}
+
 MpiBackend::~MpiBackend() { shutdown(); }
 
 void MpiBackend::shutdown() {
+  if (executor_ != this) {
+    // A split backend: its communicator is freed on the shared thread, unless that has stopped
+    // (MPI_Finalize then frees it).
+    if (comm_ == MPI_COMM_NULL) return;
+    MPI_Comm comm = comm_;
+    comm_ = MPI_COMM_NULL;
+    bool running = false;
+    {
+      std::lock_guard lock(executor_->mutex_);
+      running = !executor_->stopping_;
+    }
+    if (running) {
+      try {
+        executor_->enqueue(c10d::OpType::UNKNOWN, {}, " (free a device mesh group)", [comm]() mutable { MPI_Comm_free(&comm); })->wait();
+      } catch (const std::exception&) {
+      }
+    }
+    executor_ref_.reset();
+    return;
+  }
   {
     std::lock_guard lock(mutex_);
     if (stopping_ && !thread_.joinable()) return;
@@ -135,11 +174,12 @@ void MpiBackend::shutdown() {
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::enqueue(c10d::OpType type, std::vector<at::Tensor> outputs, std::string what,
                                                    std::function<void()> fn) {
-  auto work = c10::make_intrusive<MpiWork>(rank_, type, std::move(outputs));
   if (!next_label_.empty()) {
     what += " (" + next_label_ + ")";
     next_label_.clear();
   }
+  if (executor_ != this) return executor_->enqueue(type, std::move(outputs), std::move(what), std::move(fn));
+  auto work = c10::make_intrusive<MpiWork>(rank_, type, std::move(outputs));
   {
     std::lock_guard lock(mutex_);
     TORCH_CHECK(!stopping_, "ember_mpi: collective '", what, "' submitted after shutdown");

@@ -61,6 +61,15 @@ class MpiBackend final : public c10d::Backend {
                                                       const c10d::ReduceScatterOptions& opts = {}) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = {}) override;
 
+  // A backend over the ranks of this one that pass the same `color` (ordered by `key`): a device
+  // mesh's dimension. It shares this backend's communication thread and watchdog, so MPI is
+  // still called from one thread at a time (MPI_THREAD_SERIALIZED). Collective over this
+  // backend's ranks. Shut the result down before this one.
+  c10::intrusive_ptr<MpiBackend> split(int color, int key);
+  // What split() builds: a backend over `comm` that runs its calls on `executor`'s thread.
+  struct Child {};
+  MpiBackend(Child, MPI_Comm comm, int rank, int size, MpiBackend& executor);
+
   // A label for the next collective this thread submits ("gradient bucket 2"), for error lines.
   void set_next_label(std::string label) { next_label_ = std::move(label); }
   // Stops the communication thread after the queued work; MPI_Finalize is the caller's job.
@@ -78,6 +87,8 @@ class MpiBackend final : public c10d::Backend {
     std::function<void()> fn;
   };
   MPI_Comm comm_;
+  MpiBackend* executor_ = this;  // whose thread runs this backend's MPI calls
+  c10::intrusive_ptr<MpiBackend> executor_ref_;  // keeps a parent alive for a split backend
   std::chrono::milliseconds timeout_;
   std::function<std::string(const std::string&)> describe_failure_;
   std::mutex mutex_;

@@ -28,6 +28,15 @@ struct LaunchRequest {
   int64_t devices = 1;            // trainer.devices
   int64_t num_nodes = 1;          // trainer.num_nodes
   std::string accelerator = "auto";  // trainer.accelerator: auto, cpu or cuda
+  // SDK 2.5: the device mesh of the [parallelism] table (ember/tensor_parallel.h), checked by
+  // the engine: the product of the four is devices x num_nodes. Ranks are laid out with
+  // tensor_parallel innermost (consecutive ranks), then data_parallel_shard, then
+  // data_parallel_replicate. A strategy that does not answer kDeviceMeshIid only ever gets
+  // tensor_parallel = pipeline_parallel = 1.
+  int64_t data_parallel_replicate = 1;
+  int64_t data_parallel_shard = 1;
+  int64_t tensor_parallel = 1;
+  int64_t pipeline_parallel = 1;
 };
 
 // Implemented by the engine: builds the run's optimizer ([optimizer] table, or the model's

@@ -52,6 +52,13 @@ class MpiBackend;
                       "NODE_RANK (default 0).")                                                                                  \
           .at_least(-1)
 
+// A process group over some of a communicator's ranks (one dimension of a device mesh): its own
+// backend (none when it has one rank), this process's rank in it and its size.
+struct Subgroup {
+  c10::intrusive_ptr<c10d::Backend> backend;
+  int rank = 0, size = 1;
+};
+
 class Communicator {
  public:
   // `name` is the strategy's ("ddp"): it prefixes every message. `cfg` holds EMBER_DIST_CONFIG_KEYS.
@@ -88,6 +95,10 @@ class Communicator {
   // ember::ITensorBroadcast::broadcast: a header (dtype, shape, or why not) from src, then the
   // bytes, so any dense dtype goes through both backends and a bad tensor fails on every rank.
   at::Tensor broadcast(const at::Tensor& value, int64_t src);
+  // The ranks that pass the same `color` form one group, in which this rank is `sub_rank` of
+  // `sub_size` (the caller's layout; the same on every rank of the group). `name` tells the
+  // groups apart in the rendezvous store. Collective over all ranks.
+  Subgroup split(int color, int sub_rank, int sub_size, const std::string& name);
   // Ends the group (idempotent). `stats` is logged first when not empty.
   void teardown(const std::string& stats = "");
 

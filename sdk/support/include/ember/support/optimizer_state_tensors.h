@@ -1,4 +1,4 @@
-// The per-element tensors of a LibTorch optimizer's per-parameter state (Adam's exp_avg, SGD's
+// (<ember/support/...>: shared by the sharding and tensor-parallel strategies.) The per-element tensors of a LibTorch optimizer's per-parameter state (Adam's exp_avg, SGD's
 // momentum_buffer, ...), so a sharding strategy can gather them into whole tensors for a full
 // checkpoint and cut whole ones back into shards. LibTorch's state classes expose their fields
 // only by type, so the optimizers Ember builds are listed here; another one is refused with a
@@ -16,7 +16,7 @@
 #include <string>
 #include <typeinfo>
 
-namespace ember_shard {
+namespace ember {
 
 // Calls fn(field name, field) for every tensor field of `state` in a fixed order (the same on
 // every rank), skipping undefined ones (max_exp_avg_sq without amsgrad, a momentum buffer not yet
@@ -61,4 +61,4 @@ inline int64_t state_tensors_per_element(const torch::optim::OptimizerParamGroup
   return 0;
 }
 
-}  // namespace ember_shard
+}  // namespace ember

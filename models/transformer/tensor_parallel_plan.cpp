@@ -1,0 +1,58 @@
+#include "tensor_parallel_plan.h"
+
+#include <ember/error.h>
+#include <ember/support/tensor_parallel.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/dropout.h>
+#include <torch/nn/modules/transformerlayer.h>
+
+#include <cmath>
+#include <variant>
+
+namespace ember_transformer {
+
+std::vector<ember::TensorShard> encoder_layer_shards(const std::string& prefix) {
+  const std::string p = prefix + ".";
+  return {
+      {p + "self_attn.in_proj_weight", 0, 3},  // [q; k; v]: each keeps its heads' rows
+      {p + "self_attn.in_proj_bias", 0, 3},
+      {p + "self_attn.out_proj.weight", 1, 1},  // the columns that read this rank's heads
+      {p + "linear1.weight", 0, 1},
+      {p + "linear1.bias", 0, 1},
+      {p + "linear2.weight", 1, 1},
+  };
+}
+
+at::Tensor encoder_layer_forward(torch::nn::TransformerEncoderLayerImpl& layer, const at::Tensor& src, int64_t heads,
+                                 ember::ITensorParallelGroup& group) {
+  namespace F = torch::nn::functional;
+  auto& attn = *layer.self_attn;
+  const bool training = layer.is_training();
+  const int64_t S = src.size(0), N = src.size(1), E = src.size(2);
+  const int64_t local_heads = heads / group.size(), head_dim = E / heads;
+
+  // Self-attention on this rank's heads (what F::multi_head_attention_forward computes per head).
+  at::Tensor x = ember::copy_to_tensor_parallel(src, group);
+  auto qkv = at::linear(x, attn.in_proj_weight, attn.in_proj_bias).chunk(3, -1);
+  auto per_head = [&](const at::Tensor& t) { return t.contiguous().view({S, N * local_heads, head_dim}).transpose(0, 1); };
+  at::Tensor q = per_head(qkv[0] * (1.0 / std::sqrt(static_cast<double>(head_dim))));
+  at::Tensor k = per_head(qkv[1]), v = per_head(qkv[2]);
+  at::Tensor weights = at::softmax(at::bmm(q, k.transpose(1, 2)), -1);
+  weights = F::dropout(weights, F::DropoutFuncOptions().p(attn.options.dropout()).training(training));
+  at::Tensor heads_out = at::bmm(weights, v).transpose(0, 1).contiguous().view({S, N, local_heads * head_dim});
+  at::Tensor attended = ember::reduce_from_tensor_parallel(at::linear(heads_out, attn.out_proj->weight), group) + attn.out_proj->bias;
+  at::Tensor h = layer.norm1(src + layer.dropout1(attended));
+
+  // Feed-forward on this rank's slice of the hidden width.
+  at::Tensor hidden = at::linear(ember::copy_to_tensor_parallel(h, group), layer.linear1->weight, layer.linear1->bias);
+  const auto& activation = layer.options.activation();
+  if (std::holds_alternative<torch::enumtype::kReLU>(activation)) hidden = at::relu(hidden);
+  else if (std::holds_alternative<torch::enumtype::kGELU>(activation)) hidden = at::gelu(hidden);
+  else hidden = std::get<std::function<at::Tensor(const at::Tensor&)>>(activation)(hidden);
+  at::Tensor out = ember::reduce_from_tensor_parallel(at::linear(layer.dropout(hidden), layer.linear2->weight), group) + layer.linear2->bias;
+  return layer.norm2(h + layer.dropout2(out));
+}
+
+}  // namespace ember_transformer

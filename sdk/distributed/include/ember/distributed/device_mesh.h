@@ -1,0 +1,59 @@
+// A strategy's device mesh (ember/tensor_parallel.h): the run's ranks split into a data-parallel
+// and a tensor-parallel dimension, one process group per dimension. Tensor-parallel ranks are
+// consecutive global ranks (on one node, where the fastest links are: torchtitan's and
+// Megatron's order); rank = data_parallel_rank * tensor_parallel + tensor_parallel_rank.
+#pragma once
+#include <ember/strategy.h>
+#include <ember/tensor_parallel.h>
+
+#include <string>
+
+#include "ember/distributed/communicator.h"
+
+namespace ember_dist {
+
+// One dimension's group as a model's tensor-parallel plan sees it.
+class MeshGroup final : public ember::ITensorParallelGroup {
+ public:
+  MeshGroup(Communicator& comm, Subgroup group, std::string what) : comm_(&comm), group_(std::move(group)), what_(std::move(what)) {}
+  int64_t rank() const override { return group_.rank; }
+  int64_t size() const override { return group_.size; }
+  void all_reduce_sum(at::Tensor& t) override;
+  at::Tensor all_gather(const at::Tensor& t) override;
+  // In place, over the group: ReduceOp::mean averages. Identity on a group of one.
+  void all_reduce(at::Tensor& t, ember::ReduceOp op, const std::string& what);
+  const c10::intrusive_ptr<c10d::Backend>& backend() const { return group_.backend; }
+  void shutdown();
+
+ private:
+  Communicator* comm_;
+  Subgroup group_;
+  std::string what_;
+};
+
+class DeviceMesh final : public ember::IDeviceMesh {
+ public:
+  // Builds the groups of `comm` (launched) for the mesh of `request` (ember::LaunchRequest's
+  // degrees; a request of an older engine means no tensor parallelism). Throws ember::ConfigError
+  // when the degrees do not multiply to comm's world size, or name a pipeline, which this mesh
+  // does not build yet. Collective.
+  DeviceMesh(Communicator& comm, const ember::LaunchRequest& request);
+  ~DeviceMesh() override { shutdown(); }
+
+  int64_t data_parallel_rank() const override { return data_.rank(); }
+  int64_t data_parallel_size() const override { return data_.size(); }
+  int64_t tensor_parallel_rank() const override { return tensor_.rank(); }
+  int64_t tensor_parallel_size() const override { return tensor_.size(); }
+  MeshGroup& data_parallel() { return data_; }
+  MeshGroup& tensor_parallel() { return tensor_; }
+  // "2 (data parallel) x 2 (tensor parallel)"
+  std::string describe() const;
+  // Ends the groups (before the communicator's teardown). Idempotent.
+  void shutdown();
+
+ private:
+  static int64_t tensor_degree(const ember::LaunchRequest& request);
+  MeshGroup data_, tensor_;
+};
+
+}  // namespace ember_dist

@@ -1,0 +1,109 @@
+// What a model's tensor-parallel plan is built from (ember/tensor_parallel.h): Megatron-LM's two
+// differentiable collectives and the slicing of a whole tensor into a rank's shard and back.
+//
+//   column-parallel linear:  y_r = copy_to_tensor_parallel(x) W_r^T + b_r    (W split on dim 0)
+//   row-parallel linear:     y   = reduce_from_tensor_parallel(x_r W_r^T) + b (W split on dim 1)
+//
+// A column-parallel layer followed by a row-parallel one (attention's q/k/v then its output
+// projection; the feed-forward block's two layers) costs one all-reduce forward and one backward.
+// Header-only.
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ember/error.h"
+#include "ember/tensor_parallel.h"
+
+namespace ember {
+
+namespace tensor_parallel_detail {
+
+inline int64_t group_handle(ITensorParallelGroup& g) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&g)); }
+inline ITensorParallelGroup& group_of(const torch::autograd::AutogradContext* ctx) {
+  return *reinterpret_cast<ITensorParallelGroup*>(static_cast<intptr_t>(ctx->saved_data.at("group").toInt()));
+}
+inline at::Tensor summed(const at::Tensor& t, ITensorParallelGroup& g) {
+  at::Tensor out = t.contiguous().clone();
+  g.all_reduce_sum(out);
+  return out;
+}
+
+// Megatron's f: identity forward; backward sums the gradient over the ranks (each rank's slice
+// of the next layer contributed a part of the input's gradient).
+struct CopyToTensorParallel : torch::autograd::Function<CopyToTensorParallel> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return x.view_as(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    return {summed(grads[0], group_of(ctx)), at::Tensor()};
+  }
+};
+
+// Megatron's g: forward sums the ranks' partial results; backward is the identity (every rank
+// needs the whole gradient of the sum).
+struct ReduceFromTensorParallel : torch::autograd::Function<ReduceFromTensorParallel> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    (void)ctx;
+    return summed(x, *reinterpret_cast<ITensorParallelGroup*>(static_cast<intptr_t>(group)));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+}  // namespace tensor_parallel_detail
+
+// The input of a column-parallel layer (Megatron's f). Identity on a group of one.
+inline at::Tensor copy_to_tensor_parallel(const at::Tensor& x, ITensorParallelGroup& group) {
+  if (group.size() == 1) return x;
+  return tensor_parallel_detail::CopyToTensorParallel::apply(x, tensor_parallel_detail::group_handle(group));
+}
+
+// The output of a row-parallel layer, before its bias (Megatron's g). Identity on a group of one.
+inline at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, ITensorParallelGroup& group) {
+  if (group.size() == 1) return x;
+  return tensor_parallel_detail::ReduceFromTensorParallel::apply(x, tensor_parallel_detail::group_handle(group));
+}
+
+// Throws ember::ConfigError unless `whole` splits as `shard` says over `size` ranks.
+inline void check_splits(const at::Tensor& whole, const TensorShard& shard, int64_t size) {
+  if (shard.dim < 0 || shard.dim >= whole.dim() || shard.blocks < 1 || whole.size(shard.dim) % (shard.blocks * size) != 0)
+    throw ConfigError(c10::str("'", shard.name, "' of shape ", whole.sizes(), " cannot be split ", size, " ways along dimension ",
+                               shard.dim, (shard.blocks > 1 ? c10::str(" in ", shard.blocks, " blocks") : std::string()),
+                               ": choose a tensor_parallel degree that divides it"));
+}
+
+// Rank `rank`'s slice of the whole tensor (a view where possible; clone it to own it).
+inline at::Tensor shard_of(const at::Tensor& whole, const TensorShard& shard, int64_t rank, int64_t size) {
+  check_splits(whole, shard, size);
+  std::vector<at::Tensor> pieces;
+  for (const auto& block : whole.chunk(shard.blocks, shard.dim)) pieces.push_back(block.chunk(size, shard.dim)[rank]);
+  return pieces.size() == 1 ? pieces.front() : at::cat(pieces, shard.dim);
+}
+
+// The whole tensor from every rank's slice (slices[r] is rank r's, e.g. ITensorParallelGroup::
+// all_gather's result unbound along dimension 0).
+inline at::Tensor whole_of(const std::vector<at::Tensor>& slices, const TensorShard& shard) {
+  std::vector<at::Tensor> blocks;
+  for (int64_t b = 0; b < shard.blocks; ++b) {
+    std::vector<at::Tensor> pieces;
+    for (const auto& s : slices) pieces.push_back(s.chunk(shard.blocks, shard.dim)[b]);
+    blocks.push_back(at::cat(pieces, shard.dim));
+  }
+  return blocks.size() == 1 ? blocks.front() : at::cat(blocks, shard.dim);
+}
+
+// Replaces a parameter's values by this rank's slice: the same Variable (registered name,
+// requires_grad) with a smaller shape.
+inline void keep_shard(at::Tensor& parameter, const TensorShard& shard, int64_t rank, int64_t size) {
+  at::NoGradGuard no_grad;
+  parameter.set_data(shard_of(parameter.detach(), shard, rank, size).clone());
+}
+
+}  // namespace ember

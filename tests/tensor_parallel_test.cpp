@@ -1,0 +1,187 @@
+// The device mesh and tensor parallelism (docs/parallelism.md) on CPU ranks over loopback: the
+// transformer split over 2 tensor-parallel ranks, and 2 (data parallel) x 2 (tensor parallel) on 4
+// ranks, ends with single_device's weights for the same global batch (AdamW, gradient clipping,
+// accumulation 2); checkpoints resume across mesh shapes; mixed precision stays within the
+// tolerance the sharded tests use; a mesh that cannot work is one line and nothing starts.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <ember/support/tensor_parallel.h>
+
+#include "checkpoint_support.h"
+#include "support.h"
+
+using namespace ember::test;
+
+namespace {
+
+// Two encoder layers of 4 heads, no dropout (a rank's dropout masks cannot be single_device's).
+// 96 samples, global batch 12, 2 batches accumulated: 4 optimizer steps per epoch, 8 in all. AdamW's eps is 1e-4, not 1e-8: the key projection's bias has an exactly zero
+// gradient (softmax ignores a shift of a row of scores), so its float gradient is rounding noise
+// that eps = 1e-8 turns into full-size steps, and any two implementations of attention (LibTorch's
+// MultiheadAttention and the split forward) then differ there by ~1e-3.
+const char* kRun = R"([trainer]
+accelerator = "cpu"
+max_epochs = 2
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+log_every_n_steps = 1
+gradient_clip_val = 0.5
+accumulate_grad_batches = 2
+[model]
+name = "transformer"
+d_model = 16
+nhead = 4
+dim_feedforward = 24
+num_layers = 2
+dropout = 0.0
+num_classes = 4
+[data]
+name = "synthetic"
+shape = [6, 16]
+num_classes = 4
+num_train = 96
+num_val = 24
+num_test = 0
+batch_size = 12
+shuffle = true
+[optimizer]
+name = "adamw"
+lr = 0.01
+weight_decay = 0.1
+eps = 1e-4
+)";
+
+ProcessResult single(const TempDir& dir, std::vector<std::string> extra = {}) {
+  write_file(dir / "run.toml", kRun);
+  std::vector<std::string> args = {"run.toml"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return run_engine_ok(dir, args);
+}
+
+// ddp on `ranks` CPU ranks with tensor_parallel = tp; the data-parallel ranks share the global batch.
+ProcessResult mesh(const TempDir& dir, int ranks, int tp, std::vector<std::string> extra = {}) {
+  write_file(dir / "run.toml", kRun);
+  std::vector<std::string> args = {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=60.0",
+                                   "--set", "trainer.devices=" + std::to_string(ranks),
+                                   "--set", "parallelism.tensor_parallel=" + std::to_string(tp),
+                                   "--set", "data.batch_size=" + std::to_string(12 / (ranks / tp))};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return run_engine_ok(dir, args);
+}
+
+class TensorParallel : public ::testing::Test {
+ protected:
+  void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
+};
+
+// The val_acc rows of a run's metrics.csv.
+std::vector<std::string> val_acc(const TempDir& dir, int version = 0) {
+  std::vector<std::string> out;
+  for (const auto& row : read_csv(dir / ("runs/run/version_" + std::to_string(version) + "/metrics.csv")))
+    if (row.count("val_acc") && !row.at("val_acc").empty()) out.push_back(row.at("val_acc"));
+  return out;
+}
+
+}  // namespace
+
+// Slicing and joining, in process: a fused q/k/v weight keeps, of each of its three blocks, the
+// rank's rows; a row-parallel weight its columns; joining the ranks' slices gives the whole back.
+TEST(TensorShards, SliceFusedBlocksAndJoinThemBack) {
+  const at::Tensor qkv = at::arange(12 * 2, at::kFloat).view({12, 2});  // 3 blocks of 4 rows
+  const ember::TensorShard fused{"qkv", 0, 3};
+  const at::Tensor r1 = ember::shard_of(qkv, fused, 1, 2);
+  ASSERT_EQ(r1.sizes(), (std::vector<int64_t>{6, 2}));
+  // Rank 1 of 2 holds rows 2-3 of each block: 2, 3, 6, 7, 10, 11.
+  EXPECT_TRUE(at::equal(r1.select(1, 0), at::tensor({4.f, 6.f, 12.f, 14.f, 20.f, 22.f})));
+  EXPECT_TRUE(at::equal(ember::whole_of({ember::shard_of(qkv, fused, 0, 2), r1}, fused), qkv));
+  const ember::TensorShard columns{"w", 1, 1};
+  const at::Tensor w = at::randn({3, 8});
+  std::vector<at::Tensor> parts;
+  for (int64_t r = 0; r < 4; ++r) parts.push_back(ember::shard_of(w, columns, r, 4));
+  EXPECT_EQ(parts[2].sizes(), (std::vector<int64_t>{3, 2}));
+  EXPECT_TRUE(at::equal(ember::whole_of(parts, columns), w));
+  try {
+    ember::check_splits(qkv, fused, 3);  // 12 rows in 3 blocks do not split 3 ways each
+    ADD_FAILURE() << "no error";
+  } catch (const ember::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("'qkv' of shape [12, 2] cannot be split 3 ways along dimension 0 in 3 blocks"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST_F(TensorParallel, TwoAndFourRanksMatchSingleDevice) {
+  TempDir one("tensor_parallel"), tp2("tensor_parallel"), dp2tp2("tensor_parallel");
+  single(one);
+  auto r = mesh(tp2, 2, 2);
+  EXPECT_NE(r.err.find("ddp: device mesh 1 (data parallel) x 2 (tensor parallel)"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(tp2)), 1e-5);
+  r = mesh(dp2tp2, 4, 2);
+  EXPECT_NE(r.err.find("rank 3 is data-parallel rank 1, tensor-parallel rank 1"), std::string::npos) << r.err;
+  // Gradients meet over the 2 data-parallel ranks only: one bucket all-reduce per optimizer step.
+  EXPECT_EQ(count_in_log(r.err, R"((\d+) bucket all-reduces)"), 8) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(dp2tp2)), 1e-5);
+  // Validation on the mesh gives single_device's values.
+  EXPECT_EQ(val_acc(one), val_acc(dp2tp2));
+  EXPECT_EQ(val_acc(one).size(), 2u);
+}
+
+// A checkpoint holds whole tensors, whatever the mesh that wrote it: the second epoch under
+// another mesh ends where the uninterrupted single_device run does.
+TEST_F(TensorParallel, CheckpointsResumeAcrossMeshShapes) {
+  TempDir one("tensor_parallel"), from_tp("tensor_parallel"), to_tp("tensor_parallel");
+  single(one);
+  mesh(from_tp, 2, 2, {"--set", "trainer.max_epochs=1"});
+  single(from_tp, {"--resume", last_checkpoint(from_tp).string()});
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(from_tp, 1)), 1e-5);
+  single(to_tp, {"--set", "trainer.max_epochs=1"});
+  mesh(to_tp, 4, 2, {"--resume", last_checkpoint(to_tp).string()});
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(to_tp, 1)), 1e-5);
+}
+
+TEST_F(TensorParallel, MixedPrecisionMatchesSingleDeviceWithinTolerance) {
+  for (const char* precision : {"16-mixed", "bf16-mixed"}) {
+    const std::vector<std::string> mode = {"--set", std::string("trainer.precision=\"") + precision + "\""};
+    TempDir one("tensor_parallel"), tp2("tensor_parallel"), alone("tensor_parallel");
+    single(one, mode);
+    mesh(tp2, 2, 2, mode);
+    auto half_batch = mode;
+    half_batch.insert(half_batch.end(), {"--set", "data.batch_size=6"});
+    single(alone, half_batch);
+    const WeightDifference split = max_weight_difference(last_checkpoint(one), last_checkpoint(tp2));
+    const WeightDifference other = max_weight_difference(last_checkpoint(one), last_checkpoint(alone));
+    EXPECT_LE(split, 0.03) << precision;
+    EXPECT_GT(other, 0.03) << precision << ": the tolerance would not catch another training";
+  }
+}
+
+TEST_F(TensorParallel, BadMeshIsOneLineAndNothingStarts) {
+  TempDir dir("tensor_parallel");
+  write_file(dir / "run.toml", kRun);
+  auto expect_line = [&](std::vector<std::string> args, const std::string& line) {
+    args.insert(args.begin(), "run.toml");
+    auto r = run_engine(args, dir.path(), {}, 120);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find(line), std::string::npos) << r.err;
+    EXPECT_FALSE(std::filesystem::exists(dir / "runs/run/version_0/checkpoints/last.ckpt")) << line;
+  };
+  expect_line({"--plugins", "ddp", "--set", "trainer.devices=4", "--set", "parallelism.tensor_parallel=3"},
+              "--set parallelism.tensor_parallel=3: the device mesh does not fit the run: data_parallel_replicate (1) x "
+              "tensor_parallel (3) x pipeline_parallel (1) = 3 does not divide trainer.devices (4) x trainer.num_nodes (1) = 4 ranks");
+  expect_line({"--plugins", "ddp", "--set", "trainer.devices=4", "--set", "parallelism.data_parallel_shard=3"},
+              "x data_parallel_shard (3) = 3, but trainer.devices (4) x trainer.num_nodes (1) = 4 ranks");
+  expect_line({"--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2", "--set", "model.nhead=1"},
+              "--set model.nhead=1: [model] nhead = 1 cannot be split over tensor_parallel = 2 ranks");
+  expect_line({"--plugins", "sharded", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2"},
+              "parallelism.tensor_parallel = 2 needs a strategy with a device mesh, and strategy 'sharded' has none");
+  expect_line({"--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.pipeline_parallel=2"},
+              "parallelism.pipeline_parallel = 2: no strategy builds pipeline stages yet");
+  // A model without a plan.
+  write_file(dir / "mlp.toml", synthetic_mlp_toml({.accelerator = "cpu"}));
+  auto r = run_engine({"mlp.toml", "--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2"}, dir.path(), {},
+                      120);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("parallelism.tensor_parallel = 2: the model has no tensor-parallel plan"), std::string::npos) << r.err;
+}
