@@ -1,6 +1,6 @@
 // The device mesh and tensor parallelism (docs/parallelism.md) on CPU ranks over loopback: the
 // transformer split over 2 tensor-parallel ranks, and 2 (data parallel) x 2 (tensor parallel) on 4
-// ranks, ends with single_device's weights for the same global batch (AdamW, gradient clipping,
+// ranks (under ddp, and under sharded: 2D), ends with single_device's weights for the same global batch (AdamW, gradient clipping,
 // accumulation 2); checkpoints resume across mesh shapes; mixed precision stays within the
 // tolerance the sharded tests use; a mesh that cannot work is one line and nothing starts.
 #include <gtest/gtest.h>
@@ -61,10 +61,11 @@ ProcessResult single(const TempDir& dir, std::vector<std::string> extra = {}) {
   return run_engine_ok(dir, args);
 }
 
-// ddp on `ranks` CPU ranks with tensor_parallel = tp; the data-parallel ranks share the global batch.
-ProcessResult mesh(const TempDir& dir, int ranks, int tp, std::vector<std::string> extra = {}) {
+// `strategy` (ddp, or sharded: 2D) on `ranks` CPU ranks with tensor_parallel = tp; the
+// data-parallel ranks share the global batch.
+ProcessResult mesh(const TempDir& dir, int ranks, int tp, std::vector<std::string> extra = {}, const std::string& strategy = "ddp") {
   write_file(dir / "run.toml", kRun);
-  std::vector<std::string> args = {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=60.0",
+  std::vector<std::string> args = {"--plugins", strategy, "run.toml", "--set", strategy + ".timeout=60.0",
                                    "--set", "trainer.devices=" + std::to_string(ranks),
                                    "--set", "parallelism.tensor_parallel=" + std::to_string(tp),
                                    "--set", "data.batch_size=" + std::to_string(12 / (ranks / tp))};
@@ -128,6 +129,21 @@ TEST_F(TensorParallel, TwoAndFourRanksMatchSingleDevice) {
   EXPECT_EQ(val_acc(one).size(), 2u);
 }
 
+// 2D: ZeRO shards each rank's tensor-parallel slices over the data-parallel ranks, at every stage.
+TEST_F(TensorParallel, ShardedOverDataParallelRanksMatchesSingleDevice) {
+  TempDir one("tensor_parallel");
+  single(one);
+  for (int stage : {1, 3}) {
+    TempDir dir("tensor_parallel");
+    auto r = mesh(dir, 4, 2, {"--set", "sharded.stage=" + std::to_string(stage)}, "sharded");
+    EXPECT_NE(r.err.find("sharded: device mesh 2 (data parallel) x 2 (tensor parallel) (sharded over the data-parallel ranks)"),
+              std::string::npos)
+        << r.err;
+    EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(dir)), 1e-5) << "stage " << stage;
+    EXPECT_EQ(val_acc(one), val_acc(dir)) << "stage " << stage;
+  }
+}
+
 // A checkpoint holds whole tensors, whatever the mesh that wrote it: the second epoch under
 // another mesh ends where the uninterrupted single_device run does.
 TEST_F(TensorParallel, CheckpointsResumeAcrossMeshShapes) {
@@ -139,6 +155,11 @@ TEST_F(TensorParallel, CheckpointsResumeAcrossMeshShapes) {
   single(to_tp, {"--set", "trainer.max_epochs=1"});
   mesh(to_tp, 4, 2, {"--resume", last_checkpoint(to_tp).string()});
   EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(to_tp, 1)), 1e-5);
+  // 2 x 2 sharded -> 4 x 1 sharded.
+  TempDir reshaped("tensor_parallel");
+  mesh(reshaped, 4, 2, {"--set", "trainer.max_epochs=1"}, "sharded");
+  mesh(reshaped, 4, 1, {"--resume", last_checkpoint(reshaped).string()}, "sharded");
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(reshaped, 1)), 1e-5);
 }
 
 TEST_F(TensorParallel, MixedPrecisionMatchesSingleDeviceWithinTolerance) {
@@ -174,8 +195,12 @@ TEST_F(TensorParallel, BadMeshIsOneLineAndNothingStarts) {
               "x data_parallel_shard (3) = 3, but trainer.devices (4) x trainer.num_nodes (1) = 4 ranks");
   expect_line({"--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2", "--set", "model.nhead=1"},
               "--set model.nhead=1: [model] nhead = 1 cannot be split over tensor_parallel = 2 ranks");
-  expect_line({"--plugins", "sharded", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2"},
-              "parallelism.tensor_parallel = 2 needs a strategy with a device mesh, and strategy 'sharded' has none");
+  expect_line({"--plugins", "offload", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2"},
+              "parallelism.tensor_parallel = 2 needs a strategy with a device mesh, and strategy 'offload' has none");
+  expect_line({"--plugins", "sharded", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2", "--set",
+               "sharded.state_dict_type=\"sharded\""},
+              "--set sharded.state_dict_type=\"sharded\": sharded.state_dict_type = \"sharded\" does not combine with "
+              "parallelism.tensor_parallel = 2 yet");
   expect_line({"--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.pipeline_parallel=2"},
               "parallelism.pipeline_parallel = 2: no strategy builds pipeline stages yet");
   // A model without a plan.

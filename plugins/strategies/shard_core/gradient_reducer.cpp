@@ -91,7 +91,7 @@ void GradientReducer::launch_scatter(size_t g) {
   opts.reduceOp = c10d::ReduceOp::AVG;
   c_.comm.label("reduce-scatter of " + grp.name);
   at::Tensor flat = grp.scatter_in.view({-1});
-  grp.scatter_work = c_.comm.backend()._reduce_scatter_base(grp.scatter_out, flat, opts);
+  grp.scatter_work = c_.backend()._reduce_scatter_base(grp.scatter_out, flat, opts);
   // Stage 3: this unit's backward is done, its parameters can go. Not when the unit holds frozen
   // parameters (LoRA's base weights): its backward still needs them for the input's gradient
   // after the last trainable gradient arrived; the earlier unit's backward releases them.
@@ -144,7 +144,7 @@ void GradientReducer::deliver(ShardedParam& p, const at::Tensor& part) {
   if (c_.o.stage == 1 && p.param.grad().defined() && p.param.grad().is_contiguous()) {
     // Stage 1 keeps whole gradients: this rank's reduced part goes into its own slice of the
     // whole gradient, and the shard's gradient is a view of that slice (no extra copy).
-    at::Tensor mine = p.param.grad().view({-1}).narrow(0, std::min(c_.comm.rank() * p.chunk, p.numel), p.valid);
+    at::Tensor mine = p.param.grad().view({-1}).narrow(0, std::min(c_.rank() * p.chunk, p.numel), p.valid);
     if (!mine.is_same(part)) mine.copy_(part);
     p.shard.mutable_grad() = mine;
   } else if (p.shard.grad().defined()) {

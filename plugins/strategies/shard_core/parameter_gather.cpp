@@ -32,7 +32,7 @@ void ParameterGather::start_gather(size_t g) {
   }
   grp.gather_out = at::empty({grp.row * c_.world()}, grp.gather_in.options());
   c_.comm.label("all-gather of " + grp.name);
-  grp.gather_work = c_.comm.backend()._allgather_base(grp.gather_out, grp.gather_in);
+  grp.gather_work = c_.backend()._allgather_base(grp.gather_out, grp.gather_in);
 }
 
 at::Tensor ParameterGather::whole_from_gather(const ShardGroup& grp, const ShardedParam& p) const {

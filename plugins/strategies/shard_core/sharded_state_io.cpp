@@ -26,7 +26,7 @@ at::Tensor ShardedStateIO::gather_whole(const ShardedParam& p, const at::Tensor&
   if (p.valid > 0) in.narrow(0, 0, p.valid).copy_(part.detach().reshape({-1}));
   at::Tensor out = at::empty({p.chunk * c_.world()}, in.options());
   c_.comm.label("gather of " + p.name);
-  c_.comm.backend()._allgather_base(out, in)->wait();
+  c_.backend()._allgather_base(out, in)->wait();
   return out.narrow(0, 0, p.numel).view(p.shape);
 }
 
@@ -35,6 +35,7 @@ c10::Dict<std::string, at::Tensor> ShardedStateIO::full_model_state(torch::nn::M
   c10::Dict<std::string, at::Tensor> out;
   for (auto& p : t_.params) {
     at::Tensor whole = gather_whole(p, p.shard);
+    if (to_whole_) whole = to_whole_(p.name, whole);
     if (build) out.insert(p.name, whole.to(at::kCPU).clone());
   }
   if (build)
@@ -42,7 +43,12 @@ c10::Dict<std::string, at::Tensor> ShardedStateIO::full_model_state(torch::nn::M
   return out;
 }
 
-void ShardedStateIO::load_full_model_state(torch::nn::Module& module, const c10::Dict<std::string, at::Tensor>& state) {
+void ShardedStateIO::load_full_model_state(torch::nn::Module& module, const c10::Dict<std::string, at::Tensor>& whole_state) {
+  c10::Dict<std::string, at::Tensor> state = whole_state;
+  if (to_slice_) {  // this rank's tensor-parallel slices of the whole tensors
+    state = c10::Dict<std::string, at::Tensor>();
+    for (const auto& e : whole_state) state.insert(e.key(), to_slice_(e.key(), e.value()));
+  }
   std::vector<std::string> missing;
   auto check = [&](const std::string& name, at::IntArrayRef sizes) {
     auto it = state.find(name);
@@ -76,6 +82,7 @@ std::string ShardedStateIO::full_optimizer_state(torch::optim::Optimizer& optimi
       const auto& p = t_.param_of(t);
       for_each_state_tensor(*it->second, [&](const char*, at::Tensor& field) {
         at::Tensor whole = gather_whole(p, field);
+        if (to_whole_) whole = to_whole_(p.name, whole);
         saved.emplace_back(&field, field);
         field = whole;
       });
@@ -101,6 +108,7 @@ void ShardedStateIO::load_full_optimizer_state(torch::optim::Optimizer& optimize
       if (it == optimizer.state().end()) continue;
       const auto& p = t_.param_of(t);
       for_each_state_tensor(*it->second, [&](const char* name, at::Tensor& field) {
+        if (to_slice_) field = to_slice_(p.name, field);
         if (field.numel() != p.numel)
           throw ember::RunError("optimizer state '" + std::string(name) + "' of '" + p.name + "' has " + std::to_string(field.numel()) +
                                 " elements, the parameter " + std::to_string(p.numel) + " (saved from another model?)");

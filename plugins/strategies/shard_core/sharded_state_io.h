@@ -28,12 +28,22 @@ class ShardedStateIO {
   void load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
                           const std::function<c10::IValue(int64_t)>& read_part);
 
+  // Tensor parallelism (zero_strategy.cpp): the whole tensor of a parameter (or of its optimizer
+  // state) from this rank's tensor-parallel slice, collective over the tensor-parallel ranks, and
+  // this rank's slice of a whole one. Unset: the shards' tensors are the model's whole ones.
+  using Reshape = std::function<at::Tensor(const std::string& name, const at::Tensor&)>;
+  void set_tensor_parallel(Reshape to_whole, Reshape to_slice) {
+    to_whole_ = std::move(to_whole);
+    to_slice_ = std::move(to_slice);
+  }
+
  private:
   // Whole value of one shard-shaped tensor (a parameter's shard, or an optimizer state field).
   at::Tensor gather_whole(const ShardedParam& p, const at::Tensor& part);
 
   ShardTable& t_;
   ZeroContext c_;
+  Reshape to_whole_, to_slice_;
 };
 
 }  // namespace ember_shard

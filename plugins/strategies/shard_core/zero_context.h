@@ -32,15 +32,18 @@ class HostBudget {
   int64_t taken_ = 0;
 };
 
-// The parts' common view of the run.
+// The parts' common view of the run. Shards are cut over `group`, the data-parallel ranks: every
+// rank of the run, or, with tensor parallelism, the ranks that hold the same slices.
 struct ZeroContext {
   const ZeroOptions& o;
   ember_dist::Communicator& comm;
+  ember_dist::Subgroup& group;
   HostCopies& copies;
   HostBudget& budget;
   ZeroStats& stats;
-  int64_t world() const { return comm.world(); }
-  int64_t rank() const { return comm.rank(); }
+  int64_t world() const { return group.size; }
+  int64_t rank() const { return group.rank; }
+  c10d::Backend& backend() const { return *group.backend; }
 };
 
 }  // namespace ember_shard

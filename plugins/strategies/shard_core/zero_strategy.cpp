@@ -33,6 +33,11 @@
 
 #include <cstring>
 #include <limits>
+#include <map>
+
+#include <ember/distributed/device_mesh.h>
+#include <ember/support/tensor_parallel.h>
+#include <ember/tensor_parallel.h>
 
 #include "gradient_reducer.h"
 #include "host_offload.h"
@@ -67,7 +72,7 @@ class ZeroStep final : public ember::IOptimizerStep {
   ZeroStrategy& s_;
 };
 
-class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks {
+class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, public ember::IDeviceMesh {
  public:
   ZeroStrategy(ember::IHost& host, const ember::IConfig& cfg, ZeroOptions o)
       : host_(host),
@@ -84,18 +89,33 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks {
   // unit hooks were taken back in teardown().
   ~ZeroStrategy() override { teardown(); }
 
-  // Checkpoints as one part per rank (sharded_state below), read at any world size.
+  // Checkpoints as one part per rank (sharded_state below), read at any world size. A device
+  // mesh (2D: sharded over the data-parallel ranks x tensor parallel) for sharded, not offload.
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kShardedCheckpointsIid) == 0) return this;
+    if (std::strcmp(iid, ember::kDeviceMeshIid) == 0 && !o_.offload) return static_cast<ember::IDeviceMesh*>(this);
     return nullptr;
   }
 
   // ---- processes and the step ----
   bool launch(const ember::LaunchRequest& request, int* exit_code) override {
     const bool go_on = comm_.launch(request, exit_code);
-    if (go_on) copies_ = HostCopies(comm_.device(), o_.pin_memory);
-    return go_on;
+    if (!go_on) return false;
+    copies_ = HostCopies(comm_.device(), o_.pin_memory);
+    mesh_ = std::make_unique<DeviceMesh>(comm_, request);
+    auto& data = mesh_->data_parallel();
+    shard_group_ = Subgroup{data.backend(), static_cast<int>(data.rank()), static_cast<int>(data.size())};
+    if (mesh_->tensor_parallel_size() > 1)
+      host_.log(ember::LogLevel::info, o_.name + ": device mesh " + mesh_->describe() + " (sharded over the data-parallel ranks); rank " +
+                                           std::to_string(comm_.rank()) + " is data-parallel rank " + std::to_string(data.rank()) +
+                                           ", tensor-parallel rank " + std::to_string(mesh_->tensor_parallel_rank()));
+    return true;
   }
+  // ---- ember::IDeviceMesh (before launch: one rank)
+  int64_t data_parallel_rank() const override { return mesh_ ? mesh_->data_parallel_rank() : 0; }
+  int64_t data_parallel_size() const override { return mesh_ ? mesh_->data_parallel_size() : 1; }
+  int64_t tensor_parallel_rank() const override { return mesh_ ? mesh_->tensor_parallel_rank() : 0; }
+  int64_t tensor_parallel_size() const override { return mesh_ ? mesh_->tensor_parallel_size() : 1; }
   c10::Device root_device() const override { return comm_.device(); }
   int64_t rank() const override { return comm_.rank(); }
   int64_t world_size() const override { return comm_.world(); }
@@ -126,27 +146,44 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks {
     return taken;
   }
 
-  // Clipping by norm needs the norm over all shards: the local sum of squares is all-reduced.
+  // Clipping by norm needs the norm over all shards: the local sum of squares is all-reduced. With
+  // tensor parallelism the shards of a split parameter's slices add up over every rank, those of
+  // a replicated parameter over the data-parallel ranks only (each tensor-parallel rank holds it).
   at::Tensor clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm) override {
     auto grads = ember::grads_of(optimizer);
     if (algorithm == ember::ClipAlgorithm::value) return ember::clip_gradients_in_place(grads, max, algorithm);
     if (comm_.world() == 1) return ember::clip_gradients_norm_in_place(grads, max);
     const c10::Device where = grads.empty() ? comm_.device() : grads.front().device();
-    at::Tensor sumsq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(where));
-    for (const auto& g : grads)
-      if (g.numel() > 0) sumsq += g.detach().to(at::kDouble).pow(2).sum();
-    comm_.label("gradient norm");
-    std::vector<at::Tensor> v{sumsq.to(comm_.device())};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    comm_.backend().allreduce(v, opts)->wait();
-    at::Tensor total = v.front().to(where).sqrt();
+    auto options = at::TensorOptions().dtype(at::kDouble).device(where);
+    at::Tensor sliced = at::zeros({1}, options), replicated = at::zeros({1}, options);
+    for (auto& group : optimizer.param_groups())
+      for (auto& t : group.params()) {
+        if (!t.grad().defined() || t.grad().numel() == 0) continue;
+        const bool split = !tensor_parallel_.empty() && tensor_parallel_.count(table_.params[table_.param_of_shard.at(t.unsafeGetTensorImpl())].name);
+        (split ? sliced : replicated) += t.grad().detach().to(at::kDouble).pow(2).sum();
+      }
+    at::Tensor total;
+    if (tensor_parallel_.empty()) {
+      total = sum_over(replicated, comm_.backend(), "gradient norm");
+    } else {
+      total = sum_over(sliced, comm_.backend(), "gradient norm (split parameters)");
+      if (shard_group_.size > 1) total = total + sum_over(replicated, *shard_group_.backend, "gradient norm (replicated parameters)");
+      else total = total + replicated.to(total.device());
+    }
+    total = total.to(where).sqrt();
     auto coef = (max / (total + 1e-6)).clamp_max(1.0);
     for (const auto& g : grads) g.mul_(coef.to(g.scalar_type()));
     return total.reshape({}).to(at::kFloat);
   }
 
-  at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op) override { return comm_.reduce(value, op); }
+  // A sum (a metric's total) counts each batch once: over the data-parallel ranks, whose
+  // tensor-parallel peers hold the same value; the other reductions go over every rank.
+  at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op) override {
+    if (op != ember::ReduceOp::sum || tensor_parallel_size() == 1) return comm_.reduce(value, op);
+    at::Tensor t = value.detach().to(comm_.device(), /*non_blocking=*/false, /*copy=*/true).contiguous();
+    mesh_->data_parallel().all_reduce(t, op, "metric reduction");
+    return t.to(value.device());
+  }
   void barrier(const char* name) override { comm_.barrier(name); }
   bool broadcast_flag(bool value) override { return comm_.broadcast_flag(value); }
   at::Tensor broadcast(const at::Tensor& value, int64_t src) override { return comm_.broadcast(value, src); }
@@ -170,6 +207,7 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks {
                 " while backward was still running, " + describe_bytes(stats_.host_bytes) + "), " + std::to_string(stats_.steps) +
                 " host optimizer steps";
     }
+    if (mesh_) mesh_->shutdown();
     comm_.teardown(line);
   }
 
@@ -233,6 +271,10 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks {
   bool sharded_checkpoints() const override { return o_.sharded_checkpoints; }
   c10::IValue sharded_state() override { return io_.sharded_state(*module_, *optimizer_); }
   void load_sharded_state(int64_t saved_world, const std::function<c10::IValue(int64_t)>& read_part) override {
+    if (!tensor_parallel_.empty())
+      throw ember::RunError(o_.name + ": a sharded checkpoint directory cannot be resumed with parallelism.tensor_parallel = " +
+                            std::to_string(mesh_->tensor_parallel_size()) +
+                            " yet: make one file of it (`engine checkpoint consolidate DIR OUT.ckpt`) and resume from that");
     io_.load_sharded_state(*module_, *optimizer_, saved_world, read_part);
     parameters_changed();
   }
@@ -271,12 +313,25 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks {
   }
 
  private:
-  ZeroContext context() { return ZeroContext{o_, comm_, copies_, budget_, stats_}; }
+  ZeroContext context() { return ZeroContext{o_, comm_, shard_group_, copies_, budget_, stats_}; }
+  // The sum over a group's ranks of a one-element double tensor.
+  at::Tensor sum_over(const at::Tensor& value, c10d::Backend& backend, const std::string& what) {
+    comm_.label(what);
+    std::vector<at::Tensor> v{value.to(comm_.device())};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    backend.allreduce(v, opts)->wait();
+    return v.front();
+  }
+  void split_tensor_parallel(ember::IModel& model);
   void place_parameters();
   void offload_parameters();
 
   ember::IHost& host_;
   Communicator comm_;
+  std::unique_ptr<DeviceMesh> mesh_;
+  Subgroup shard_group_;  // what the shards are cut over: the data-parallel ranks
+  std::map<std::string, ember::TensorShard> tensor_parallel_;  // the split parameters, by name
   ZeroOptions o_;
   BufferBroadcast buffers_;
   HostCopies copies_;
@@ -288,17 +343,49 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks {
   ShardedStateIO io_;
   torch::nn::Module* module_ = nullptr;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
-  bool forward_grad_ = false, ready_ = false;
+  bool forward_grad_ = false, ready_ = false, broadcast_done_ = false;
 };
 
 at::Tensor ZeroStep::found_inf_on_any_rank(const at::Tensor& found_inf) {
   return inner_.found_inf_on_any_rank(s_.any_rank_found_inf(found_inf));
 }
 
+// 2D: the model, whole and equal on every rank (rank 0's weights), keeps each rank's
+// tensor-parallel slices; ZeRO then shards those slices over the data-parallel ranks, and whole
+// checkpoints are made from (and cut into) slices around the shards' own gathering.
+void ZeroStrategy::split_tensor_parallel(ember::IModel& model) {
+  const int64_t tp = mesh_->tensor_parallel_size();
+  auto* plan = static_cast<ember::ITensorParallelModel*>(model.query_interface(ember::kTensorParallelModelIid));
+  if (!plan)
+    throw ember::ConfigError("parallelism.tensor_parallel = " + std::to_string(tp) +
+                             ": the model has no tensor-parallel plan (it does not implement ember::ITensorParallelModel); set "
+                             "tensor_parallel = 1, or use a model that has one (transformer; docs/parallelism.md)");
+  if (o_.sharded_checkpoints)
+    throw ember::ConfigError(o_.where_state_dict_type + ": " + o_.name + ".state_dict_type = \"sharded\" does not combine with parallelism.tensor_parallel = " +
+                             std::to_string(tp) + " yet: use \"full\" (whole checkpoints, which resume under any mesh)");
+  module_->to(comm_.device());
+  comm_.broadcast_module_from_zero(*module_);
+  broadcast_done_ = true;
+  auto& group = mesh_->tensor_parallel();
+  for (auto& s : plan->parallelize_tensors(group)) tensor_parallel_.emplace(s.name, s);
+  io_.set_tensor_parallel(
+      [this, &group](const std::string& name, const at::Tensor& slice) {
+        auto it = tensor_parallel_.find(name);
+        if (it == tensor_parallel_.end()) return slice;
+        return ember::whole_of(group.all_gather(slice).unbind(0), it->second);
+      },
+      [this, &group](const std::string& name, const at::Tensor& whole) {
+        auto it = tensor_parallel_.find(name);
+        if (it == tensor_parallel_.end()) return whole;
+        return ember::shard_of(whole, it->second, group.rank(), group.size()).contiguous();
+      });
+}
+
 void ZeroStrategy::setup_module(ember::IModel& model) {
   module_ = &model.module();
+  if (mesh_->tensor_parallel_size() > 1) split_tensor_parallel(model);
   table_.build(*module_, model, o_);
-  table_.lay_out(comm_.rank(), comm_.world());
+  table_.lay_out(shard_group_.rank, shard_group_.size);
   if (o_.offload) offload_parameters();
   else place_parameters();
   for (auto& p : table_.params) p.shard.set_requires_grad(p.trainable);
@@ -330,10 +417,11 @@ void ZeroStrategy::setup_module(ember::IModel& model) {
 // second copy), stage 3 a part of its own (the parameter is freed).
 void ZeroStrategy::place_parameters() {
   module_->to(comm_.device());
-  comm_.broadcast_module_from_zero(*module_);  // every rank starts from rank 0's weights and buffers
+  // Every rank starts from rank 0's weights and buffers (already, when tensor parallelism split them).
+  if (!broadcast_done_) comm_.broadcast_module_from_zero(*module_);
   at::NoGradGuard no_grad;
   for (auto& p : table_.params) {
-    at::Tensor part = ShardTable::my_part(p, p.param.detach(), comm_.rank());
+    at::Tensor part = ShardTable::my_part(p, p.param.detach(), shard_group_.rank);
     p.shard = o_.stage < 3 ? part : part.clone();
   }
 }
@@ -363,7 +451,7 @@ void ZeroStrategy::offload_parameters() {
     }
     const auto mdt = master_dtype(p.param);
     p.shard = copies_.host_zeros(p.valid, mdt, "the master weights of '" + p.name + "'");
-    p.shard.copy_(ShardTable::my_part(p, whole, comm_.rank()));
+    p.shard.copy_(ShardTable::my_part(p, whole, shard_group_.rank));
     p.host_grad = copies_.host_zeros(p.valid, mdt, "the gradient of '" + p.name + "'");
     const auto dtype = o_.compute_dtype.value_or(p.param.scalar_type());
     p.param.set_data(at::empty(p.shape, p.param.options().device(device).dtype(dtype)));
@@ -408,6 +496,7 @@ ZeroOptions read_zero_options(std::string name, const ember::IConfig& cfg) {
   o.min_unit_params = cfg.get_int("auto_wrap_min_params");
   o.broadcast_buffers = cfg.get_bool("broadcast_buffers");
   o.sharded_checkpoints = cfg.get_string("state_dict_type") == "sharded";
+  o.where_state_dict_type = cfg.where("state_dict_type");
   return o;
 }
 

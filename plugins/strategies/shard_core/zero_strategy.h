@@ -34,6 +34,7 @@ struct ZeroOptions {
   int64_t max_host_bytes = 0;                     // 0: what the host has available
   std::optional<at::ScalarType> compute_dtype;    // device copy of the weights; none: the module's
   std::string where_max_host;                     // config location, for the memory error line
+  std::string where_state_dict_type;              // config location of state_dict_type
 };
 
 // The keys both plugins take besides EMBER_DIST_CONFIG_KEYS (read by read_zero_options).
