@@ -162,6 +162,38 @@ TEST_F(TensorParallel, CheckpointsResumeAcrossMeshShapes) {
   EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(reshaped, 1)), 1e-5);
 }
 
+// The gpt language model's plan: GPT-2 (fused c_attn split in three blocks, Conv1D weights) under
+// ddp and Llama (grouped-query attention: 4 heads and 2 key/value heads over 2 ranks) under
+// sharded, each 2 (data parallel) x 2 (tensor parallel), end where single_device does.
+TEST_F(TensorParallel, GptPlanForGpt2AndLlamaMatchesSingleDevice) {
+  const std::string corpus =
+      "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife.\n"
+      "The sun was shining on the sea, shining with all his might.\n"
+      "Happy families are all alike; every unhappy family is unhappy in its own way.\n";
+  for (const char* flavour : {"gpt2", "llama"}) {
+    TempDir one("tensor_parallel"), split("tensor_parallel");
+    for (const auto* dir : {&one, &split}) {
+      std::string text;
+      for (int i = 0; i < 8; ++i) text += corpus;
+      write_file(*dir / "corpus.txt", text);
+      write_file(*dir / "run.toml",
+                 "[trainer]\naccelerator = \"cpu\"\nmax_steps = 12\nmax_epochs = -1\nval_check_interval = 6\nlimit_val_batches = 4\n"
+                 "num_sanity_val_steps = 0\nenable_progress_bar = false\nenable_model_summary = false\nlog_every_n_steps = 1\n"
+                 "gradient_clip_val = 1.0\naccumulate_grad_batches = 2\n"
+                 "[model]\nname = \"gpt\"\nflavour = \"" + std::string(flavour) + "\"\nvocab_size = 48\ncontext_length = 32\nlayers = 2\n"
+                 "heads = 4\nkv_heads = " + (std::string(flavour) == "llama" ? "2" : "0") + "\nwidth = 32\n"
+                 "[data]\nname = \"text_lm\"\ncorpus = \"" + (*dir / "corpus.txt").string() + "\"\ncache_dir = \"" +
+                 (*dir / "tokens").string() + "\"\nblock_size = 16\nbatch_size = 8\n"
+                 "[optimizer]\nname = \"adamw\"\nlr = 0.003\neps = 1e-4\n");
+    }
+    run_engine_ok(one, {"run.toml"});
+    const std::string strategy = std::string(flavour) == "gpt2" ? "ddp" : "sharded";
+    run_engine_ok(split, {"--plugins", strategy, "run.toml", "--set", strategy + ".timeout=60.0", "--set", "trainer.devices=4", "--set",
+                          "parallelism.tensor_parallel=2", "--set", "data.batch_size=4"});
+    EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(split)), 1e-5) << flavour;
+  }
+}
+
 TEST_F(TensorParallel, MixedPrecisionMatchesSingleDeviceWithinTolerance) {
   for (const char* precision : {"16-mixed", "bf16-mixed"}) {
     const std::vector<std::string> mode = {"--set", std::string("trainer.precision=\"") + precision + "\""};

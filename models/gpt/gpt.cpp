@@ -89,9 +89,10 @@ class Gpt final : public ember::IModel,
                   public ember::IModelFlops,
                   public ember::ICausalLanguageModel,
                   public ember::ILinearLayers,
-                  public ember::IExportableModel2 {
+                  public ember::IExportableModel2,
+                  public ember::ITensorParallelModel {
  public:
-  Gpt(ember::IHost& host, const ember::IConfig& cfg) {
+  Gpt(ember::IHost& host, const ember::IConfig& cfg) : section_(cfg.section()) {
     GptShape shape;
     std::string origin = "initialised from the [model] keys";
     const std::string dir = cfg.get_string("model_dir");
@@ -128,12 +129,16 @@ class Gpt final : public ember::IModel,
   }
 
   torch::nn::Module& module() override { return *net_; }
+  std::vector<ember::TensorShard> parallelize_tensors(ember::ITensorParallelGroup& group) override {
+    return net_->parallelize_tensors(group, section_);
+  }
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
     if (std::strcmp(iid, ember::kCausalLanguageModelIid) == 0) return static_cast<ember::ICausalLanguageModel*>(this);
     if (std::strcmp(iid, ember::kExportableModel2Iid) == 0) return static_cast<ember::IExportableModel2*>(this);
     if (std::strcmp(iid, ember::kLinearLayersIid) == 0) return static_cast<ember::ILinearLayers*>(this);
     if (std::strcmp(iid, ember::kExportableModelIid) == 0) return static_cast<ember::IExportableModel*>(this);
+    if (std::strcmp(iid, ember::kTensorParallelModelIid) == 0) return static_cast<ember::ITensorParallelModel*>(this);
     return unit_model_interface(iid);
   }
 
@@ -218,6 +223,7 @@ class Gpt final : public ember::IModel,
       throw ember::RunError(c10::str("gpt: got inputs ", ids.scalar_type(), " ", ids.sizes(), ", expected token ids int64 [N, T] (the text_lm data module)"));
     return ids.scalar_type() == at::kLong ? ids : ids.to(at::kLong);
   }
+  std::string section_;
   std::shared_ptr<ember_gpt::GptNet> net_;
   ember_gpt::GenerationCache cache_;
 };

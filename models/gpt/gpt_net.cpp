@@ -1,5 +1,7 @@
 #include "gpt_net.h"
 
+#include <ember/support/tensor_parallel.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -171,17 +173,20 @@ AttentionImpl::AttentionImpl(const GptShape& shape, std::shared_ptr<const Adapte
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache, int64_t past, const at::Tensor& cos,
                                   const at::Tensor& sin) {
-  const int64_t n = x.size(0), t = x.size(1), h = shape_.heads, kvh = shape_.kv_heads, d = shape_.head_dim();
+  // Under tensor parallelism this rank computes its share of the heads (tp_: parallelize_tensors).
+  const int64_t parts = tp_ ? tp_->size() : 1;
+  const int64_t n = x.size(0), t = x.size(1), h = shape_.heads / parts, kvh = shape_.kv_heads / parts, d = shape_.head_dim();
+  const at::Tensor xin = tp_ ? ember::copy_to_tensor_parallel(x, *tp_) : x;
   at::Tensor q, k, v;
   if (shape_.flavour == Flavour::gpt2) {
-    const auto qkv = adapters_->apply(prefix_ + "c_attn", x, c_attn_(x)).split(shape_.width, -1);
+    const auto qkv = adapters_->apply(prefix_ + "c_attn", xin, c_attn_(xin)).split(h * d, -1);
     q = qkv[0].view({n, t, h, d}).transpose(1, 2);
     k = qkv[1].view({n, t, h, d}).transpose(1, 2);
     v = qkv[2].view({n, t, h, d}).transpose(1, 2);
   } else {
-    q = adapters_->apply(prefix_ + "q_proj", x, q_(x)).view({n, t, h, d}).transpose(1, 2);
-    k = adapters_->apply(prefix_ + "k_proj", x, k_(x)).view({n, t, kvh, d}).transpose(1, 2);
-    v = adapters_->apply(prefix_ + "v_proj", x, v_(x)).view({n, t, kvh, d}).transpose(1, 2);
+    q = adapters_->apply(prefix_ + "q_proj", xin, q_(xin)).view({n, t, h, d}).transpose(1, 2);
+    k = adapters_->apply(prefix_ + "k_proj", xin, k_(xin)).view({n, t, kvh, d}).transpose(1, 2);
+    v = adapters_->apply(prefix_ + "v_proj", xin, v_(xin)).view({n, t, kvh, d}).transpose(1, 2);
     q = q * cos + rotate_half(q) * sin;
     k = k * cos + rotate_half(k) * sin;
   }
@@ -204,7 +209,12 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, at::Tensor* k_cache, at::
   else if (t > 1)
     mask = at::ones({t, past + t}, x.options().dtype(at::kBool)).tril(past);
   const double p = is_training() ? shape_.dropout : 0.0;
-  const at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, p, causal).transpose(1, 2).reshape({n, t, shape_.width});
+  const at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, p, causal).transpose(1, 2).reshape({n, t, h * d});
+  if (tp_) {  // row-parallel output projection: the ranks' partial sums, then the whole bias once
+    if (shape_.flavour == Flavour::llama) return ember::reduce_from_tensor_parallel(at::linear(y, o_->weight), *tp_);
+    const at::Tensor out = ember::reduce_from_tensor_parallel(at::matmul(y, c_proj_->weight), *tp_);
+    return c_proj_->bias.defined() ? out + c_proj_->bias : out;
+  }
   return shape_.flavour == Flavour::gpt2 ? adapters_->apply(prefix_ + "c_proj", y, c_proj_(y)) : adapters_->apply(prefix_ + "o_proj", y, o_(y));
 }
 
@@ -223,6 +233,16 @@ MlpImpl::MlpImpl(const GptShape& shape, std::shared_ptr<const Adapters> adapters
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
   const Adapters& a = *adapters_;
+  if (tp_) {  // column-parallel in, row-parallel out (no adapters under tensor parallelism)
+    const at::Tensor xin = ember::copy_to_tensor_parallel(x, *tp_);
+    if (shape_.flavour == Flavour::gpt2) {
+      const at::Tensor h = at::gelu(c_fc_(xin), shape_.gelu_tanh ? "tanh" : "none");
+      const at::Tensor out = ember::reduce_from_tensor_parallel(at::matmul(h, c_proj_->weight), *tp_);
+      return c_proj_->bias.defined() ? out + c_proj_->bias : out;
+    }
+    const at::Tensor h = at::silu(gate_(xin)) * up_(xin);
+    return ember::reduce_from_tensor_parallel(at::linear(h, down_->weight), *tp_);
+  }
   if (shape_.flavour == Flavour::gpt2) {
     const at::Tensor h = at::gelu(a.apply(prefix_ + "c_fc", x, c_fc_(x)), shape_.gelu_tanh ? "tanh" : "none");
     return a.apply(prefix_ + "c_proj", h, c_proj_(h));
@@ -421,6 +441,43 @@ void GptNet::set_linear_adapter(const std::string& name, std::shared_ptr<ember::
     throw ember::RunError("gpt: no linear layer named '" + name + "' (e.g. " + (layers.empty() ? std::string("none") : layers.front().name) + ")");
   if (adapter) adapters_->by_name[name] = std::move(adapter);
   else adapters_->by_name.erase(name);
+}
+
+std::vector<ember::TensorShard> GptNet::parallelize_tensors(ember::ITensorParallelGroup& group, const std::string& section) {
+  const int64_t tp = group.size();
+  auto refuse = [&](const char* what, int64_t value) {
+    throw ember::ConfigError(c10::str("[", section, "] ", what, " = ", value, " cannot be split over tensor_parallel = ", tp,
+                                      " ranks (each rank takes whole heads and an equal part of the MLP): choose a degree that divides it"));
+  };
+  if (shape_.heads % tp != 0) refuse("heads", shape_.heads);
+  if (shape_.kv_heads % tp != 0) refuse("kv_heads", shape_.kv_heads);
+  if (shape_.ff_width % tp != 0) refuse("ff_width", shape_.ff_width);
+  if (!adapters_->by_name.empty())
+    throw ember::ConfigError("gpt: adapters (lora) do not combine with parallelism.tensor_parallel = " + std::to_string(tp) +
+                             " yet: set tensor_parallel = 1");
+  const bool llama = shape_.flavour == Flavour::llama;
+  std::vector<ember::TensorShard> shards;
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const std::string b = (llama ? "model.layers." : "transformer.h.") + std::to_string(i) + ".";
+    if (llama) {
+      for (const char* name : {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.gate_proj.weight",
+                               "mlp.up_proj.weight"})
+        shards.push_back({b + name, 0, 1});
+      shards.push_back({b + "self_attn.o_proj.weight", 1, 1});
+      shards.push_back({b + "mlp.down_proj.weight", 1, 1});
+    } else {  // Conv1D weights are [in, out]: column-parallel splits dimension 1, row-parallel 0
+      shards.push_back({b + "attn.c_attn.weight", 1, 3});
+      if (shape_.bias) shards.push_back({b + "attn.c_attn.bias", 0, 3});
+      shards.push_back({b + "attn.c_proj.weight", 0, 1});
+      shards.push_back({b + "mlp.c_fc.weight", 1, 1});
+      if (shape_.bias) shards.push_back({b + "mlp.c_fc.bias", 0, 1});
+      shards.push_back({b + "mlp.c_proj.weight", 0, 1});
+    }
+  }
+  auto params = named_parameters();
+  for (const auto& s : shards) ember::keep_shard(params[s.name], s, group.rank(), tp);
+  for (auto& block : blocks_) block->parallelize(group);
+  return shards;
 }
 
 int64_t GptNet::matmul_parameters() const {

@@ -20,6 +20,7 @@
 
 #include <ember/model_adapters.h>
 #include <ember/model_units.h>
+#include <ember/tensor_parallel.h>
 
 namespace ember_gpt {
 
@@ -101,9 +102,12 @@ class AttentionImpl : public torch::nn::Module {
   // earlier positions and get this call's appended. cos/sin [T, head_dim] (llama).
   at::Tensor forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache, int64_t past, const at::Tensor& cos,
                      const at::Tensor& sin);
+  // From now on the projections hold this rank's heads (GptNet::parallelize_tensors).
+  void parallelize(ember::ITensorParallelGroup& group) { tp_ = &group; }
 
  private:
   at::Tensor project(const std::string& name, torch::nn::Module& layer, const at::Tensor& x);
+  ember::ITensorParallelGroup* tp_ = nullptr;
   GptShape shape_;
   std::shared_ptr<const Adapters> adapters_;
   std::string prefix_;  // "transformer.h.3.attn." / "model.layers.3.self_attn."
@@ -116,8 +120,10 @@ class MlpImpl : public torch::nn::Module {
  public:
   MlpImpl(const GptShape& shape, std::shared_ptr<const Adapters> adapters, std::string prefix);
   at::Tensor forward(const at::Tensor& x);
+  void parallelize(ember::ITensorParallelGroup& group) { tp_ = &group; }
 
  private:
+  ember::ITensorParallelGroup* tp_ = nullptr;
   GptShape shape_;
   std::shared_ptr<const Adapters> adapters_;
   std::string prefix_;
@@ -133,6 +139,10 @@ class BlockImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache, int64_t past, const at::Tensor& cos,
                      const at::Tensor& sin);
   void recompute_mlp(bool on) { recompute_mlp_ = on; }
+  void parallelize(ember::ITensorParallelGroup& group) {
+    attn_->parallelize(group);
+    mlp_->parallelize(group);
+  }
 
  private:
   bool recompute_mlp_ = false;
@@ -169,6 +179,12 @@ class GptNet : public torch::nn::Module {
   // The blocks' linear layers, and the branches plugins add to them (ember/model_adapters.h).
   std::vector<ember::LinearLayer> linear_layers();
   void set_linear_adapter(const std::string& name, std::shared_ptr<ember::ILinearAdapter> adapter);
+  // Tensor parallelism (ember/tensor_parallel.h), Megatron's split: every block's attention heads
+  // (q/k/v column-parallel, the output projection row-parallel) and MLP (c_fc / gate and up
+  // column-parallel, c_proj / down row-parallel) over the group; embeddings, norms, the biases added
+  // after a sum and the lm_head stay whole. Throws ember::ConfigError when heads, kv_heads or
+  // ff_width do not divide by the group's size, or when a plugin added adapters.
+  std::vector<ember::TensorShard> parallelize_tensors(ember::ITensorParallelGroup& group, const std::string& section);
   // Matrix-multiply parameters that a token's forward runs through (the lm_head included, the
   // embedding lookups not): the 6N of the FLOPs estimate.
   int64_t matmul_parameters() const;
