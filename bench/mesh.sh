@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Device meshes on CPU ranks (docs/parallelism.md): bytes of parameters + gradients + trained
+# shards + optimizer state resident on rank 0 at the step (the memory_probe test plugin: storage
+# sizes of the live tensors, not computed from parameter counts) and step time, for data parallel
+# (ddp), tensor parallel, both (ddp 2 x 2), ZeRO-3 alone and ZeRO-3 x tensor parallel (2D), on a
+# transformer of about 25M parameters. The global batch is the same everywhere (8 sequences of 16
+# tokens): each data-parallel rank takes 8 / data-parallel ranks.
+# Per-step time = (time of `long` steps - time of `short` steps) / (long - short), which removes
+# start-up. The ranks share this machine's cores (2 on CI-sized machines), so times compare the
+# variants' overheads, not a speed-up.
+#   bash bench/mesh.sh [layers=8] [d_model=512] [short=3] [long=6]
+set -euo pipefail
+layers=${1:-8}
+d=${2:-512}
+short=${3:-3}
+long=${4:-6}
+root=$(cd "$(dirname "$0")/.." && pwd)
+engine=${ENGINE:-$root/build/engine/engine}
+probe_dir=${PROBE_DIR:-$root/build/test-plugins/good}
+work=$(mktemp -d /tmp/ember-bench-mesh-XXXXXX)
+trap 'rm -rf "$work"' EXIT
+# shellcheck source=bench/common.sh
+source "$root/bench/common.sh"
+{
+  train_only_trainer_toml
+  echo "num_threads = 1"
+  transformer_model_toml "$layers" "$d" 8
+  cat <<TOML
+[data]
+name = "synthetic"
+shape = [16, $d]
+num_classes = 10
+num_train = 1200
+num_val = 0
+num_test = 0
+batch_size = 8
+[optimizer]
+name = "adamw"
+lr = 0.0001
+TOML
+} > "$work/run.toml"
+run() {  # ranks steps [args...] -> seconds; the probe's lines stay in $work/err
+  local ranks=$1 steps=$2 start end
+  shift 2
+  start=$(date +%s.%N)
+  (cd "$work" && OMP_NUM_THREADS=1 "$engine" run.toml --plugin-path "$probe_dir" --plugins memory_probe \
+     --set "trainer.max_steps=$steps" --set "trainer.devices=$ranks" "$@" >/dev/null 2>"$work/err") || { cat "$work/err" >&2; exit 1; }
+  end=$(date +%s.%N)
+  calc "$end - $start"
+}
+echo "transformer: $layers layers, d_model $d, 8 heads, global batch 8 x 16 tokens, AdamW, 1 thread per rank"
+echo
+echo "| mesh | strategy | ranks | data x tensor | rank 0 state MB (params + grads + trained shards + optimizer) | vs single_device | s/step |"
+echo "|---|---|---|---|---|---|---|"
+single_total=""
+# name strategy ranks tp [stage]
+for variant in "single single_device 1 1" "dp2 ddp 2 1" "tp2 ddp 2 2" "dp4 ddp 4 1" "dp2xtp2 ddp 4 2" "tp4 ddp 4 4" \
+               "zero3x4 sharded 4 1" "zero3x2xtp2 sharded 4 2"; do
+  read -r name strategy ranks tp <<<"$variant"
+  dp=$((ranks / tp))
+  args=(--set "data.batch_size=$((8 / dp))")
+  [ "$strategy" != single_device ] && args+=(--plugins "$strategy" --set "parallelism.tensor_parallel=$tp" --set "$strategy.timeout=600.0")
+  a=$(run "$ranks" "$short" "${args[@]}")
+  b=$(run "$ranks" "$long" "${args[@]}")
+  line=$(grep -o 'memory_probe: rank 0 step 2: .*' "$work/err" | head -1)
+  total=$(sed -E 's/.* total ([0-9]+) bytes/\1/' <<<"$line")
+  [ -z "$single_total" ] && single_total=$total
+  parts=$(sed -E 's/.*parameters ([0-9]+) gradients ([0-9]+) trained ([0-9]+) optimizer_state ([0-9]+).*/\1 \2 \3 \4/' <<<"$line")
+  read -r p g t o <<<"$parts"
+  printf '| %s | %s | %d | %d x %d | %.1f (%.1f + %.1f + %.1f + %.1f) | %.3f | %.2f |\n' "$name" "$strategy" "$ranks" "$dp" "$tp" \
+    "$(calc "$total / 1e6")" "$(calc "$p / 1e6")" "$(calc "$g / 1e6")" "$(calc "$t / 1e6")" "$(calc "$o / 1e6")" \
+    "$(calc "$total / $single_total")" "$(calc "($b - $a) / ($long - $short)")"
+done
