@@ -27,6 +27,8 @@
 
 #include "gpt_net.h"
 
+#include <ember/support/tensor_parallel.h>
+
 namespace {
 
 using ember_gpt::Flavour;
@@ -179,13 +181,13 @@ class Gpt final : public ember::IModel,
   // ICausalLanguageModel
   int64_t vocab_size() const override { return net_->shape().vocab_size; }
   int64_t context_length() const override { return net_->shape().context_length; }
-  at::Tensor logits(const at::Tensor& ids) override { return net_->forward(checked_ids(ids)).to(at::kFloat); }
+  at::Tensor logits(const at::Tensor& ids) override { return whole_vocabulary(net_->forward(checked_ids(ids))).to(at::kFloat); }
   void begin_generation(int64_t batch_size, int64_t max_length) override {
     cache_ = net_->new_cache(batch_size, std::min(max_length, context_length()));
   }
   at::Tensor generation_step(const at::Tensor& ids) override {
     if (cache_.capacity == 0) throw ember::RunError("gpt: generation_step without begin_generation");
-    return net_->forward(checked_ids(ids), &cache_).to(at::kFloat);
+    return whole_vocabulary(net_->forward(checked_ids(ids), &cache_)).to(at::kFloat);
   }
   int64_t cached_length() const override { return cache_.length; }
   void end_generation() override { cache_ = {}; }
@@ -209,7 +211,9 @@ class Gpt final : public ember::IModel,
     if (batch.tensors.size() < 2)
       throw ember::RunError("gpt: a batch needs input ids and next-token targets [N, T] (use the text_lm data module)");
     const at::Tensor logits = net_->forward(checked_ids(batch[0]));
-    const at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), batch[1].reshape({-1}).to(at::kLong));
+    const at::Tensor rows = logits.reshape({-1, logits.size(-1)}), targets = batch[1].reshape({-1}).to(at::kLong);
+    auto* vocab_group = net_->vocab_parallel_group();  // tensor parallelism: this rank's vocabulary columns
+    const at::Tensor loss = vocab_group ? ember::vocab_parallel_cross_entropy(rows, targets, *vocab_group) : at::cross_entropy_loss(rows, targets);
     ember::LogOptions o;
     o.on_step = split == "train" ? 1 : 0;
     o.on_epoch = 1;
@@ -217,6 +221,13 @@ class Gpt final : public ember::IModel,
     o.sync_dist = true;
     ctx.log(split + "_loss", loss.detach(), o);
     return loss;
+  }
+  // Logits over the whole vocabulary: under vocabulary parallelism every rank's columns, joined.
+  at::Tensor whole_vocabulary(const at::Tensor& logits) const {
+    auto* group = net_->vocab_parallel_group();
+    if (!group) return logits;
+    at::NoGradGuard no_grad;
+    return at::cat(group->all_gather(logits.detach()).unbind(0), -1);
   }
   at::Tensor checked_ids(const at::Tensor& ids) const {
     if (ids.dim() != 2 || at::isFloatingType(ids.scalar_type()))

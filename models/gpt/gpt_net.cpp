@@ -322,7 +322,7 @@ at::Tensor GptNet::forward(const at::Tensor& ids, GenerationCache* cache) {
                                    " positions: shorten it (data.block_size, the prompt) or raise model.context_length"));
   if (cache != nullptr && past + t > cache->capacity)
     throw ember::RunError(c10::str("gpt: the generation cache holds ", cache->capacity, " positions, ", past + t, " asked"));
-  at::Tensor x = embed_(ids);
+  at::Tensor x = vocab_parallel_ ? ember::vocab_parallel_embedding(ids, embed_->weight, *tp_) : embed_(ids);
   at::Tensor cos, sin;
   if (shape_.flavour == Flavour::gpt2) {
     x = x + positions_(at::arange(past, past + t, ids.options().dtype(at::kLong)));
@@ -340,6 +340,8 @@ at::Tensor GptNet::forward(const at::Tensor& ids, GenerationCache* cache) {
   }
   x = final_norm_(x);
   if (cache != nullptr) cache->length += t;
+  if (vocab_parallel_)  // column-parallel over the vocabulary: this rank's logits
+    return at::linear(ember::copy_to_tensor_parallel(x, *tp_), shape_.tied ? embed_->weight : lm_head_->weight);
   return shape_.tied ? at::linear(x, embed_->weight) : lm_head_(x);
 }
 
@@ -474,9 +476,17 @@ std::vector<ember::TensorShard> GptNet::parallelize_tensors(ember::ITensorParall
       shards.push_back({b + "mlp.c_proj.weight", 0, 1});
     }
   }
+  // Vocabulary-parallel embedding and output (Megatron's): when the vocabulary divides (GPT-2's
+  // 50257 does not; nanoGPT's padded 50304 does), else both stay whole.
+  if (shape_.vocab_size % tp == 0) {
+    shards.push_back({llama ? "model.embed_tokens.weight" : "transformer.wte.weight", 0, 1});
+    if (!shape_.tied) shards.push_back({"lm_head.weight", 0, 1});
+    vocab_parallel_ = true;
+  }
   auto params = named_parameters();
   for (const auto& s : shards) ember::keep_shard(params[s.name], s, group.rank(), tp);
   for (auto& block : blocks_) block->parallelize(group);
+  tp_ = &group;
   return shards;
 }
 

@@ -184,7 +184,11 @@ class GptNet : public torch::nn::Module {
   // column-parallel, c_proj / down row-parallel) over the group; embeddings, norms, the biases added
   // after a sum and the lm_head stay whole. Throws ember::ConfigError when heads, kv_heads or
   // ff_width do not divide by the group's size, or when a plugin added adapters.
+  // The embedding (and an untied lm_head) are split by vocabulary when it divides: the forward then
+  // returns this rank's columns of the logits, for ember::vocab_parallel_cross_entropy.
   std::vector<ember::TensorShard> parallelize_tensors(ember::ITensorParallelGroup& group, const std::string& section);
+  // Set when forward returns vocabulary-parallel logits [N, T, vocab / group size].
+  ember::ITensorParallelGroup* vocab_parallel_group() const { return vocab_parallel_ ? tp_ : nullptr; }
   // Matrix-multiply parameters that a token's forward runs through (the lm_head included, the
   // embedding lookups not): the 6N of the FLOPs estimate.
   int64_t matmul_parameters() const;
@@ -199,6 +203,8 @@ class GptNet : public torch::nn::Module {
   Norm final_norm_{nullptr};
   torch::nn::Linear lm_head_{nullptr};
   ember::ModelUnits* units_ = nullptr;
+  ember::ITensorParallelGroup* tp_ = nullptr;
+  bool vocab_parallel_ = false;
   std::shared_ptr<Adapters> adapters_ = std::make_shared<Adapters>();
   at::Tensor inv_freq_;  // llama: [head_dim / 2] float, on the CPU
 };

@@ -92,8 +92,10 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
                                  ": the model has no tensor-parallel plan (it does not implement ember::ITensorParallelModel); set "
                                  "tensor_parallel = 1, or use a model that has one (transformer; docs/parallelism.md)");
       // Every rank holds rank 0's whole weights now; each keeps its slices.
+      const int64_t whole = ember_dist::parameter_elements(module);
       tensor_parallel_ = std::make_unique<TensorParallelState>(mesh_->tensor_parallel(), module,
                                                                plan->parallelize_tensors(mesh_->tensor_parallel()));
+      host_.log(ember::LogLevel::info, ember_dist::describe_split("ddp", tensor_parallel_->sliced(), whole, module));
     }
     state_.set_module(module);
     // Gradients meet over the data-parallel ranks; tensor-parallel ranks already agree on the

@@ -367,7 +367,9 @@ void ZeroStrategy::split_tensor_parallel(ember::IModel& model) {
   comm_.broadcast_module_from_zero(*module_);
   broadcast_done_ = true;
   auto& group = mesh_->tensor_parallel();
+  const int64_t whole = parameter_elements(*module_);
   for (auto& s : plan->parallelize_tensors(group)) tensor_parallel_.emplace(s.name, s);
+  host_.log(ember::LogLevel::info, describe_split(o_.name, tensor_parallel_.size(), whole, *module_));
   io_.set_tensor_parallel(
       [this, &group](const std::string& name, const at::Tensor& slice) {
         auto it = tensor_parallel_.find(name);

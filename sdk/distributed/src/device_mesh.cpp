@@ -81,4 +81,16 @@ void DeviceMesh::shutdown() {
   }
 }
 
+int64_t parameter_elements(torch::nn::Module& module) {
+  int64_t n = 0;
+  for (const auto& p : module.parameters()) n += p.numel();
+  return n;
+}
+
+std::string describe_split(const std::string& strategy, size_t split, int64_t whole_elements, torch::nn::Module& module) {
+  return strategy + ": the model's tensor-parallel plan split " + std::to_string(split) + " of " +
+         std::to_string(module.parameters().size()) + " parameters; this rank holds " + std::to_string(parameter_elements(module)) +
+         " of their " + std::to_string(whole_elements) + " elements";
+}
+
 }  // namespace ember_dist

@@ -56,4 +56,10 @@ class DeviceMesh final : public ember::IDeviceMesh {
   MeshGroup data_, tensor_;
 };
 
+// Elements of a module's parameters, and the line a strategy logs after a tensor-parallel plan
+// split `split` of them: "ddp: the model's tensor-parallel plan split 14 of 28 parameters; this
+// rank holds 1,234 of its 5,678 elements".
+int64_t parameter_elements(torch::nn::Module& module);
+std::string describe_split(const std::string& strategy, size_t split, int64_t whole_elements, torch::nn::Module& module);
+
 }  // namespace ember_dist

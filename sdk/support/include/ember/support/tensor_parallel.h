@@ -71,6 +71,60 @@ inline at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, ITensorParall
   return tensor_parallel_detail::ReduceFromTensorParallel::apply(x, tensor_parallel_detail::group_handle(group));
 }
 
+namespace tensor_parallel_detail {
+
+// Cross-entropy over logits whose vocabulary is split over the group (Megatron's
+// vocab_parallel_cross_entropy): the softmax's maximum and denominator and the target's logit are
+// reduced over the ranks, so no rank ever holds the whole [rows, vocabulary] logits. Mean over rows.
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, int64_t group) {
+    auto& g = *reinterpret_cast<ITensorParallelGroup*>(static_cast<intptr_t>(group));
+    const int64_t local = logits.size(1), start = g.rank() * local;
+    at::Tensor x = logits.to(at::kFloat);
+    at::Tensor max = g.all_gather(std::get<0>(x.max(1)).contiguous()).amax(0);
+    at::Tensor shifted = x - max.unsqueeze(1);
+    at::Tensor exp = shifted.exp();
+    at::Tensor sum = exp.sum(1).contiguous();
+    g.all_reduce_sum(sum);
+    const at::Tensor outside = (targets < start).logical_or(targets >= start + local);
+    const at::Tensor local_targets = (targets - start).masked_fill(outside, 0);
+    at::Tensor target_logit = shifted.gather(1, local_targets.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0).contiguous();
+    g.all_reduce_sum(target_logit);
+    at::Tensor softmax = exp / sum.unsqueeze(1);
+    ctx->save_for_backward({softmax, local_targets, outside});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return (sum.log() - target_logit).mean();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor grad = saved[0].clone();
+    const at::Tensor inside = saved[2].logical_not().to(grad.scalar_type());
+    grad.scatter_add_(1, saved[1].unsqueeze(1), -inside.unsqueeze(1));
+    grad.mul_(grads[0] / static_cast<double>(grad.size(0)));
+    return {grad.to(static_cast<at::ScalarType>(ctx->saved_data.at("dtype").toInt())), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace tensor_parallel_detail
+
+// The rows of an embedding whose vocabulary (weight's dimension 0) is split over the group: each
+// rank looks up the ids in its range, the others give zeros, and the sum joins them.
+inline at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight_slice, ITensorParallelGroup& group) {
+  if (group.size() == 1) return at::embedding(weight_slice, ids);
+  const int64_t local = weight_slice.size(0), start = group.rank() * local;
+  const at::Tensor outside = (ids < start).logical_or(ids >= start + local);
+  at::Tensor rows = at::embedding(weight_slice, (ids - start).masked_fill(outside, 0));
+  rows = rows.masked_fill(outside.unsqueeze(-1), 0.0);
+  return reduce_from_tensor_parallel(rows, group);
+}
+
+// Mean cross-entropy of logits [rows, vocabulary / size] (this rank's columns, in rank order)
+// against targets [rows] (whole vocabulary ids); the same value on every rank.
+inline at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, ITensorParallelGroup& group) {
+  if (group.size() == 1) return at::cross_entropy_loss(logits, targets);
+  return tensor_parallel_detail::VocabParallelCrossEntropy::apply(logits, targets, tensor_parallel_detail::group_handle(group));
+}
+
 // Throws ember::ConfigError unless `whole` splits as `shard` says over `size` ranks.
 inline void check_splits(const at::Tensor& whole, const TensorShard& shard, int64_t size) {
   if (shard.dim < 0 || shard.dim >= whole.dim() || shard.blocks < 1 || whole.size(shard.dim) % (shard.blocks * size) != 0)
