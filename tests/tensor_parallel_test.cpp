@@ -144,6 +144,29 @@ TEST_F(TensorParallel, ShardedOverDataParallelRanksMatchesSingleDevice) {
   }
 }
 
+// Sequence parallelism: norms, dropout and residuals on each rank's half of the positions; their
+// parameters' gradients summed over the tensor-parallel ranks (without that sum the norms would
+// train on half their gradient and the weights differ).
+TEST_F(TensorParallel, SequenceParallelMatchesSingleDevice) {
+  TempDir one("tensor_parallel"), ddp("tensor_parallel"), sharded("tensor_parallel"), odd("tensor_parallel");
+  single(one);
+  const std::vector<std::string> sp = {"--set", "parallelism.sequence_parallel=true"};
+  auto r = mesh(ddp, 4, 2, sp);
+  EXPECT_NE(r.err.find("sequence parallel: the gradients of 12 norms and biases are summed over the group"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(ddp)), 1e-5);
+  mesh(sharded, 4, 2, sp, "sharded");
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(sharded)), 1e-5);
+  // 5 positions do not split over 2 ranks: one line, not a wrong answer.
+  write_file(odd / "run.toml", kRun);
+  r = run_engine({"run.toml", "--plugins", "ddp", "--set", "ddp.timeout=60.0", "--set", "trainer.devices=2", "--set",
+                  "parallelism.tensor_parallel=2", "--set", "parallelism.sequence_parallel=true", "--set", "data.shape=[5, 16]"},
+                 odd.path(), {}, 120);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("a sequence of 5 positions cannot be split over tensor_parallel = 2 ranks (parallelism.sequence_parallel)"),
+            std::string::npos)
+      << r.err;
+}
+
 // A checkpoint holds whole tensors, whatever the mesh that wrote it: the second epoch under
 // another mesh ends where the uninterrupted single_device run does.
 TEST_F(TensorParallel, CheckpointsResumeAcrossMeshShapes) {
@@ -166,7 +189,7 @@ TEST_F(TensorParallel, CheckpointsResumeAcrossMeshShapes) {
 // ddp and Llama (grouped-query attention: 4 heads and 2 key/value heads over 2 ranks; an untied
 // lm_head) under sharded, each 2 (data parallel) x 2 (tensor parallel), end where single_device
 // does. A vocabulary of 48 is split too (vocabulary-parallel embedding, lm_head and cross-entropy);
-// one of 47 cannot be, and stays whole.
+// one of 47 cannot be, and stays whole. GPT-2 once more with sequence parallelism.
 TEST_F(TensorParallel, GptPlanForGpt2AndLlamaMatchesSingleDevice) {
   const std::string corpus =
       "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife.\n"
@@ -174,11 +197,13 @@ TEST_F(TensorParallel, GptPlanForGpt2AndLlamaMatchesSingleDevice) {
       "Happy families are all alike; every unhappy family is unhappy in its own way.\n";
   struct Case {
     std::string flavour, strategy, extra, split;
+    bool sequence_parallel = false;
   };
   const std::vector<Case> cases = {
       {"gpt2", "ddp", "vocab_size = 48\n", "plan split 13 of 28 parameters; this rank holds 14752 of their 28032 elements"},
       {"llama", "sharded", "vocab_size = 48\nkv_heads = 2\ntied = false\n",
        "plan split 16 of 21 parameters; this rank holds 17056 of their 33952 elements"},
+      {"gpt2", "ddp", "vocab_size = 48\n", "sequence parallel: the gradients of 14 norms and biases are summed over the group", true},
       {"gpt2", "ddp", "vocab_size = 47\n", "plan split 12 of 28 parameters; this rank holds 15488 of their 28000 elements"}};
   for (const auto& c : cases) {
     TempDir one("tensor_parallel"), split("tensor_parallel");
@@ -197,7 +222,8 @@ TEST_F(TensorParallel, GptPlanForGpt2AndLlamaMatchesSingleDevice) {
     }
     run_engine_ok(one, {"run.toml"});
     auto r = run_engine_ok(split, {"--plugins", c.strategy, "run.toml", "--set", c.strategy + ".timeout=60.0", "--set", "trainer.devices=4",
-                                   "--set", "parallelism.tensor_parallel=2", "--set", "data.batch_size=4"});
+                                   "--set", "parallelism.tensor_parallel=2", "--set", "data.batch_size=4", "--set",
+                                   std::string("parallelism.sequence_parallel=") + (c.sequence_parallel ? "true" : "false")});
     EXPECT_NE(r.err.find(c.split), std::string::npos) << r.err;
     EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(split)), 1e-5) << c.flavour << " " << c.extra;
   }
@@ -242,6 +268,9 @@ TEST_F(TensorParallel, BadMeshIsOneLineAndNothingStarts) {
                "sharded.state_dict_type=\"sharded\""},
               "--set sharded.state_dict_type=\"sharded\": sharded.state_dict_type = \"sharded\" does not combine with "
               "parallelism.tensor_parallel = 2 yet");
+  expect_line({"--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.sequence_parallel=true"},
+              "--set parallelism.sequence_parallel=true: parallelism.sequence_parallel = true splits activations over the "
+              "tensor-parallel ranks, and tensor_parallel = 1");
   expect_line({"--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.pipeline_parallel=2"},
               "parallelism.pipeline_parallel = 2: no strategy builds pipeline stages yet");
   // A model without a plan.

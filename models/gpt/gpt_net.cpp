@@ -175,8 +175,9 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, at::Tensor* k_cache, at::
                                   const at::Tensor& sin) {
   // Under tensor parallelism this rank computes its share of the heads (tp_: parallelize_tensors).
   const int64_t parts = tp_ ? tp_->size() : 1;
-  const int64_t n = x.size(0), t = x.size(1), h = shape_.heads / parts, kvh = shape_.kv_heads / parts, d = shape_.head_dim();
-  const at::Tensor xin = tp_ ? ember::copy_to_tensor_parallel(x, *tp_) : x;
+  // (Under sequence parallelism x holds this rank's positions; xin all of them.)
+  const at::Tensor xin = tp_ ? ember::enter_tensor_parallel(x, 1, *tp_) : x;
+  const int64_t n = xin.size(0), t = xin.size(1), h = shape_.heads / parts, kvh = shape_.kv_heads / parts, d = shape_.head_dim();
   at::Tensor q, k, v;
   if (shape_.flavour == Flavour::gpt2) {
     const auto qkv = adapters_->apply(prefix_ + "c_attn", xin, c_attn_(xin)).split(h * d, -1);
@@ -211,8 +212,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, at::Tensor* k_cache, at::
   const double p = is_training() ? shape_.dropout : 0.0;
   const at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, p, causal).transpose(1, 2).reshape({n, t, h * d});
   if (tp_) {  // row-parallel output projection: the ranks' partial sums, then the whole bias once
-    if (shape_.flavour == Flavour::llama) return ember::reduce_from_tensor_parallel(at::linear(y, o_->weight), *tp_);
-    const at::Tensor out = ember::reduce_from_tensor_parallel(at::matmul(y, c_proj_->weight), *tp_);
+    if (shape_.flavour == Flavour::llama) return ember::leave_tensor_parallel(at::linear(y, o_->weight), 1, *tp_);
+    const at::Tensor out = ember::leave_tensor_parallel(at::matmul(y, c_proj_->weight), 1, *tp_);
     return c_proj_->bias.defined() ? out + c_proj_->bias : out;
   }
   return shape_.flavour == Flavour::gpt2 ? adapters_->apply(prefix_ + "c_proj", y, c_proj_(y)) : adapters_->apply(prefix_ + "o_proj", y, o_(y));
@@ -234,14 +235,14 @@ MlpImpl::MlpImpl(const GptShape& shape, std::shared_ptr<const Adapters> adapters
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
   const Adapters& a = *adapters_;
   if (tp_) {  // column-parallel in, row-parallel out (no adapters under tensor parallelism)
-    const at::Tensor xin = ember::copy_to_tensor_parallel(x, *tp_);
+    const at::Tensor xin = ember::enter_tensor_parallel(x, 1, *tp_);
     if (shape_.flavour == Flavour::gpt2) {
       const at::Tensor h = at::gelu(c_fc_(xin), shape_.gelu_tanh ? "tanh" : "none");
-      const at::Tensor out = ember::reduce_from_tensor_parallel(at::matmul(h, c_proj_->weight), *tp_);
+      const at::Tensor out = ember::leave_tensor_parallel(at::matmul(h, c_proj_->weight), 1, *tp_);
       return c_proj_->bias.defined() ? out + c_proj_->bias : out;
     }
     const at::Tensor h = at::silu(gate_(xin)) * up_(xin);
-    return ember::reduce_from_tensor_parallel(at::linear(h, down_->weight), *tp_);
+    return ember::leave_tensor_parallel(at::linear(h, down_->weight), 1, *tp_);
   }
   if (shape_.flavour == Flavour::gpt2) {
     const at::Tensor h = at::gelu(a.apply(prefix_ + "c_fc", x, c_fc_(x)), shape_.gelu_tanh ? "tanh" : "none");
@@ -322,10 +323,19 @@ at::Tensor GptNet::forward(const at::Tensor& ids, GenerationCache* cache) {
                                    " positions: shorten it (data.block_size, the prompt) or raise model.context_length"));
   if (cache != nullptr && past + t > cache->capacity)
     throw ember::RunError(c10::str("gpt: the generation cache holds ", cache->capacity, " positions, ", past + t, " asked"));
-  at::Tensor x = vocab_parallel_ ? ember::vocab_parallel_embedding(ids, embed_->weight, *tp_) : embed_(ids);
+  // Under sequence parallelism `x` holds this rank's positions from here to the final norm.
+  ember::ITensorParallelGroup* by_sequence = tp_ && tp_->sequence_parallel() ? tp_ : nullptr;
+  at::Tensor x;
+  if (vocab_parallel_) {
+    x = ember::vocab_parallel_embedding(ids, embed_->weight, *tp_, 1);
+  } else {
+    x = embed_(ids);
+    if (by_sequence) x = ember::scatter_to_sequence_parallel(x, 1, *by_sequence);
+  }
   at::Tensor cos, sin;
   if (shape_.flavour == Flavour::gpt2) {
-    x = x + positions_(at::arange(past, past + t, ids.options().dtype(at::kLong)));
+    at::Tensor where = positions_(at::arange(past, past + t, ids.options().dtype(at::kLong)));
+    x = x + (by_sequence ? ember::scatter_to_sequence_parallel(where, 0, *by_sequence) : where);
   } else {
     std::tie(cos, sin) = rope(past, t, x);
   }
@@ -341,7 +351,8 @@ at::Tensor GptNet::forward(const at::Tensor& ids, GenerationCache* cache) {
   x = final_norm_(x);
   if (cache != nullptr) cache->length += t;
   if (vocab_parallel_)  // column-parallel over the vocabulary: this rank's logits
-    return at::linear(ember::copy_to_tensor_parallel(x, *tp_), shape_.tied ? embed_->weight : lm_head_->weight);
+    return at::linear(ember::enter_tensor_parallel(x, 1, *tp_), shape_.tied ? embed_->weight : lm_head_->weight);
+  if (by_sequence) x = ember::gather_from_sequence_parallel(x, 1, *by_sequence, /*into_split_layer=*/false);
   return shape_.tied ? at::linear(x, embed_->weight) : lm_head_(x);
 }
 
@@ -485,6 +496,23 @@ std::vector<ember::TensorShard> GptNet::parallelize_tensors(ember::ITensorParall
   }
   auto params = named_parameters();
   for (const auto& s : shards) ember::keep_shard(params[s.name], s, group.rank(), tp);
+  // Sequence parallelism: the norms and the biases added after a sum see this rank's positions
+  // only, so their gradients are partial sums.
+  if (group.sequence_parallel()) {
+    std::vector<std::string> summed;
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      const std::string b = (llama ? "model.layers." : "transformer.h.") + std::to_string(i) + ".";
+      if (llama) {
+        summed.insert(summed.end(), {b + "input_layernorm.weight", b + "post_attention_layernorm.weight"});
+      } else {
+        summed.insert(summed.end(), {b + "ln_1.weight", b + "ln_2.weight"});
+        if (shape_.bias) summed.insert(summed.end(), {b + "ln_1.bias", b + "ln_2.bias", b + "attn.c_proj.bias", b + "mlp.c_proj.bias"});
+      }
+    }
+    summed.push_back(llama ? "model.norm.weight" : "transformer.ln_f.weight");
+    if (!llama && shape_.bias) summed.push_back("transformer.ln_f.bias");
+    for (auto& name : summed) shards.push_back({std::move(name), ember::kSummedGradient, 1});
+  }
   for (auto& block : blocks_) block->parallelize(group);
   tp_ = &group;
   return shards;

@@ -63,12 +63,15 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
   // x: [N, S, E]. LibTorch's encoder layer takes [S, N, E] (it has no batch_first option).
   at::Tensor forward(at::Tensor x) {
     at::Tensor h = x.transpose(0, 1);
+    const bool by_sequence = tensor_parallel_ && tensor_parallel_->sequence_parallel();
+    if (by_sequence) h = ember::scatter_to_sequence_parallel(h, 0, *tensor_parallel_);
     for (size_t i = 0; i < blocks_.size(); ++i) {
       auto block = [this, layer = blocks_[i].ptr()](const at::Tensor& in) {
         return tensor_parallel_ ? ember_transformer::encoder_layer_forward(*layer, in, nhead_, *tensor_parallel_) : layer->forward(in);
       };
       h = units_ ? units_->run(static_cast<int64_t>(i), h, block) : block(h);
     }
+    if (by_sequence) h = ember::gather_from_sequence_parallel(h, 0, *tensor_parallel_, /*into_split_layer=*/false);
     return head_(h.mean(0));
   }
   // The plan (tensor_parallel_plan.h): every encoder layer split over the group; the head stays whole.
@@ -84,8 +87,8 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
     std::vector<ember::TensorShard> shards;
     auto params = named_parameters();
     for (size_t i = 0; i < blocks_.size(); ++i)
-      for (auto& s : ember_transformer::encoder_layer_shards("layer" + std::to_string(i + 1))) {
-        ember::keep_shard(params[s.name], s, group.rank(), group.size());
+      for (auto& s : ember_transformer::encoder_layer_shards("layer" + std::to_string(i + 1), group.sequence_parallel())) {
+        if (s.dim != ember::kSummedGradient) ember::keep_shard(params[s.name], s, group.rank(), group.size());
         shards.push_back(std::move(s));
       }
     tensor_parallel_ = &group;

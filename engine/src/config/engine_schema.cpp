@@ -107,6 +107,7 @@ constexpr EmberConfigKey kParallelismKeys[] = {
     Int("data_parallel_shard", "-1", "Data-parallel ranks the strategy shards over (sharded) or replicates over (ddp); -1 = the ranks left over by the other degrees.").at_least(-1),
     Int("tensor_parallel", "1", "Ranks each layer is split over (Megatron's tensor parallelism): they see the same batch; the model must have a tensor-parallel plan and the strategy a device mesh (ddp).").at_least(1),
     Int("pipeline_parallel", "1", "Pipeline stages; only 1 is built so far.").at_least(1),
+    Bool("sequence_parallel", "false", "With tensor_parallel > 1: activations outside the split layers (norms, dropout, residuals) are split along the sequence over the tensor-parallel ranks (Megatron's sequence parallelism); the sequence length must divide by tensor_parallel."),
 };
 
 SectionSchema make(const char* name, const char* description, const EmberConfigKey* keys, size_t n) {

@@ -28,6 +28,11 @@ LaunchRequest Runtime::launch_request(const IConfig& trainer, const IConfig& par
   request.data_parallel_replicate = parallelism.get_int("data_parallel_replicate");
   request.tensor_parallel = parallelism.get_int("tensor_parallel");
   request.pipeline_parallel = parallelism.get_int("pipeline_parallel");
+  request.sequence_parallel = parallelism.get_bool("sequence_parallel");
+  if (request.sequence_parallel && request.tensor_parallel == 1)
+    throw ConfigError(parallelism.where("sequence_parallel") +
+                      ": parallelism.sequence_parallel = true splits activations over the tensor-parallel ranks, and tensor_parallel = 1 "
+                      "(set tensor_parallel > 1, or sequence_parallel = false)");
   if (request.pipeline_parallel != 1)
     throw ConfigError(parallelism.where("pipeline_parallel") + ": parallelism.pipeline_parallel = " + std::to_string(request.pipeline_parallel) +
                       ": no strategy builds pipeline stages yet (set it to 1; docs/parallelism.md says what is built)");

@@ -95,7 +95,7 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
       const int64_t whole = ember_dist::parameter_elements(module);
       tensor_parallel_ = std::make_unique<TensorParallelState>(mesh_->tensor_parallel(), module,
                                                                plan->parallelize_tensors(mesh_->tensor_parallel()));
-      host_.log(ember::LogLevel::info, ember_dist::describe_split("ddp", tensor_parallel_->sliced(), whole, module));
+      host_.log(ember::LogLevel::info, ember_dist::describe_split("ddp", tensor_parallel_->sliced(), tensor_parallel_->summed(), whole, module));
     }
     state_.set_module(module);
     // Gradients meet over the data-parallel ranks; tensor-parallel ranks already agree on the
@@ -129,7 +129,10 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
       buckets_->abandon();
       throw;
     }
-    if (sync_gradients) buckets_->finish();
+    if (sync_gradients) {
+      buckets_->finish();
+      if (tensor_parallel_) tensor_parallel_->sum_partial_gradients();
+    }
   }
 
   bool optimizer_step(ember::IOptimizerStep& step, ember::IPrecision& precision) override {

@@ -22,6 +22,10 @@ TensorParallelState::TensorParallelState(ember_dist::MeshGroup& group, torch::nn
   for (auto& s : shards) {
     const at::Tensor* p = params.find(s.name);
     if (!p) throw ember::RunError("the model's tensor-parallel plan names '" + s.name + "', which is not one of its parameters (a model bug)");
+    if (s.dim == ember::kSummedGradient) {
+      summed_.push_back(*p);
+      continue;
+    }
     by_tensor_.emplace(p->unsafeGetTensorImpl(), s);
     by_name_.emplace(s.name, std::move(s));
   }
@@ -35,6 +39,13 @@ const ember::TensorShard* TensorParallelState::shard_of(const at::Tensor& parame
 at::Tensor TensorParallelState::whole(const at::Tensor& slice, const ember::TensorShard& shard) {
   at::Tensor gathered = group_.all_gather(slice.detach());
   return ember::whole_of(gathered.unbind(0), shard);
+}
+
+void TensorParallelState::sum_partial_gradients() {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : summed_)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  sum_over_group(group_, grads, "sequence-parallel gradients");
 }
 
 c10::Dict<std::string, at::Tensor> TensorParallelState::full_model_state(bool build) {

@@ -26,6 +26,10 @@ class TensorParallelState {
   TensorParallelState(ember_dist::MeshGroup& group, torch::nn::Module& module, std::vector<ember::TensorShard> shards);
 
   size_t sliced() const { return by_name_.size(); }
+  size_t summed() const { return summed_.size(); }
+  // Sums over the group the gradients the plan marked kSummedGradient (sequence parallelism), in
+  // one collective per dtype. Collective over the group.
+  void sum_partial_gradients();
   // All of these are collective over the tensor-parallel group (every rank of it calls them).
   // Whole parameters and buffers, on this rank when `build`.
   c10::Dict<std::string, at::Tensor> full_model_state(bool build);
@@ -47,6 +51,7 @@ class TensorParallelState {
   torch::nn::Module& module_;
   std::map<std::string, ember::TensorShard> by_name_;
   std::map<const c10::TensorImpl*, ember::TensorShard> by_tensor_;
+  std::vector<at::Tensor> summed_;  // parameters whose gradients are partial sums
 };
 
 }  // namespace ember_ddp

@@ -34,6 +34,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <set>
 
 #include <ember/distributed/device_mesh.h>
 #include <ember/support/tensor_parallel.h>
@@ -134,6 +135,14 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
       throw;
     }
     reducer_.end();
+    // Sequence parallelism: a norm's or bias's gradient is a partial sum on each tensor-parallel
+    // rank; the peers hold the same shard of it (same data-parallel rank), so the shards are summed.
+    if (sync_gradients && !summed_.empty()) {
+      std::vector<at::Tensor> grads;
+      for (const auto& p : table_.params)
+        if (summed_.count(p.name) && p.shard.grad().defined() && p.shard.grad().numel() > 0) grads.push_back(p.shard.grad());
+      sum_over_group(mesh_->tensor_parallel(), grads, "sequence-parallel gradients");
+    }
   }
 
   bool optimizer_step(ember::IOptimizerStep& step, ember::IPrecision& precision) override {
@@ -332,6 +341,7 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   std::unique_ptr<DeviceMesh> mesh_;
   Subgroup shard_group_;  // what the shards are cut over: the data-parallel ranks
   std::map<std::string, ember::TensorShard> tensor_parallel_;  // the split parameters, by name
+  std::set<std::string> summed_;  // kSummedGradient: gradients summed over the tensor-parallel ranks
   ZeroOptions o_;
   BufferBroadcast buffers_;
   HostCopies copies_;
@@ -368,8 +378,11 @@ void ZeroStrategy::split_tensor_parallel(ember::IModel& model) {
   broadcast_done_ = true;
   auto& group = mesh_->tensor_parallel();
   const int64_t whole = parameter_elements(*module_);
-  for (auto& s : plan->parallelize_tensors(group)) tensor_parallel_.emplace(s.name, s);
-  host_.log(ember::LogLevel::info, describe_split(o_.name, tensor_parallel_.size(), whole, *module_));
+  for (auto& s : plan->parallelize_tensors(group)) {
+    if (s.dim == ember::kSummedGradient) summed_.insert(s.name);
+    else tensor_parallel_.emplace(s.name, s);
+  }
+  host_.log(ember::LogLevel::info, describe_split(o_.name, tensor_parallel_.size(), summed_.size(), whole, *module_));
   io_.set_tensor_parallel(
       [this, &group](const std::string& name, const at::Tensor& slice) {
         auto it = tensor_parallel_.find(name);

@@ -4,6 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <c10/util/StringUtil.h>
+
 namespace ember_dist {
 
 void MeshGroup::all_reduce(at::Tensor& t, ember::ReduceOp op, const std::string& what) {
@@ -29,6 +32,22 @@ at::Tensor MeshGroup::all_gather(const at::Tensor& t) {
   at::Tensor out = at::empty(sizes, in.options());
   comm_->label(what_ + ": all-gather");
   group_.backend->_allgather_base(out, in)->wait();
+  return out;
+}
+
+at::Tensor MeshGroup::reduce_scatter_sum(const at::Tensor& t) {
+  if (group_.size == 1) return t;
+  if (t.dim() == 0 || t.size(0) % group_.size != 0)
+    throw ember::RunError(what_ + ": reduce-scatter of a tensor of shape " + c10::str(t.sizes()) + " over " + std::to_string(group_.size) +
+                          " ranks: dimension 0 must divide (a plan bug)");
+  at::Tensor in = t.contiguous();
+  std::vector<int64_t> sizes = in.sizes().vec();
+  sizes[0] /= group_.size;
+  at::Tensor out = at::empty(sizes, in.options());
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  comm_->label(what_ + ": reduce-scatter");
+  group_.backend->_reduce_scatter_base(out, in, opts)->wait();
   return out;
 }
 
@@ -67,6 +86,7 @@ DeviceMesh::DeviceMesh(Communicator& comm, const ember::LaunchRequest& request)
   // Both splits are collective over every rank, in the same order everywhere.
   data_ = MeshGroup(comm, split_or_world(comm, tp, false), "data-parallel group");
   tensor_ = MeshGroup(comm, split_or_world(comm, tp, true), "tensor-parallel group");
+  tensor_.set_sequence_parallel(ember::has_field(request, &ember::LaunchRequest::sequence_parallel) && request.sequence_parallel);
 }
 
 std::string DeviceMesh::describe() const {
@@ -81,16 +101,40 @@ void DeviceMesh::shutdown() {
   }
 }
 
+void sum_over_group(MeshGroup& group, const std::vector<at::Tensor>& tensors, const std::string& what) {
+  if (group.size() == 1 || tensors.empty()) return;
+  std::vector<at::ScalarType> dtypes;
+  for (const auto& t : tensors)
+    if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) dtypes.push_back(t.scalar_type());
+  at::NoGradGuard no_grad;
+  for (const auto dtype : dtypes) {
+    std::vector<at::Tensor> flat;
+    for (const auto& t : tensors)
+      if (t.scalar_type() == dtype) flat.push_back(t.detach().reshape({-1}));
+    at::Tensor joined = at::cat(flat);
+    group.all_reduce(joined, ember::ReduceOp::sum, what);
+    int64_t offset = 0;
+    for (const auto& t : tensors) {
+      if (t.scalar_type() != dtype) continue;
+      t.detach().copy_(joined.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
 int64_t parameter_elements(torch::nn::Module& module) {
   int64_t n = 0;
   for (const auto& p : module.parameters()) n += p.numel();
   return n;
 }
 
-std::string describe_split(const std::string& strategy, size_t split, int64_t whole_elements, torch::nn::Module& module) {
-  return strategy + ": the model's tensor-parallel plan split " + std::to_string(split) + " of " +
-         std::to_string(module.parameters().size()) + " parameters; this rank holds " + std::to_string(parameter_elements(module)) +
-         " of their " + std::to_string(whole_elements) + " elements";
+std::string describe_split(const std::string& strategy, size_t split, size_t summed, int64_t whole_elements, torch::nn::Module& module) {
+  std::string line = strategy + ": the model's tensor-parallel plan split " + std::to_string(split) + " of " +
+                     std::to_string(module.parameters().size()) + " parameters; this rank holds " +
+                     std::to_string(parameter_elements(module)) + " of their " + std::to_string(whole_elements) + " elements";
+  if (summed > 0)
+    line += "; sequence parallel: the gradients of " + std::to_string(summed) + " norms and biases are summed over the group";
+  return line;
 }
 
 }  // namespace ember_dist

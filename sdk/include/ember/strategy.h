@@ -37,6 +37,7 @@ struct LaunchRequest {
   int64_t data_parallel_shard = 1;
   int64_t tensor_parallel = 1;
   int64_t pipeline_parallel = 1;
+  bool sequence_parallel = false;  // activations outside the split layers split by sequence
 };
 
 // Implemented by the engine: builds the run's optimizer ([optimizer] table, or the model's

@@ -28,6 +28,14 @@ class EMBER_SDK_API ITensorParallelGroup {
   // Every rank's `t` (same shape and dtype on every rank) stacked along a new dimension 0:
   // result[r] is rank r's. Collective over the group.
   virtual at::Tensor all_gather(const at::Tensor& t) = 0;
+  // The sum of every rank's `t` (same shape and dtype everywhere; dimension 0 divisible by
+  // size()), of which this rank keeps the rank()-th of size() equal parts of dimension 0.
+  // Collective over the group.
+  virtual at::Tensor reduce_scatter_sum(const at::Tensor& t) = 0;
+  // [parallelism] sequence_parallel: outside the split layers (norms, dropout, residuals) the
+  // model keeps its activations split along the sequence over the group's ranks (Megatron's
+  // sequence parallelism), each rank holding 1 / size() of the positions.
+  virtual bool sequence_parallel() const = 0;
 };
 
 // How a parameter (or buffer) is split over the group's ranks: dimension `dim` of the whole tensor
@@ -36,9 +44,13 @@ class EMBER_SDK_API ITensorParallelGroup {
 // not listed is replicated: every rank holds the whole of it and updates it identically.
 struct TensorShard {
   std::string name;  // as in module().named_parameters()
-  int64_t dim = 0;
+  int64_t dim = 0;   // or kSummedGradient
   int64_t blocks = 1;
 };
+// TensorShard::dim of a parameter that is not split (every rank holds and updates the whole of
+// it) but whose gradient is a partial sum on each rank, to be summed over the group before the
+// step: under sequence parallelism, a norm or a bias applied to this rank's positions only.
+inline constexpr int64_t kSummedGradient = -1;
 
 // A model that can be split over tensor-parallel ranks (found through query_interface).
 class EMBER_SDK_API ITensorParallelModel {
@@ -51,7 +63,8 @@ class EMBER_SDK_API ITensorParallelModel {
   // through `group` (which outlives the model's use of it); the model's outputs (loss, logits,
   // logged values) are the same on every rank of the group.
   // Throws ember::ConfigError (one line, naming the model key and the numbers) when the model
-  // cannot be split group.size() ways, e.g. heads not divisible by it.
+  // cannot be split group.size() ways, e.g. heads not divisible by it, or when
+  // group.sequence_parallel() asks for what the model does not do.
   virtual std::vector<TensorShard> parallelize_tensors(ITensorParallelGroup& group) = 0;
 };
 inline constexpr const char* kTensorParallelModelIid = "ember.ITensorParallelModel/1";

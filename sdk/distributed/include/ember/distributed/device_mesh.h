@@ -20,6 +20,9 @@ class MeshGroup final : public ember::ITensorParallelGroup {
   int64_t size() const override { return group_.size; }
   void all_reduce_sum(at::Tensor& t) override;
   at::Tensor all_gather(const at::Tensor& t) override;
+  at::Tensor reduce_scatter_sum(const at::Tensor& t) override;
+  bool sequence_parallel() const override { return sequence_parallel_; }
+  void set_sequence_parallel(bool on) { sequence_parallel_ = on; }
   // In place, over the group: ReduceOp::mean averages. Identity on a group of one.
   void all_reduce(at::Tensor& t, ember::ReduceOp op, const std::string& what);
   const c10::intrusive_ptr<c10d::Backend>& backend() const { return group_.backend; }
@@ -29,6 +32,7 @@ class MeshGroup final : public ember::ITensorParallelGroup {
   Communicator* comm_;
   Subgroup group_;
   std::string what_;
+  bool sequence_parallel_ = false;
 };
 
 class DeviceMesh final : public ember::IDeviceMesh {
@@ -56,10 +60,15 @@ class DeviceMesh final : public ember::IDeviceMesh {
   MeshGroup data_, tensor_;
 };
 
+// In place: each tensor becomes its sum over the group's ranks, with one all-reduce per dtype over
+// the tensors flattened together (every rank passes the same list). Identity on a group of one.
+void sum_over_group(MeshGroup& group, const std::vector<at::Tensor>& tensors, const std::string& what);
+
 // Elements of a module's parameters, and the line a strategy logs after a tensor-parallel plan
 // split `split` of them: "ddp: the model's tensor-parallel plan split 14 of 28 parameters; this
 // rank holds 1,234 of its 5,678 elements".
 int64_t parameter_elements(torch::nn::Module& module);
-std::string describe_split(const std::string& strategy, size_t split, int64_t whole_elements, torch::nn::Module& module);
+// `summed`: the parameters whose gradients are summed over the group (sequence parallelism).
+std::string describe_split(const std::string& strategy, size_t split, size_t summed, int64_t whole_elements, torch::nn::Module& module);
 
 }  // namespace ember_dist

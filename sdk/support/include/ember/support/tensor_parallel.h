@@ -1,5 +1,6 @@
-// What a model's tensor-parallel plan is built from (ember/tensor_parallel.h): Megatron-LM's two
-// differentiable collectives and the slicing of a whole tensor into a rank's shard and back.
+// What a model's tensor-parallel plan is built from (ember/tensor_parallel.h): Megatron-LM's
+// differentiable collectives (with and without sequence parallelism), the vocabulary-parallel
+// embedding and cross-entropy, and the slicing of a whole tensor into a rank's shard and back.
 //
 //   column-parallel linear:  y_r = copy_to_tensor_parallel(x) W_r^T + b_r    (W split on dim 0)
 //   row-parallel linear:     y   = reduce_from_tensor_parallel(x_r W_r^T) + b (W split on dim 1)
@@ -71,6 +72,97 @@ inline at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, ITensorParall
   return tensor_parallel_detail::ReduceFromTensorParallel::apply(x, tensor_parallel_detail::group_handle(group));
 }
 
+// ---- sequence parallelism (Megatron's): outside the split layers activations hold 1 / size of
+// the positions. A column-parallel layer's input is gathered along the sequence (its gradient
+// reduce-scattered), a row-parallel layer's output reduce-scattered instead of all-reduced.
+namespace tensor_parallel_detail {
+
+inline void check_sequence(const at::Tensor& x, int64_t dim, ITensorParallelGroup& g) {
+  if (x.size(dim) % g.size() != 0)
+    throw RunError(c10::str("a sequence of ", x.size(dim), " positions cannot be split over tensor_parallel = ", g.size(),
+                            " ranks (parallelism.sequence_parallel): make the length a multiple of ", g.size(),
+                            ", or set sequence_parallel = false"));
+}
+inline at::Tensor split_along(const at::Tensor& x, int64_t dim, ITensorParallelGroup& g) {
+  check_sequence(x, dim, g);
+  return x.chunk(g.size(), dim)[g.rank()].contiguous();
+}
+inline at::Tensor gather_along(const at::Tensor& x, int64_t dim, ITensorParallelGroup& g) {
+  return g.all_gather(x.movedim(dim, 0).contiguous()).flatten(0, 1).movedim(0, dim).contiguous();
+}
+inline at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, ITensorParallelGroup& g) {
+  check_sequence(x, dim, g);
+  return g.reduce_scatter_sum(x.movedim(dim, 0).contiguous()).movedim(0, dim).contiguous();
+}
+inline ITensorParallelGroup& group_at(int64_t handle) { return *reinterpret_cast<ITensorParallelGroup*>(static_cast<intptr_t>(handle)); }
+
+struct ScatterToSequence : torch::autograd::Function<ScatterToSequence> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t dim, int64_t group) {
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["group"] = group;
+    return split_along(x, dim, group_at(group));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    return {gather_along(grads[0], ctx->saved_data.at("dim").toInt(), group_of(ctx)), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct GatherFromSequence : torch::autograd::Function<GatherFromSequence> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t dim, int64_t group, bool partial) {
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["partial"] = partial;
+    return gather_along(x, dim, group_at(group));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const int64_t dim = ctx->saved_data.at("dim").toInt();
+    auto& g = group_of(ctx);
+    // A split layer's input gradient is a partial sum per rank; a replicated consumer's is whole.
+    at::Tensor grad = ctx->saved_data.at("partial").toBool() ? reduce_scatter_along(grads[0], dim, g) : split_along(grads[0], dim, g);
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequence> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t dim, int64_t group) {
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["group"] = group;
+    return reduce_scatter_along(x, dim, group_at(group));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    return {gather_along(grads[0], ctx->saved_data.at("dim").toInt(), group_of(ctx)), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace tensor_parallel_detail
+
+// This rank's positions of a whole (replicated) activation along `dim`.
+inline at::Tensor scatter_to_sequence_parallel(const at::Tensor& x, int64_t dim, ITensorParallelGroup& group) {
+  if (group.size() == 1) return x;
+  return tensor_parallel_detail::ScatterToSequence::apply(x, dim, tensor_parallel_detail::group_handle(group));
+}
+// The whole sequence from every rank's positions. `into_split_layer`: the result feeds a
+// column-parallel layer (backward reduce-scatters the ranks' partial gradients); false: a
+// replicated computation (backward keeps this rank's positions of the whole gradient).
+inline at::Tensor gather_from_sequence_parallel(const at::Tensor& x, int64_t dim, ITensorParallelGroup& group, bool into_split_layer) {
+  if (group.size() == 1) return x;
+  return tensor_parallel_detail::GatherFromSequence::apply(x, dim, tensor_parallel_detail::group_handle(group), into_split_layer);
+}
+// A row-parallel layer's partial output summed over the ranks, this rank keeping its positions.
+inline at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, int64_t dim, ITensorParallelGroup& group) {
+  if (group.size() == 1) return x;
+  return tensor_parallel_detail::ReduceScatterToSequence::apply(x, dim, tensor_parallel_detail::group_handle(group));
+}
+
+// The input of a column-parallel layer and the output of a row-parallel one, with or without
+// sequence parallelism (group.sequence_parallel()): what a block's plan calls.
+inline at::Tensor enter_tensor_parallel(const at::Tensor& x, int64_t sequence_dim, ITensorParallelGroup& group) {
+  return group.sequence_parallel() ? gather_from_sequence_parallel(x, sequence_dim, group, true) : copy_to_tensor_parallel(x, group);
+}
+inline at::Tensor leave_tensor_parallel(const at::Tensor& x, int64_t sequence_dim, ITensorParallelGroup& group) {
+  return group.sequence_parallel() ? reduce_scatter_to_sequence_parallel(x, sequence_dim, group) : reduce_from_tensor_parallel(x, group);
+}
+
 namespace tensor_parallel_detail {
 
 // Cross-entropy over logits whose vocabulary is split over the group (Megatron's
@@ -108,14 +200,16 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 }  // namespace tensor_parallel_detail
 
 // The rows of an embedding whose vocabulary (weight's dimension 0) is split over the group: each
-// rank looks up the ids in its range, the others give zeros, and the sum joins them.
-inline at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight_slice, ITensorParallelGroup& group) {
+// rank looks up the ids in its range, the others give zeros, and the sum joins them (under
+// sequence parallelism each rank keeps its positions of dimension `sequence_dim` of the result).
+inline at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight_slice, ITensorParallelGroup& group,
+                                           int64_t sequence_dim) {
   if (group.size() == 1) return at::embedding(weight_slice, ids);
   const int64_t local = weight_slice.size(0), start = group.rank() * local;
   const at::Tensor outside = (ids < start).logical_or(ids >= start + local);
   at::Tensor rows = at::embedding(weight_slice, (ids - start).masked_fill(outside, 0));
   rows = rows.masked_fill(outside.unsqueeze(-1), 0.0);
-  return reduce_from_tensor_parallel(rows, group);
+  return leave_tensor_parallel(rows, sequence_dim, group);
 }
 
 // Mean cross-entropy of logits [rows, vocabulary / size] (this rank's columns, in rank order)
