@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Device meshes on CPU ranks (docs/parallelism.md): bytes of parameters + gradients + trained
 # shards + optimizer state resident on rank 0 at the step (the memory_probe test plugin: storage
-# sizes of the live tensors, not computed from parameter counts) and step time, for data parallel
-# (ddp), tensor parallel, both (ddp 2 x 2), ZeRO-3 alone and ZeRO-3 x tensor parallel (2D), on a
-# transformer of about 25M parameters. The global batch is the same everywhere (8 sequences of 16
+# sizes of the live tensors, not computed from parameter counts), the step's peak above that
+# (activations kept for backward, gradients being made, communication buffers: a counting
+# allocator over the batch's forward and backward) and step time, for data parallel (ddp), tensor
+# parallel with and without sequence parallelism, both (ddp 2 x 2), ZeRO-3 alone and ZeRO-3 x
+# tensor parallel (2D), on a transformer of about 25M parameters. The global batch is the same everywhere (8 sequences of 16
 # tokens): each data-parallel rank takes 8 / data-parallel ranks.
 # Per-step time = (time of `long` steps - time of `short` steps) / (long - short), which removes
 # start-up. The ranks share this machine's cores (2 on CI-sized machines), so times compare the
@@ -50,24 +52,27 @@ run() {  # ranks steps [args...] -> seconds; the probe's lines stay in $work/err
 }
 echo "transformer: $layers layers, d_model $d, 8 heads, global batch 8 x 16 tokens, AdamW, 1 thread per rank"
 echo
-echo "| mesh | strategy | ranks | data x tensor | rank 0 state MB (params + grads + trained shards + optimizer) | vs single_device | s/step |"
-echo "|---|---|---|---|---|---|---|"
+echo "| mesh | strategy | ranks | data x tensor | rank 0 state MB (params + grads + trained shards + optimizer) | vs single_device | step peak MB | s/step |"
+echo "|---|---|---|---|---|---|---|---|"
 single_total=""
-# name strategy ranks tp [stage]
-for variant in "single single_device 1 1" "dp2 ddp 2 1" "tp2 ddp 2 2" "dp4 ddp 4 1" "dp2xtp2 ddp 4 2" "tp4 ddp 4 4" \
-               "zero3x4 sharded 4 1" "zero3x2xtp2 sharded 4 2"; do
-  read -r name strategy ranks tp <<<"$variant"
+# name strategy ranks tensor_parallel sequence_parallel
+for variant in "single single_device 1 1 false" "dp2 ddp 2 1 false" "tp2 ddp 2 2 false" "tp2+sp ddp 2 2 true" "dp4 ddp 4 1 false" \
+               "dp2xtp2 ddp 4 2 false" "tp4 ddp 4 4 false" "tp4+sp ddp 4 4 true" "zero3x4 sharded 4 1 false" \
+               "zero3x2xtp2 sharded 4 2 false"; do
+  read -r name strategy ranks tp sp <<<"$variant"
   dp=$((ranks / tp))
   args=(--set "data.batch_size=$((8 / dp))")
-  [ "$strategy" != single_device ] && args+=(--plugins "$strategy" --set "parallelism.tensor_parallel=$tp" --set "$strategy.timeout=600.0")
+  [ "$strategy" != single_device ] && args+=(--plugins "$strategy" --set "parallelism.tensor_parallel=$tp" --set "$strategy.timeout=600.0"
+                                             --set "parallelism.sequence_parallel=$sp")
   a=$(run "$ranks" "$short" "${args[@]}")
   b=$(run "$ranks" "$long" "${args[@]}")
   line=$(grep -o 'memory_probe: rank 0 step 2: .*' "$work/err" | head -1)
-  total=$(sed -E 's/.* total ([0-9]+) bytes/\1/' <<<"$line")
+  total=$(sed -E 's/.* total ([0-9]+) bytes.*/\1/' <<<"$line")
   [ -z "$single_total" ] && single_total=$total
   parts=$(sed -E 's/.*parameters ([0-9]+) gradients ([0-9]+) trained ([0-9]+) optimizer_state ([0-9]+).*/\1 \2 \3 \4/' <<<"$line")
   read -r p g t o <<<"$parts"
-  printf '| %s | %s | %d | %d x %d | %.1f (%.1f + %.1f + %.1f + %.1f) | %.3f | %.2f |\n' "$name" "$strategy" "$ranks" "$dp" "$tp" \
+  peak=$(sed -E 's/.* step_peak ([0-9]+) bytes.*/\1/' <<<"$line")
+  printf '| %s | %s | %d | %d x %d | %.1f (%.1f + %.1f + %.1f + %.1f) | %.3f | %.1f | %.2f |\n' "$name" "$strategy" "$ranks" "$dp" "$tp" \
     "$(calc "$total / 1e6")" "$(calc "$p / 1e6")" "$(calc "$g / 1e6")" "$(calc "$t / 1e6")" "$(calc "$o / 1e6")" \
-    "$(calc "$total / $single_total")" "$(calc "($b - $a) / ($long - $short)")"
+    "$(calc "$total / $single_total")" "$(calc "$peak / 1e6")" "$(calc "($b - $a) / ($long - $short)")"
 done

@@ -60,7 +60,7 @@ for ranks in 1 2 3; do
     a=$(run "$variant" "$ranks" "$short" "${args[@]}")
     b=$(run "$variant" "$ranks" "$long" "${args[@]}")
     line=$(grep -o 'memory_probe: rank 0 step 2: .*' "$work/err" | head -1)
-    total=$(sed -E 's/.* total ([0-9]+) bytes/\1/' <<<"$line")
+    total=$(sed -E 's/.* total ([0-9]+) bytes.*/\1/' <<<"$line")
     [ -z "$ddp_total" ] && ddp_total=$total
     parts=$(sed -E 's/.*parameters ([0-9]+) gradients ([0-9]+) trained ([0-9]+) optimizer_state ([0-9]+).*/\1 \2 \3 \4/' <<<"$line")
     read -r p g t o <<<"$parts"

@@ -4,9 +4,12 @@
 //     bytes their storages really hold at on_before_optimizer_step (a stage-3 parameter whose
 //     storage is freed counts 0), each storage once;
 //   - optimizer state: the CPU bytes the first optimizer step allocates and keeps, counted by a
-//     counting allocator around that step (LibTorch creates the state lazily in step 1).
+//     counting allocator around that step (LibTorch creates the state lazily in step 1);
+//   - the step's peak: the most CPU bytes that the forward and backward of the measured step's
+//     batch had allocated and not yet freed at once (activations kept for backward, the
+//     gradients being made, communication buffers), counted from the batch's start.
 // Logs one line per rank after the step given by `at_step`:
-//   memory_probe: rank R step S: parameters P gradients G trained T optimizer_state O total X bytes
+//   memory_probe: rank R step S: parameters P gradients G trained T optimizer_state O total X bytes step_peak K bytes
 #include <ember/support/callback_base.h>
 #include <ember/host.h>
 #include <ember/plugin.h>
@@ -39,7 +42,10 @@ class Counter final : public c10::Allocator {
     void* data = inner.get();
     const c10::Device device = inner.device();
     auto* block = new Block{std::move(inner), static_cast<int64_t>(n)};
-    current_ += block->bytes;
+    const int64_t now = current_ += block->bytes;
+    int64_t seen = peak_.load();
+    while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
+    }
     return c10::DataPtr(data, block, &Counter::release, device);
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
@@ -49,6 +55,8 @@ class Counter final : public c10::Allocator {
   }
   void uninstall() { c10::SetCPUAllocator(base_, 255); }
   int64_t current() const { return current_.load(); }
+  int64_t peak() const { return peak_.load(); }
+  void reset_peak() { peak_ = current_.load(); }
 
  private:
   struct Block {
@@ -61,15 +69,29 @@ class Counter final : public c10::Allocator {
     delete b;
   }
   c10::Allocator* base_ = nullptr;
-  std::atomic<int64_t> current_{0};
+  std::atomic<int64_t> current_{0}, peak_{0};
 };
 
 class MemoryProbe final : public ember::Callback {
  public:
   MemoryProbe(ember::IHost& host, const ember::IConfig& cfg) : host_(host), at_step_(cfg.get_int("at_step")) {}
 
+  void on_train_batch_start(ember::ITrainer& t) override {
+    if (t.global_step() + 1 != at_step_ || counting_ || peak_counting_) return;
+    Counter::get().install();
+    peak_counting_ = true;
+    Counter::get().reset_peak();
+    peak_base_ = Counter::get().current();
+  }
+
   void on_before_optimizer_step(ember::ITrainer& t) override {
     const int64_t step = t.global_step() + 1;  // the step about to be taken
+    int64_t step_peak = 0;
+    if (peak_counting_ && step == at_step_) {
+      step_peak = Counter::get().peak() - peak_base_;
+      Counter::get().uninstall();
+      peak_counting_ = false;
+    }
     if (step == 1 && !counting_) {
       Counter::get().install();
       counting_ = true;
@@ -92,7 +114,8 @@ class MemoryProbe final : public ember::Callback {
     host_.log(ember::LogLevel::info, "memory_probe: rank " + std::to_string(t.rank()) + " step " + std::to_string(step) +
                                          ": parameters " + std::to_string(params) + " gradients " + std::to_string(grads) +
                                          " trained " + std::to_string(trained) + " optimizer_state " + std::to_string(optimizer_) +
-                                         " total " + std::to_string(total) + " bytes");
+                                         " total " + std::to_string(total) + " bytes step_peak " + std::to_string(step_peak) +
+                                         " bytes");
   }
   void on_train_batch_end(ember::ITrainer& t) override {
     if (counting_ && t.optimizer_stepped()) {
@@ -106,8 +129,8 @@ class MemoryProbe final : public ember::Callback {
  private:
   ember::IHost& host_;
   int64_t at_step_;
-  bool counting_ = false;
-  int64_t before_ = 0, optimizer_ = 0;
+  bool counting_ = false, peak_counting_ = false;
+  int64_t before_ = 0, optimizer_ = 0, peak_base_ = 0;
 };
 
 ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return new MemoryProbe(host, cfg); }

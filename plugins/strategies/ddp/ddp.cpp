@@ -221,5 +221,6 @@ ember::IStrategy* make(ember::IHost& host, const ember::IConfig& cfg) { return n
 }  // namespace
 
 EMBER_PLUGIN(ember::IStrategy, "ddp", "0.1.0", "Apache-2.0",
-             "Multi-process data parallel: one rank per device, bucketed gradient all-reduce overlapping backward (" EMBER_DIST_BACKENDS ").",
+             "Multi-process data parallel: one rank per device, bucketed gradient all-reduce overlapping backward; x tensor parallel "
+             "on a [parallelism] mesh (" EMBER_DIST_BACKENDS ").",
              EMBER_CONFIG_KEYS(kKeys), make)

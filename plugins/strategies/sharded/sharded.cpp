@@ -26,5 +26,5 @@ ember::IStrategy* make(ember::IHost& host, const ember::IConfig& cfg) {
 
 EMBER_PLUGIN(ember::IStrategy, "sharded", "0.1.0", "Apache-2.0",
              "ZeRO / FSDP data parallel: optimizer state (stage 1), gradients (2) and parameters (3) sharded over the ranks, "
-             "gathered per unit of the model (" EMBER_DIST_BACKENDS ").",
+             "gathered per unit of the model; x tensor parallel on a [parallelism] mesh (" EMBER_DIST_BACKENDS ").",
              EMBER_CONFIG_KEYS(kKeys), make)
