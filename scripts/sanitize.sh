@@ -3,7 +3,7 @@
 # (docs/build.md, "Sanitizers"):
 #   scripts/sanitize.sh asan [CTEST ARGS...]   AddressSanitizer + UBSan, the whole suite (build-asan/;
 #                                              leaks unchecked in Open MPI processes: see below)
-#   scripts/sanitize.sh tsan [CTEST ARGS...]   ThreadSanitizer, the loader, ddp and signal tests (build-tsan/)
+#   scripts/sanitize.sh tsan [CTEST ARGS...]   ThreadSanitizer, the loader, ddp, mesh and signal tests (build-tsan/)
 #   scripts/sanitize.sh all                    both
 # Extra ctest arguments narrow a run, e.g. `scripts/sanitize.sh asan -R Resume`. A sanitizer report
 # fails the process that made it (exit code 66 for TSan, an abort for ASan/UBSan), so the test fails.
@@ -42,7 +42,7 @@ export TSAN_OPTIONS="suppressions=$supp/tsan.supp:second_deadlock_stack=1"
 # it dlcloses and through code without frame pointers, so its reports cannot be told apart by
 # stack: processes that start Open MPI run with ASan's and UBSan's checks but without
 # LeakSanitizer (the second pass below); every other test keeps leak checking.
-mpi_tests='Ddp|Sharded|Offload|DistributedBuffers|TwoCpuRanks|ddp_|ShardedFused|tensorboard_readable'
+mpi_tests='Ddp|Sharded|Offload|DistributedBuffers|TwoCpuRanks|ddp_|ShardedFused|tensorboard_readable|TensorParallel'
 # fabric_loop_out_of_tree builds examples/fabric_loop outside this build, without ASan, against the
 # instrumented libember.so: ASan needs its runtime loaded first, so that one test cannot run here.
 # LocalSgd builds examples/local_sgd_strategy the same way, linking the instrumented
@@ -82,7 +82,8 @@ if [ "$which" = tsan ] || [ "$which" = all ]; then
   export OMP_NUM_THREADS=1
   # LocalSgd (its name says "Ddp") builds an example out of tree against an install of this build,
   # which the subset's partial build cannot make, and without TSan: it is left out, as under ASan.
-  filter=(-R 'DataLoader|Ddp|DistributedBuffers|Sigterm|Sigusr1|DefaultDtype' -E 'LocalSgd')
+  # TensorParallel: the device mesh's split MPI backends share the world backend's thread.
+  filter=(-R 'DataLoader|Ddp|DistributedBuffers|Sigterm|Sigusr1|DefaultDtype|TensorParallel.TwoAndFour|TensorParallel.SequenceParallel' -E 'LocalSgd')
   [ $# -gt 0 ] && filter=()
   ctest --test-dir build-tsan --output-on-failure -j"$jobs" --timeout 1800 "${filter[@]}" "$@" || status=1
   echo "tsan: tests $(( $(date +%s) - start ))s"

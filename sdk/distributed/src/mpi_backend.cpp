@@ -96,6 +96,15 @@ bool MpiWork::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 void MpiWork::finish(std::exception_ptr error) {
+  // The communication thread lets go of the tensors while the caller still waits (and so holds
+  // its own references): it never drops the last one of a tensor the caller has moved on from,
+  // which is a free on this thread racing with the caller's use as ThreadSanitizer sees it.
+  std::vector<at::Tensor> outputs;
+  {
+    std::lock_guard lock(mutex_);
+    outputs.swap(outputs_);
+  }
+  outputs.clear();
   {
     std::lock_guard lock(mutex_);
     done_ = true;
@@ -209,6 +218,7 @@ void MpiBackend::run() {
     } catch (...) {
       error = std::current_exception();
     }
+    item.fn = nullptr;  // the tensors it captured, released before the caller is woken (finish)
     {
       std::lock_guard lock(mutex_);
       busy_ = false;

@@ -29,6 +29,7 @@ class MpiWork final : public c10d::Work {
   bool isCompleted() override;
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
+  // Empty once finished: the tensors are the caller's (see finish()).
   std::vector<at::Tensor> result() override { return outputs_; }
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void finish(std::exception_ptr error);
