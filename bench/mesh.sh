@@ -10,12 +10,14 @@
 # Per-step time = (time of `long` steps - time of `short` steps) / (long - short), which removes
 # start-up. The ranks share this machine's cores (2 on CI-sized machines), so times compare the
 # variants' overheads, not a speed-up.
-#   bash bench/mesh.sh [layers=8] [d_model=512] [short=3] [long=6]
+#   bash bench/mesh.sh [layers=8] [d_model=512] [short=3] [long=6] [seq_len=16]
+# (a long sequence makes the activations, not the state, the larger part: bash bench/mesh.sh 4 256 2 4 256)
 set -euo pipefail
 layers=${1:-8}
 d=${2:-512}
 short=${3:-3}
 long=${4:-6}
+seq=${5:-16}
 root=$(cd "$(dirname "$0")/.." && pwd)
 engine=${ENGINE:-$root/build/engine/engine}
 probe_dir=${PROBE_DIR:-$root/build/test-plugins/good}
@@ -30,7 +32,7 @@ source "$root/bench/common.sh"
   cat <<TOML
 [data]
 name = "synthetic"
-shape = [16, $d]
+shape = [$seq, $d]
 num_classes = 10
 num_train = 1200
 num_val = 0
@@ -50,7 +52,7 @@ run() {  # ranks steps [args...] -> seconds; the probe's lines stay in $work/err
   end=$(date +%s.%N)
   calc "$end - $start"
 }
-echo "transformer: $layers layers, d_model $d, 8 heads, global batch 8 x 16 tokens, AdamW, 1 thread per rank"
+echo "transformer: $layers layers, d_model $d, 8 heads, global batch 8 x $seq tokens, AdamW, 1 thread per rank"
 echo
 echo "| mesh | strategy | ranks | data x tensor | rank 0 state MB (params + grads + trained shards + optimizer) | vs single_device | step peak MB | s/step |"
 echo "|---|---|---|---|---|---|---|---|"
