@@ -15,6 +15,8 @@
 #include <optional>
 #include <thread>
 
+#include "flattened.h"
+
 #ifdef EMBER_WITH_MPI
 #include "mpi_backend.h"
 #endif
@@ -217,30 +219,6 @@ at::Tensor Communicator::reduce(const at::Tensor& value, ember::ReduceOp op) {
   return t.to(value.device());
 }
 
-namespace {
-// Runs `collective` once per dtype on the tensors of that dtype flattened into one buffer, then
-// copies the result back into each tensor.
-template <class F>
-void for_each_dtype_flattened(const std::vector<at::Tensor>& tensors, const F& collective) {
-  std::vector<at::ScalarType> dtypes;
-  for (const auto& t : tensors)
-    if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) dtypes.push_back(t.scalar_type());
-  at::NoGradGuard no_grad;
-  for (const auto dtype : dtypes) {
-    std::vector<at::Tensor> group;
-    for (const auto& t : tensors)
-      if (t.scalar_type() == dtype) group.push_back(t.detach().reshape({-1}));
-    at::Tensor flat = at::cat(group);
-    collective(flat, dtype);
-    int64_t offset = 0;
-    for (const auto& t : tensors) {
-      if (t.scalar_type() != dtype) continue;
-      t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-      offset += t.numel();
-    }
-  }
-}
-}  // namespace
 
 void Communicator::broadcast_coalesced(const std::vector<at::Tensor>& tensors, const std::string& what) {
   if (info_.world == 1 || tensors.empty()) return;

@@ -2,6 +2,8 @@
 
 #include <ember/error.h>
 
+#include "flattened.h"
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -103,23 +105,7 @@ void DeviceMesh::shutdown() {
 
 void sum_over_group(MeshGroup& group, const std::vector<at::Tensor>& tensors, const std::string& what) {
   if (group.size() == 1 || tensors.empty()) return;
-  std::vector<at::ScalarType> dtypes;
-  for (const auto& t : tensors)
-    if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) dtypes.push_back(t.scalar_type());
-  at::NoGradGuard no_grad;
-  for (const auto dtype : dtypes) {
-    std::vector<at::Tensor> flat;
-    for (const auto& t : tensors)
-      if (t.scalar_type() == dtype) flat.push_back(t.detach().reshape({-1}));
-    at::Tensor joined = at::cat(flat);
-    group.all_reduce(joined, ember::ReduceOp::sum, what);
-    int64_t offset = 0;
-    for (const auto& t : tensors) {
-      if (t.scalar_type() != dtype) continue;
-      t.detach().copy_(joined.narrow(0, offset, t.numel()).view(t.sizes()));
-      offset += t.numel();
-    }
-  }
+  for_each_dtype_flattened(tensors, [&](at::Tensor& flat, at::ScalarType) { group.all_reduce(flat, ember::ReduceOp::sum, what); });
 }
 
 int64_t parameter_elements(torch::nn::Module& module) {
