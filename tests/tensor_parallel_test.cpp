@@ -268,6 +268,8 @@ TEST_F(TensorParallel, BadMeshIsOneLineAndNothingStarts) {
                "sharded.state_dict_type=\"sharded\""},
               "--set sharded.state_dict_type=\"sharded\": sharded.state_dict_type = \"sharded\" does not combine with "
               "parallelism.tensor_parallel = 2 yet");
+  expect_line({"--plugins", "sharded", "--set", "trainer.devices=4", "--set", "parallelism.data_parallel_replicate=2"},
+              "parallelism.data_parallel_replicate = 2 with data_parallel_shard = 2: sharded does not build hybrid sharding");
   expect_line({"--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.sequence_parallel=true"},
               "--set parallelism.sequence_parallel=true: parallelism.sequence_parallel = true splits activations over the "
               "tensor-parallel ranks, and tensor_parallel = 1");

@@ -100,6 +100,14 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
 
   // ---- processes and the step ----
   bool launch(const ember::LaunchRequest& request, int* exit_code) override {
+    // Hybrid sharding (replicas of a sharded group) would train the same numbers with other
+    // memory and traffic; refused rather than silently sharding over every data-parallel rank.
+    if (ember::has_field(request, &ember::LaunchRequest::data_parallel_shard) && request.data_parallel_replicate > 1)
+      throw ember::ConfigError("parallelism.data_parallel_replicate = " + std::to_string(request.data_parallel_replicate) +
+                               " with data_parallel_shard = " + std::to_string(request.data_parallel_shard) + ": " + o_.name +
+                               " does not build hybrid sharding (replicas of a sharded group) yet; set data_parallel_replicate = 1 "
+                               "to shard over all " + std::to_string(request.data_parallel_replicate * request.data_parallel_shard) +
+                               " data-parallel ranks, or use ddp to replicate");
     const bool go_on = comm_.launch(request, exit_code);
     if (!go_on) return false;
     copies_ = HostCopies(comm_.device(), o_.pin_memory);
