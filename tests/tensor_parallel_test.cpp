@@ -129,7 +129,9 @@ TEST_F(TensorParallel, TwoAndFourRanksMatchSingleDevice) {
   EXPECT_EQ(val_acc(one).size(), 2u);
 }
 
-// 2D: ZeRO shards each rank's tensor-parallel slices over the data-parallel ranks, at every stage.
+// 2D: ZeRO shards each rank's tensor-parallel slices over the data-parallel ranks, at every stage,
+// and offload keeps those shards' masters, gradients and optimizer state in host memory (with
+// offload_params: the parameters too, fetched per unit).
 TEST_F(TensorParallel, ShardedOverDataParallelRanksMatchesSingleDevice) {
   TempDir one("tensor_parallel");
   single(one);
@@ -142,6 +144,10 @@ TEST_F(TensorParallel, ShardedOverDataParallelRanksMatchesSingleDevice) {
     EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(dir)), 1e-5) << "stage " << stage;
     EXPECT_EQ(val_acc(one), val_acc(dir)) << "stage " << stage;
   }
+  TempDir offloaded("tensor_parallel");
+  auto r = mesh(offloaded, 4, 2, {"--set", "offload.offload_params=true"}, "offload");
+  EXPECT_NE(r.err.find("offload: device mesh 2 (data parallel) x 2 (tensor parallel)"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(offloaded)), 1e-5);
 }
 
 // Sequence parallelism: norms, dropout and residuals on each rank's half of the positions; their
@@ -262,8 +268,10 @@ TEST_F(TensorParallel, BadMeshIsOneLineAndNothingStarts) {
               "x data_parallel_shard (3) = 3, but trainer.devices (4) x trainer.num_nodes (1) = 4 ranks");
   expect_line({"--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2", "--set", "model.nhead=1"},
               "--set model.nhead=1: [model] nhead = 1 cannot be split over tensor_parallel = 2 ranks");
-  expect_line({"--plugins", "offload", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2"},
-              "parallelism.tensor_parallel = 2 needs a strategy with a device mesh, and strategy 'offload' has none");
+  expect_line({"--plugins", "single_device", "--set", "parallelism.tensor_parallel=1", "--set", "parallelism.sequence_parallel=true"},
+              "parallelism.sequence_parallel = true splits activations over the tensor-parallel ranks, and tensor_parallel = 1");
+  expect_line({"--plugins", "single_device", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2"},
+              "parallelism.tensor_parallel = 2 needs a strategy with a device mesh, and strategy 'single_device' has none");
   expect_line({"--plugins", "sharded", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2", "--set",
                "sharded.state_dict_type=\"sharded\""},
               "--set sharded.state_dict_type=\"sharded\": sharded.state_dict_type = \"sharded\" does not combine with "

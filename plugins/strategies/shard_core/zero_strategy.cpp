@@ -91,10 +91,10 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   ~ZeroStrategy() override { teardown(); }
 
   // Checkpoints as one part per rank (sharded_state below), read at any world size. A device
-  // mesh (2D: sharded over the data-parallel ranks x tensor parallel) for sharded, not offload.
+  // mesh: sharded (or offloaded) over the data-parallel ranks x tensor parallel.
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kShardedCheckpointsIid) == 0) return this;
-    if (std::strcmp(iid, ember::kDeviceMeshIid) == 0 && !o_.offload) return static_cast<ember::IDeviceMesh*>(this);
+    if (std::strcmp(iid, ember::kDeviceMeshIid) == 0) return static_cast<ember::IDeviceMesh*>(this);
     return nullptr;
   }
 
@@ -149,7 +149,13 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
       std::vector<at::Tensor> grads;
       for (const auto& p : table_.params)
         if (summed_.count(p.name) && p.shard.grad().defined() && p.shard.grad().numel() > 0) grads.push_back(p.shard.grad());
-      sum_over_group(mesh_->tensor_parallel(), grads, "sequence-parallel gradients");
+      // Offload's gradients are on the host: summed through the device (NCCL needs it).
+      std::vector<at::Tensor> staged;
+      for (const auto& g : grads) staged.push_back(g.device() == comm_.device() ? g : g.to(comm_.device()));
+      sum_over_group(mesh_->tensor_parallel(), staged, "sequence-parallel gradients");
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < grads.size(); ++i)
+        if (!staged[i].is_same(grads[i])) grads[i].copy_(staged[i]);
     }
   }
 
@@ -381,8 +387,20 @@ void ZeroStrategy::split_tensor_parallel(ember::IModel& model) {
   if (o_.sharded_checkpoints)
     throw ember::ConfigError(o_.where_state_dict_type + ": " + o_.name + ".state_dict_type = \"sharded\" does not combine with parallelism.tensor_parallel = " +
                              std::to_string(tp) + " yet: use \"full\" (whole checkpoints, which resume under any mesh)");
-  module_->to(comm_.device());
-  comm_.broadcast_module_from_zero(*module_);
+  if (o_.offload) {
+    // Offload keeps the whole model off the device: rank 0's weights travel one tensor at a time
+    // (through the device, for NCCL) into the host module, which is then split on the host.
+    at::NoGradGuard no_grad;
+    int i = 0;
+    for (auto& t : module_->parameters()) {
+      at::Tensor staged = t.detach().to(comm_.device()).clone();
+      comm_.broadcast_from_zero(staged, "initial parameter " + std::to_string(i++));
+      t.detach().copy_(staged);
+    }
+  } else {
+    module_->to(comm_.device());
+    comm_.broadcast_module_from_zero(*module_);
+  }
   broadcast_done_ = true;
   auto& group = mesh_->tensor_parallel();
   const int64_t whole = parameter_elements(*module_);
@@ -468,7 +486,7 @@ void ZeroStrategy::offload_parameters() {
   at::NoGradGuard no_grad;
   for (auto& p : table_.params) {
     at::Tensor whole = p.param.detach();
-    if (comm_.world() > 1) {  // every rank starts from rank 0's weights (through the device: NCCL)
+    if (comm_.world() > 1 && !broadcast_done_) {  // every rank starts from rank 0's weights (through the device: NCCL)
       whole = whole.to(device).clone();
       comm_.broadcast_from_zero(whole, "initial parameter '" + p.name + "'");
     }
