@@ -23,6 +23,7 @@
 // ember::RunError with a one-line message; launch() turns them into an exit code.
 #pragma once
 #include <ember/library.h>
+#include <ember/tensor_parallel.h>
 #include <ember/types.h>
 
 #include <c10/core/Device.h>
@@ -64,6 +65,14 @@ struct FabricOptions {
   // The program's command line, which launch() re-executes for every rank (ddp's local launcher);
   // empty: read from /proc/self/cmdline.
   std::vector<std::string> argv;
+  // Tensor parallelism (docs/parallelism.md; Lightning's ModelParallelStrategy): the ranks each
+  // layer is split over (devices x num_nodes must divide by it; a strategy with a device mesh:
+  // ddp, sharded, offload), and the program's plan, which setup() calls once on the whole module:
+  // it keeps the rank's slices of the module's parameters (<ember/support/tensor_parallel.h>),
+  // makes the module's forward use `group`, and returns what it split.
+  int64_t tensor_parallel = 1;
+  bool sequence_parallel = false;
+  std::function<std::vector<TensorShard>(torch::nn::Module& module, ITensorParallelGroup& group)> parallelize;
 };
 
 // What save() writes besides the set-up model and optimizer, and what load() gives back.

@@ -85,6 +85,11 @@ engine::Plan plan_for(const FabricOptions& o) {
   if (o.devices < 1 || o.num_nodes < 1)
     throw ConfigError("FabricOptions.devices = " + std::to_string(o.devices) + ", num_nodes = " + std::to_string(o.num_nodes) +
                       ": both must be at least 1");
+  if (o.tensor_parallel < 1)
+    throw ConfigError("FabricOptions.tensor_parallel = " + std::to_string(o.tensor_parallel) + ": it must be at least 1");
+  if (o.tensor_parallel > 1 && !o.parallelize)
+    throw ConfigError("FabricOptions.tensor_parallel = " + std::to_string(o.tensor_parallel) +
+                      " needs FabricOptions.parallelize, the program's plan that splits the module (docs/parallelism.md)");
   std::string strategy = o.strategy;
   if (strategy == "auto") strategy = engine::defaults::auto_strategy(o.devices * o.num_nodes);
   req.sets = {"trainer.accelerator=" + toml_string(o.accelerator),
@@ -92,6 +97,8 @@ engine::Plan plan_for(const FabricOptions& o) {
               "trainer.precision=" + toml_string(o.precision),
               "trainer.devices=" + std::to_string(o.devices),
               "trainer.num_nodes=" + std::to_string(o.num_nodes),
+              "parallelism.tensor_parallel=" + std::to_string(o.tensor_parallel),
+              std::string("parallelism.sequence_parallel=") + (o.sequence_parallel ? "true" : "false"),
               // No implicit csv logger, checkpoint or model summary: the program names its loggers.
               "trainer.logger=false",
               "trainer.enable_checkpointing=false",
@@ -204,7 +211,7 @@ std::shared_ptr<torch::optim::Optimizer> Fabric::setup(std::shared_ptr<torch::nn
   if (!module) throw RunError("ember::Fabric::setup: the module is null");
   if (!make_optimizer) throw RunError("ember::Fabric::setup: the optimizer factory is empty");
   if (d.model) throw RunError("ember::Fabric::setup: called twice; one Fabric trains one model (make another Fabric for another)");
-  d.model = std::make_shared<engine::ProgramModule>(std::move(module));
+  d.model = std::make_shared<engine::ProgramModule>(std::move(module), d.options.parallelize);
   struct ProgramOptimizer final : IOptimizerFactory {
     const OptimizerFactory& make;
     explicit ProgramOptimizer(const OptimizerFactory& m) : make(m) {}

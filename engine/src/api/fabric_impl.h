@@ -6,10 +6,13 @@
 #include <ember/model.h>
 #include <ember/precision.h>
 #include <ember/strategy.h>
+#include <ember/tensor_parallel.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "registry/composition.h"
@@ -19,10 +22,17 @@ namespace ember::engine {
 
 // The program's module, seen as the IModel the strategy contract takes. Fabric never runs the
 // model's steps: the program does.
-class ProgramModule final : public IModel {
+class ProgramModule final : public IModel, public ITensorParallelModel {
  public:
-  explicit ProgramModule(std::shared_ptr<torch::nn::Module> module) : module_(std::move(module)) {}
+  using Plan = std::function<std::vector<TensorShard>(torch::nn::Module&, ITensorParallelGroup&)>;
+  ProgramModule(std::shared_ptr<torch::nn::Module> module, Plan plan) : module_(std::move(module)), plan_(std::move(plan)) {}
   torch::nn::Module& module() override { return *module_; }
+  // FabricOptions::parallelize, when the program gave one.
+  void* query_interface(const char* iid) override {
+    if (plan_ && std::string_view(iid) == kTensorParallelModelIid) return static_cast<ITensorParallelModel*>(this);
+    return nullptr;
+  }
+  std::vector<TensorShard> parallelize_tensors(ITensorParallelGroup& group) override { return plan_(*module_, group); }
   at::Tensor training_step(const Batch&, IStepContext&) override { throw not_here("training_step"); }
   void validation_step(const Batch&, IStepContext&) override { throw not_here("validation_step"); }
   void test_step(const Batch&, IStepContext&) override { throw not_here("test_step"); }
@@ -32,6 +42,7 @@ class ProgramModule final : public IModel {
     return RunError(std::string("ember::Fabric: a plugin called the model's ") + what + ", but under Fabric the program runs its own steps");
   }
   std::shared_ptr<torch::nn::Module> module_;
+  Plan plan_;
 };
 
 // The ITrainer logger plugins are set up with (ILogger::setup takes one): the run folder, the
