@@ -25,33 +25,7 @@ work=$(mktemp -d /tmp/ember-bench-mesh-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 # shellcheck source=bench/common.sh
 source "$root/bench/common.sh"
-{
-  train_only_trainer_toml
-  echo "num_threads = 1"
-  transformer_model_toml "$layers" "$d" 8
-  cat <<TOML
-[data]
-name = "synthetic"
-shape = [$seq, $d]
-num_classes = 10
-num_train = 1200
-num_val = 0
-num_test = 0
-batch_size = 8
-[optimizer]
-name = "adamw"
-lr = 0.0001
-TOML
-} > "$work/run.toml"
-run() {  # ranks steps [args...] -> seconds; the probe's lines stay in $work/err
-  local ranks=$1 steps=$2 start end
-  shift 2
-  start=$(date +%s.%N)
-  (cd "$work" && OMP_NUM_THREADS=1 "$engine" run.toml --plugin-path "$probe_dir" --plugins memory_probe \
-     --set "trainer.max_steps=$steps" --set "trainer.devices=$ranks" "$@" >/dev/null 2>"$work/err") || { cat "$work/err" >&2; exit 1; }
-  end=$(date +%s.%N)
-  calc "$end - $start"
-}
+memory_bench_toml "$layers" "$d" "$seq" 8 > "$work/run.toml"
 echo "transformer: $layers layers, d_model $d, 8 heads, global batch 8 x $seq tokens, AdamW, 1 thread per rank"
 echo
 echo "| mesh | strategy | ranks | data x tensor | rank 0 state MB (params + grads + trained shards + optimizer) | vs single_device | step peak MB | s/step |"
@@ -66,8 +40,8 @@ for variant in "single single_device 1 1 false" "dp2 ddp 2 1 false" "tp2 ddp 2 2
   args=(--set "data.batch_size=$((8 / dp))")
   [ "$strategy" != single_device ] && args+=(--plugins "$strategy" --set "parallelism.tensor_parallel=$tp" --set "$strategy.timeout=600.0"
                                              --set "parallelism.sequence_parallel=$sp")
-  a=$(run "$ranks" "$short" "${args[@]}")
-  b=$(run "$ranks" "$long" "${args[@]}")
+  a=$(probe_run "$ranks" "$short" "${args[@]}")
+  b=$(probe_run "$ranks" "$long" "${args[@]}")
   line=$(grep -o 'memory_probe: rank 0 step 2: .*' "$work/err" | head -1)
   total=$(sed -E 's/.* total ([0-9]+) bytes.*/\1/' <<<"$line")
   [ -z "$single_total" ] && single_total=$total

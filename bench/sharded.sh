@@ -19,33 +19,7 @@ work=$(mktemp -d /tmp/ember-bench-sharded-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 # shellcheck source=bench/common.sh
 source "$root/bench/common.sh"
-{
-  train_only_trainer_toml
-  echo "num_threads = 1"
-  transformer_model_toml "$layers" "$d" 8
-  cat <<TOML
-[data]
-name = "synthetic"
-shape = [16, $d]
-num_classes = 10
-num_train = 1200
-num_val = 0
-num_test = 0
-batch_size = 2
-[optimizer]
-name = "adamw"
-lr = 0.0001
-TOML
-} > "$work/run.toml"
-run() {  # name ranks steps [args...] -> seconds; the probe's lines stay in $work/err
-  local ranks=$2 steps=$3 start end
-  shift 3
-  start=$(date +%s.%N)
-  (cd "$work" && OMP_NUM_THREADS=1 "$engine" run.toml --plugin-path "$probe_dir" --plugins memory_probe \
-     --set "trainer.max_steps=$steps" --set "trainer.devices=$ranks" "$@" >/dev/null 2>"$work/err") || { cat "$work/err" >&2; exit 1; }
-  end=$(date +%s.%N)
-  calc "$end - $start"
-}
+memory_bench_toml "$layers" "$d" 16 2 > "$work/run.toml"
 echo "transformer: $layers layers, d_model $d, batch 2 x 16 tokens per rank, AdamW, 1 thread per rank"
 echo
 echo "| variant | ranks | rank 0 state MB (params + grads + trained shards + optimizer) | vs ddp same ranks | s/step |"
@@ -57,8 +31,8 @@ for ranks in 1 2 3; do
       ddp) args=(--plugins ddp) ;;
       sharded*) args=(--plugins sharded --set "sharded.stage=${variant#sharded}") ;;
     esac
-    a=$(run "$variant" "$ranks" "$short" "${args[@]}")
-    b=$(run "$variant" "$ranks" "$long" "${args[@]}")
+    a=$(probe_run "$ranks" "$short" "${args[@]}")
+    b=$(probe_run "$ranks" "$long" "${args[@]}")
     line=$(grep -o 'memory_probe: rank 0 step 2: .*' "$work/err" | head -1)
     total=$(sed -E 's/.* total ([0-9]+) bytes.*/\1/' <<<"$line")
     [ -z "$ddp_total" ] && ddp_total=$total
