@@ -20,6 +20,7 @@
 #include <ember/model.h>
 #include <ember/model_flops.h>
 #include <ember/model_units.h>
+#include <ember/pipeline.h>
 #include <ember/plugin.h>
 #include <ember/predict.h>
 
@@ -59,21 +60,54 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
           torch::nn::TransformerEncoderLayer(
               torch::nn::TransformerEncoderLayerOptions(d_model_, nhead_).dim_feedforward(ff_).dropout(dropout_))));
     head_ = register_module("head", torch::nn::Linear(d_model_, classes_));
+    held_.assign(static_cast<size_t>(layers_), true);
   }
   // x: [N, S, E]. LibTorch's encoder layer takes [S, N, E] (it has no batch_first option).
-  at::Tensor forward(at::Tensor x) {
+  at::Tensor forward(at::Tensor x) { return head(layers(enter(x), 0, layers_)); }
+  // The pieces a pipeline stage runs (ember/pipeline.h): the input made [S, N, E] (split by
+  // sequence under sequence parallelism), layers [begin, end), then the pooled head.
+  at::Tensor enter(const at::Tensor& x) {
     at::Tensor h = x.transpose(0, 1);
-    const bool by_sequence = tensor_parallel_ && tensor_parallel_->sequence_parallel();
-    if (by_sequence) h = ember::scatter_to_sequence_parallel(h, 0, *tensor_parallel_);
-    for (size_t i = 0; i < blocks_.size(); ++i) {
-      auto block = [this, layer = blocks_[i].ptr()](const at::Tensor& in) {
+    if (by_sequence()) h = ember::scatter_to_sequence_parallel(h, 0, *tensor_parallel_);
+    return h;
+  }
+  at::Tensor layers(at::Tensor h, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      auto block = [this, layer = blocks_[static_cast<size_t>(i)].ptr()](const at::Tensor& in) {
         return tensor_parallel_ ? ember_transformer::encoder_layer_forward(*layer, in, nhead_, *tensor_parallel_) : layer->forward(in);
       };
-      h = units_ ? units_->run(static_cast<int64_t>(i), h, block) : block(h);
+      h = units_ ? units_->run(i, h, block) : block(h);
     }
-    if (by_sequence) h = ember::gather_from_sequence_parallel(h, 0, *tensor_parallel_, /*into_split_layer=*/false);
+    return h;
+  }
+  at::Tensor head(at::Tensor h) {
+    if (by_sequence()) h = ember::gather_from_sequence_parallel(h, 0, *tensor_parallel_, /*into_split_layer=*/false);
     return head_(h.mean(0));
   }
+  // Keeps the layers of `stages` (and the head when the last layer is among them): the others
+  // leave the module and their storage is freed.
+  void keep_layers(const std::vector<ember::UnitRange>& stages) {
+    auto kept = [&](int64_t i) {
+      for (const auto& s : stages)
+        if (i >= s.begin && i < s.end) return true;
+      return false;
+    };
+    auto drop = [this](const std::string& name, torch::nn::Module& m) {
+      at::NoGradGuard no_grad;
+      for (auto& p : m.parameters()) p.set_data(at::empty({0}, p.options()));
+      unregister_module(name);
+    };
+    for (int64_t i = 0; i < layers_; ++i)
+      if (!kept(i)) {
+        drop("layer" + std::to_string(i + 1), *blocks_[static_cast<size_t>(i)]);
+        held_[static_cast<size_t>(i)] = false;
+      }
+    if (!kept(layers_ - 1)) {
+      drop("head", *head_);
+      has_head_ = false;
+    }
+  }
+  bool has_head() const { return has_head_; }
   // The plan (tensor_parallel_plan.h): every encoder layer split over the group; the head stays whole.
   std::vector<ember::TensorShard> parallelize(ember::ITensorParallelGroup& group, const std::string& section,
                                               const std::string& where_nhead, const std::string& where_ff) {
@@ -86,15 +120,22 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
                                         group.size(), " ranks: choose a degree that divides it"));
     std::vector<ember::TensorShard> shards;
     auto params = named_parameters();
-    for (size_t i = 0; i < blocks_.size(); ++i)
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      if (!held_[i]) continue;  // another pipeline stage's
       for (auto& s : ember_transformer::encoder_layer_shards("layer" + std::to_string(i + 1), group.sequence_parallel())) {
         if (s.dim != ember::kSummedGradient) ember::keep_shard(params[s.name], s, group.rank(), group.size());
         shards.push_back(std::move(s));
       }
+    }
     tensor_parallel_ = &group;
     return shards;
   }
-  const at::Tensor& head_weight() const { return head_->weight; }
+  // The dtype the model computes in (the precision handler may have converted it).
+  c10::ScalarType dtype() const {
+    for (const auto& p : parameters())
+      if (p.numel() > 0) return p.scalar_type();
+    return c10::kFloat;
+  }
   // Each encoder layer is a unit (ember/model_units.h): sharding strategies gather its
   // parameters just before it runs.
   void declare_units(ember::ModelUnits& units) {
@@ -107,13 +148,16 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
   double dropout_;
   int64_t classes_;
   ember::ModelUnits* units_ = nullptr;
+  bool by_sequence() const { return tensor_parallel_ && tensor_parallel_->sequence_parallel(); }
   ember::ITensorParallelGroup* tensor_parallel_ = nullptr;  // set by the plan
+  bool has_head_ = true;
+  std::vector<bool> held_;  // the layers this rank holds (all but under pipeline parallelism)
   std::vector<torch::nn::TransformerEncoderLayer> blocks_;
   torch::nn::Linear head_{nullptr};
 };
 
 class Transformer final : public ember::IModel, public ember::IModelFlops, public ember::UnitModel,
-                          public ember::IPredictingModel, public ember::ITensorParallelModel {
+                          public ember::IPredictingModel, public ember::ITensorParallelModel, public ember::IPipelineModel {
  public:
   explicit Transformer(const ember::IConfig& cfg)
       : d_model_(cfg.get_int("d_model")), section_(cfg.section()), where_nhead_(cfg.where("nhead")),
@@ -133,7 +177,20 @@ class Transformer final : public ember::IModel, public ember::IModelFlops, publi
     if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
     if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
     if (std::strcmp(iid, ember::kTensorParallelModelIid) == 0) return static_cast<ember::ITensorParallelModel*>(this);
+    if (std::strcmp(iid, ember::kPipelineModelIid) == 0) return static_cast<ember::IPipelineModel*>(this);
     return unit_model_interface(iid);
+  }
+  // Pipeline stages (ember/pipeline.h): the units are the encoder layers; the first stage takes the
+  // data, the last pools, applies the head and computes the loss.
+  void keep_pipeline_stages(const std::vector<ember::UnitRange>& stages) override { net_->keep_layers(stages); }
+  at::Tensor pipeline_forward(const ember::UnitRange& stage, const ember::Batch& batch, const at::Tensor& input,
+                              ember::IStepContext& ctx) override {
+    at::Tensor h = stage.begin == 0 ? net_->enter(checked_inputs(batch)) : input;
+    h = net_->layers(h, stage.begin, stage.end);
+    if (stage.end < layers_) return h;
+    ember_models::require_inputs_and_targets(batch, "transformer");
+    const Phase phase = ctx.stage() == ember::Stage::fit ? Phase::train : ctx.stage() == ember::Stage::test ? Phase::test : Phase::val;
+    return ember_models::classification_step(net_->head(h), batch[1], phase, ctx, "transformer");
   }
   std::vector<ember::TensorShard> parallelize_tensors(ember::ITensorParallelGroup& group) override {
     return net_->parallelize(group, section_, where_nhead_, where_ff_);
@@ -161,13 +218,18 @@ class Transformer final : public ember::IModel, public ember::IModelFlops, publi
     ember_models::require_inputs_and_targets(batch, "transformer");
     return ember_models::classification_step(logits(batch), batch[1], phase, ctx, "transformer");
   }
-  at::Tensor logits(const ember::Batch& batch) {
+  at::Tensor checked_inputs(const ember::Batch& batch) {
     if (batch.tensors.empty()) throw ember::RunError("transformer: got a batch without inputs");
     const at::Tensor& x = batch[0];
     if (x.dim() != 3 || x.size(2) != d_model_)
       throw ember::RunError(c10::str("transformer: got inputs of shape ", x.sizes(), ", expected [N, seq_len, ", d_model_,
                                      "]: set [", section_, "] d_model to the data's last dimension"));
-    return net_->forward(x.to(net_->head_weight().scalar_type()));
+    return x.to(net_->dtype());
+  }
+  at::Tensor logits(const ember::Batch& batch) {
+    if (!net_->has_head())
+      throw ember::RunError("transformer: this rank holds pipeline stages without the head; the strategy runs the model's pipeline_forward");
+    return net_->forward(checked_inputs(batch));
   }
   int64_t d_model_, ff_ = 0, layers_ = 0, classes_ = 0;
   std::string section_, where_nhead_, where_ff_;

@@ -128,7 +128,14 @@ Fabric::Impl::Impl(FabricOptions o) : options(std::move(o)) {
 
 bool Fabric::Impl::launch_ranks(int* exit_code) {
   if (launched) return true;
-  if (!runtime->launch(engine::Runtime::launch_request(plan.config.section("trainer"), plan.config.section("parallelism"), options.argv), exit_code)) return false;
+  const LaunchRequest request = engine::Runtime::launch_request(plan.config.section("trainer"), plan.config.section("parallelism"), options.argv);
+  // The program's own loop calls the model's forward; it cannot hand batches to pipeline stages.
+  if (request.pipeline_parallel > 1)
+    throw ConfigError(plan.config.section("parallelism").where("pipeline_parallel") + ": parallelism.pipeline_parallel = " +
+                      std::to_string(request.pipeline_parallel) +
+                      ": ember::Fabric runs the program's own forward, which pipeline stages cannot split; train it with `engine fit` "
+                      "(whose loop hands whole batches to the stages) or set pipeline_parallel = 1");
+  if (!runtime->launch(request, exit_code)) return false;
   launched = true;
   try {
     engine::Named<IPrecision> precision;

@@ -106,7 +106,11 @@ constexpr EmberConfigKey kParallelismKeys[] = {
     Int("data_parallel_replicate", "1", "Data-parallel replicas: ranks that each hold the whole (or, with data_parallel_shard, a sharded) model and see other batches.").at_least(1),
     Int("data_parallel_shard", "-1", "Data-parallel ranks the strategy shards over (sharded) or replicates over (ddp); -1 = the ranks left over by the other degrees.").at_least(-1),
     Int("tensor_parallel", "1", "Ranks each layer is split over (Megatron's tensor parallelism): they see the same batch; the model must have a tensor-parallel plan and the strategy a device mesh (ddp).").at_least(1),
-    Int("pipeline_parallel", "1", "Pipeline stages; only 1 is built so far.").at_least(1),
+    Int("pipeline_parallel", "1", "Ranks the model is cut over into pipeline stages at its units (the strategy needs a device mesh with pipeline stages, ddp, and the model must implement ember::IPipelineModel, transformer); each batch is split into micro-batches that flow through the stages on the schedule. CPU ranks only so far.").at_least(1),
+    String("schedule", "\"1f1b\"", "Pipeline schedule: gpipe (every forward, then every backward), 1f1b (one forward one backward after filling the pipe; activations of at most pipeline_parallel micro-batches alive), interleaved_1f1b (1f1b over virtual_stages stages per rank: a smaller bubble for more messages).").choices("gpipe|1f1b|interleaved_1f1b"),
+    Int("microbatches", "0", "Micro-batches each batch is split into for the pipeline (the bubble is (stages - 1) / (microbatches + stages - 1)); 0 = as many as pipeline_parallel. interleaved_1f1b needs a multiple of pipeline_parallel.").at_least(0),
+    Int("virtual_stages", "1", "Pipeline stages per rank (interleaved_1f1b: 2 or more; rank r holds stages r, r + pipeline_parallel, ...).").at_least(1),
+    IntList("stage_units", "[]", "Units (layers) per pipeline stage, in order, one count per stage (pipeline_parallel x virtual_stages of them); empty = balanced by the units' parameter counts."),
     Bool("sequence_parallel", "false", "With tensor_parallel > 1: activations outside the split layers (norms, dropout, residuals) are split along the sequence over the tensor-parallel ranks (Megatron's sequence parallelism); the sequence length must divide by tensor_parallel."),
 };
 

@@ -78,6 +78,7 @@ void StepRunner::log_from_step(const std::string& name, const at::Tensor& value,
 }
 
 at::Tensor StepRunner::micro_batch(const Batch& batch, int64_t batch_idx, bool first_in_window, bool sync, bool hooks) {
+  if (runtime_.pipeline()) return pipeline_batch(batch, batch_idx, first_in_window, sync, hooks);
   at::Tensor loss;
   {
     Context ctx(*this, Stage::fit, batch_idx, batch.size);
@@ -97,6 +98,25 @@ at::Tensor StepRunner::micro_batch(const Batch& batch, int64_t batch_idx, bool f
   if (hooks) hook(Hook::on_before_backward);
   runtime_.backward(to_backward, sync);
   if (hooks) hook(Hook::on_after_backward);
+  return loss_;
+}
+
+// Under pipeline parallelism the strategy owns the window's micro-batches: forward and backward
+// of each run on its schedule, so zero_grad and the backward hooks come before the whole batch.
+at::Tensor StepRunner::pipeline_batch(const Batch& batch, int64_t batch_idx, bool first_in_window, bool sync, bool hooks) {
+  if (first_in_window) {
+    if (hooks) hook(Hook::on_before_zero_grad);
+    runtime_.zero_grad();
+  }
+  if (hooks) hook(Hook::on_before_backward);
+  at::Tensor loss;
+  {
+    Context ctx(*this, Stage::fit, batch_idx, batch.size);
+    auto region = runtime_.forward(/*grad_enabled=*/true);
+    loss = runtime_.pipeline_train_batch(batch, *model_.object, ctx, static_cast<double>(accumulation_), sync);
+  }
+  if (hooks) hook(Hook::on_after_backward);
+  loss_ = loss.detach();
   return loss_;
 }
 
@@ -169,7 +189,7 @@ at::Tensor StepRunner::forward_only(const Batch& batch, int64_t batch_idx) {
   torch::NoGradGuard no_grad;
   Context ctx(*this, Stage::fit, batch_idx, batch.size);
   auto region = runtime_.forward(/*grad_enabled=*/false);
-  at::Tensor loss = model_.object->training_step(batch, ctx);
+  at::Tensor loss = runtime_.pipeline() ? runtime_.pipeline_evaluate_batch(batch, *model_.object, ctx) : model_.object->training_step(batch, ctx);
   return loss.defined() ? loss.detach() : loss;
 }
 

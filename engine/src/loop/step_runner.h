@@ -78,6 +78,7 @@ class StepRunner {
 
  private:
   class OptimizerStep;
+  at::Tensor pipeline_batch(const Batch& batch, int64_t batch_idx, bool first_in_window, bool sync, bool hooks);
   bool run_optimizer_step(const Batch& batch, int64_t batch_idx, bool first_in_window, std::function<at::Tensor()> closure);
   bool graphed_optimizer_step(const Batch& batch, int64_t batch_idx, bool first_in_window);
   void hook(Hook h) {

@@ -368,7 +368,8 @@ void TrainingLoop::evaluate(Split split, Stage stage, int64_t max_batches) {
       {
         auto ctx = steps_->context(stage, b, current_batch_.size);
         auto region = rt.forward(/*grad_enabled=*/false);
-        if (test) model.test_step(current_batch_, ctx);
+        if (rt.pipeline()) rt.pipeline_evaluate_batch(current_batch_, model, ctx);  // the stages run the model's steps
+        else if (test) model.test_step(current_batch_, ctx);
         else model.validation_step(current_batch_, ctx);
       }
       call_hook(test ? Hook::on_test_batch_end : Hook::on_validation_batch_end);

@@ -47,6 +47,10 @@ int64_t TrainingLoop::predict(Split split, const std::filesystem::path& csv) {
   const std::vector<std::string> classes = names ? names->class_names() : std::vector<std::string>{};
 
   const bool was_training = module().is_training();
+  if (runtime_->pipeline())
+    throw ConfigError("predict: parallelism.pipeline_parallel = " + std::to_string(runtime_->pipeline()->pipeline_size()) +
+                      ": predictions through pipeline stages are not built; predict with pipeline_parallel = 1 from the checkpoint "
+                      "(it loads under any mesh)");
   module().eval();
   std::ostringstream out;
   int64_t rows = 0, width = -1;

@@ -33,9 +33,6 @@ LaunchRequest Runtime::launch_request(const IConfig& trainer, const IConfig& par
     throw ConfigError(parallelism.where("sequence_parallel") +
                       ": parallelism.sequence_parallel = true splits activations over the tensor-parallel ranks, and tensor_parallel = 1 "
                       "(set tensor_parallel > 1, or sequence_parallel = false)");
-  if (request.pipeline_parallel != 1)
-    throw ConfigError(parallelism.where("pipeline_parallel") + ": parallelism.pipeline_parallel = " + std::to_string(request.pipeline_parallel) +
-                      ": no strategy builds pipeline stages yet (set it to 1; docs/parallelism.md says what is built)");
   const int64_t ranks = request.devices * request.num_nodes;
   const int64_t fixed = request.data_parallel_replicate * request.tensor_parallel * request.pipeline_parallel;
   const std::string product = "data_parallel_replicate (" + std::to_string(request.data_parallel_replicate) + ") x tensor_parallel (" +
@@ -66,17 +63,49 @@ LaunchRequest Runtime::launch_request(const IConfig& trainer, const IConfig& par
   return request;
 }
 
-bool Runtime::launch(const LaunchRequest& request, int* exit_code) {
+PipelineOptions Runtime::pipeline_options(const IConfig& parallelism) {
+  PipelineOptions o;
+  o.schedule = parallelism.get_string("schedule");
+  o.microbatches = parallelism.get_int("microbatches");
+  o.virtual_stages = parallelism.get_int("virtual_stages");
+  o.stage_units = parallelism.get_int_list("stage_units");
+  o.where_pipeline_parallel = parallelism.where("pipeline_parallel");
+  o.where_schedule = parallelism.where("schedule");
+  o.where_microbatches = parallelism.where("microbatches");
+  o.where_virtual_stages = parallelism.where("virtual_stages");
+  o.where_stage_units = parallelism.where("stage_units");
+  return o;
+}
+
+bool Runtime::launch(const LaunchRequest& request, int* exit_code, const PipelineOptions& pipeline) {
   if (launched_) return true;
   // A strategy without a device mesh would ignore the degrees and train something else.
-  if (request.tensor_parallel > 1 && !strategy_.object->query_interface(kDeviceMeshIid))
-    throw ConfigError("parallelism.tensor_parallel = " + std::to_string(request.tensor_parallel) +
+  if ((request.tensor_parallel > 1 || request.pipeline_parallel > 1) && !strategy_.object->query_interface(kDeviceMeshIid))
+    throw ConfigError(std::string(request.tensor_parallel > 1 ? "parallelism.tensor_parallel = " + std::to_string(request.tensor_parallel)
+                                                              : "parallelism.pipeline_parallel = " + std::to_string(request.pipeline_parallel)) +
                       " needs a strategy with a device mesh, and strategy '" + strategy_.name +
-                      "' has none (use --plugins ddp, or set tensor_parallel = 1; docs/parallelism.md)");
+                      "' has none (use --plugins ddp, or set the degree to 1; docs/parallelism.md)");
   if (!strategy_.object->launch(request, exit_code)) return false;
   launched_ = true;
   log::set_rank(static_cast<int>(strategy_.object->rank()));
+  if (request.pipeline_parallel > 1) {
+    // Asked after launch: a strategy answers once its mesh has stages.
+    pipeline_ = static_cast<IPipelineParallel*>(strategy_.object->query_interface(kPipelineParallelIid));
+    if (!pipeline_)
+      throw ConfigError(pipeline.where_pipeline_parallel + ": parallelism.pipeline_parallel = " + std::to_string(request.pipeline_parallel) +
+                        " needs a strategy that builds pipeline stages, and strategy '" + strategy_.name +
+                        "' does not (use --plugins ddp, or set pipeline_parallel = 1; docs/parallelism.md)");
+    pipeline_->set_pipeline_options(pipeline);
+  }
   return true;
+}
+
+at::Tensor Runtime::pipeline_train_batch(const Batch& batch, IModel& model, IStepContext& ctx, double loss_divisor, bool sync_gradients) {
+  return pipeline_->pipeline_train_batch(batch, model, ctx, *precision_.object, loss_divisor, sync_gradients);
+}
+
+at::Tensor Runtime::pipeline_evaluate_batch(const Batch& batch, IModel& model, IStepContext& ctx) {
+  return pipeline_->pipeline_evaluate_batch(batch, model, ctx);
 }
 
 int64_t Runtime::data_parallel_rank() const {

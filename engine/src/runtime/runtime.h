@@ -13,6 +13,7 @@
 //   rt.teardown()                       once, success or not (the destructor does not)
 #pragma once
 #include <ember/model.h>
+#include <ember/pipeline.h>
 #include <ember/precision.h>
 #include <ember/strategy.h>
 
@@ -45,11 +46,24 @@ class Runtime {
   // place it is built (the engine's run and Fabric's). Throws ConfigError, naming the key's
   // file:line and the arithmetic, when the degrees do not multiply to devices x num_nodes.
   static LaunchRequest launch_request(const IConfig& trainer, const IConfig& parallelism, std::vector<std::string> argv);
+  // [parallelism]'s pipeline settings (schedule, micro-batches, virtual stages, stage units), with
+  // where each comes from, for launch().
+  static PipelineOptions pipeline_options(const IConfig& parallelism);
   // Starts the ranks. Returns true on a process that trains (then rank() and the rest are valid;
   // the log is tagged with the rank); false on a process that only launched others, whose exit
   // code is *exit_code. Calling it again after true does nothing and returns true.
-  bool launch(const LaunchRequest& request, int* exit_code);
+  // With request.pipeline_parallel > 1 the strategy must answer kPipelineParallelIid (a
+  // ConfigError otherwise) and gets `pipeline` once launched.
+  bool launch(const LaunchRequest& request, int* exit_code, const PipelineOptions& pipeline = {});
   bool launched() const { return launched_; }
+  // The strategy's pipeline when the mesh has stages (the strategy owns the micro-batch window:
+  // the loops hand it whole batches); nullptr otherwise.
+  IPipelineParallel* pipeline() const { return pipeline_; }
+  // Through the pipeline: a training batch (forward and backward of its micro-batches, the loss
+  // divided by `loss_divisor`; zero_grad is the caller's) and an evaluation batch. Requires
+  // pipeline(); the forward region is the caller's.
+  at::Tensor pipeline_train_batch(const Batch& batch, IModel& model, IStepContext& ctx, double loss_divisor, bool sync_gradients);
+  at::Tensor pipeline_evaluate_batch(const Batch& batch, IModel& model, IStepContext& ctx);
   // Requires launched(). What the data and the metric sums split over: the strategy's
   // data-parallel rank and size when it has a device mesh (ember/tensor_parallel.h), else the
   // global ones.
@@ -173,6 +187,7 @@ class Runtime {
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   IGradientUnscaler* unscaler_ = nullptr;  // the precision handler's, when it scales the loss
   bool sharded_ = false;                   // the strategy answers kShardedCheckpointsIid
+  IPipelineParallel* pipeline_ = nullptr;  // the strategy's, when the mesh has pipeline stages
   bool launched_ = false, torn_down_ = false;
 };
 

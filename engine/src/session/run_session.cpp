@@ -65,7 +65,7 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
   make(strategy, plan_.strategy, cfg.section(plan_.strategy->name));
   auto runtime = std::make_unique<Runtime>(std::move(strategy));
   const LaunchRequest launch = Runtime::launch_request(trainer_cfg, cfg.section("parallelism"), req.argv);
-  if (!runtime->launch(launch, &launcher_exit_code_)) return;
+  if (!runtime->launch(launch, &launcher_exit_code_, Runtime::pipeline_options(cfg.section("parallelism")))) return;
   const int64_t rank = runtime->rank();
 
   // Global numerics before any plugin builds tensors.

@@ -4,7 +4,10 @@
 // Open MPI on CPUs (sdk/distributed: Ember::distributed, docs/decisions.md). With
 // [parallelism] tensor_parallel = T > 1 the ranks form a device mesh (data parallel x tensor
 // parallel): the model's own plan splits its layers over T consecutive ranks, which see the same
-// batch, and gradients are averaged over the data-parallel ranks only (docs/parallelism.md).
+// batch, and gradients are averaged over the data-parallel ranks only. With pipeline_parallel =
+// P > 1 the model is also cut into P stages (or P x virtual_stages) at its units, and ddp owns
+// the micro-batch window: each batch runs through the stages on the schedule (pipeline_state.h;
+// docs/parallelism.md).
 #include <ember/error.h>
 #include <ember/plugin.h>
 #include <ember/support/replicating_strategy.h>
@@ -17,17 +20,23 @@
 #include <ember/distributed/communicator.h>
 #include <ember/distributed/device_mesh.h>
 #include <ember/model.h>
+#include <ember/pipeline.h>
 #include <ember/tensor_parallel.h>
+#include <ember/support/grad_util.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "grad_buckets.h"
+#include "pipeline_state.h"
 #include "tensor_parallel_state.h"
 
 namespace {
 
 using namespace ember_dist;
 using ember_ddp::GradBuckets;
+using ember_ddp::PipelineState;
 using ember_ddp::TensorParallelState;
 
 constexpr EmberConfigKey kKeys[] = {
@@ -44,14 +53,34 @@ constexpr EmberConfigKey kKeys[] = {
                      "evaluating after one (PyTorch DDP's broadcast_buffers), so all ranks evaluate with the same statistics."),
 };
 
-class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
+// The engine's optimizer step with the precision handler's non-finite vote reduced over every rank.
+class VotingStep final : public ember::IOptimizerStep {
+ public:
+  VotingStep(ember::IOptimizerStep& inner, Communicator& comm) : inner_(inner), comm_(comm) {}
+  at::Tensor closure() override { return inner_.closure(); }
+  void before_step() override { inner_.before_step(); }
+  void step() override { inner_.step(); }
+  torch::optim::Optimizer& optimizer() override { return inner_.optimizer(); }
+  at::Tensor found_inf_on_any_rank(const at::Tensor& found_inf) override {
+    at::Tensor v = comm_.reduce(found_inf.to(at::kFloat).reshape({1}), ember::ReduceOp::max);
+    return inner_.found_inf_on_any_rank(v.reshape({}).to(found_inf.device(), found_inf.scalar_type()));
+  }
+
+ private:
+  ember::IOptimizerStep& inner_;
+  Communicator& comm_;
+};
+
+class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, public ember::IPipelineParallel {
  public:
   Ddp(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
         comm_("ddp", host, cfg),
         bucket_cap_bytes_(static_cast<int64_t>(cfg.get_float("bucket_cap_mb") * 1024.0 * 1024.0)),
         find_unused_(cfg.get_bool("find_unused_parameters")),
-        buffers_(cfg.get_bool("broadcast_buffers")) {
+        buffers_(cfg.get_bool("broadcast_buffers")),
+        broadcast_buffers_(cfg.get_bool("broadcast_buffers")),
+        where_broadcast_buffers_(cfg.where("broadcast_buffers")) {
     if (bucket_cap_bytes_ < 1) bucket_cap_bytes_ = 1;
   }
 
@@ -60,15 +89,18 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
   bool launch(const ember::LaunchRequest& request, int* exit_code) override {
     if (!comm_.launch(request, exit_code)) return false;
     mesh_ = std::make_unique<DeviceMesh>(comm_, request);
-    if (mesh_->tensor_parallel_size() > 1)
+    if (mesh_->tensor_parallel_size() > 1 || mesh_->pipeline_size() > 1)
       host_.log(ember::LogLevel::info, "ddp: device mesh " + mesh_->describe() + "; rank " + std::to_string(comm_.rank()) +
                                            " is data-parallel rank " + std::to_string(mesh_->data_parallel_rank()) +
-                                           ", tensor-parallel rank " + std::to_string(mesh_->tensor_parallel_rank()));
+                                           ", tensor-parallel rank " + std::to_string(mesh_->tensor_parallel_rank()) +
+                                           (mesh_->pipeline_size() > 1 ? ", pipeline rank " + std::to_string(mesh_->pipeline_rank()) : ""));
     return true;
   }
 
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kDeviceMeshIid) == 0) return static_cast<ember::IDeviceMesh*>(this);
+    if (std::strcmp(iid, ember::kPipelineParallelIid) == 0 && mesh_ && mesh_->pipeline_size() > 1)
+      return static_cast<ember::IPipelineParallel*>(this);
     return ember::ReplicatingStrategy::query_interface(iid);
   }
   // ---- ember::IDeviceMesh (before launch: one rank)
@@ -76,6 +108,42 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
   int64_t data_parallel_size() const override { return mesh_ ? mesh_->data_parallel_size() : 1; }
   int64_t tensor_parallel_rank() const override { return mesh_ ? mesh_->tensor_parallel_rank() : 0; }
   int64_t tensor_parallel_size() const override { return mesh_ ? mesh_->tensor_parallel_size() : 1; }
+
+  // ---- ember::IPipelineParallel (answered when the mesh has pipeline stages)
+  void set_pipeline_options(const ember::PipelineOptions& options) override {
+    if (!comm_.device().is_cpu())
+      throw ember::ConfigError(options.where_pipeline_parallel + ": parallelism.pipeline_parallel = " + std::to_string(mesh_->pipeline_size()) +
+                               " on " + comm_.device().str() +
+                               ": pipeline stages exchange activations over Open MPI, on CPU ranks only so far (NCCL's paired "
+                               "send/receive is not built); set trainer.accelerator = \"cpu\" or pipeline_parallel = 1");
+    pipeline_ = std::make_unique<PipelineState>(*mesh_, options);
+  }
+  int64_t pipeline_rank() const override { return mesh_ ? mesh_->pipeline_rank() : 0; }
+  int64_t pipeline_size() const override { return mesh_ ? mesh_->pipeline_size() : 1; }
+  at::Tensor pipeline_train_batch(const ember::Batch& batch, ember::IModel&, ember::IStepContext& ctx, ember::IPrecision& precision,
+                                  double loss_divisor, bool sync_gradients) override {
+    // Gradients accumulate over the micro-batches; they meet over the data-parallel ranks once,
+    // after the last backward of the window (every parameter's gradient is final only then).
+    buckets_->begin(false);
+    at::Tensor loss;
+    try {
+      loss = pipeline_->runner().train(batch, pipeline_->model(), ctx, [&](const at::Tensor& l) {
+        precision.backward(loss_divisor != 1.0 ? l / loss_divisor : l);
+      });
+      if (sync_gradients) {
+        buckets_->begin(true);
+        buckets_->finish();
+        if (tensor_parallel_) tensor_parallel_->sum_partial_gradients();
+      }
+    } catch (...) {
+      buckets_->abandon();
+      throw;
+    }
+    return loss;
+  }
+  at::Tensor pipeline_evaluate_batch(const ember::Batch& batch, ember::IModel&, ember::IStepContext& ctx) override {
+    return pipeline_->runner().evaluate(batch, pipeline_->model(), ctx);
+  }
 
   c10::Device root_device() const override { return comm_.device(); }
   int64_t rank() const override { return comm_.rank(); }
@@ -85,6 +153,14 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
   void setup_module(ember::IModel& model) override {
     auto& module = model.module();
     place_module(module);
+    if (pipeline_size() > 1) {
+      // An engine before SDK 2.6 never set the options: the defaults.
+      if (!pipeline_) pipeline_ = std::make_unique<PipelineState>(*mesh_, ember::PipelineOptions{});
+      pipeline_->cut(model, "", host_);
+      if (broadcast_buffers_ && !module.buffers().empty())
+        throw ember::ConfigError(where_broadcast_buffers_ + ": ddp.broadcast_buffers = true with pipeline stages: each stage holds "
+                                 "other buffers, so rank 0's cannot be broadcast; set broadcast_buffers = false");
+    }
     if (tensor_parallel_size() > 1) {
       auto* plan = static_cast<ember::ITensorParallelModel*>(model.query_interface(ember::kTensorParallelModelIid));
       if (!plan)
@@ -117,7 +193,15 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
     comm_.broadcast_module_from_zero(module);  // every rank starts from rank 0's weights and buffers
   }
 
-  void forward_begin(bool /*grad_enabled*/) override { buffers_.before_forward(state_.module(), comm_); }
+  void forward_begin(bool /*grad_enabled*/) override {
+    if (!pipeline_) buffers_.before_forward(state_.module(), comm_);
+  }
+
+  std::shared_ptr<torch::optim::Optimizer> setup_optimizer(ember::IOptimizerFactory& factory) override {
+    auto optimizer = ember::ReplicatingStrategy::setup_optimizer(factory);
+    if (pipeline_) pipeline_->set_optimizer(*optimizer);
+    return optimizer;
+  }
 
   ember::Batch batch_to_device(ember::Batch batch) override { return comm_.batch_to_device(std::move(batch)); }
 
@@ -135,19 +219,40 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
     }
   }
 
+  // Tensor-parallel slices and pipeline stages hold different gradients: a loss scaler's
+  // non-finite vote goes over every rank, so all skip a step or none does.
   bool optimizer_step(ember::IOptimizerStep& step, ember::IPrecision& precision) override {
-    return precision.optimizer_step(step);
+    if (data_parallel_size() == world_size()) return precision.optimizer_step(step);
+    VotingStep voting(step, comm_);
+    return precision.optimizer_step(voting);
   }
 
   // Clipping: ReplicatingStrategy's (gradients are identical on every rank after the sync), or,
   // with tensor parallelism, over the whole model's gradients.
   at::Tensor clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm) override {
-    if (tensor_parallel_) return tensor_parallel_->clip_gradients(optimizer, max, algorithm);
+    std::function<at::Tensor(const at::Tensor&)> across;
+    if (pipeline_) across = [this](const at::Tensor& squared) { return pipeline_->sum_over_stages(squared); };
+    if (tensor_parallel_) return tensor_parallel_->clip_gradients(optimizer, max, algorithm, across);
+    if (pipeline_ && algorithm == ember::ClipAlgorithm::norm) {
+      // torch's clip_grad_norm_ over the whole model: every stage's squared norm summed.
+      const auto grads = ember::grads_of(optimizer);
+      at::Tensor squared = grads.empty() ? at::zeros({}, at::kFloat) : at::stack(at::_foreach_norm(grads, 2)).to(at::kFloat).pow(2).sum();
+      at::Tensor total = across(squared).sqrt();
+      auto coef = (max / (total + 1e-6)).clamp_max(1.0);
+      for (const auto& g : grads) g.mul_(coef.to(g.device()).to(g.scalar_type()));
+      return total;
+    }
     return ember::ReplicatingStrategy::clip_gradients(optimizer, max, algorithm);
   }
 
   // Checkpoints hold whole tensors: a tensor-parallel run gathers its slices (and cuts them on load).
   c10::Dict<std::string, at::Tensor> full_model_state(bool rank0_only) override {
+    if (pipeline_) {
+      // Each stage's part (whole over its tensor-parallel ranks), merged in the whole model's order.
+      const bool part = !rank0_only || (data_parallel_rank() == 0 && tensor_parallel_rank() == 0);
+      auto mine = tensor_parallel_ ? tensor_parallel_->full_model_state(part) : state_.full_model_state(part);
+      return pipeline_->merge_model_state(mine, !rank0_only || rank() == 0, !rank0_only);
+    }
     if (tensor_parallel_) return tensor_parallel_->full_model_state(!rank0_only || rank() == 0);
     return ember::ReplicatingStrategy::full_model_state(rank0_only);
   }
@@ -156,19 +261,28 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
     ember::ReplicatingStrategy::load_full_model_state(state);
   }
   std::string full_optimizer_state(bool rank0_only) override {
+    if (pipeline_)
+      return pipeline_->full_optimizer_state(*state_.optimizer(), !rank0_only || rank() == 0, !rank0_only,
+                                             [this](const at::Tensor& p, const at::Tensor& field) {
+                                               return tensor_parallel_ ? tensor_parallel_->whole_state(p, field) : field;
+                                             });
     if (tensor_parallel_) return tensor_parallel_->full_optimizer_state(*state_.optimizer(), !rank0_only || rank() == 0);
     return ember::ReplicatingStrategy::full_optimizer_state(rank0_only);
   }
   void load_full_optimizer_state(const std::string& bytes) override {
+    if (pipeline_)
+      return pipeline_->load_full_optimizer_state(*state_.optimizer(), bytes, [this](const at::Tensor& p, const at::Tensor& field) {
+        return tensor_parallel_ ? tensor_parallel_->part_of_state(p, field) : field;
+      });
     if (tensor_parallel_) return tensor_parallel_->load_full_optimizer_state(*state_.optimizer(), bytes);
     ember::ReplicatingStrategy::load_full_optimizer_state(bytes);
   }
 
   // A sum (a metric's total) counts each batch once: over the data-parallel ranks, whose
-  // tensor-parallel peers hold the same value. Means, maxima and minima are the same either way
+  // tensor-parallel peers and pipeline stages hold the same value. Means, maxima and minima are the same either way
   // and go over every rank (the stop votes).
   at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op) override {
-    if (op != ember::ReduceOp::sum || tensor_parallel_size() == 1) return comm_.reduce(value, op);
+    if (op != ember::ReduceOp::sum || data_parallel_size() == world_size()) return comm_.reduce(value, op);
     at::Tensor t = value.detach().to(comm_.device(), /*non_blocking=*/false, /*copy=*/true).contiguous();
     mesh_->data_parallel().all_reduce(t, op, "metric reduction");
     return t.to(value.device());
@@ -183,6 +297,13 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
       const auto& s = buckets_->stats();
       stats = "ddp: " + std::to_string(s.syncs) + " gradient syncs, " + std::to_string(s.all_reduces) + " bucket all-reduces in " +
               std::to_string(s.buckets) + " buckets, " + std::to_string(s.started_early) + " started while backward was still running";
+    }
+    if (pipeline_ && pipeline_->runner_ready() && pipeline_->runner().stats().batches > 0) {
+      const auto& p = pipeline_->runner().stats();
+      char line[256];
+      std::snprintf(line, sizeof(line), "; pipeline: %lld training batches, %.1f%% of their time waiting for other stages (the schedule's bubble in theory: %.1f%%)",
+                    static_cast<long long>(p.batches), 100.0 * p.waiting / std::max(p.seconds, 1e-12), 100.0 * pipeline_->theoretical_bubble());
+      stats += line;
     }
     if (mesh_) mesh_->shutdown();
     comm_.teardown(stats);
@@ -211,7 +332,10 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh {
   int64_t bucket_cap_bytes_;
   bool find_unused_;
   BufferBroadcast buffers_;
+  bool broadcast_buffers_;
+  std::string where_broadcast_buffers_;
   std::unique_ptr<DeviceMesh> mesh_;
+  std::unique_ptr<PipelineState> pipeline_;
   std::unique_ptr<TensorParallelState> tensor_parallel_;
   std::unique_ptr<GradBuckets> buckets_;
 };
@@ -222,5 +346,5 @@ ember::IStrategy* make(ember::IHost& host, const ember::IConfig& cfg) { return n
 
 EMBER_PLUGIN(ember::IStrategy, "ddp", "0.1.0", "Apache-2.0",
              "Multi-process data parallel: one rank per device, bucketed gradient all-reduce overlapping backward; x tensor parallel "
-             "on a [parallelism] mesh (" EMBER_DIST_BACKENDS ").",
+             "x pipeline stages on a [parallelism] mesh (" EMBER_DIST_BACKENDS ").",
              EMBER_CONFIG_KEYS(kKeys), make)

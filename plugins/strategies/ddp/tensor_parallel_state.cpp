@@ -134,7 +134,24 @@ void TensorParallelState::load_full_optimizer_state(torch::optim::Optimizer& opt
     }
 }
 
-at::Tensor TensorParallelState::clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm) {
+at::Tensor TensorParallelState::whole_state(const at::Tensor& param, const at::Tensor& field) {
+  const auto* shard = shard_of(param);
+  return shard ? whole(field, *shard) : field;
+}
+
+at::Tensor TensorParallelState::part_of_state(const at::Tensor& param, const at::Tensor& field) {
+  const auto* shard = shard_of(param);
+  if (!shard) return field;
+  ember::check_splits(field, *shard, group_.size());
+  at::Tensor mine = ember::shard_of(field, *shard, group_.rank(), group_.size());
+  if (mine.sizes() != param.sizes())
+    throw ember::RunError("optimizer state of '" + shard->name + "' has shape " + c10::str(field.sizes()) +
+                          ", which does not fit the parameter (saved from another model?)");
+  return mine.clone();
+}
+
+at::Tensor TensorParallelState::clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm,
+                                               const std::function<at::Tensor(const at::Tensor&)>& across) {
   const auto grads = ember::grads_of(optimizer);
   if (algorithm == ember::ClipAlgorithm::value) return ember::clip_gradients_in_place(grads, max, algorithm);
   std::vector<at::Tensor> sliced, replicated;
@@ -149,7 +166,9 @@ at::Tensor TensorParallelState::clip_gradients(torch::optim::Optimizer& optimize
   group_.all_reduce(sliced_sq, ember::ReduceOp::sum, "gradient norm");
   at::Tensor replicated_sq = squared(replicated);
   if (!replicated.empty()) replicated_sq = replicated_sq.to(sliced_sq.device());
-  at::Tensor total = (sliced_sq.reshape({}) + replicated_sq.to(sliced_sq.device())).sqrt();
+  at::Tensor total_sq = sliced_sq.reshape({}) + replicated_sq.to(sliced_sq.device());
+  if (across) total_sq = across(total_sq).to(total_sq.device());
+  at::Tensor total = total_sq.sqrt();
   auto coef = (max / (total + 1e-6)).clamp_max(1.0);
   for (const auto& g : grads) g.mul_(coef.to(g.device()).to(g.scalar_type()));
   return total;

@@ -3,6 +3,12 @@
 #include <ember/error.h>
 
 #include "flattened.h"
+#ifdef EMBER_WITH_MPI
+#include "mpi_backend.h"
+#endif
+
+#include <array>
+#include <cstring>
 
 #include <ATen/ATen.h>
 
@@ -53,6 +59,58 @@ at::Tensor MeshGroup::reduce_scatter_sum(const at::Tensor& t) {
   return out;
 }
 
+#ifdef EMBER_WITH_MPI
+namespace {
+MpiBackend& mpi_of(const c10::intrusive_ptr<c10d::Backend>& backend, const std::string& what) {
+  auto* mpi = dynamic_cast<MpiBackend*>(backend.get());
+  if (!mpi) throw ember::RunError(what + ": pipeline stages exchange activations over Open MPI only so far (CPU ranks)");
+  return *mpi;
+}
+}  // namespace
+#endif
+
+void MeshGroup::send(const at::Tensor& t, int64_t to, int tag) {
+#ifdef EMBER_WITH_MPI
+  std::vector<at::Tensor> v{t.contiguous()};
+  comm_->label(what_ + ": send to stage " + std::to_string(to));
+  mpi_of(group_.backend, what_).send(v, static_cast<int>(to), tag);
+#else
+  (void)t, (void)to, (void)tag;
+  throw ember::RunError(what_ + ": pipeline stages need Open MPI, which this build lacks");
+#endif
+}
+
+void MeshGroup::recv(at::Tensor& t, int64_t from, int tag) {
+#ifdef EMBER_WITH_MPI
+  std::vector<at::Tensor> v{t};
+  comm_->label(what_ + ": receive from stage " + std::to_string(from));
+  mpi_of(group_.backend, what_).recv(v, static_cast<int>(from), tag)->wait();
+#else
+  (void)t, (void)from, (void)tag;
+  throw ember::RunError(what_ + ": pipeline stages need Open MPI, which this build lacks");
+#endif
+}
+
+void MeshGroup::complete_sends() {
+#ifdef EMBER_WITH_MPI
+  if (group_.size > 1) mpi_of(group_.backend, what_).complete_sends()->wait();
+#endif
+}
+
+std::vector<std::string> MeshGroup::all_gather_bytes(const std::string& bytes) {
+  if (group_.size == 1) return {bytes};
+  at::Tensor length = at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong);
+  at::Tensor lengths = all_gather(length).reshape({-1});
+  const int64_t longest = lengths.max().item<int64_t>();
+  at::Tensor mine = at::zeros({longest}, at::kByte);
+  std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
+  at::Tensor all = all_gather(mine);
+  std::vector<std::string> out;
+  for (int64_t r = 0; r < group_.size; ++r)
+    out.emplace_back(static_cast<const char*>(all[r].data_ptr()), static_cast<size_t>(lengths[r].item<int64_t>()));
+  return out;
+}
+
 void MeshGroup::shutdown() {
   if (group_.backend) group_.backend->shutdown();
   group_.backend.reset();
@@ -62,45 +120,43 @@ int64_t DeviceMesh::tensor_degree(const ember::LaunchRequest& request) {
   return ember::has_field(request, &ember::LaunchRequest::tensor_parallel) ? request.tensor_parallel : 1;
 }
 
-namespace {
-Subgroup split_or_world(Communicator& comm, int64_t tp, bool tensor_dim) {
-  const int rank = comm.rank(), world = comm.world();
-  if (tp == 1) {  // no split: the data-parallel group is the world, the tensor group one rank
-    if (tensor_dim) return Subgroup{};
-    return Subgroup{comm.backend_ptr(), rank, world};
-  }
-  const int t = static_cast<int>(tp);
-  if (tensor_dim) return comm.split(rank / t, rank % t, t, "tensor_parallel");
-  return comm.split(rank % t, rank / t, world / t, "data_parallel");
-}
-}  // namespace
-
 DeviceMesh::DeviceMesh(Communicator& comm, const ember::LaunchRequest& request)
-    : data_(comm, Subgroup{}, "data-parallel group"), tensor_(comm, Subgroup{}, "tensor-parallel group") {
+    : data_(comm, Subgroup{}, "data-parallel group"), tensor_(comm, Subgroup{}, "tensor-parallel group"),
+      pipeline_(comm, Subgroup{}, "pipeline group") {
   const int64_t tp = tensor_degree(request);
   const int64_t pp = ember::has_field(request, &ember::LaunchRequest::pipeline_parallel) ? request.pipeline_parallel : 1;
-  if (pp != 1)
-    throw ember::ConfigError("parallelism.pipeline_parallel = " + std::to_string(pp) + ": " + strategy_name() +
-                             " builds no pipeline stages yet (set it to 1; docs/parallelism.md)");
-  if (tp < 1 || comm.world() % tp != 0)
-    throw ember::ConfigError("parallelism.tensor_parallel = " + std::to_string(tp) + " does not divide the " + std::to_string(comm.world()) +
-                             " ranks of this run");
-  // Both splits are collective over every rank, in the same order everywhere.
-  data_ = MeshGroup(comm, split_or_world(comm, tp, false), "data-parallel group");
-  tensor_ = MeshGroup(comm, split_or_world(comm, tp, true), "tensor-parallel group");
+  const int64_t world = comm.world();
+  if (tp < 1 || pp < 1 || world % (tp * pp) != 0)
+    throw ember::ConfigError("parallelism.tensor_parallel = " + std::to_string(tp) + " x pipeline_parallel = " + std::to_string(pp) +
+                             " does not divide the " + std::to_string(world) + " ranks of this run");
+  const int64_t dp = world / (tp * pp);
+  const int64_t rank = comm.rank();
+  const int64_t t = rank % tp, d = (rank / tp) % dp, p = rank / (tp * dp);
+  // A dimension as wide as the world is the world's own backend; the splits are collective over
+  // every rank, in the same order everywhere (also those whose group has one rank).
+  auto group = [&](int64_t size, int64_t color, int64_t key, const char* name) {
+    if (size == world) return Subgroup{comm.backend_ptr(), static_cast<int>(rank), static_cast<int>(world)};
+    if (size == 1) return Subgroup{};  // the same degree on every rank: all skip this split
+    return comm.split(static_cast<int>(color), static_cast<int>(key), static_cast<int>(size), name);
+  };
+  data_ = MeshGroup(comm, group(dp, p * tp + t, d, "data_parallel"), "data-parallel group");
+  tensor_ = MeshGroup(comm, group(tp, p * dp + d, t, "tensor_parallel"), "tensor-parallel group");
+  pipeline_ = MeshGroup(comm, group(pp, d * tp + t, p, "pipeline_parallel"), "pipeline group");
   tensor_.set_sequence_parallel(ember::has_field(request, &ember::LaunchRequest::sequence_parallel) && request.sequence_parallel);
+  owns_ = {dp < world, tp < world, pp < world};
 }
 
 std::string DeviceMesh::describe() const {
-  return std::to_string(data_.size()) + " (data parallel) x " + std::to_string(tensor_.size()) + " (tensor parallel)";
+  std::string line = std::to_string(data_.size()) + " (data parallel) x " + std::to_string(tensor_.size()) + " (tensor parallel)";
+  return pipeline_.size() > 1 ? std::to_string(pipeline_.size()) + " (pipeline) x " + line : line;
 }
 
 void DeviceMesh::shutdown() {
   // The world backend is the communicator's: only split groups are ended here.
-  if (tensor_.size() > 1) {
-    tensor_.shutdown();
-    data_.shutdown();
-  }
+  if (owns_[0]) data_.shutdown();
+  if (owns_[1]) tensor_.shutdown();
+  if (owns_[2]) pipeline_.shutdown();
+  owns_ = {false, false, false};
 }
 
 void sum_over_group(MeshGroup& group, const std::vector<at::Tensor>& tensors, const std::string& what) {

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <stdexcept>
 
 namespace ember_dist {
@@ -326,6 +327,62 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::_reduce_scatter_base(at::Tensor& outp
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions& /*opts*/) {
   return enqueue(c10d::OpType::BARRIER, {}, "", [this] { check_mpi(MPI_Barrier(comm_), "MPI_Barrier"); });
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  require_cpu(tensors, "send");
+  TORCH_CHECK(tensors.size() == 1, "ember_mpi send: one tensor at a time");
+  at::Tensor t = tensors[0].contiguous();
+  TORCH_CHECK(t.nbytes() <= static_cast<size_t>(std::numeric_limits<int>::max()), "ember_mpi send: a message over 2 GiB");
+  return enqueue(c10d::OpType::SEND, {}, " to rank " + std::to_string(dst), [this, t, dst, tag] {
+    MPI_Request request;
+    check_mpi(MPI_Isend(t.data_ptr(), static_cast<int>(t.nbytes()), MPI_BYTE, dst, tag, comm_, &request), "MPI_Isend");
+    executor_->send_requests_.push_back(request);
+    executor_->send_buffers_.push_back(t);
+    executor_->reap_sends(false);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  require_cpu(tensors, "recv");
+  TORCH_CHECK(tensors.size() == 1 && tensors[0].is_contiguous(), "ember_mpi recv: one contiguous tensor at a time");
+  at::Tensor t = tensors[0];
+  TORCH_CHECK(t.nbytes() <= static_cast<size_t>(std::numeric_limits<int>::max()), "ember_mpi recv: a message over 2 GiB");
+  return enqueue(c10d::OpType::RECV, tensors, " from rank " + std::to_string(src), [this, t, src, tag]() mutable {
+    MPI_Status status;
+    check_mpi(MPI_Recv(t.data_ptr(), static_cast<int>(t.nbytes()), MPI_BYTE, src, tag, comm_, &status), "MPI_Recv");
+    int got = 0;
+    MPI_Get_count(&status, MPI_BYTE, &got);
+    if (static_cast<size_t>(got) != t.nbytes())
+      throw std::runtime_error("MPI_Recv: got " + std::to_string(got) + " bytes from rank " + std::to_string(src) + ", expected " +
+                               std::to_string(t.nbytes()) + " (the ranks disagree on a pipeline message)");
+    executor_->reap_sends(false);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::complete_sends() {
+  return enqueue(c10d::OpType::UNKNOWN, {}, " (complete the posted sends)", [this] { executor_->reap_sends(true); });
+}
+
+void MpiBackend::reap_sends(bool all) {
+  if (send_requests_.empty()) return;
+  if (all) {
+    check_mpi(MPI_Waitall(static_cast<int>(send_requests_.size()), send_requests_.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+    send_requests_.clear();
+    send_buffers_.clear();
+    return;
+  }
+  size_t kept = 0;
+  for (size_t i = 0; i < send_requests_.size(); ++i) {
+    int done = 0;
+    check_mpi(MPI_Test(&send_requests_[i], &done, MPI_STATUS_IGNORE), "MPI_Test");
+    if (done) continue;
+    send_requests_[kept] = send_requests_[i];
+    send_buffers_[kept] = std::move(send_buffers_[i]);
+    ++kept;
+  }
+  send_requests_.resize(kept);
+  send_buffers_.resize(kept);
 }
 
 }  // namespace ember_dist

@@ -61,6 +61,15 @@ class MpiBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts = {}) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = {}) override;
+  // Point to point (pipeline stages), one tensor each. A send is posted (MPI_Isend) and its Work
+  // completes at once: the backend keeps the tensor until MPI is done with it, so a send never
+  // waits for its receiver and no order of sends and receives between two ranks can deadlock
+  // (any schedule whose receives are all eventually sent completes). A receive waits for its
+  // message (MPI_Recv, under the watchdog). `tag` tells messages between the same ranks apart.
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  // Waits until every send posted so far has been delivered (the end of a pipeline window).
+  c10::intrusive_ptr<c10d::Work> complete_sends();
 
   // A backend over the ranks of this one that pass the same `color` (ordered by `key`): a device
   // mesh's dimension. It shares this backend's communication thread and watchdog, so MPI is
@@ -81,6 +90,8 @@ class MpiBackend final : public c10d::Backend {
                                          std::function<void()> fn);
   void run();
   void watch();
+  // On the communication thread: frees the sends MPI has finished (all of them when `all`).
+  void reap_sends(bool all);
 
   struct Item {
     c10::intrusive_ptr<MpiWork> work;
@@ -102,6 +113,9 @@ class MpiBackend final : public c10d::Backend {
   std::chrono::steady_clock::time_point running_since_;
   bool busy_ = false;
   std::string next_label_;
+  // Posted sends and the tensors they read (the executor's, touched on its thread only).
+  std::vector<MPI_Request> send_requests_;
+  std::vector<at::Tensor> send_buffers_;
   std::thread thread_, watchdog_;
 };
 

@@ -1,12 +1,15 @@
-// A strategy's device mesh (ember/tensor_parallel.h): the run's ranks split into a data-parallel
-// and a tensor-parallel dimension, one process group per dimension. Tensor-parallel ranks are
-// consecutive global ranks (on one node, where the fastest links are: torchtitan's and
-// Megatron's order); rank = data_parallel_rank * tensor_parallel + tensor_parallel_rank.
+// A strategy's device mesh (ember/tensor_parallel.h, ember/pipeline.h): the run's ranks split into
+// a pipeline, a data-parallel and a tensor-parallel dimension, one process group per dimension.
+// Tensor-parallel ranks are consecutive global ranks (on one node, where the fastest links are:
+// torchtitan's and Megatron's order), pipeline stages the outermost dimension:
+// rank = (pipeline_rank * data_parallel + data_parallel_rank) * tensor_parallel + tensor_parallel_rank.
 #pragma once
 #include <ember/strategy.h>
 #include <ember/tensor_parallel.h>
 
+#include <array>
 #include <string>
+#include <vector>
 
 #include "ember/distributed/communicator.h"
 
@@ -25,6 +28,15 @@ class MeshGroup final : public ember::ITensorParallelGroup {
   void set_sequence_parallel(bool on) { sequence_parallel_ = on; }
   // In place, over the group: ReduceOp::mean averages. Identity on a group of one.
   void all_reduce(at::Tensor& t, ember::ReduceOp op, const std::string& what);
+  // Point to point within the group (pipeline stages; group ranks). A send returns once posted
+  // (the backend keeps the tensor until it is delivered; complete_sends waits for all of them);
+  // a receive fills `t` (contiguous, the sender's shape and dtype) and returns when it arrived.
+  // Open MPI only: on another backend they throw ember::RunError.
+  void send(const at::Tensor& t, int64_t to, int tag);
+  void recv(at::Tensor& t, int64_t from, int tag);
+  void complete_sends();
+  // Every rank's bytes, in group rank order (an all-gather of the lengths, then of the bytes).
+  std::vector<std::string> all_gather_bytes(const std::string& bytes);
   const c10::intrusive_ptr<c10d::Backend>& backend() const { return group_.backend; }
   void shutdown();
 
@@ -38,9 +50,8 @@ class MeshGroup final : public ember::ITensorParallelGroup {
 class DeviceMesh final : public ember::IDeviceMesh {
  public:
   // Builds the groups of `comm` (launched) for the mesh of `request` (ember::LaunchRequest's
-  // degrees; a request of an older engine means no tensor parallelism). Throws ember::ConfigError
-  // when the degrees do not multiply to comm's world size, or name a pipeline, which this mesh
-  // does not build yet. Collective.
+  // degrees; a request of an older engine means no tensor or pipeline parallelism). Throws
+  // ember::ConfigError when the degrees do not divide comm's world size. Collective.
   DeviceMesh(Communicator& comm, const ember::LaunchRequest& request);
   ~DeviceMesh() override { shutdown(); }
 
@@ -48,16 +59,21 @@ class DeviceMesh final : public ember::IDeviceMesh {
   int64_t data_parallel_size() const override { return data_.size(); }
   int64_t tensor_parallel_rank() const override { return tensor_.rank(); }
   int64_t tensor_parallel_size() const override { return tensor_.size(); }
+  int64_t pipeline_rank() const { return pipeline_.rank(); }
+  int64_t pipeline_size() const { return pipeline_.size(); }
   MeshGroup& data_parallel() { return data_; }
   MeshGroup& tensor_parallel() { return tensor_; }
-  // "2 (data parallel) x 2 (tensor parallel)"
+  // The ranks of this rank's data- and tensor-parallel coordinates, one per pipeline stage.
+  MeshGroup& pipeline() { return pipeline_; }
+  // "2 (pipeline) x 2 (data parallel) x 2 (tensor parallel)" (the pipeline only when it has stages)
   std::string describe() const;
   // Ends the groups (before the communicator's teardown). Idempotent.
   void shutdown();
 
  private:
   static int64_t tensor_degree(const ember::LaunchRequest& request);
-  MeshGroup data_, tensor_;
+  MeshGroup data_, tensor_, pipeline_;
+  std::array<bool, 3> owns_{};  // which groups are splits (not the world's backend)
 };
 
 // In place: each tensor becomes its sum over the group's ranks, with one all-reduce per dtype over

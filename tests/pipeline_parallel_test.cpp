@@ -1,0 +1,277 @@
+// Pipeline parallelism (docs/parallelism.md): the schedules' orders in process (every stage's
+// forward and backward of every micro-batch once, no deadlock, the bubble theory predicts), the
+// stage balance, and on CPU ranks over loopback the transformer cut into stages under ddp with
+// each schedule, with tensor and data parallelism (3D: 2 x 2 x 2 on 8 ranks is beyond the 2-core
+// CI machine; 2 x 2 of each pair is run), ending with single_device's weights for the same global
+// batch (AdamW, gradient clipping, accumulation 2); checkpoints resume across pipeline shapes; a
+// pipeline that cannot work is one line and nothing starts.
+#include <gtest/gtest.h>
+
+#include <ember/distributed/pipeline_schedule.h>
+
+#include <map>
+#include <set>
+#include <tuple>
+
+#include "checkpoint_support.h"
+#include "support.h"
+
+using namespace ember::test;
+using ember_dist::PipelineScheduleKind;
+
+namespace {
+
+// Four encoder layers of 4 heads, no dropout (a stage's dropout masks cannot be single_device's).
+// 96 samples, global batch 12, 2 batches accumulated: 4 optimizer steps per epoch, 8 in all.
+// AdamW's eps is 1e-4 for the reason tensor_parallel_test.cpp gives.
+const char* kRun = R"([trainer]
+accelerator = "cpu"
+max_epochs = 2
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+log_every_n_steps = 1
+gradient_clip_val = 0.5
+accumulate_grad_batches = 2
+[model]
+name = "transformer"
+d_model = 16
+nhead = 4
+dim_feedforward = 24
+num_layers = 4
+dropout = 0.0
+num_classes = 4
+[data]
+name = "synthetic"
+shape = [6, 16]
+num_classes = 4
+num_train = 96
+num_val = 24
+num_test = 0
+batch_size = 12
+shuffle = true
+[optimizer]
+name = "adamw"
+lr = 0.01
+weight_decay = 0.1
+eps = 1e-4
+)";
+
+ProcessResult single(const TempDir& dir, std::vector<std::string> extra = {}) {
+  write_file(dir / "run.toml", kRun);
+  std::vector<std::string> args = {"run.toml"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return run_engine_ok(dir, args);
+}
+
+// ddp on `ranks` CPU ranks cut into `pp` pipeline stages (x tp tensor-parallel); the data-parallel
+// ranks share the global batch of 12.
+ProcessResult pipeline(const TempDir& dir, int ranks, int pp, int tp, std::vector<std::string> extra = {}) {
+  write_file(dir / "run.toml", kRun);
+  std::vector<std::string> args = {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=60.0",
+                                   "--set", "trainer.devices=" + std::to_string(ranks),
+                                   "--set", "parallelism.pipeline_parallel=" + std::to_string(pp),
+                                   "--set", "parallelism.tensor_parallel=" + std::to_string(tp),
+                                   "--set", "data.batch_size=" + std::to_string(12 / (ranks / (pp * tp)))};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return run_engine_ok(dir, args);
+}
+
+class Pipeline : public ::testing::Test {
+ protected:
+  void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
+};
+
+std::vector<std::string> column(const TempDir& dir, const std::string& name, int version = 0) {
+  std::vector<std::string> out;
+  for (const auto& row : read_csv(dir / ("runs/run/version_" + std::to_string(version) + "/metrics.csv")))
+    if (row.count(name) && !row.at(name).empty()) out.push_back(row.at(name));
+  return out;
+}
+
+}  // namespace
+
+// Every order runs each stage's forward and backward of each micro-batch exactly once, on the
+// rank that holds the stage, and completes when sends are buffered and receives wait.
+TEST(PipelineSchedules, EveryOrderRunsEachStepOnceWithoutDeadlock) {
+  for (auto kind : {PipelineScheduleKind::gpipe, PipelineScheduleKind::one_f_one_b, PipelineScheduleKind::interleaved_1f1b})
+    for (int64_t p : {1, 2, 3, 4})
+      for (int64_t m = 1; m <= 9; ++m)
+        for (int64_t v : {1, 2, 3}) {
+          const bool interleaved = kind == PipelineScheduleKind::interleaved_1f1b;
+          if ((v > 1) != interleaved || (interleaved && m % p != 0)) continue;
+          const auto schedule = ember_dist::pipeline_schedule(kind, p, m, v);
+          const std::string where = std::string(ember_dist::schedule_name(kind)) + " p=" + std::to_string(p) + " m=" +
+                                    std::to_string(m) + " v=" + std::to_string(v);
+          ASSERT_EQ(static_cast<int64_t>(schedule.size()), p) << where;
+          std::set<std::tuple<bool, int64_t, int64_t>> seen;
+          for (int64_t r = 0; r < p; ++r)
+            for (const auto& a : schedule[static_cast<size_t>(r)]) {
+              EXPECT_EQ(a.stage % p, r) << where;
+              EXPECT_TRUE(seen.insert({a.backward, a.microbatch, a.stage}).second) << where << ": twice";
+            }
+          EXPECT_EQ(static_cast<int64_t>(seen.size()), 2 * m * p * v) << where;
+          const auto sim = ember_dist::simulate_pipeline(schedule, m, v, 1.0, 1.0);
+          EXPECT_FALSE(sim.deadlock) << where;
+          if (!interleaved) {
+            // Forward and backward of equal cost: the bubble is exactly (p - 1) / (m + p - 1).
+            EXPECT_NEAR(sim.bubble, ember_dist::theoretical_bubble(kind, p, m, v), 1e-12) << where;
+            // GPipe keeps every micro-batch's activations; 1F1B at most p of them.
+            EXPECT_EQ(sim.peak_alive, kind == PipelineScheduleKind::gpipe ? m : std::min(p, m)) << where;
+          }
+        }
+}
+
+// Interleaving shrinks the bubble (a stage per rank and chunk costs 1 / v of the rank's layers).
+TEST(PipelineSchedules, InterleavingShrinksTheBubble) {
+  const int64_t p = 4, m = 8;
+  const auto plain = ember_dist::simulate_pipeline(ember_dist::pipeline_schedule(PipelineScheduleKind::one_f_one_b, p, m, 1), m, 1, 1.0, 2.0);
+  for (int64_t v : {2, 4}) {
+    const auto inter = ember_dist::simulate_pipeline(ember_dist::pipeline_schedule(PipelineScheduleKind::interleaved_1f1b, p, m, v), m, v,
+                                                     1.0 / static_cast<double>(v), 2.0 / static_cast<double>(v));
+    ASSERT_FALSE(inter.deadlock);
+    EXPECT_LT(inter.bubble, plain.bubble) << "v=" << v;
+    EXPECT_NEAR(inter.bubble, ember_dist::theoretical_bubble(PipelineScheduleKind::interleaved_1f1b, p, m, v), 0.02) << "v=" << v;
+  }
+  EXPECT_NEAR(plain.bubble, 3.0 / 11.0, 1e-12);
+}
+
+// The simulator does catch an order that cannot complete: rank 1 waits for micro-batch 1's
+// forward, which rank 0 runs only after micro-batch 0's backward, which needs rank 1.
+TEST(PipelineSchedules, AnOrderThatWaitsOnItselfDeadlocks) {
+  using A = ember_dist::PipelineAction;
+  const std::vector<std::vector<A>> bad = {{{false, 0, 0}, {true, 0, 0}, {false, 1, 0}, {true, 1, 0}},
+                                           {{false, 1, 1}, {false, 0, 1}, {true, 0, 1}, {true, 1, 1}}};
+  EXPECT_TRUE(ember_dist::simulate_pipeline(bad, 2, 1).deadlock);
+}
+
+TEST(PipelineSchedules, StagesAreBalancedByWeight) {
+  EXPECT_EQ(ember_dist::balance_stages({1, 1, 1, 1}, 2), (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(ember_dist::balance_stages({5, 1, 1, 1, 1, 1}, 2), (std::vector<int64_t>{1, 5}));
+  EXPECT_EQ(ember_dist::balance_stages({1, 1, 1, 1, 4}, 2), (std::vector<int64_t>{4, 1}));
+  EXPECT_EQ(ember_dist::balance_stages({2, 2, 2, 2, 2, 2}, 3), (std::vector<int64_t>{2, 2, 2}));
+  EXPECT_EQ(ember_dist::balance_stages({7, 7, 7}, 3), (std::vector<int64_t>{1, 1, 1}));
+}
+
+// Two ranks as two stages, each schedule (interleaved: two stages per rank, four in all), end
+// where single_device ends, and validate as it does.
+TEST_F(Pipeline, TwoStagesWithEachScheduleMatchSingleDevice) {
+  TempDir one("pipeline");
+  single(one);
+  struct Case {
+    std::vector<std::string> settings;
+    std::string stages;
+  };
+  const std::vector<Case> cases = {
+      {{"--set", "parallelism.schedule=\"gpipe\"", "--set", "parallelism.microbatches=4"},
+       "pipeline stage 1 of 2 [layer3..layer4]; gpipe over 4 micro-batches"},
+      {{"--set", "parallelism.schedule=\"1f1b\"", "--set", "parallelism.microbatches=3"},
+       "pipeline stage 1 of 2 [layer3..layer4]; 1f1b over 3 micro-batches"},
+      {{"--set", "parallelism.schedule=\"interleaved_1f1b\"", "--set", "parallelism.virtual_stages=2", "--set", "parallelism.microbatches=4"},
+       "pipeline stages 1 of 4 [layer2], 3 of 4 [layer4]; interleaved_1f1b over 4 micro-batches"},
+  };
+  for (const auto& c : cases) {
+    TempDir dir("pipeline");
+    auto r = pipeline(dir, 2, 2, 1, c.settings);
+    EXPECT_NE(r.err.find("ddp: device mesh 2 (pipeline) x 1 (data parallel) x 1 (tensor parallel)"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(c.stages), std::string::npos) << r.err;
+    // 2 epochs of 8 batches, each through the schedule; the time waiting for the other stage is measured.
+    EXPECT_NE(r.err.find("; pipeline: 16 training batches, "), std::string::npos) << r.err;
+    EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(dir)), 1e-5) << c.stages;
+    EXPECT_EQ(column(one, "val_acc"), column(dir, "val_acc")) << c.stages;
+    EXPECT_EQ(column(one, "val_acc").size(), 2u);
+    // The loss every rank logs is the batch's (the last stage's, sent to the others).
+    const auto a = column(one, "train_loss_step"), b = column(dir, "train_loss_step");
+    ASSERT_EQ(a.size(), b.size()) << c.stages;
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(std::stod(a[i]), std::stod(b[i]), 1e-5) << c.stages << " step " << i;
+  }
+}
+
+// Four ranks: 2 stages x 2 tensor-parallel ranks, and 2 stages x 2 data-parallel ranks.
+TEST_F(Pipeline, StagesComposeWithTensorAndDataParallelism) {
+  TempDir one("pipeline"), pp_tp("pipeline"), pp_dp("pipeline");
+  single(one);
+  auto r = pipeline(pp_tp, 4, 2, 2, {"--set", "parallelism.microbatches=2"});
+  EXPECT_NE(r.err.find("rank 3 is data-parallel rank 0, tensor-parallel rank 1, pipeline rank 1"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(pp_tp)), 1e-5);
+  r = pipeline(pp_dp, 4, 2, 1, {"--set", "parallelism.microbatches=2"});
+  EXPECT_NE(r.err.find("ddp: device mesh 2 (pipeline) x 2 (data parallel) x 1 (tensor parallel)"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(pp_dp)), 1e-5);
+  EXPECT_EQ(column(one, "val_acc"), column(pp_dp, "val_acc"));
+}
+
+// A checkpoint holds the whole model and optimizer whatever the stages: pp = 2 resumes as
+// single_device, single_device as pp = 2 x tp = 2, interleaved as gpipe; each ends where the
+// uninterrupted run does.
+TEST_F(Pipeline, CheckpointsResumeAcrossPipelineShapes) {
+  TempDir one("pipeline"), from_pp("pipeline"), to_pp("pipeline"), reshaped("pipeline");
+  single(one);
+  pipeline(from_pp, 2, 2, 1, {"--set", "trainer.max_epochs=1"});
+  single(from_pp, {"--resume", last_checkpoint(from_pp).string()});
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(from_pp, 1)), 1e-5);
+  single(to_pp, {"--set", "trainer.max_epochs=1"});
+  pipeline(to_pp, 4, 2, 2, {"--resume", last_checkpoint(to_pp).string()});
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(to_pp, 1)), 1e-5);
+  pipeline(reshaped, 2, 2, 1,
+           {"--set", "trainer.max_epochs=1", "--set", "parallelism.schedule=\"interleaved_1f1b\"", "--set", "parallelism.virtual_stages=2"});
+  pipeline(reshaped, 2, 2, 1, {"--set", "parallelism.schedule=\"gpipe\"", "--resume", last_checkpoint(reshaped).string()});
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(reshaped, 1)), 1e-5);
+}
+
+// 16-mixed scales the last stage's loss; the gradients the other stages receive carry the scale,
+// and the non-finite vote goes over every stage.
+TEST_F(Pipeline, MixedPrecisionMatchesSingleDeviceWithinTolerance) {
+  for (const char* precision : {"16-mixed", "bf16-mixed"}) {
+    const std::vector<std::string> mode = {"--set", std::string("trainer.precision=\"") + precision + "\""};
+    TempDir one("pipeline"), pp("pipeline");
+    single(one, mode);
+    pipeline(pp, 2, 2, 1, mode);
+    // The tolerance of tensor_parallel_test.cpp's, which another training run exceeds.
+    EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(pp)), 0.03) << precision;
+  }
+}
+
+TEST_F(Pipeline, BadPipelineIsOneLineAndNothingStarts) {
+  TempDir dir("pipeline");
+  write_file(dir / "run.toml", kRun);
+  auto expect_line = [&](std::vector<std::string> args, const std::string& line) {
+    args.insert(args.begin(), "run.toml");
+    auto r = run_engine(args, dir.path(), {}, 120);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find(line), std::string::npos) << r.err;
+    EXPECT_FALSE(std::filesystem::exists(dir / "runs/run/version_0/checkpoints/last.ckpt")) << line;
+  };
+  const std::vector<std::string> two = {"--plugins", "ddp", "--set", "ddp.timeout=60.0", "--set", "trainer.devices=2", "--set",
+                                        "parallelism.pipeline_parallel=2"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = two;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  expect_line(with({"--set", "model.num_layers=3", "--set", "parallelism.schedule=\"interleaved_1f1b\"", "--set",
+                    "parallelism.virtual_stages=2"}),
+              "--set parallelism.pipeline_parallel=2: parallelism.pipeline_parallel = 2 x virtual_stages = 2 = 4 stages, but the model "
+              "has 3 units and a stage holds at least one: use at most 3 stages");
+  expect_line(with({"--set", "parallelism.schedule=\"interleaved_1f1b\""}),
+              "parallelism.virtual_stages = 1 with schedule = \"interleaved_1f1b\": the interleaved schedule needs 2 or more stages per rank");
+  expect_line(with({"--set", "parallelism.virtual_stages=2"}), "parallelism.virtual_stages = 2 needs schedule = \"interleaved_1f1b\"");
+  expect_line(with({"--set", "parallelism.schedule=\"interleaved_1f1b\"", "--set", "parallelism.virtual_stages=2", "--set",
+                    "parallelism.microbatches=3"}),
+              "--set parallelism.microbatches=3: parallelism.microbatches = 3 with schedule = \"interleaved_1f1b\" must be a multiple of "
+              "pipeline_parallel = 2");
+  expect_line(with({"--set", "parallelism.stage_units=[3, 2]"}),
+              "--set parallelism.stage_units=[3, 2]: parallelism.stage_units lists 2 stages of 5 units; the run has 2 stages and the "
+              "model 4 units");
+  expect_line(with({"--set", "parallelism.microbatches=13"}), "pipeline: a batch of 12 samples cannot feed parallelism.microbatches = 13");
+  expect_line({"--plugins", "single_device", "--set", "trainer.devices=2", "--set", "parallelism.pipeline_parallel=2"},
+              "parallelism.pipeline_parallel = 2 needs a strategy with a device mesh, and strategy 'single_device' has none");
+  expect_line({"--plugins", "ddp", "--set", "trainer.devices=4", "--set", "parallelism.pipeline_parallel=3"},
+              "x pipeline_parallel (3) = 3 does not divide trainer.devices (4) x trainer.num_nodes (1) = 4 ranks");
+  // A model that cannot be cut.
+  write_file(dir / "mlp.toml", synthetic_mlp_toml({.accelerator = "cpu"}));
+  auto r = run_engine({"mlp.toml", "--plugins", "ddp", "--set", "ddp.timeout=60.0", "--set", "trainer.devices=2", "--set",
+                       "parallelism.pipeline_parallel=2"},
+                      dir.path(), {}, 120);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("parallelism.pipeline_parallel = 2: the model cannot be cut into pipeline stages"), std::string::npos) << r.err;
+}
