@@ -23,6 +23,7 @@
 #include <ember/model_export.h>
 #include <ember/model_flops.h>
 #include <ember/model_units.h>
+#include <ember/pipeline.h>
 #include <ember/plugin.h>
 
 #include "gpt_net.h"
@@ -92,7 +93,8 @@ class Gpt final : public ember::IModel,
                   public ember::ICausalLanguageModel,
                   public ember::ILinearLayers,
                   public ember::IExportableModel2,
-                  public ember::ITensorParallelModel {
+                  public ember::ITensorParallelModel,
+                  public ember::IPipelineModel {
  public:
   Gpt(ember::IHost& host, const ember::IConfig& cfg) : section_(cfg.section()) {
     GptShape shape;
@@ -141,7 +143,28 @@ class Gpt final : public ember::IModel,
     if (std::strcmp(iid, ember::kLinearLayersIid) == 0) return static_cast<ember::ILinearLayers*>(this);
     if (std::strcmp(iid, ember::kExportableModelIid) == 0) return static_cast<ember::IExportableModel*>(this);
     if (std::strcmp(iid, ember::kTensorParallelModelIid) == 0) return static_cast<ember::ITensorParallelModel*>(this);
+    if (std::strcmp(iid, ember::kPipelineModelIid) == 0) return static_cast<ember::IPipelineModel*>(this);
     return unit_model_interface(iid);
+  }
+
+  // Pipeline stages (ember/pipeline.h) cut at blocks: the first stage embeds the ids, the last
+  // applies the final norm and the output layer and computes the loss. A tied output layer
+  // multiplies by the embedding, which the first and the last stage then both hold.
+  void keep_pipeline_stages(const std::vector<ember::UnitRange>& stages) override { net_->keep_blocks(stages); }
+  at::Tensor pipeline_forward(const ember::UnitRange& stage, const ember::Batch& batch, const at::Tensor& input,
+                              ember::IStepContext& ctx) override {
+    if (batch.tensors.size() < 2)
+      throw ember::RunError("gpt: a batch needs input ids and next-token targets [N, T] (use the text_lm data module)");
+    const at::Tensor ids = checked_ids(batch[0]);
+    at::Tensor x = stage.begin == 0 ? net_->embed(ids, 0) : input;
+    x = net_->run_blocks(x, stage.begin, stage.end, 0, ids.size(1), nullptr);
+    if (stage.end < net_->shape().layers) return x;
+    const char* split = ctx.stage() == ember::Stage::fit ? "train" : ctx.stage() == ember::Stage::test ? "test" : "val";
+    return loss_and_log(net_->head(x), batch, ctx, split);
+  }
+  std::vector<std::string> pipeline_shared_parameters() const override {
+    if (!net_->shape().tied) return {};
+    return {net_->embedding_name()};
   }
 
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override { return step(batch, ctx, "train"); }
@@ -210,7 +233,9 @@ class Gpt final : public ember::IModel,
   at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, const std::string& split) {
     if (batch.tensors.size() < 2)
       throw ember::RunError("gpt: a batch needs input ids and next-token targets [N, T] (use the text_lm data module)");
-    const at::Tensor logits = net_->forward(checked_ids(batch[0]));
+    return loss_and_log(net_->forward(checked_ids(batch[0])), batch, ctx, split);
+  }
+  at::Tensor loss_and_log(const at::Tensor& logits, const ember::Batch& batch, ember::IStepContext& ctx, const std::string& split) {
     const at::Tensor rows = logits.reshape({-1, logits.size(-1)}), targets = batch[1].reshape({-1}).to(at::kLong);
     auto* vocab_group = net_->vocab_parallel_group();  // tensor parallelism: this rank's vocabulary columns
     const at::Tensor loss = vocab_group ? ember::vocab_parallel_cross_entropy(rows, targets, *vocab_group) : at::cross_entropy_loss(rows, targets);

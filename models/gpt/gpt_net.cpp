@@ -290,6 +290,12 @@ GptNet::GptNet(const GptShape& shape) : shape_(shape) {
     inv_freq_ = 1.0 / at::pow(shape.rope_theta, at::arange(0, d, 2, at::kLong).to(at::kFloat) / static_cast<double>(d));
   }
   initialise();
+  held_.assign(static_cast<size_t>(shape.layers), true);
+  for (const auto& item : named_parameters())
+    if (item.value().dim() == 2 && item.key().find("wte") == std::string::npos && item.key().find("wpe") == std::string::npos &&
+        item.key().find("embed_tokens") == std::string::npos)
+      matmul_parameters_ += item.value().numel();
+  if (shape_.tied) matmul_parameters_ += shape_.vocab_size * shape_.width;  // the output layer reuses the embedding
 }
 
 void GptNet::initialise() {
@@ -316,6 +322,8 @@ std::pair<at::Tensor, at::Tensor> GptNet::rope(int64_t past, int64_t length, con
 }
 
 at::Tensor GptNet::forward(const at::Tensor& ids, GenerationCache* cache) {
+  if (!whole_)
+    throw ember::RunError("gpt: this rank holds pipeline stages, not the whole network: logits and generation need pipeline_parallel = 1");
   const int64_t t = ids.size(1);
   const int64_t past = cache != nullptr ? cache->length : 0;
   if (past + t > shape_.context_length)
@@ -323,6 +331,16 @@ at::Tensor GptNet::forward(const at::Tensor& ids, GenerationCache* cache) {
                                    " positions: shorten it (data.block_size, the prompt) or raise model.context_length"));
   if (cache != nullptr && past + t > cache->capacity)
     throw ember::RunError(c10::str("gpt: the generation cache holds ", cache->capacity, " positions, ", past + t, " asked"));
+  at::Tensor x = run_blocks(embed(ids, past), 0, static_cast<int64_t>(blocks_.size()), past, t, cache);
+  if (cache != nullptr) cache->length += t;
+  return head(x);
+}
+
+at::Tensor GptNet::embed(const at::Tensor& ids, int64_t past) {
+  const int64_t t = ids.size(1);
+  if (past + t > shape_.context_length)
+    throw ember::RunError(c10::str("gpt: a sequence of ", past + t, " tokens is longer than the model's context of ", shape_.context_length,
+                                   " positions: shorten it (data.block_size, the prompt) or raise model.context_length"));
   // Under sequence parallelism `x` holds this rank's positions from here to the final norm.
   ember::ITensorParallelGroup* by_sequence = tp_ && tp_->sequence_parallel() ? tp_ : nullptr;
   at::Tensor x;
@@ -332,28 +350,68 @@ at::Tensor GptNet::forward(const at::Tensor& ids, GenerationCache* cache) {
     x = embed_(ids);
     if (by_sequence) x = ember::scatter_to_sequence_parallel(x, 1, *by_sequence);
   }
-  at::Tensor cos, sin;
   if (shape_.flavour == Flavour::gpt2) {
     at::Tensor where = positions_(at::arange(past, past + t, ids.options().dtype(at::kLong)));
     x = x + (by_sequence ? ember::scatter_to_sequence_parallel(where, 0, *by_sequence) : where);
-  } else {
-    std::tie(cos, sin) = rope(past, t, x);
   }
-  x = maybe_dropout(x, shape_.dropout, is_training());
-  for (size_t i = 0; i < blocks_.size(); ++i) {
-    at::Tensor* kc = cache != nullptr ? &cache->k[i] : nullptr;
-    at::Tensor* vc = cache != nullptr ? &cache->v[i] : nullptr;
+  return maybe_dropout(x, shape_.dropout, is_training());
+}
+
+at::Tensor GptNet::run_blocks(at::Tensor x, int64_t begin, int64_t end, int64_t past, int64_t length, GenerationCache* cache) {
+  at::Tensor cos, sin;
+  if (shape_.flavour == Flavour::llama) std::tie(cos, sin) = rope(past, length, x);
+  for (int64_t i = begin; i < end; ++i) {
+    at::Tensor* kc = cache != nullptr ? &cache->k[static_cast<size_t>(i)] : nullptr;
+    at::Tensor* vc = cache != nullptr ? &cache->v[static_cast<size_t>(i)] : nullptr;
     // By value: under activation checkpointing the block runs again during backward (the cache
     // is only used without gradients, where nothing is recomputed).
-    auto run = [block = blocks_[i].ptr(), kc, vc, past, cos, sin](const at::Tensor& in) { return block->forward(in, kc, vc, past, cos, sin); };
-    x = units_ != nullptr ? units_->run(static_cast<int64_t>(i), x, run) : run(x);
+    auto run = [block = blocks_[static_cast<size_t>(i)].ptr(), kc, vc, past, cos, sin](const at::Tensor& in) {
+      return block->forward(in, kc, vc, past, cos, sin);
+    };
+    x = units_ != nullptr ? units_->run(i, x, run) : run(x);
   }
+  return x;
+}
+
+at::Tensor GptNet::head(at::Tensor x) {
+  ember::ITensorParallelGroup* by_sequence = tp_ && tp_->sequence_parallel() ? tp_ : nullptr;
   x = final_norm_(x);
-  if (cache != nullptr) cache->length += t;
   if (vocab_parallel_)  // column-parallel over the vocabulary: this rank's logits
     return at::linear(ember::enter_tensor_parallel(x, 1, *tp_), shape_.tied ? embed_->weight : lm_head_->weight);
   if (by_sequence) x = ember::gather_from_sequence_parallel(x, 1, *by_sequence, /*into_split_layer=*/false);
   return shape_.tied ? at::linear(x, embed_->weight) : lm_head_(x);
+}
+
+std::string GptNet::embedding_name() const {
+  return shape_.flavour == Flavour::llama ? "model.embed_tokens.weight" : "transformer.wte.weight";
+}
+
+void GptNet::keep_blocks(const std::vector<ember::UnitRange>& stages) {
+  const int64_t n = static_cast<int64_t>(blocks_.size());
+  auto held = [&](int64_t i) {
+    for (const auto& s : stages)
+      if (i >= s.begin && i < s.end) return true;
+    return false;
+  };
+  auto drop = [](torch::nn::Module& parent, const std::string& name, torch::nn::Module& m) {
+    at::NoGradGuard no_grad;
+    for (auto& p : m.parameters()) p.set_data(at::empty({0}, p.options()));
+    parent.unregister_module(name);
+  };
+  for (int64_t i = 0; i < n; ++i)
+    if (!held(i)) {
+      drop(*block_list_, std::to_string(i), *blocks_[static_cast<size_t>(i)]);
+      held_[static_cast<size_t>(i)] = false;
+      whole_ = false;
+    }
+  const bool llama = shape_.flavour == Flavour::llama;
+  const bool first = held(0), last = held(n - 1);
+  if (!first && !(last && shape_.tied)) drop(*body_, llama ? "embed_tokens" : "wte", *embed_);
+  if (!first && positions_) drop(*body_, "wpe", *positions_);
+  if (!last) {
+    drop(*body_, llama ? "norm" : "ln_f", *final_norm_);
+    if (lm_head_) drop(*this, "lm_head", *lm_head_);
+  }
 }
 
 void GptNet::set_selective_checkpointing(bool on) {
@@ -495,6 +553,9 @@ std::vector<ember::TensorShard> GptNet::parallelize_tensors(ember::ITensorParall
     vocab_parallel_ = true;
   }
   auto params = named_parameters();
+  // Pipeline stages: only what this rank holds.
+  shards.erase(std::remove_if(shards.begin(), shards.end(), [&](const ember::TensorShard& s) { return !params.contains(s.name); }),
+               shards.end());
   for (const auto& s : shards) ember::keep_shard(params[s.name], s, group.rank(), tp);
   // Sequence parallelism: the norms and the biases added after a sum see this rank's positions
   // only, so their gradients are partial sums.
@@ -511,21 +572,14 @@ std::vector<ember::TensorShard> GptNet::parallelize_tensors(ember::ITensorParall
     }
     summed.push_back(llama ? "model.norm.weight" : "transformer.ln_f.weight");
     if (!llama && shape_.bias) summed.push_back("transformer.ln_f.bias");
-    for (auto& name : summed) shards.push_back({std::move(name), ember::kSummedGradient, 1});
+    for (auto& name : summed)
+      if (params.contains(name)) shards.push_back({std::move(name), ember::kSummedGradient, 1});
   }
   for (auto& block : blocks_) block->parallelize(group);
   tp_ = &group;
   return shards;
 }
 
-int64_t GptNet::matmul_parameters() const {
-  int64_t n = 0;
-  for (const auto& item : named_parameters())
-    if (item.value().dim() == 2 && item.key().find("wte") == std::string::npos && item.key().find("wpe") == std::string::npos &&
-        item.key().find("embed_tokens") == std::string::npos)
-      n += item.value().numel();
-  if (shape_.tied) n += shape_.vocab_size * shape_.width;  // the output layer reuses the embedding
-  return n;
-}
+int64_t GptNet::matmul_parameters() const { return matmul_parameters_; }
 
 }  // namespace ember_gpt

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include <ember/pipeline.h>
+
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -164,6 +166,20 @@ class GptNet : public torch::nn::Module {
   // ids [N, T] int64 -> logits [N, T, vocab]. With a cache: the positions follow the cached ones
   // and this call's keys and values are appended.
   at::Tensor forward(const at::Tensor& ids, GenerationCache* cache = nullptr);
+  // forward's three parts, which pipeline stages run apart (ember/pipeline.h): the embeddings
+  // (ids [N, T] -> activations, this rank's positions under sequence parallelism), blocks [begin,
+  // end) of a sequence of `length` tokens after `past` cached ones, and the final norm and output.
+  at::Tensor embed(const at::Tensor& ids, int64_t past);
+  at::Tensor run_blocks(at::Tensor x, int64_t begin, int64_t end, int64_t past, int64_t length, GenerationCache* cache);
+  at::Tensor head(at::Tensor x);
+  // Pipeline stages: keeps the blocks of `stages`, the embeddings when block 0 is among them, the
+  // final norm and output when the last block is (and, tied, the embedding the output multiplies
+  // by); the rest leave the module and their storage is freed.
+  void keep_blocks(const std::vector<ember::UnitRange>& stages);
+  // False once keep_blocks dropped something: forward and generation need the whole network.
+  bool whole() const { return whole_; }
+  // The tied embedding's name (gpt2 by default): the first and the last stage both hold it.
+  std::string embedding_name() const;
   // Every block is a unit (sharding strategies gather one block at a time; full activation
   // checkpointing recomputes one block at a time).
   void declare_units(ember::ModelUnits& units);
@@ -207,6 +223,9 @@ class GptNet : public torch::nn::Module {
   bool vocab_parallel_ = false;
   std::shared_ptr<Adapters> adapters_ = std::make_shared<Adapters>();
   at::Tensor inv_freq_;  // llama: [head_dim / 2] float, on the CPU
+  std::vector<bool> held_;  // the blocks this rank holds (all but under pipeline parallelism)
+  bool whole_ = true;
+  int64_t matmul_parameters_ = 0;  // of the whole network (pipeline stages hold part of it)
 };
 
 }  // namespace ember_gpt

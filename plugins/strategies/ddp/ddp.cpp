@@ -131,6 +131,7 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
         precision.backward(loss_divisor != 1.0 ? l / loss_divisor : l);
       });
       if (sync_gradients) {
+        pipeline_->sum_shared_gradients();
         buckets_->begin(true);
         buckets_->finish();
         if (tensor_parallel_) tensor_parallel_->sum_partial_gradients();
@@ -232,11 +233,18 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
   at::Tensor clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm) override {
     std::function<at::Tensor(const at::Tensor&)> across;
     if (pipeline_) across = [this](const at::Tensor& squared) { return pipeline_->sum_over_stages(squared); };
-    if (tensor_parallel_) return tensor_parallel_->clip_gradients(optimizer, max, algorithm, across);
+    std::function<bool(const at::Tensor&)> counted;
+    if (pipeline_) counted = [this](const at::Tensor& p) { return pipeline_->counted_in_norm(p); };
+    if (tensor_parallel_) return tensor_parallel_->clip_gradients(optimizer, max, algorithm, across, counted);
     if (pipeline_ && algorithm == ember::ClipAlgorithm::norm) {
-      // torch's clip_grad_norm_ over the whole model: every stage's squared norm summed.
+      // torch's clip_grad_norm_ over the whole model: every stage's squared norm summed, a
+      // shared parameter's counted once.
       const auto grads = ember::grads_of(optimizer);
-      at::Tensor squared = grads.empty() ? at::zeros({}, at::kFloat) : at::stack(at::_foreach_norm(grads, 2)).to(at::kFloat).pow(2).sum();
+      std::vector<at::Tensor> mine;
+      for (auto& group : optimizer.param_groups())
+        for (auto& p : group.params())
+          if (p.grad().defined() && counted(p)) mine.push_back(p.grad());
+      at::Tensor squared = mine.empty() ? at::zeros({}, at::kFloat) : at::stack(at::_foreach_norm(mine, 2)).to(at::kFloat).pow(2).sum();
       at::Tensor total = across(squared).sqrt();
       auto coef = (max / (total + 1e-6)).clamp_max(1.0);
       for (const auto& g : grads) g.mul_(coef.to(g.device()).to(g.scalar_type()));

@@ -93,6 +93,7 @@ void PipelineState::cut(ember::IModel& model, const std::string& model_name, emb
   int64_t k = 0;
   for (const auto& t : module.named_parameters()) order_.emplace(t.key(), k++);
   for (const auto& t : module.named_buffers()) order_.emplace(t.key(), k++);
+  for (auto& name : model_->pipeline_shared_parameters()) shared_.push_back({std::move(name), {}, at::kFloat});
   runner_ = std::make_unique<ember_dist::PipelineRunner>(mesh_.pipeline(), kind_, microbatches_, ranges);
   model_->keep_pipeline_stages(runner_->my_stages());
   module_ = &module;
@@ -119,8 +120,48 @@ void PipelineState::set_optimizer(torch::optim::Optimizer& optimizer) {
     for (size_t g = 0; g < list.size(); ++g)
       for (const c10::IValue name : list.get(g).toList()) groups_[g].push_back(name.toStringRef());
   }
-  for (auto& g : groups_)
+  for (auto& g : groups_) {
     std::sort(g.begin(), g.end(), [&](const std::string& a, const std::string& b) { return order_.at(a) < order_.at(b); });
+    g.erase(std::unique(g.begin(), g.end()), g.end());  // a shared parameter once
+  }
+  // Every rank learns each shared parameter's shape (after any tensor-parallel split) from a stage
+  // that holds it.
+  if (shared_.empty()) return;
+  auto params = module_->named_parameters();
+  c10::impl::GenericDict held(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& s : shared_)
+    if (const at::Tensor* p = params.find(s.name)) held.insert(s.name, at::empty(p->sizes(), p->options().device(at::kCPU)));
+  for (const auto& bytes : mesh_.pipeline().all_gather_bytes(pickled(held))) {
+    const auto d = unpickled(bytes).toGenericDict();
+    for (auto& s : shared_)
+      if (s.shape.empty() && d.contains(s.name)) {
+        const at::Tensor t = d.at(s.name).toTensor();
+        s.shape = t.sizes().vec();
+        s.dtype = t.scalar_type();
+      }
+  }
+  for (const auto& s : shared_)
+    if (s.shape.empty())
+      throw ember::RunError("ddp: the model names '" + s.name + "' as shared by pipeline stages, but no stage holds it (a model bug)");
+}
+
+void PipelineState::sum_shared_gradients() {
+  at::NoGradGuard no_grad;
+  auto params = module_->named_parameters();
+  for (const auto& s : shared_) {
+    at::Tensor* p = params.find(s.name);
+    at::Tensor g = p && p->grad().defined() ? p->grad().contiguous() : at::zeros(s.shape, at::TensorOptions().dtype(s.dtype));
+    mesh_.pipeline().all_reduce(g, ember::ReduceOp::sum, "shared gradient " + s.name);
+    if (p) p->mutable_grad() = g;
+  }
+}
+
+bool PipelineState::counted_in_norm(const at::Tensor& param) const {
+  if (shared_.empty() || mesh_.pipeline_rank() == 0) return true;
+  for (const auto& p : module_->named_parameters())
+    if (p.value().is_same(param))
+      return std::none_of(shared_.begin(), shared_.end(), [&](const Shared& s) { return s.name == p.key(); });
+  return true;
 }
 
 double PipelineState::theoretical_bubble() const {
@@ -142,7 +183,8 @@ c10::Dict<std::string, at::Tensor> PipelineState::merge_model_state(const c10::D
   for (const auto& bytes : parts)
     for (const auto& e : unpickled(bytes).toGenericDict()) tensors.emplace_back(e.key().toStringRef(), e.value().toTensor());
   std::stable_sort(tensors.begin(), tensors.end(), [&](const auto& a, const auto& b) { return order_.at(a.first) < order_.at(b.first); });
-  for (auto& [name, t] : tensors) out.insert(name, t);
+  for (auto& [name, t] : tensors)
+    if (!out.contains(name)) out.insert(name, t);  // a shared parameter: the first stage's copy
   return out;
 }
 

@@ -43,6 +43,12 @@ class PipelineState {
   // group; once, after the optimizer is built).
   void set_optimizer(torch::optim::Optimizer& optimizer);
 
+  // Sums the gradients of the parameters several stages hold (IPipelineModel's shared ones, a
+  // tied embedding) over the stages, so their copies step alike. Collective over the pipeline group.
+  void sum_shared_gradients();
+  // Whether `param`'s gradient counts in this rank's share of the norm (a shared parameter's
+  // counts on the first stage only).
+  bool counted_in_norm(const at::Tensor& param) const;
   // The squared gradient norm of this rank's stages summed over the stages. Collective.
   at::Tensor sum_over_stages(const at::Tensor& squared);
   // The whole model from every stage's part (`part`: this stage's whole tensors, built on the
@@ -77,6 +83,13 @@ class PipelineState {
   std::map<std::string, int64_t> order_;  // the whole model's parameter and buffer names, in its order
   // The whole model's optimizer groups: names in the whole model's order.
   std::vector<std::vector<std::string>> groups_;
+  // The shared parameters: name, shape and dtype of this rank's copy (a stage without one adds zeros).
+  struct Shared {
+    std::string name;
+    std::vector<int64_t> shape;
+    at::ScalarType dtype = at::kFloat;
+  };
+  std::vector<Shared> shared_;
 };
 
 }  // namespace ember_ddp

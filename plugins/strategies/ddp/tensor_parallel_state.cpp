@@ -151,13 +151,14 @@ at::Tensor TensorParallelState::part_of_state(const at::Tensor& param, const at:
 }
 
 at::Tensor TensorParallelState::clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm,
-                                               const std::function<at::Tensor(const at::Tensor&)>& across) {
+                                               const std::function<at::Tensor(const at::Tensor&)>& across,
+                                               const std::function<bool(const at::Tensor&)>& counted) {
   const auto grads = ember::grads_of(optimizer);
   if (algorithm == ember::ClipAlgorithm::value) return ember::clip_gradients_in_place(grads, max, algorithm);
   std::vector<at::Tensor> sliced, replicated;
   for (auto& group : optimizer.param_groups())
     for (auto& p : group.params())
-      if (p.grad().defined()) (shard_of(p) ? sliced : replicated).push_back(p.grad());
+      if (p.grad().defined() && (!counted || counted(p))) (shard_of(p) ? sliced : replicated).push_back(p.grad());
   auto squared = [](const std::vector<at::Tensor>& g) {
     return g.empty() ? at::zeros({}, at::kFloat) : at::stack(at::_foreach_norm(g, 2)).to(at::kFloat).pow(2).sum();
   };

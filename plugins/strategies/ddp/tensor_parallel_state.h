@@ -42,9 +42,11 @@ class TensorParallelState {
   void load_full_optimizer_state(torch::optim::Optimizer& optimizer, const std::string& bytes);
   // torch's clip_grad_norm_ / clip_grad_value_ over the whole model: a slice's squared norm is
   // summed over the group, a replicated parameter's counted once.
-  // `across` (pipeline stages): sums the squared norm over the ranks that hold the model's other parts.
+  // `across` (pipeline stages): sums the squared norm over the ranks that hold the model's other
+  // parts; `counted` leaves out a parameter another stage counts.
   at::Tensor clip_gradients(torch::optim::Optimizer& optimizer, double max, ember::ClipAlgorithm algorithm,
-                            const std::function<at::Tensor(const at::Tensor&)>& across = nullptr);
+                            const std::function<at::Tensor(const at::Tensor&)>& across = nullptr,
+                            const std::function<bool(const at::Tensor&)>& counted = nullptr);
   // An optimizer state field of `param`: whole (gathered over the group when `param` is a slice;
   // collective), and this rank's slice of a whole one (a copy).
   at::Tensor whole_state(const at::Tensor& param, const at::Tensor& field);

@@ -35,12 +35,17 @@ class EMBER_SDK_API IPipelineModel {
   // they have in the whole model (the rest are removed from module(), and freed).
   virtual void keep_pipeline_stages(const std::vector<UnitRange>& stages) = 0;
   // One micro-batch through one of this rank's stages. `input` is the previous stage's output
-  // (undefined for the stage that begins at unit 0). Returns the stage's output (one tensor
-  // whose first dimension is the micro-batch, which the next stage takes as `input`), or, for
+  // (undefined for the stage that begins at unit 0). Returns the stage's output (one tensor, of
+  // any shape and dtype, which the next stage takes as `input`), or, for
   // the stage that ends at the last unit, the loss as training_step would return it, logging
   // through `ctx` as the model's step of ctx.stage() does (validation and test steps log, and may
   // return an undefined tensor).
   virtual at::Tensor pipeline_forward(const UnitRange& stage, const Batch& micro_batch, const at::Tensor& input, IStepContext& ctx) = 0;
+  // Parameters that more than one stage holds after keep_pipeline_stages (a tied embedding the
+  // first stage looks tokens up in and the last stage's head multiplies by), by name: the
+  // strategy sums their gradients over the stages that hold them before every step, so the copies
+  // stay equal, and counts them once in the gradient norm and in checkpoints.
+  virtual std::vector<std::string> pipeline_shared_parameters() const { return {}; }
 };
 inline constexpr const char* kPipelineModelIid = "ember.IPipelineModel/1";
 
