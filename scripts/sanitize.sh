@@ -42,7 +42,7 @@ export TSAN_OPTIONS="suppressions=$supp/tsan.supp:second_deadlock_stack=1"
 # it dlcloses and through code without frame pointers, so its reports cannot be told apart by
 # stack: processes that start Open MPI run with ASan's and UBSan's checks but without
 # LeakSanitizer (the second pass below); every other test keeps leak checking.
-mpi_tests='Ddp|Sharded|Offload|DistributedBuffers|TwoCpuRanks|ddp_|ShardedFused|tensorboard_readable|TensorParallel'
+mpi_tests='Ddp|Sharded|Offload|DistributedBuffers|TwoCpuRanks|ddp_|ShardedFused|tensorboard_readable|TensorParallel|Pipeline\.'
 # fabric_loop_out_of_tree builds examples/fabric_loop outside this build, without ASan, against the
 # instrumented libember.so: ASan needs its runtime loaded first, so that one test cannot run here.
 # LocalSgd builds examples/local_sgd_strategy the same way, linking the instrumented
