@@ -312,6 +312,9 @@ TEST_F(Pipeline, BadPipelineIsOneLineAndNothingStarts) {
   expect_line(with({"--set", "parallelism.microbatches=13"}), "pipeline: a batch of 12 samples cannot feed parallelism.microbatches = 13");
   expect_line({"--plugins", "single_device", "--set", "trainer.devices=2", "--set", "parallelism.pipeline_parallel=2"},
               "parallelism.pipeline_parallel = 2 needs a strategy with a device mesh, and strategy 'single_device' has none");
+  expect_line({"--plugins", "sharded", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=2", "--set", "parallelism.pipeline_parallel=2"},
+              "--set parallelism.pipeline_parallel=2: parallelism.pipeline_parallel = 2 needs a strategy that builds pipeline stages, and "
+              "strategy 'sharded' does not");
   expect_line({"--plugins", "ddp", "--set", "trainer.devices=4", "--set", "parallelism.pipeline_parallel=3"},
               "x pipeline_parallel (3) = 3 does not divide trainer.devices (4) x trainer.num_nodes (1) = 4 ranks");
   // A model that cannot be cut.

@@ -123,6 +123,35 @@ TEST(Resume, RestartedJobResumesByItselfFromItsLastCheckpoint) {
   EXPECT_NE(bad.err.find("TORCHELASTIC_RESTART_COUNT='one' is not a restart count"), std::string::npos) << bad.err;
 }
 
+// trainer.max_restarts: Ember's own launcher starts the group again when a rank dies, and the new
+// ranks resume from the last checkpoint by themselves: the job ends with exit 0 and the weights of
+// an uninterrupted run. Without restarts the same job fails.
+TEST(Resume, MaxRestartsRestartsTheGroupWhichResumesByItself) {
+  EMBER_SKIP_WITHOUT_MPI();
+  TempDir full("resume"), restarted("resume"), failed("resume");
+  for (const auto* dir : {&full, &restarted, &failed}) write_file(*dir / "run.toml", kCnn);
+  const std::vector<std::string> common = {"run.toml", "--plugins", "ddp", "--set", "ddp.timeout=10.0", "--set", "trainer.devices=2",
+                                           "--set", "trainer.accelerator=\"cpu\"", "--set", "data.batch_size=16",
+                                           "--set", "trainer.max_steps=15", "--set", "trainer.max_epochs=-1",
+                                           "--set", "checkpoint.every_n_train_steps=1", "--set", "checkpoint.save_top_k=-1"};
+  engine_in(full, common);
+  // The chaos test plugin kills rank 1 at step 8 on attempt 0 only.
+  std::vector<std::string> cmd = {"--plugin-path", test_plugin_dir("good").string(), "--plugins", "chaos", "--set", "chaos.rank=1",
+                                  "--set", "chaos.step=8"};
+  cmd.insert(cmd.end(), common.begin(), common.end());
+  auto once = cmd;
+  once.insert(once.end(), {"--set", "trainer.max_restarts=1"});
+  auto r = run_engine(once, restarted.path());
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("ddp launcher: restarting the job (1 of trainer.max_restarts = 1); its ranks resume from the last checkpoint"),
+            std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("restart 1 of this job (EMBER_RESTART_COUNT=1): resuming from its last checkpoint"), std::string::npos) << r.err;
+  expect_identical(full / "runs/run/version_0/checkpoints/last.ckpt", restarted / "runs/run/version_0/checkpoints/last.ckpt");
+  auto no_restart = run_engine(cmd, failed.path());
+  EXPECT_NE(no_restart.exit_code, 0) << no_restart.err;
+  EXPECT_EQ(no_restart.err.find("restarting the job"), std::string::npos) << no_restart.err;
+}
+
 TEST(Resume, BestAndExplicitPath) {
   TempDir dir("resume");
   write_file(dir / "run.toml", kCnn);

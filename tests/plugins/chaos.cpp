@@ -20,12 +20,12 @@ constexpr EmberConfigKey kKeys[] = {
                        "When: at the start of the step's batch, or when a checkpoint of that step is being saved (mid-save).")
         .choices("on_train_batch_start|on_save_checkpoint"),
     ember::key::Int("attempt", "0",
-                    "Fails only on this attempt of a restarted job (TORCHELASTIC_RESTART_COUNT, else SLURM_RESTART_COUNT; 0 when unset), "
+                    "Fails only on this attempt of a restarted job (EMBER_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT, else SLURM_RESTART_COUNT; 0 when unset), "
                     "so the restarted job gets past it.").at_least(0),
 };
 
 int64_t restart_attempt() {
-  for (const char* name : {"TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"})
+  for (const char* name : {"EMBER_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"})
     if (const char* v = std::getenv(name); v && *v) return std::atoll(v);
   return 0;
 }

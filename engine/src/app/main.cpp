@@ -61,10 +61,11 @@ std::vector<std::string> split_commas(const std::vector<std::string>& items) {
   return out;
 }
 
-// The attempt number of a restarted job and the variable that says it: torchrun's elastic agent
-// sets TORCHELASTIC_RESTART_COUNT, SLURM's requeue SLURM_RESTART_COUNT; {0, ""} otherwise.
+// The attempt number of a restarted job and the variable that says it: Ember's own launcher
+// (trainer.max_restarts) sets EMBER_RESTART_COUNT, torchrun's elastic agent
+// TORCHELASTIC_RESTART_COUNT, SLURM's requeue SLURM_RESTART_COUNT; {0, ""} otherwise.
 std::pair<int64_t, std::string> restart_attempt() {
-  for (const char* name : {"TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"}) {
+  for (const char* name : {"EMBER_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"}) {
     const char* v = std::getenv(name);
     if (v == nullptr || *v == '\0') continue;
     char* end = nullptr;

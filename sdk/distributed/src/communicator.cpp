@@ -106,11 +106,26 @@ bool Communicator::launch_local(const ember::LaunchRequest& request, int* exit_c
     throw ember::ConfigError(where_port_ + ": " + name_ + ".master_port = 0 picks a port on this machine only; a job of trainer.num_nodes = " +
                              std::to_string(request.num_nodes) + " needs the same fixed port on every node (e.g. 29500) and " + name_ +
                              ".master_addr = node 0's address");
-  l.master_port = master_port_ != 0 ? master_port_ : free_port();
-  host_.log(ember::LogLevel::info, name_ + ": starting " + std::to_string(l.nprocs) + " local ranks (node " + std::to_string(l.node_rank) +
-                                       " of " + std::to_string(request.num_nodes) + ", rendezvous " + l.master_addr + ":" +
-                                       std::to_string(l.master_port) + ")");
-  *exit_code = run_local_ranks(l);
+  const int64_t restarts = ember::has_field(request, &ember::LaunchRequest::max_restarts) ? request.max_restarts : 0;
+  if (restarts > 0 && request.num_nodes > 1)
+    throw ember::ConfigError("trainer.max_restarts = " + std::to_string(restarts) + " restarts the ranks of one node; a job of trainer.num_nodes = " +
+                             std::to_string(request.num_nodes) +
+                             " restarts as a whole under torchrun --max-restarts or a SLURM requeue (both resume by themselves): set "
+                             "max_restarts = 0 here");
+  for (int attempt = 0;; ++attempt) {
+    l.restart_count = attempt;
+    l.master_port = master_port_ != 0 ? master_port_ : free_port();  // a fresh store for every attempt
+    host_.log(ember::LogLevel::info, name_ + ": starting " + std::to_string(l.nprocs) + " local ranks (node " + std::to_string(l.node_rank) +
+                                         " of " + std::to_string(request.num_nodes) + ", rendezvous " + l.master_addr + ":" +
+                                         std::to_string(l.master_port) + ")" +
+                                         (attempt > 0 ? ", restart " + std::to_string(attempt) + " of " + std::to_string(restarts) : ""));
+    bool interrupted = false;
+    *exit_code = run_local_ranks(l, &interrupted);
+    // A configuration error (exit 2) fails the same way every time; a signal is a stop, not a failure.
+    if (*exit_code == 0 || *exit_code == 2 || interrupted || attempt >= restarts) break;
+    host_.log(ember::LogLevel::warn, name_ + " launcher: restarting the job (" + std::to_string(attempt + 1) + " of trainer.max_restarts = " +
+                                         std::to_string(restarts) + "); its ranks resume from the last checkpoint");
+  }
   return false;
 }
 

@@ -141,14 +141,15 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
-int run_local_ranks(const LocalLaunch& l) {
+int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
+  if (interrupted) *interrupted = false;
   // The children's environment: ours plus a torchrun-style rank environment.
   std::vector<std::string> base;
   for (char** e = environ; *e != nullptr; ++e) {
     std::string kv(*e);
     const std::string key = kv.substr(0, kv.find('='));
     if (key == "RANK" || key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "LOCAL_WORLD_SIZE" || key == "GROUP_RANK" ||
-        key == "MASTER_ADDR" || key == "MASTER_PORT")
+        key == "MASTER_ADDR" || key == "MASTER_PORT" || key == "EMBER_RESTART_COUNT")
       continue;
     base.push_back(std::move(kv));
   }
@@ -177,6 +178,7 @@ int run_local_ranks(const LocalLaunch& l) {
     envs.push_back("GROUP_RANK=" + std::to_string(l.node_rank));
     envs.push_back("MASTER_ADDR=" + l.master_addr);
     envs.push_back("MASTER_PORT=" + std::to_string(l.master_port));
+    if (l.restart_count > 0) envs.push_back("EMBER_RESTART_COUNT=" + std::to_string(l.restart_count));
     std::vector<char*> envp, argv;
     for (auto& s : envs) envp.push_back(s.data());
     envp.push_back(nullptr);
@@ -206,9 +208,11 @@ int run_local_ranks(const LocalLaunch& l) {
     return k;
   };
   while (alive() > 0) {
-    if (const int sig = g_forward_signal.exchange(0))
+    if (const int sig = g_forward_signal.exchange(0)) {
+      if (interrupted) *interrupted = true;
       for (auto& c : children)
         if (c.running) kill(c.pid, sig);
+    }
     for (auto& c : children) {
       if (!c.running) continue;
       int status = 0;

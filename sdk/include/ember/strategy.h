@@ -38,6 +38,10 @@ struct LaunchRequest {
   int64_t tensor_parallel = 1;
   int64_t pipeline_parallel = 1;
   bool sequence_parallel = false;  // activations outside the split layers split by sequence
+  // SDK 2.6: trainer.max_restarts. A strategy that starts its own ranks (trainer.devices = N on one
+  // node) starts the whole group again, up to this many times, when a rank fails; each attempt's
+  // ranks see EMBER_RESTART_COUNT = the attempt and resume from the last checkpoint by themselves.
+  int64_t max_restarts = 0;
 };
 
 // Implemented by the engine: builds the run's optimizer ([optimizer] table, or the model's

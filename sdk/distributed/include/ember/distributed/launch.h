@@ -42,11 +42,14 @@ struct LocalLaunch {
   std::string master_addr;
   int master_port = 0;
   std::chrono::milliseconds timeout{0};
+  int restart_count = 0;  // the attempt (trainer.max_restarts): the ranks see EMBER_RESTART_COUNT
 };
 // Starts the ranks of this node as child processes with a torchrun-style environment, forwards
 // SIGINT/SIGTERM to them, and waits. When a rank fails, names it, gives the others the timeout
-// to end on their own, then kills them. Returns the exit code for the launcher process.
-int run_local_ranks(const LocalLaunch& launch);
+// to end on their own, then kills them. Returns the exit code for the launcher process;
+// *interrupted (when given) says whether the launcher forwarded a signal (a stop asked by the
+// user or the scheduler, not a failure to retry).
+int run_local_ranks(const LocalLaunch& launch, bool* interrupted = nullptr);
 
 // A free TCP port on this machine (for a single-node store).
 int free_port();
