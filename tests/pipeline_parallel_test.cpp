@@ -187,6 +187,15 @@ TEST_F(Pipeline, TwoStagesWithEachScheduleMatchSingleDevice) {
   }
 }
 
+// An epoch's short last batch (90 samples in batches of 12: the last has 6) runs as 6 micro-batches
+// where the others run 8, and the run still ends where single_device does.
+TEST_F(Pipeline, AShortLastBatchRunsFewerMicroBatches) {
+  TempDir one("pipeline"), pp("pipeline");
+  single(one, {"--set", "data.num_train=90"});
+  pipeline(pp, 2, 2, 1, {"--set", "data.num_train=90", "--set", "parallelism.schedule=\"gpipe\"", "--set", "parallelism.microbatches=8"});
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(pp)), 1e-5);
+}
+
 // Four ranks: 2 stages x 2 tensor-parallel ranks, and 2 stages x 2 data-parallel ranks.
 TEST_F(Pipeline, StagesComposeWithTensorAndDataParallelism) {
   TempDir one("pipeline"), pp_tp("pipeline"), pp_dp("pipeline");
@@ -309,7 +318,8 @@ TEST_F(Pipeline, BadPipelineIsOneLineAndNothingStarts) {
   expect_line(with({"--set", "parallelism.stage_units=[3, 2]"}),
               "--set parallelism.stage_units=[3, 2]: parallelism.stage_units lists 2 stages of 5 units; the run has 2 stages and the "
               "model 4 units");
-  expect_line(with({"--set", "parallelism.microbatches=13"}), "pipeline: a batch of 12 samples cannot feed parallelism.microbatches = 13");
+  expect_line(with({"--set", "parallelism.schedule=\"interleaved_1f1b\"", "--set", "parallelism.virtual_stages=2", "--set", "data.batch_size=1"}),
+              "pipeline: a batch of 1 sample cannot feed interleaved_1f1b over 2 ranks, which needs a multiple of 2 micro-batches");
   expect_line({"--plugins", "single_device", "--set", "trainer.devices=2", "--set", "parallelism.pipeline_parallel=2"},
               "parallelism.pipeline_parallel = 2 needs a strategy with a device mesh, and strategy 'single_device' has none");
   expect_line({"--plugins", "sharded", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=2", "--set", "parallelism.pipeline_parallel=2"},

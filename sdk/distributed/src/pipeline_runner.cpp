@@ -99,7 +99,7 @@ PipelineRunner::PipelineRunner(MeshGroup& group, PipelineScheduleKind kind, int6
     : group_(group), kind_(kind), microbatches_(microbatches), stages_(std::move(stages)) {
   const int64_t p = group_.size();
   const int64_t v = static_cast<int64_t>(stages_.size()) / p;
-  schedule_ = pipeline_schedule(kind_, p, microbatches_, v);
+  schedules_[microbatches_] = pipeline_schedule(kind_, p, microbatches_, v);
   // Tags name (kind, receiving stage, micro-batch, part): MPI guarantees 32767 of them.
   if (static_cast<int64_t>(stages_.size()) * microbatches_ * 4 > 32767)
     throw ember::ConfigError("parallelism.microbatches = " + std::to_string(microbatches_) + " x " + std::to_string(stages_.size()) +
@@ -126,11 +126,28 @@ std::string PipelineRunner::describe(const std::function<std::string(int64_t)>& 
   return line + "; " + schedule_name(kind_) + " over " + std::to_string(microbatches_) + " micro-batches";
 }
 
+// A batch smaller than the micro-batches (an epoch's last) runs as many micro-batches as it has
+// samples (interleaved: a multiple of the ranks).
+int64_t PipelineRunner::microbatches_for(int64_t n) const {
+  const int64_t p = group_.size();
+  int64_t m = std::min(microbatches_, n);
+  if (kind_ == PipelineScheduleKind::interleaved_1f1b) m = (m / p) * p;
+  if (m < 1)
+    throw ember::ConfigError("pipeline: a batch of " + std::to_string(n) + " sample" + (n == 1 ? "" : "s") + " cannot feed interleaved_1f1b over " +
+                          std::to_string(p) + " ranks, which needs a multiple of " + std::to_string(p) +
+                          " micro-batches: make every batch at least that large (data.drop_last = true drops a short last one)");
+  return m;
+}
+
+const std::vector<std::vector<PipelineAction>>& PipelineRunner::schedule_for(int64_t m) {
+  auto it = schedules_.find(m);
+  if (it == schedules_.end())
+    it = schedules_.emplace(m, pipeline_schedule(kind_, group_.size(), m, static_cast<int64_t>(stages_.size()) / group_.size())).first;
+  return it->second;
+}
+
 std::vector<ember::Batch> PipelineRunner::split(const ember::Batch& batch) const {
-  const int64_t n = batch.size, m = microbatches_;
-  if (n < m)
-    throw ember::ConfigError("pipeline: a batch of " + std::to_string(n) + " samples cannot feed parallelism.microbatches = " + std::to_string(m) +
-                          ": make the batch at least that large, or the micro-batches fewer");
+  const int64_t n = batch.size, m = microbatches_for(n);
   std::vector<ember::Batch> out(static_cast<size_t>(m));
   int64_t offset = 0;
   for (int64_t i = 0; i < m; ++i) {
@@ -176,6 +193,7 @@ at::Tensor PipelineRunner::recv_activation(int64_t stage, int64_t microbatch, co
 at::Tensor PipelineRunner::train(const ember::Batch& batch, ember::IPipelineModel& model, ember::IStepContext& ctx,
                                  const std::function<void(const at::Tensor&)>& backward_loss) {
   const auto micro = split(batch);
+  const auto& schedule = schedule_for(static_cast<int64_t>(micro.size()));
   const auto start = std::chrono::steady_clock::now();
   const int64_t last = static_cast<int64_t>(stages_.size()) - 1;
   RecordingContext rec(ctx, rank_of(last) == group_.rank());
@@ -192,7 +210,7 @@ at::Tensor PipelineRunner::train(const ember::Batch& batch, ember::IPipelineMode
   at::Tensor loss = at::zeros({}, at::kDouble);
   const c10::Device device = batch.tensors.empty() ? c10::Device(c10::kCPU) : batch[0].device();
   {
-    for (const auto& a : schedule_[static_cast<size_t>(group_.rank())]) {
+    for (const auto& a : schedule[static_cast<size_t>(group_.rank())]) {
       const auto& mb = micro[static_cast<size_t>(a.microbatch)];
       if (!a.backward) {
         Live l;
@@ -250,7 +268,7 @@ at::Tensor PipelineRunner::evaluate(const ember::Batch& batch, ember::IPipelineM
   const c10::Device device = batch.tensors.empty() ? c10::Device(c10::kCPU) : batch[0].device();
   // Micro-batch by micro-batch, each through this rank's stages in order: every receive waits
   // for a stage that comes earlier in this order on its own rank.
-  for (int64_t i = 0; i < microbatches_; ++i)
+  for (int64_t i = 0; i < static_cast<int64_t>(micro.size()); ++i)
     for (int64_t stage = group_.rank(); stage <= last; stage += p) {
       const auto& mb = micro[static_cast<size_t>(i)];
       at::Tensor input;

@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,8 @@ class PipelineRunner {
  private:
   struct Logged;
   class RecordingContext;
+  int64_t microbatches_for(int64_t batch_size) const;
+  const std::vector<std::vector<PipelineAction>>& schedule_for(int64_t microbatches);
   std::vector<ember::Batch> split(const ember::Batch& batch) const;
   int64_t rank_of(int64_t stage) const { return stage % group_.size(); }
   int tag(bool gradient, int64_t stage, int64_t microbatch, int part) const;
@@ -63,7 +66,7 @@ class PipelineRunner {
   PipelineScheduleKind kind_;
   int64_t microbatches_;
   std::vector<ember::UnitRange> stages_;
-  std::vector<std::vector<PipelineAction>> schedule_;
+  std::map<int64_t, std::vector<std::vector<PipelineAction>>> schedules_;  // by micro-batch count
   Stats stats_;
   double* waiting_ = nullptr;  // where receives add their wait (training only)
 };
