@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "checkpoint_support.h"
+#include "mesh_support.h"
 #include "support.h"
 
 using namespace ember::test;
@@ -21,41 +22,8 @@ using ember_dist::PipelineScheduleKind;
 
 namespace {
 
-// Four encoder layers of 4 heads, no dropout (a stage's dropout masks cannot be single_device's).
-// 96 samples, global batch 12, 2 batches accumulated: 4 optimizer steps per epoch, 8 in all.
-// AdamW's eps is 1e-4 for the reason tensor_parallel_test.cpp gives.
-const char* kRun = R"([trainer]
-accelerator = "cpu"
-max_epochs = 2
-num_sanity_val_steps = 0
-enable_progress_bar = false
-enable_model_summary = false
-log_every_n_steps = 1
-gradient_clip_val = 0.5
-accumulate_grad_batches = 2
-[model]
-name = "transformer"
-d_model = 16
-nhead = 4
-dim_feedforward = 24
-num_layers = 4
-dropout = 0.0
-num_classes = 4
-[data]
-name = "synthetic"
-shape = [6, 16]
-num_classes = 4
-num_train = 96
-num_val = 24
-num_test = 0
-batch_size = 12
-shuffle = true
-[optimizer]
-name = "adamw"
-lr = 0.01
-weight_decay = 0.1
-eps = 1e-4
-)";
+// Four encoder layers (tensor_parallel_test.cpp's run has two): stages of 2, or 4 of 1.
+const std::string kRun = transformer_mesh_toml(4);
 
 ProcessResult single(const TempDir& dir, std::vector<std::string> extra = {}) {
   write_file(dir / "run.toml", kRun);
@@ -82,12 +50,7 @@ class Pipeline : public ::testing::Test {
   void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
 };
 
-std::vector<std::string> column(const TempDir& dir, const std::string& name, int version = 0) {
-  std::vector<std::string> out;
-  for (const auto& row : read_csv(dir / ("runs/run/version_" + std::to_string(version) + "/metrics.csv")))
-    if (row.count(name) && !row.at(name).empty()) out.push_back(row.at(name));
-  return out;
-}
+std::vector<std::string> column(const TempDir& dir, const std::string& name) { return metric_column(dir, name); }
 
 }  // namespace
 
@@ -215,10 +178,6 @@ TEST_F(Pipeline, StagesComposeWithTensorAndDataParallelism) {
 // tensor-parallel ranks (a vocabulary-parallel tied embedding), and Llama (untied, grouped-query
 // attention) on 2 stages x 2 tensor-parallel ranks, each within 1e-5 of single_device.
 TEST_F(Pipeline, GptCutAtItsBlocksMatchesSingleDevice) {
-  const std::string corpus =
-      "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife.\n"
-      "The sun was shining on the sea, shining with all his might.\n"
-      "Happy families are all alike; every unhappy family is unhappy in its own way.\n";
   struct Case {
     std::string flavour, extra;
     int ranks, tp;
@@ -229,19 +188,7 @@ TEST_F(Pipeline, GptCutAtItsBlocksMatchesSingleDevice) {
                                    {"llama", "vocab_size = 48\nkv_heads = 2\ntied = false\n", 4, 2, "1f1b"}};
   for (const auto& c : cases) {
     TempDir one("pipeline"), cut("pipeline");
-    for (const auto* dir : {&one, &cut}) {
-      std::string text;
-      for (int i = 0; i < 8; ++i) text += corpus;
-      write_file(*dir / "corpus.txt", text);
-      write_file(*dir / "run.toml",
-                 "[trainer]\naccelerator = \"cpu\"\nmax_steps = 12\nmax_epochs = -1\nval_check_interval = 6\nlimit_val_batches = 4\n"
-                 "num_sanity_val_steps = 0\nenable_progress_bar = false\nenable_model_summary = false\nlog_every_n_steps = 1\n"
-                 "gradient_clip_val = 1.0\naccumulate_grad_batches = 2\n"
-                 "[model]\nname = \"gpt\"\nflavour = \"" + c.flavour + "\"\ncontext_length = 32\nlayers = 4\nheads = 4\nwidth = 32\n" +
-                 c.extra + "[data]\nname = \"text_lm\"\ncorpus = \"" + (*dir / "corpus.txt").string() + "\"\ncache_dir = \"" +
-                 (*dir / "tokens").string() + "\"\nblock_size = 16\nbatch_size = 8\n"
-                 "[optimizer]\nname = \"adamw\"\nlr = 0.003\neps = 1e-4\n");
-    }
+    for (const auto* dir : {&one, &cut}) write_gpt_mesh_run(*dir, c.flavour, 4, c.extra);
     run_engine_ok(one, {"run.toml"});
     auto r = run_engine_ok(cut, {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=60.0", "--set", "trainer.devices=" + std::to_string(c.ranks),
                                  "--set", "parallelism.pipeline_parallel=2", "--set", "parallelism.tensor_parallel=" + std::to_string(c.tp),

@@ -10,49 +10,14 @@
 #include <ember/support/tensor_parallel.h>
 
 #include "checkpoint_support.h"
+#include "mesh_support.h"
 #include "support.h"
 
 using namespace ember::test;
 
 namespace {
 
-// Two encoder layers of 4 heads, no dropout (a rank's dropout masks cannot be single_device's).
-// 96 samples, global batch 12, 2 batches accumulated: 4 optimizer steps per epoch, 8 in all. AdamW's eps is 1e-4, not 1e-8: the key projection's bias has an exactly zero
-// gradient (softmax ignores a shift of a row of scores), so its float gradient is rounding noise
-// that eps = 1e-8 turns into full-size steps, and any two implementations of attention (LibTorch's
-// MultiheadAttention and the split forward) then differ there by ~1e-3.
-const char* kRun = R"([trainer]
-accelerator = "cpu"
-max_epochs = 2
-num_sanity_val_steps = 0
-enable_progress_bar = false
-enable_model_summary = false
-log_every_n_steps = 1
-gradient_clip_val = 0.5
-accumulate_grad_batches = 2
-[model]
-name = "transformer"
-d_model = 16
-nhead = 4
-dim_feedforward = 24
-num_layers = 2
-dropout = 0.0
-num_classes = 4
-[data]
-name = "synthetic"
-shape = [6, 16]
-num_classes = 4
-num_train = 96
-num_val = 24
-num_test = 0
-batch_size = 12
-shuffle = true
-[optimizer]
-name = "adamw"
-lr = 0.01
-weight_decay = 0.1
-eps = 1e-4
-)";
+const std::string kRun = transformer_mesh_toml(2);
 
 ProcessResult single(const TempDir& dir, std::vector<std::string> extra = {}) {
   write_file(dir / "run.toml", kRun);
@@ -78,13 +43,7 @@ class TensorParallel : public ::testing::Test {
   void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
 };
 
-// The val_acc rows of a run's metrics.csv.
-std::vector<std::string> val_acc(const TempDir& dir, int version = 0) {
-  std::vector<std::string> out;
-  for (const auto& row : read_csv(dir / ("runs/run/version_" + std::to_string(version) + "/metrics.csv")))
-    if (row.count("val_acc") && !row.at("val_acc").empty()) out.push_back(row.at("val_acc"));
-  return out;
-}
+std::vector<std::string> val_acc(const TempDir& dir, int version = 0) { return metric_column(dir, "val_acc", version); }
 
 }  // namespace
 
@@ -197,10 +156,6 @@ TEST_F(TensorParallel, CheckpointsResumeAcrossMeshShapes) {
 // does. A vocabulary of 48 is split too (vocabulary-parallel embedding, lm_head and cross-entropy);
 // one of 47 cannot be, and stays whole. GPT-2 once more with sequence parallelism.
 TEST_F(TensorParallel, GptPlanForGpt2AndLlamaMatchesSingleDevice) {
-  const std::string corpus =
-      "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife.\n"
-      "The sun was shining on the sea, shining with all his might.\n"
-      "Happy families are all alike; every unhappy family is unhappy in its own way.\n";
   struct Case {
     std::string flavour, strategy, extra, split;
     bool sequence_parallel = false;
@@ -213,19 +168,7 @@ TEST_F(TensorParallel, GptPlanForGpt2AndLlamaMatchesSingleDevice) {
       {"gpt2", "ddp", "vocab_size = 47\n", "plan split 12 of 28 parameters; this rank holds 15488 of their 28000 elements"}};
   for (const auto& c : cases) {
     TempDir one("tensor_parallel"), split("tensor_parallel");
-    for (const auto* dir : {&one, &split}) {
-      std::string text;
-      for (int i = 0; i < 8; ++i) text += corpus;
-      write_file(*dir / "corpus.txt", text);
-      write_file(*dir / "run.toml",
-                 "[trainer]\naccelerator = \"cpu\"\nmax_steps = 12\nmax_epochs = -1\nval_check_interval = 6\nlimit_val_batches = 4\n"
-                 "num_sanity_val_steps = 0\nenable_progress_bar = false\nenable_model_summary = false\nlog_every_n_steps = 1\n"
-                 "gradient_clip_val = 1.0\naccumulate_grad_batches = 2\n"
-                 "[model]\nname = \"gpt\"\nflavour = \"" + c.flavour + "\"\ncontext_length = 32\nlayers = 2\nheads = 4\nwidth = 32\n" +
-                 c.extra + "[data]\nname = \"text_lm\"\ncorpus = \"" + (*dir / "corpus.txt").string() + "\"\ncache_dir = \"" +
-                 (*dir / "tokens").string() + "\"\nblock_size = 16\nbatch_size = 8\n"
-                 "[optimizer]\nname = \"adamw\"\nlr = 0.003\neps = 1e-4\n");
-    }
+    for (const auto* dir : {&one, &split}) write_gpt_mesh_run(*dir, c.flavour, 2, c.extra);
     run_engine_ok(one, {"run.toml"});
     auto r = run_engine_ok(split, {"--plugins", c.strategy, "run.toml", "--set", c.strategy + ".timeout=60.0", "--set", "trainer.devices=4",
                                    "--set", "parallelism.tensor_parallel=2", "--set", "data.batch_size=4", "--set",
