@@ -159,6 +159,21 @@ TEST_F(Pipeline, AShortLastBatchRunsFewerMicroBatches) {
   EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(pp)), 1e-5);
 }
 
+// Full activation checkpointing recomputes every unit in backward. The transformer's first unit
+// takes the data, which needs no gradient: its layers must train all the same (they did not
+// before: the recomputed unit's output left the graph). single_device with it ends where it ends
+// without it, and so do 2 stages (stage 0 holds only layers whose first input is the data).
+TEST_F(Pipeline, FullActivationCheckpointingTrainsEveryStage) {
+  TempDir none("pipeline"), full("pipeline"), pp("pipeline");
+  single(none);
+  const std::vector<std::string> recompute = {"--set", "trainer.activation_checkpointing=\"full\""};
+  auto r = single(full, recompute);
+  EXPECT_NE(r.err.find("activation checkpointing: full (4 units recomputed in backward"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(none), last_checkpoint(full)), 1e-6);
+  pipeline(pp, 2, 2, 1, recompute);
+  EXPECT_LE(max_weight_difference(last_checkpoint(none), last_checkpoint(pp)), 1e-5);
+}
+
 // Four ranks: 2 stages x 2 tensor-parallel ranks, and 2 stages x 2 data-parallel ranks.
 TEST_F(Pipeline, StagesComposeWithTensorAndDataParallelism) {
   TempDir one("pipeline"), pp_tp("pipeline"), pp_dp("pipeline");

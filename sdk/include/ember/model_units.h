@@ -179,6 +179,12 @@ at::Tensor recompute_in_backward(const at::Tensor& input, Fn&& fn) {
   auto state = c10::make_intrusive<detail::Recompute>();
   state->fn = std::forward<Fn>(fn);
   state->device = input.device();
+  // A unit whose input needs no gradient (the first one, taking the data) still has parameters
+  // that do: its output must stay in the graph, so the input becomes a leaf that asks for one
+  // (torch.utils.checkpoint's reentrant form has this hole: "None of the inputs have
+  // requires_grad=True", and the unit silently stops training).
+  if (!input.requires_grad() && input.is_floating_point())
+    return detail::RecomputeFunction::apply(input.detach().requires_grad_(true), state);
   return detail::RecomputeFunction::apply(input, state);
 }
 
