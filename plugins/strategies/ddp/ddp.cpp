@@ -53,24 +53,6 @@ constexpr EmberConfigKey kKeys[] = {
                      "evaluating after one (PyTorch DDP's broadcast_buffers), so all ranks evaluate with the same statistics."),
 };
 
-// The engine's optimizer step with the precision handler's non-finite vote reduced over every rank.
-class VotingStep final : public ember::IOptimizerStep {
- public:
-  VotingStep(ember::IOptimizerStep& inner, Communicator& comm) : inner_(inner), comm_(comm) {}
-  at::Tensor closure() override { return inner_.closure(); }
-  void before_step() override { inner_.before_step(); }
-  void step() override { inner_.step(); }
-  torch::optim::Optimizer& optimizer() override { return inner_.optimizer(); }
-  at::Tensor found_inf_on_any_rank(const at::Tensor& found_inf) override {
-    at::Tensor v = comm_.reduce(found_inf.to(at::kFloat).reshape({1}), ember::ReduceOp::max);
-    return inner_.found_inf_on_any_rank(v.reshape({}).to(found_inf.device(), found_inf.scalar_type()));
-  }
-
- private:
-  ember::IOptimizerStep& inner_;
-  Communicator& comm_;
-};
-
 class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, public ember::IPipelineParallel {
  public:
   Ddp(ember::IHost& host, const ember::IConfig& cfg)
@@ -79,7 +61,6 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
         bucket_cap_bytes_(static_cast<int64_t>(cfg.get_float("bucket_cap_mb") * 1024.0 * 1024.0)),
         find_unused_(cfg.get_bool("find_unused_parameters")),
         buffers_(cfg.get_bool("broadcast_buffers")),
-        broadcast_buffers_(cfg.get_bool("broadcast_buffers")),
         where_broadcast_buffers_(cfg.where("broadcast_buffers")) {
     if (bucket_cap_bytes_ < 1) bucket_cap_bytes_ = 1;
   }
@@ -158,7 +139,7 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
       // An engine before SDK 2.6 never set the options: the defaults.
       if (!pipeline_) pipeline_ = std::make_unique<PipelineState>(*mesh_, ember::PipelineOptions{});
       pipeline_->cut(model, "", host_);
-      if (broadcast_buffers_ && !module.buffers().empty())
+      if (buffers_.enabled() && !module.buffers().empty())
         throw ember::ConfigError(where_broadcast_buffers_ + ": ddp.broadcast_buffers = true with pipeline stages: each stage holds "
                                  "other buffers, so rank 0's cannot be broadcast; set broadcast_buffers = false");
     }
@@ -340,7 +321,6 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
   int64_t bucket_cap_bytes_;
   bool find_unused_;
   BufferBroadcast buffers_;
-  bool broadcast_buffers_;
   std::string where_broadcast_buffers_;
   std::unique_ptr<DeviceMesh> mesh_;
   std::unique_ptr<PipelineState> pipeline_;

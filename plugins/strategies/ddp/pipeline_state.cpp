@@ -143,6 +143,10 @@ void PipelineState::set_optimizer(torch::optim::Optimizer& optimizer) {
   for (const auto& s : shared_)
     if (s.shape.empty())
       throw ember::RunError("ddp: the model names '" + s.name + "' as shared by pipeline stages, but no stage holds it (a model bug)");
+  // Counted in the norm by the first stage only.
+  if (mesh_.pipeline_rank() != 0)
+    for (const auto& s : shared_)
+      if (const at::Tensor* p = params.find(s.name)) not_in_norm_.insert(p->unsafeGetTensorImpl());
 }
 
 void PipelineState::sum_shared_gradients() {
@@ -156,13 +160,7 @@ void PipelineState::sum_shared_gradients() {
   }
 }
 
-bool PipelineState::counted_in_norm(const at::Tensor& param) const {
-  if (shared_.empty() || mesh_.pipeline_rank() == 0) return true;
-  for (const auto& p : module_->named_parameters())
-    if (p.value().is_same(param))
-      return std::none_of(shared_.begin(), shared_.end(), [&](const Shared& s) { return s.name == p.key(); });
-  return true;
-}
+bool PipelineState::counted_in_norm(const at::Tensor& param) const { return not_in_norm_.count(param.unsafeGetTensorImpl()) == 0; }
 
 double PipelineState::theoretical_bubble() const {
   return ember_dist::theoretical_bubble(kind_, mesh_.pipeline_size(), microbatches_, virtual_stages_);

@@ -13,6 +13,7 @@
 
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -90,6 +91,7 @@ class PipelineState {
     at::ScalarType dtype = at::kFloat;
   };
   std::vector<Shared> shared_;
+  std::set<const void*> not_in_norm_;  // this rank's copies of shared parameters another stage counts
 };
 
 }  // namespace ember_ddp

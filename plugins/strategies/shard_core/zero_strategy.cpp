@@ -54,25 +54,6 @@ namespace {
 using namespace ember_dist;
 using ember::state_tensors_per_element;
 
-class ZeroStrategy;
-
-// The engine's optimizer step with the strategy's part added: the precision handler's non-finite
-// vote is reduced across ranks (a rank sees only its shard, and amp16 must skip the step on all
-// ranks or none).
-class ZeroStep final : public ember::IOptimizerStep {
- public:
-  ZeroStep(ember::IOptimizerStep& inner, ZeroStrategy& strategy) : inner_(inner), s_(strategy) {}
-  at::Tensor closure() override { return inner_.closure(); }
-  void before_step() override { inner_.before_step(); }
-  void step() override { inner_.step(); }
-  torch::optim::Optimizer& optimizer() override { return inner_.optimizer(); }
-  at::Tensor found_inf_on_any_rank(const at::Tensor& found_inf) override;
-
- private:
-  ember::IOptimizerStep& inner_;
-  ZeroStrategy& s_;
-};
-
 class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, public ember::IDeviceMesh {
  public:
   ZeroStrategy(ember::IHost& host, const ember::IConfig& cfg, ZeroOptions o)
@@ -160,7 +141,8 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   }
 
   bool optimizer_step(ember::IOptimizerStep& step, ember::IPrecision& precision) override {
-    ZeroStep wrapped(step, *this);
+    // A rank sees only its shard's gradients: the non-finite vote goes over every rank.
+    VotingStep wrapped(step, comm_);
     const bool taken = precision.optimizer_step(wrapped);
     if (taken) ++stats_.steps;
     // Stages 1 and 2 keep whole parameters for the next forward: gather the updated shards
@@ -325,15 +307,6 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   }
 
   // The ranks' verdict on the precision handler's non-finite flag: the maximum over ranks.
-  at::Tensor any_rank_found_inf(const at::Tensor& found_inf) {
-    if (comm_.world() == 1) return found_inf;
-    comm_.label("non-finite gradient vote");
-    std::vector<at::Tensor> v{found_inf.to(comm_.device(), at::kFloat).reshape({1}).clone()};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::MAX;
-    comm_.backend().allreduce(v, opts)->wait();
-    return v.front().reshape({}).to(found_inf.device(), found_inf.scalar_type());
-  }
 
  private:
   ZeroContext context() { return ZeroContext{o_, comm_, shard_group_, copies_, budget_, stats_}; }
@@ -370,9 +343,6 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   bool forward_grad_ = false, ready_ = false, broadcast_done_ = false;
 };
 
-at::Tensor ZeroStep::found_inf_on_any_rank(const at::Tensor& found_inf) {
-  return inner_.found_inf_on_any_rank(s_.any_rank_found_inf(found_inf));
-}
 
 // 2D: the model, whole and equal on every rank (rank 0's weights), keeps each rank's
 // tensor-parallel slices; ZeRO then shards those slices over the data-parallel ranks, and whole

@@ -360,6 +360,16 @@ void Communicator::teardown(const std::string& stats) {
   }
 }
 
+at::Tensor VotingStep::found_inf_on_any_rank(const at::Tensor& found_inf) {
+  if (comm_.world() == 1) return inner_.found_inf_on_any_rank(found_inf);
+  comm_.label("non-finite gradient vote");
+  std::vector<at::Tensor> v{found_inf.to(comm_.device(), at::kFloat).reshape({1}).clone()};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MAX;
+  comm_.backend().allreduce(v, opts)->wait();
+  return inner_.found_inf_on_any_rank(v.front().reshape({}).to(found_inf.device(), found_inf.scalar_type()));
+}
+
 void BufferBroadcast::before_forward(torch::nn::Module& module, Communicator& comm) {
   if (!enabled_ || comm.world() == 1) return;
   const bool training = module.is_training();

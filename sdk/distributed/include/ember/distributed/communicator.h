@@ -131,9 +131,27 @@ c10d::ReduceOp to_c10d(ember::ReduceOp op);
 // buffers (batch-norm statistics), and once more before the first forward after one in eval mode
 // (a training forward moved each rank's statistics with its own batch), so evaluation, swa's
 // batch-norm pass and checkpoints see the same statistics on every rank.
+// The engine's optimizer step with the precision handler's non-finite vote reduced over every rank
+// of `comm`, for a strategy whose ranks hold different gradients (shards, tensor-parallel slices,
+// pipeline stages): a loss scaler then skips a step on all ranks or none.
+class VotingStep final : public ember::IOptimizerStep {
+ public:
+  VotingStep(ember::IOptimizerStep& inner, Communicator& comm) : inner_(inner), comm_(comm) {}
+  at::Tensor closure() override { return inner_.closure(); }
+  void before_step() override { inner_.before_step(); }
+  void step() override { inner_.step(); }
+  torch::optim::Optimizer& optimizer() override { return inner_.optimizer(); }
+  at::Tensor found_inf_on_any_rank(const at::Tensor& found_inf) override;
+
+ private:
+  ember::IOptimizerStep& inner_;
+  Communicator& comm_;
+};
+
 class BufferBroadcast {
  public:
   explicit BufferBroadcast(bool enabled) : enabled_(enabled) {}
+  bool enabled() const { return enabled_; }
   void before_forward(torch::nn::Module& module, Communicator& comm);
 
  private:
