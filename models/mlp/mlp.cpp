@@ -225,6 +225,8 @@ class Mlp final : public ember::IModel, public ember::IModelFlops, public ember:
     at::Tensor loss = torch::mse_loss(out.to(torch::kFloat), targets.to(torch::kFloat));
     ctx.log(std::string(ember_models::phase_name(phase)) + "_loss", loss.detach(),
             ember_models::loss_log_options(phase));
+    // Outputs and targets for the run's [metrics] table (mae, rmse, r2).
+    ctx.update_metrics(out.detach(), targets);
     return loss;
   }
 

@@ -115,6 +115,26 @@ constexpr EmberConfigKey kParallelismKeys[] = {
     Bool("sequence_parallel", "false", "With tensor_parallel > 1: activations outside the split layers (norms, dropout, residuals) are split along the sequence over the tensor-parallel ranks (Megatron's sequence parallelism); the sequence length must divide by tensor_parallel."),
 };
 
+// The metrics the engine computes from the model's predictions (IStepContext::update_metrics;
+// docs/metrics.md).
+constexpr EmberConfigKey kMetricsKeys[] = {
+    StringList("names", "[]", "Metrics computed over each evaluated split from the scores and targets the model hands over (the built-in models do): accuracy, precision, recall, f1, fbeta, specificity, auroc, average_precision, calibration_error, confusion_matrix, mae, mse, rmse, r2, perplexity. Logged as <split>_<name> (val_f1, test_auroc), exact over every rank; the confusion matrix is written to <run folder>/<split>_confusion_matrix.csv (and .png)."),
+    StringList("splits", "[\"val\", \"test\"]", "Splits the metrics are computed on: train (train_<name> per epoch), val, test."),
+    Bool("on_step", "false", "Also log the training metrics over each log_every_n_steps window (train_<name>_step, this rank's batches; the epoch value becomes train_<name>_epoch). Needs \"train\" in splits."),
+    String("task", "\"multiclass\"", "binary: one score per sample (the positive class's), targets 0/1; multiclass: scores [N, C], targets class indices; multilabel: scores [N, L], targets 0/1 [N, L].").choices("binary|multiclass|multilabel"),
+    Int("num_classes", "0", "Classes (multiclass) or labels (multilabel); 0 = the width of the model's scores.").at_least(0),
+    String("average", "\"macro\"", "How per-class values become one: micro (pooled counts), macro (unweighted mean over classes), weighted (by support), none (the mean, plus <split>_<name>_<class> per class). Binary metrics are the positive class's.").choices("micro|macro|weighted|none"),
+    Int("top_k", "1", "accuracy: a sample counts when its target is among the k highest scores (multiclass).").at_least(1),
+    Float("threshold", "0.5", "binary / multilabel: a probability at or above it predicts 1.").at_least(0).at_most(1),
+    Float("beta", "1.0", "fbeta's beta (recall weighs beta times precision).").above(0),
+    Int("thresholds", "0", "auroc / average_precision: 0 = exact (every score kept, up to max_samples), else this many score bins (constant memory; torchmetrics' thresholds).").at_least(0),
+    Int("max_samples", "1000000", "Exact auroc / average_precision keep every score: the most samples a split may have before the run stops with a message (then set thresholds).").at_least(1),
+    Int("bins", "15", "calibration_error: equal-width confidence bins.").at_least(1),
+    String("calibration_norm", "\"l1\"", "calibration_error: l1 (expected calibration error), l2 (root mean square), max (maximum calibration error).").choices("l1|l2|max"),
+    String("scores", "\"auto\"", "What the model's scores are: logits (softmax / sigmoid applied), probabilities, or auto (per batch: multiclass rows that are non-negative and sum to 1, binary / multilabel scores in [0, 1], are probabilities).").choices("auto|logits|probabilities"),
+    Int("ignore_index", "-1", "A target value left out of every metric (padding); -1 = none (perplexity: -100).").at_least(-1),
+};
+
 SectionSchema make(const char* name, const char* description, const EmberConfigKey* keys, size_t n) {
   SectionSchema s;
   s.name = name;
@@ -131,6 +151,9 @@ SectionSchema trainer_schema() {
 SectionSchema parallelism_schema() {
   return make("parallelism", "the device mesh: how the run's ranks split the data and the model", kParallelismKeys,
               std::size(kParallelismKeys));
+}
+SectionSchema metrics_schema() {
+  return make("metrics", "metrics the engine computes from the model's predictions", kMetricsKeys, std::size(kMetricsKeys));
 }
 SectionSchema optimizer_schema() {
   return make("optimizer", "the optimizer the engine builds", kOptimizerKeys, std::size(kOptimizerKeys));

@@ -16,6 +16,8 @@ namespace ember::engine {
 SectionSchema trainer_schema();
 SectionSchema optimizer_schema();
 SectionSchema parallelism_schema();
+// [metrics]: what the engine computes from the model's predictions (loop/configured_metrics.h).
+SectionSchema metrics_schema();
 std::vector<KeySchema> model_base_keys();
 std::vector<KeySchema> data_base_keys();
 

@@ -46,9 +46,10 @@ class StepRunner::OptimizerStep final : public IOptimizerStep {
   bool first_;
 };
 
-StepRunner::StepRunner(Runtime& runtime, const Named<IModel>& model, MetricStore& metrics, const TrainerSettings& settings,
-                       std::function<void(Hook)> call_hook)
-    : runtime_(runtime), model_(model), metrics_(metrics), settings_(settings), call_hook_(std::move(call_hook)) {}
+StepRunner::StepRunner(Runtime& runtime, const Named<IModel>& model, MetricStore& metrics, ConfiguredMetrics& configured_metrics,
+                       const TrainerSettings& settings, std::function<void(Hook)> call_hook)
+    : runtime_(runtime), model_(model), metrics_(metrics), configured_metrics_(configured_metrics), settings_(settings),
+      call_hook_(std::move(call_hook)) {}
 
 StepRunner::~StepRunner() = default;
 
@@ -63,6 +64,21 @@ void StepRunner::Context::log(std::string_view name, double value, const LogOpti
   require_sdk2_fields(options, &LogOptions::batch_size, "LogOptions");
   if (runner_.recording_logs_) runner_.log_from_step(std::string(name), at::scalar_tensor(value, at::kDouble), options, stage_, batch_size_);
   else runner_.metrics_.log(std::string(name), value, options, stage_, batch_size_);
+}
+
+void StepRunner::Context::update_metrics(const at::Tensor& preds, const at::Tensor& target) {
+  // A batch of padding only (exact evaluation) holds no sample that counts; predict and the
+  // tuners' quiet passes compute no metrics.
+  if (runner_.quiet_ || batch_size_ == 0 || stage_ == Stage::predict || stage_ == Stage::none) return;
+  const Split split = stage_ == Stage::fit ? Split::train : stage_ == Stage::test ? Split::test : Split::val;
+  if (!runner_.configured_metrics_.active(split)) return;
+  if (!preds.defined() || !target.defined()) throw RunError("update_metrics: predictions and targets must be defined tensors");
+  if (runner_.recording_logs_) {
+    // Inside a CUDA-graph capture: folded in after every replay, from the tensors it refreshed.
+    runner_.graph_predictions_.push_back({preds.detach(), target.detach()});
+    return;
+  }
+  runner_.configured_metrics_.update(split, preds.detach(), target.detach());
 }
 
 void StepRunner::log_from_step(const std::string& name, const at::Tensor& value, const LogOptions& options, Stage stage,
@@ -150,6 +166,7 @@ bool StepRunner::graphed_optimizer_step(const Batch& current, int64_t batch_idx,
     hook(Hook::on_before_backward);
     if (mode == StepGraph::Mode::capture) {
       graph_logs_.clear();
+      graph_predictions_.clear();
       recording_logs_ = true;
       try {
         graph_->capture([&] { micro_batch(batch, batch_idx, first_in_window, /*sync=*/true, /*hooks=*/false); });
@@ -170,6 +187,7 @@ bool StepRunner::graphed_optimizer_step(const Batch& current, int64_t batch_idx,
     for (auto& [p, g] : graph_grads_) p.mutable_grad() = g;
     loss_ = graph_loss_;
     for (const auto& r : graph_logs_) metrics_.log(r.name, r.value, r.options, r.stage, r.batch_size);
+    for (const auto& r : graph_predictions_) configured_metrics_.update(Split::train, r.preds, r.target);
     hook(Hook::on_after_backward);
     return loss_;
   });

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "loop/configured_metrics.h"
 #include "loop/metrics.h"
 #include "loop/step_graph.h"
 #include "loop/trainer_settings.h"
@@ -26,13 +27,14 @@ class StepRunner {
  public:
   // `call_hook` fires a hook on the callbacks and the model (the loop's order); it is not
   // called while quiet().
-  StepRunner(Runtime& runtime, const Named<IModel>& model, MetricStore& metrics, const TrainerSettings& settings,
-             std::function<void(Hook)> call_hook);
+  StepRunner(Runtime& runtime, const Named<IModel>& model, MetricStore& metrics, ConfiguredMetrics& configured_metrics,
+             const TrainerSettings& settings, std::function<void(Hook)> call_hook);
   ~StepRunner();
   StepRunner(const StepRunner&) = delete;
   StepRunner& operator=(const StepRunner&) = delete;
 
-  // What a model's step logs through: self.log(...) reaches the metric store tagged with `stage`.
+  // What a model's step logs through: self.log(...) reaches the metric store tagged with `stage`;
+  // update_metrics(...) the [metrics] table's split of `stage`.
   class Context final : public IStepContext {
    public:
     Context(StepRunner& runner, Stage stage, int64_t batch_idx, int64_t batch_size)
@@ -41,6 +43,7 @@ class StepRunner {
     void log(std::string_view name, double value, const LogOptions& options) override;
     Stage stage() const override { return stage_; }
     int64_t batch_idx() const override { return batch_idx_; }
+    void update_metrics(const at::Tensor& preds, const at::Tensor& target) override;
 
    private:
     StepRunner& runner_;
@@ -89,6 +92,7 @@ class StepRunner {
   Runtime& runtime_;
   const Named<IModel>& model_;
   MetricStore& metrics_;
+  ConfiguredMetrics& configured_metrics_;
   const TrainerSettings& settings_;
   std::function<void(Hook)> call_hook_;
   int64_t accumulation_ = 1;
@@ -106,6 +110,10 @@ class StepRunner {
   std::unique_ptr<StepGraph> graph_;
   bool recording_logs_ = false;
   std::vector<RecordedLog> graph_logs_;
+  struct RecordedPredictions {
+    at::Tensor preds, target;  // the graph's own tensors: each replay refreshes them
+  };
+  std::vector<RecordedPredictions> graph_predictions_;
   at::Tensor graph_loss_;
   std::vector<std::pair<at::Tensor, at::Tensor>> graph_grads_;  // (parameter, the gradient the graph writes)
 };

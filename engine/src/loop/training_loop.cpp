@@ -42,8 +42,9 @@ TrainingLoop::TrainingLoop(IHost& host, const ResolvedConfig& config, std::uniqu
       plugins_(std::move(plugins)),
       run_dir_(std::move(run_dir)),
       settings_(TrainerSettings::from(config.section("trainer"))),
+      configured_metrics_(config.section("metrics")),
       progress_(settings_.enable_progress_bar && runtime_->rank() == 0, Progress::stderr_is_tty()),
-      steps_(std::make_unique<StepRunner>(*runtime_, plugins_.model, metrics_, settings_, [this](Hook h) { call_hook(h); })) {}
+      steps_(std::make_unique<StepRunner>(*runtime_, plugins_.model, metrics_, configured_metrics_, settings_, [this](Hook h) { call_hook(h); })) {}
 
 TrainingLoop::~TrainingLoop() { attach_plugins(nullptr); }
 
@@ -204,6 +205,25 @@ void TrainingLoop::log_metric(std::string_view name, double value) {
   publish({{std::string(name), value}});
 }
 
+// Collective: the [metrics] table's values of `split`'s epoch, reduced over every rank, into the
+// callback metrics (monitors see val_f1) and `values` (the loggers' row); the confusion matrix
+// into the run folder (rank 0).
+void TrainingLoop::add_configured_metrics(Split split, std::vector<std::pair<std::string, double>>& values, bool ran_batches) {
+  auto& rt = *runtime_;
+  if (!configured_metrics_.active(split)) return;
+  const metrics::SyncGroup group{[&](const at::Tensor& t, ReduceOp op) { return rt.reduce(t, op); }, rt.rank(), rt.world_size(),
+                                 rt.counts_metric_samples()};
+  auto epoch = configured_metrics_.finish(split, group, ran_batches);
+  for (auto& [name, v] : epoch.values) {
+    metrics_.set(name, v);
+    values.emplace_back(name, v);
+  }
+  if (epoch.confusion_matrix.defined() && is_global_zero()) {
+    std::filesystem::create_directories(run_dir_);
+    write_confusion_matrix(epoch.confusion_matrix, run_dir_, split == Split::train ? "train" : split == Split::val ? "val" : "test");
+  }
+}
+
 void TrainingLoop::publish(const std::vector<std::pair<std::string, double>>& values) {
   if (values.empty() || plugins_.loggers.empty()) return;
   auto row = values;
@@ -278,7 +298,11 @@ void TrainingLoop::train_epoch() {
     // validation is still to run, and a resume from it runs that validation first.
     pos_.validation_pending = cadence_.validates_after_batch(pos_, val_every, validation_enabled());
     call_hook(Hook::on_train_batch_end);
-    if (do_step && cadence_.logs_at(pos_.global_step)) publish(metrics_.take_step_values());
+    if (do_step && cadence_.logs_at(pos_.global_step)) {
+      auto values = metrics_.take_step_values();
+      for (auto& v : configured_metrics_.take_step_values()) values.push_back(std::move(v));
+      publish(values);
+    }
     progress_.update(b + 1, [&] { return metrics_.progress_values(); });
     validated_last = false;
     if (pos_.validation_pending) {
@@ -313,6 +337,7 @@ void TrainingLoop::train_epoch() {
   }
   auto reducer = [&](const at::Tensor& t, ReduceOp op) { return rt.reduce(t, op); };
   auto epoch_values = metrics_.finish_epoch(Stage::fit, reducer);
+  add_configured_metrics(Split::train, epoch_values, /*ran_batches=*/first < n);
   publish(epoch_values);
   // A stop in mid-epoch (max_steps, early stop) leaves the epoch unfinished: a resume continues
   // it at the next batch.
@@ -379,8 +404,10 @@ void TrainingLoop::evaluate(Split split, Stage stage, int64_t max_batches) {
   call_hook(test ? Hook::on_test_epoch_end : Hook::on_validation_epoch_end);
   if (sanity) {
     metrics_.discard_epoch(stage);
+    configured_metrics_.discard(split);
   } else {
     auto values = metrics_.finish_epoch(stage, [&](const at::Tensor& t, ReduceOp op) { return rt.reduce(t, op); });
+    add_configured_metrics(split, values, /*ran_batches=*/true);
     publish(values);
     progress.finish(format_metrics(values));
     // Published: a checkpoint saved from here on does not ask its resume to validate again.

@@ -25,6 +25,7 @@
 #include "data/data_loader.h"
 #include "data/device_feed.h"
 #include "loop/cadence.h"
+#include "loop/configured_metrics.h"
 #include "loop/data_plan.h"
 #include "loop/generation.h"
 #include "loop/metrics.h"
@@ -163,6 +164,7 @@ class TrainingLoop final : public ITrainer,
   std::vector<std::pair<std::string, double>> evaluate_split(Split split);
   void setup_cuda_graph();
   void apply_activation_checkpointing(IModel& model);
+  void add_configured_metrics(Split split, std::vector<std::pair<std::string, double>>& values, bool ran_batches);
   void publish(const std::vector<std::pair<std::string, double>>& values);
   // Ends the loop after the current step: the engine's own stops (signals, another rank's stop)
   // and a callback's once trainer.min_epochs/min_steps are met.
@@ -187,6 +189,7 @@ class TrainingLoop final : public ITrainer,
   std::unique_ptr<DataPlan> plan_;  // the loaders (made in setup())
   FeedOptions feed_options_;
   MetricStore metrics_;
+  ConfiguredMetrics configured_metrics_;  // the [metrics] table
   Progress progress_;
 
   Stage stage_ = Stage::none;
@@ -200,7 +203,7 @@ class TrainingLoop final : public ITrainer,
   bool step_taken_ = false, step_skipped_ = false;  // of the current training batch
   bool attached_ = false;
   // How a step runs (micro-batches, the optimizer step, the CUDA graph, a step's logging); last:
-  // it refers to the runtime, the model, the metric store and the settings above.
+  // it refers to the runtime, the model, the metric stores and the settings above.
   std::unique_ptr<StepRunner> steps_;
 };
 

@@ -26,7 +26,7 @@ int EngineHost::sdk_abi_minor() const { return EMBER_SDK_ABI_MINOR; }
 
 namespace {
 
-const std::set<std::string> kEngineSections = {"trainer", "model", "data", "optimizer", "parallelism", "plugins"};
+const std::set<std::string> kEngineSections = {"trainer", "model", "data", "optimizer", "parallelism", "metrics", "plugins"};
 
 
 
@@ -194,6 +194,7 @@ Plan make_plan(const RunRequest& req) {
   schemas.push_back(with_base("data", data_base_keys(), plan.data));
   schemas.push_back(optimizer_schema());
   schemas.push_back(parallelism_schema());
+  schemas.push_back(metrics_schema());
   std::vector<const PluginInfo*> own_sections = {plan.strategy, plan.precision};
   own_sections.insert(own_sections.end(), plan.callbacks.begin(), plan.callbacks.end());
   own_sections.insert(own_sections.end(), plan.loggers.begin(), plan.loggers.end());

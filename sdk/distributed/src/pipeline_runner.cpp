@@ -39,6 +39,11 @@ class PipelineRunner::RecordingContext final : public ember::IStepContext {
   }
   ember::Stage stage() const override { return ctx_.stage(); }
   int64_t batch_idx() const override { return ctx_.batch_idx(); }
+  // The last stage's predictions go straight to the engine's [metrics] table (its states add up
+  // over micro-batches); the other stages have none.
+  void update_metrics(const at::Tensor& preds, const at::Tensor& target) override {
+    if (last_) ctx_.update_metrics(preds, target);
+  }
   std::vector<Logged> combined() const {
     std::vector<Logged> out = logged_;
     for (auto& l : out) {

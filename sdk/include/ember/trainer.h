@@ -31,6 +31,16 @@ class EMBER_SDK_API IStepContext {
   virtual void log(std::string_view name, double value, const LogOptions& options = {}) = 0;
   virtual Stage stage() const = 0;
   virtual int64_t batch_idx() const = 0;
+  // SDK 2.7. Hands this batch's predictions to the run's [metrics] table (docs/metrics.md), which
+  // computes F1, AUROC, a confusion matrix... over the whole split, exactly, on any number of
+  // ranks. `preds`: scores (logits or probabilities) [N, C] for multiclass, [N] for binary,
+  // [N, L] for multilabel, values for regression, logits [..., V] for perplexity; `target`: class
+  // indices, 0/1 labels or values. Either may stay on the device; the engine detaches them and
+  // leaves out the rows a padded evaluation batch repeats. A no-op when the table names nothing
+  // for this split, so a model may always call it. (Appended: an IStepContext implemented by a
+  // plugin, e.g. a strategy wrapping the model's context, must be built against 2.7 to hand its
+  // context to a 2.7 model.)
+  virtual void update_metrics(const at::Tensor& preds, const at::Tensor& target) = 0;
 };
 
 // The trainer as callbacks, loggers and model hooks see it: a thin view of where the run is.

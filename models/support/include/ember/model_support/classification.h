@@ -128,6 +128,8 @@ inline at::Tensor classification_step(const at::Tensor& logits, const at::Tensor
     ctx.log(prefix + "_acc", cpu_accuracy(logits, targets), accuracy_log_options(phase));
   else
     ctx.log(prefix + "_acc", (logits.detach().argmax(1) == labels).to(torch::kFloat).mean(), accuracy_log_options(phase));
+  // The scores and labels for the run's [metrics] table (F1, AUROC, the confusion matrix...).
+  ctx.update_metrics(logits.detach(), targets);
   return loss;
 }
 

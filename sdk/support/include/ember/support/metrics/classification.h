@@ -180,7 +180,7 @@ class ClassificationScore : public ConfusionMatrix {
     return average_scores(kind_, beta_, average_, tp, fp, fn, tn, /*label_accuracy=*/false);
   }
   // One value per class (a class with no sample and no prediction scores 0, as torchmetrics').
-  at::Tensor per_class() const {
+  at::Tensor per_class() const override {
     const auto [tp, fp, fn, tn] = class_counts();
     return score_of(kind_, beta_, tp, fp, fn, tn, false);
   }
@@ -218,7 +218,7 @@ class LabelScore : public Metric {
     return average_scores(kind_, beta_, task_ == Task::binary ? Average::micro : average_, c.select(1, 0), c.select(1, 1), c.select(1, 2),
                           c.select(1, 3), /*label_accuracy=*/true);
   }
-  at::Tensor per_class() const {
+  at::Tensor per_class() const override {
     const at::Tensor c = state(counts_).to(at::kCPU, at::kDouble);
     return score_of(kind_, beta_, c.select(1, 0), c.select(1, 1), c.select(1, 2), c.select(1, 3), true);
   }
@@ -269,7 +269,7 @@ class TopKAccuracy : public Metric {
     if (average_ == Average::weighted) return (per * n).sum().item<double>() / total;
     return per.mean().item<double>();
   }
-  at::Tensor per_class() const { return safe_ratio(state(hits_).to(at::kCPU, at::kDouble), state(support_).to(at::kCPU, at::kDouble)); }
+  at::Tensor per_class() const override { return safe_ratio(state(hits_).to(at::kCPU, at::kDouble), state(support_).to(at::kCPU, at::kDouble)); }
 
  private:
   int64_t num_classes_, k_;

@@ -107,7 +107,7 @@ class ExactCurve : public Metric {
     const at::Tensor pos = t.sum(0);
     return average_curves(values, std::vector<double>(pos.data_ptr<double>(), pos.data_ptr<double>() + pos.numel()), average_);
   }
-  at::Tensor per_class() const {
+  at::Tensor per_class() const override {
     const at::Tensor s = cat_state(scores_state_).to(at::kCPU, at::kDouble), t = cat_state(targets_).to(at::kCPU, at::kDouble);
     std::vector<double> out;
     for (int64_t c = 0; c < columns_; ++c) out.push_back(exact_curve_value(kind_, s.select(1, c).contiguous(), t.select(1, c).contiguous()));
@@ -156,7 +156,7 @@ class BinnedCurve : public Metric {
     const at::Tensor p = pos.sum(1);
     return average_curves(values, std::vector<double>(p.data_ptr<double>(), p.data_ptr<double>() + p.numel()), average_);
   }
-  at::Tensor per_class() const {
+  at::Tensor per_class() const override {
     const at::Tensor pos = state(pos_).to(at::kCPU, at::kDouble), neg = state(neg_).to(at::kCPU, at::kDouble);
     std::vector<double> out;
     for (int64_t c = 0; c < columns_; ++c) out.push_back(value(pos[c], neg[c]));

@@ -54,6 +54,8 @@ class Metric {
   // The value of everything folded in (after a sync: of every rank's data). NaN when undefined
   // (no sample yet, AUROC without a negative sample, ...).
   virtual double compute() const = 0;
+  // One value per class or label where the metric has them (average = none), else undefined.
+  virtual at::Tensor per_class() const { return {}; }
 
   // Back to the state before the first update.
   void reset() {

@@ -1,0 +1,261 @@
+#include "loop/configured_metrics.h"
+
+#include <ember/error.h>
+
+#include <algorithm>
+#include <limits>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "checkpoint/atomic_file.h"
+
+#ifdef EMBER_WITH_CAIRO
+#include <ember/support/cairo_chart.h>
+#endif
+
+namespace ember::engine {
+namespace {
+
+constexpr const char* kSplitNames[] = {"train", "val", "test"};
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
+  return out;
+}
+
+bool needs_classes(const std::string& name) { return !metrics::is_regression_metric(name) && name != "perplexity"; }
+
+}  // namespace
+
+ConfiguredMetrics::ConfiguredMetrics(const Section& s) {
+  names_ = s.get_string_list("names");
+  where_ = s.where("names");
+  auto fail = [&](const std::string& key, const std::string& why) { throw ConfigError(s.where(key) + ": metrics." + key + ": " + why); };
+  std::set<std::string> seen;
+  for (const auto& n : names_) {
+    const auto& known = metrics::metric_names();
+    if (std::find(known.begin(), known.end(), n) == known.end())
+      fail("names", "unknown metric '" + n + "' (known: " + joined(known) + ")");
+    if (!seen.insert(n).second) fail("names", "'" + n + "' is named twice");
+  }
+  for (const auto& split : s.get_string_list("splits")) {
+    auto it = std::find(std::begin(kSplitNames), std::end(kSplitNames), split);
+    if (it == std::end(kSplitNames)) fail("splits", "unknown split '" + split + "' (train, val, test)");
+    splits_[static_cast<size_t>(it - std::begin(kSplitNames))] = true;
+  }
+  on_step_ = s.get_bool("on_step");
+  if (on_step_ && !splits_[0]) fail("on_step", "per-step values are training values: add \"train\" to metrics.splits");
+  spec_.task = metrics::parse_task(s.get_string("task"));
+  spec_.num_classes = s.get_int("num_classes");
+  spec_.average = metrics::parse_average(s.get_string("average"));
+  spec_.top_k = s.get_int("top_k");
+  spec_.threshold = s.get_float("threshold");
+  spec_.beta = s.get_float("beta");
+  spec_.thresholds = s.get_int("thresholds");
+  spec_.max_samples = s.get_int("max_samples");
+  spec_.bins = s.get_int("bins");
+  const std::string norm = s.get_string("calibration_norm");
+  spec_.norm = norm == "l2" ? metrics::CalibrationError::Norm::l2 : norm == "max" ? metrics::CalibrationError::Norm::max : metrics::CalibrationError::Norm::l1;
+  const std::string scores = s.get_string("scores");
+  spec_.scores = scores == "logits" ? metrics::Scores::logits : scores == "probabilities" ? metrics::Scores::probabilities : metrics::Scores::automatic;
+  spec_.ignore_index = s.get_int("ignore_index");
+  if (spec_.thresholds == 1) fail("thresholds", "0 (exact curves) or at least 2 bins");
+  if (spec_.task == metrics::Task::binary && spec_.num_classes > 2) fail("num_classes", "a binary task has 2 classes; use task = \"multiclass\"");
+  if (spec_.num_classes == 1 && spec_.task == metrics::Task::multiclass) fail("num_classes", "a multiclass task needs at least 2 classes");
+  // Every setting checked now, not at the first batch: each metric made once with the classes
+  // given (or 2 standing for the scores' width).
+  for (const auto& n : names_) {
+    metrics::MetricSpec probe = spec_;
+    probe.name = n;
+    probe.num_classes = std::max<int64_t>(spec_.num_classes, std::max<int64_t>(2, spec_.top_k));
+    try {
+      (void)metrics::make_metric(probe);
+    } catch (const RunError& e) {
+      std::string why = e.what();
+      if (why.starts_with("metrics: ")) why = why.substr(9);
+      fail("names", why);
+    }
+  }
+}
+
+int64_t ConfiguredMetrics::classes_of(const at::Tensor& preds) const {
+  if (spec_.num_classes > 0) return spec_.num_classes;
+  if (spec_.task == metrics::Task::binary) return 2;
+  return preds.dim() >= 2 ? preds.size(-1) : 0;
+}
+
+void ConfiguredMetrics::make(SplitMetrics& m, int64_t num_classes) const {
+  for (const auto& n : names_) {
+    metrics::MetricSpec spec = spec_;
+    spec.name = n;
+    spec.num_classes = needs_classes(n) ? num_classes : 2;
+    if (n == "confusion_matrix") {
+      auto cm = metrics::make_metric(spec);
+      m.confusion.reset(static_cast<metrics::ConfusionMatrix*>(cm.release()));
+      continue;
+    }
+    m.collection.add(n, metrics::make_metric(spec));
+  }
+  m.made = true;
+}
+
+void ConfiguredMetrics::update(Split split, const at::Tensor& preds, const at::Tensor& target) {
+  if (!active(split)) return;
+  auto feed = [&](SplitMetrics& m) {
+    if (!m.made) {
+      const int64_t classes = classes_of(preds);
+      const bool any_classified = std::any_of(names_.begin(), names_.end(), needs_classes);
+      if (any_classified && classes < 2)
+        throw RunError(where_ + ": [metrics] got scores of shape " + std::string(c10::str(preds.sizes())) + " for a " +
+                       metrics::task_name(spec_.task) + " task: set metrics.num_classes, or metrics.task to match the model's outputs");
+      make(m, classes);
+      m.classes = classes;
+    }
+    m.collection.update(preds, target);
+    if (m.confusion) m.confusion->update(preds, target);
+  };
+  try {
+    feed(splits_metrics_[static_cast<size_t>(split)]);
+    if (on_step_ && split == Split::train) {
+      feed(step_window_);
+      step_window_used_ = true;
+    }
+  } catch (const RunError& e) {
+    std::string why = e.what();
+    if (why.starts_with("metrics: ")) why = why.substr(9);
+    throw RunError(where_ + ": [metrics] on the " + kSplitNames[static_cast<int>(split)] + " split: " + why);
+  }
+}
+
+std::vector<std::pair<std::string, double>> ConfiguredMetrics::take_step_values() {
+  std::vector<std::pair<std::string, double>> out;
+  if (!step_window_used_) return out;
+  for (const auto& [name, value] : step_window_.collection.compute()) out.emplace_back("train_" + name + "_step", value);
+  step_window_.collection.reset();
+  step_window_used_ = false;
+  return out;
+}
+
+ConfiguredMetrics::EpochValues ConfiguredMetrics::finish(Split split, const metrics::SyncGroup& group, bool ran_batches) {
+  EpochValues out;
+  if (!active(split)) return out;
+  auto& m = splits_metrics_[static_cast<size_t>(split)];
+  // A rank that saw no batch (a pipeline stage before the last, a rank whose share of the split
+  // was padding only) makes its metrics with the classes the others saw, so that every rank
+  // reduces the same states; ranks that saw different widths all stop with the same message. One
+  // small reduce: (the most classes seen, minus the fewest, whether any rank got predictions).
+  const std::vector<int64_t> mine = {m.made ? m.classes : 0, m.made ? -m.classes : std::numeric_limits<int64_t>::min() + 1, m.made ? 1 : 0};
+  at::Tensor seen = at::tensor(mine, at::kLong);
+  if (group.world_size > 1) seen = group.reduce(seen, ReduceOp::max).to(at::kCPU);
+  const int64_t most = seen[0].item<int64_t>(), fewest = -seen[1].item<int64_t>();
+  if (seen[2].item<int64_t>() == 0) {
+    if (!ran_batches) return out;
+    throw RunError(where_ + ": [metrics] names " + joined(names_) + ", but the model handed no predictions on the " + kSplitNames[static_cast<int>(split)] +
+                   " split: its steps must call ctx.update_metrics(scores, targets) (the built-in models do; gpt under vocabulary parallelism only in evaluation)");
+  }
+  if (most != fewest)
+    throw RunError(where_ + ": [metrics] ranks saw scores for " + std::to_string(fewest) + " and " + std::to_string(most) +
+                   " classes: set metrics.num_classes");
+  const int64_t classes = most;
+  if (!m.made) make(m, classes);
+  std::vector<metrics::Metric*> all;
+  for (const auto& [name, metric] : m.collection.metrics()) all.push_back(metric.get());
+  if (m.confusion) all.push_back(m.confusion.get());
+  metrics::sync_metrics(all, group);
+  const std::string prefix = kSplitNames[static_cast<int>(split)];
+  for (const auto& [name, metric] : m.collection.metrics()) {
+    const std::string key = prefix + "_" + name + (split == Split::train && on_step_ ? "_epoch" : "");
+    out.values.emplace_back(key, metric->compute());
+    if (spec_.average != metrics::Average::none) continue;
+    const at::Tensor per = metric->per_class();
+    for (int64_t c = 0; per.defined() && c < per.numel(); ++c) out.values.emplace_back(key + "_" + std::to_string(c), per[c].item<double>());
+  }
+  if (m.confusion) out.confusion_matrix = m.confusion->matrix();
+  m.collection.reset();
+  if (m.confusion) m.confusion->reset();
+  return out;
+}
+
+void ConfiguredMetrics::discard(Split split) {
+  auto& m = splits_metrics_[static_cast<size_t>(split)];
+  m.collection.reset();
+  if (m.confusion) m.confusion->reset();
+  if (split == Split::train) {
+    step_window_.collection.reset();
+    step_window_used_ = false;
+  }
+}
+
+
+#ifdef EMBER_WITH_CAIRO
+namespace {
+// A heat map of the counts, each row shaded by its share of the row's samples (so a rare class's
+// errors show as clearly as a common one's), the count written in every cell.
+void draw_confusion_matrix(const at::Tensor& matrix, const std::filesystem::path& png, const std::string& split) {
+  namespace chart = ember::support::chart;
+  const int64_t c = matrix.size(0);
+  const int cell = static_cast<int>(std::clamp<int64_t>(560 / c, 14, 48));
+  const int left = 70, top = 56, size = cell * static_cast<int>(c);
+  chart::Canvas canvas(left + size + 24, top + size + 40);
+  cairo_t* cr = canvas.cr();
+  const at::Tensor m = matrix.to(at::kDouble);
+  const at::Tensor rows = m.sum(1, true).clamp_min(1);
+  const at::Tensor share = m / rows;
+  cairo_set_font_size(cr, 14);
+  chart::set_color(cr, {0.1, 0.1, 0.1});
+  chart::draw_text(cr, split + " confusion matrix (rows: target, columns: predicted)", 8, 20);
+  cairo_set_font_size(cr, std::max(8.0, cell * 0.3));
+  for (int64_t i = 0; i < c; ++i) {
+    for (int64_t j = 0; j < c; ++j) {
+      const double v = share[i][j].item<double>();
+      cairo_set_source_rgb(cr, 1 - 0.85 * v, 1 - 0.55 * v, 1 - 0.2 * v);
+      cairo_rectangle(cr, left + j * cell, top + i * cell, cell, cell);
+      cairo_fill(cr);
+      if (cell >= 24) {
+        chart::set_color(cr, v > 0.5 ? chart::Rgb{1, 1, 1} : chart::Rgb{0.1, 0.1, 0.1});
+        chart::draw_text(cr, std::to_string(matrix[i][j].item<int64_t>()), left + j * cell + cell / 2.0, top + i * cell + cell * 0.62, 0.5);
+      }
+    }
+    chart::set_color(cr, {0.2, 0.2, 0.2});
+    chart::draw_text(cr, std::to_string(i), left - 6, top + i * cell + cell * 0.62, 1.0);
+    chart::draw_text(cr, std::to_string(i), left + i * cell + cell / 2.0, top - 6, 0.5);
+  }
+  cairo_set_source_rgb(cr, 0.6, 0.6, 0.6);
+  cairo_set_line_width(cr, 1);
+  cairo_rectangle(cr, left + 0.5, top + 0.5, size, size);
+  cairo_stroke(cr);
+  const std::filesystem::path tmp = png.string() + ".tmp";
+  const std::string error = canvas.write_png(tmp.string());
+  if (!error.empty()) throw RunError("could not write " + png.string() + ": " + error);
+  std::filesystem::rename(tmp, png);
+}
+}  // namespace
+#endif
+
+std::vector<std::filesystem::path> write_confusion_matrix(const at::Tensor& matrix, const std::filesystem::path& dir, const std::string& split) {
+  std::vector<std::filesystem::path> written;
+  const int64_t c = matrix.size(0);
+  std::ostringstream csv;
+  csv << "target\\predicted";
+  for (int64_t j = 0; j < c; ++j) csv << ',' << j;
+  csv << '\n';
+  for (int64_t i = 0; i < c; ++i) {
+    csv << i;
+    for (int64_t j = 0; j < c; ++j) csv << ',' << matrix[i][j].item<int64_t>();
+    csv << '\n';
+  }
+  const std::string text = csv.str();
+  const auto path = dir / (split + "_confusion_matrix.csv");
+  atomic_write(path, text.data(), text.size());
+  written.push_back(path);
+#ifdef EMBER_WITH_CAIRO
+  const auto png = dir / (split + "_confusion_matrix.png");
+  draw_confusion_matrix(matrix, png, split);
+  written.push_back(png);
+#endif
+  return written;
+}
+
+}  // namespace ember::engine
