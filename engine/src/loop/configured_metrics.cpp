@@ -99,6 +99,7 @@ void ConfiguredMetrics::make(SplitMetrics& m, int64_t num_classes) const {
     m.collection.add(n, metrics::make_metric(spec));
   }
   m.made = true;
+  m.classes = num_classes;
 }
 
 void ConfiguredMetrics::update(Split split, const at::Tensor& preds, const at::Tensor& target) {
@@ -111,10 +112,10 @@ void ConfiguredMetrics::update(Split split, const at::Tensor& preds, const at::T
         throw RunError(where_ + ": [metrics] got scores of shape " + std::string(c10::str(preds.sizes())) + " for a " +
                        metrics::task_name(spec_.task) + " task: set metrics.num_classes, or metrics.task to match the model's outputs");
       make(m, classes);
-      m.classes = classes;
     }
     m.collection.update(preds, target);
     if (m.confusion) m.confusion->update(preds, target);
+    m.updated = true;
   };
   try {
     feed(splits_metrics_[static_cast<size_t>(split)]);
@@ -138,32 +139,40 @@ std::vector<std::pair<std::string, double>> ConfiguredMetrics::take_step_values(
   return out;
 }
 
-ConfiguredMetrics::EpochValues ConfiguredMetrics::finish(Split split, const metrics::SyncGroup& group, bool ran_batches) {
+ConfiguredMetrics::EpochValues ConfiguredMetrics::finish(Split split, const MetricRanks& ranks, bool ran_batches) {
   EpochValues out;
   if (!active(split)) return out;
   auto& m = splits_metrics_[static_cast<size_t>(split)];
   // A rank that saw no batch (a pipeline stage before the last, a rank whose share of the split
   // was padding only) makes its metrics with the classes the others saw, so that every rank
   // reduces the same states; ranks that saw different widths all stop with the same message. One
-  // small reduce: (the most classes seen, minus the fewest, whether any rank got predictions).
-  const std::vector<int64_t> mine = {m.made ? m.classes : 0, m.made ? -m.classes : std::numeric_limits<int64_t>::min() + 1, m.made ? 1 : 0};
+  // small max-reduce over every rank: the most classes seen, minus the fewest, and the lowest rank
+  // that got predictions (as world_size - rank).
+  const std::vector<int64_t> mine = {m.made ? m.classes : 0, m.made ? -m.classes : std::numeric_limits<int64_t>::min() + 1,
+                                     m.updated ? ranks.world_size - ranks.rank : 0};
   at::Tensor seen = at::tensor(mine, at::kLong);
-  if (group.world_size > 1) seen = group.reduce(seen, ReduceOp::max).to(at::kCPU);
+  if (ranks.world_size > 1) seen = ranks.reduce(seen, ReduceOp::max).to(at::kCPU);
   const int64_t most = seen[0].item<int64_t>(), fewest = -seen[1].item<int64_t>();
+  m.updated = false;
   if (seen[2].item<int64_t>() == 0) {
     if (!ran_batches) return out;
     throw RunError(where_ + ": [metrics] names " + joined(names_) + ", but the model handed no predictions on the " + kSplitNames[static_cast<int>(split)] +
                    " split: its steps must call ctx.update_metrics(scores, targets) (the built-in models do; gpt under vocabulary parallelism only in evaluation)");
   }
-  if (most != fewest)
+  const int64_t source = ranks.world_size - seen[2].item<int64_t>();
+  const bool needs = spec_.num_classes == 0 && std::any_of(names_.begin(), names_.end(), needs_classes);
+  if (needs && most != fewest)
     throw RunError(where_ + ": [metrics] ranks saw scores for " + std::to_string(fewest) + " and " + std::to_string(most) +
                    " classes: set metrics.num_classes");
-  const int64_t classes = most;
-  if (!m.made) make(m, classes);
+  if (!m.made) make(m, needs ? most : std::max<int64_t>(spec_.num_classes, 2));
   std::vector<metrics::Metric*> all;
   for (const auto& [name, metric] : m.collection.metrics()) all.push_back(metric.get());
   if (m.confusion) all.push_back(m.confusion.get());
-  metrics::sync_metrics(all, group);
+  // Sums over the data-parallel group (the cat states placed by data-parallel rank) ...
+  metrics::sync_metrics(all, {ranks.reduce, ranks.data_parallel_rank, ranks.data_parallel_size});
+  // ... and on a mesh, the first rank with predictions gives its totals to every rank.
+  if (ranks.data_parallel_size != ranks.world_size)
+    metrics::broadcast_metrics(all, [&](const at::Tensor& t) { return ranks.broadcast(t, source); });
   const std::string prefix = kSplitNames[static_cast<int>(split)];
   for (const auto& [name, metric] : m.collection.metrics()) {
     const std::string key = prefix + "_" + name + (split == Split::train && on_step_ ? "_epoch" : "");

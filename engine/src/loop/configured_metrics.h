@@ -10,6 +10,7 @@
 
 #include <array>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -19,6 +20,16 @@
 #include "config/run_config.h"
 
 namespace ember::engine {
+
+// How the ranks of a run reduce metric states: Runtime::reduce sums over the data-parallel group
+// (a device mesh's tensor-parallel peers and pipeline stages each sum their own group's copies)
+// and takes max / min over every rank; `broadcast` hands a global rank's tensor to every rank.
+struct MetricRanks {
+  metrics::Reducer reduce;
+  std::function<at::Tensor(const at::Tensor&, int64_t)> broadcast;
+  int64_t rank = 0, world_size = 1;
+  int64_t data_parallel_rank = 0, data_parallel_size = 1;
+};
 
 class ConfiguredMetrics {
  public:
@@ -35,14 +46,16 @@ class ConfiguredMetrics {
   // (train_<name>_step); empty when there were none.
   std::vector<std::pair<std::string, double>> take_step_values();
   // Collective (every rank, also one that saw no batch): reduces, computes and resets `split`'s
-  // metrics. `ran_batches`: the split ran batches (then no predictions on any rank is an error
-  // naming ctx.update_metrics). Returns (name, value) pairs: <split>_<name>, train_<name>_epoch with on_step, and
+  // metrics, the same values on every rank: summed over the data-parallel group of a rank that saw
+  // predictions, then, on a device mesh whose other ranks saw none or copies (pipeline stages,
+  // tensor-parallel peers), that rank's states broadcast to all. `ran_batches`: the split ran
+  // batches (then no predictions on any rank is an error naming ctx.update_metrics). Returns (name, value) pairs: <split>_<name>, train_<name>_epoch with on_step, and
   // <split>_<name>_<class> for average = "none"; and the confusion matrix when one is asked.
   struct EpochValues {
     std::vector<std::pair<std::string, double>> values;
     at::Tensor confusion_matrix;  // [C, C] on the CPU (rows: targets), or undefined
   };
-  EpochValues finish(Split split, const metrics::SyncGroup& group, bool ran_batches);
+  EpochValues finish(Split split, const MetricRanks& ranks, bool ran_batches);
   // Drops what `split` gathered (a sanity check's batches).
   void discard(Split split);
 
@@ -51,7 +64,8 @@ class ConfiguredMetrics {
     metrics::MetricCollection collection;
     std::unique_ptr<metrics::ConfusionMatrix> confusion;
     bool made = false;
-    int64_t classes = 0;  // what the metrics were made for
+    bool updated = false;  // predictions came this epoch
+    int64_t classes = 0;   // what the metrics were made for
   };
   void make(SplitMetrics& m, int64_t num_classes) const;
   int64_t classes_of(const at::Tensor& preds) const;

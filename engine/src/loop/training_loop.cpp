@@ -211,9 +211,14 @@ void TrainingLoop::log_metric(std::string_view name, double value) {
 void TrainingLoop::add_configured_metrics(Split split, std::vector<std::pair<std::string, double>>& values, bool ran_batches) {
   auto& rt = *runtime_;
   if (!configured_metrics_.active(split)) return;
-  const metrics::SyncGroup group{[&](const at::Tensor& t, ReduceOp op) { return rt.reduce(t, op); }, rt.rank(), rt.world_size(),
-                                 rt.counts_metric_samples()};
-  auto epoch = configured_metrics_.finish(split, group, ran_batches);
+  MetricRanks ranks;
+  ranks.reduce = [&](const at::Tensor& t, ReduceOp op) { return rt.reduce(t, op); };
+  ranks.broadcast = [&](const at::Tensor& t, int64_t src) { return rt.broadcast(t, src); };
+  ranks.rank = rt.rank();
+  ranks.world_size = rt.world_size();
+  ranks.data_parallel_rank = rt.data_parallel_rank();
+  ranks.data_parallel_size = rt.data_parallel_size();
+  auto epoch = configured_metrics_.finish(split, ranks, ran_batches);
   for (auto& [name, v] : epoch.values) {
     metrics_.set(name, v);
     values.emplace_back(name, v);

@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "runtime/numerics.h"
 #include "common/version.h"
+#include "loop/configured_metrics.h"
 
 namespace ember::engine {
 
@@ -215,6 +216,8 @@ Plan make_plan(const RunRequest& req) {
   if (precision_plugin_for(t.get_string("precision")) != plan.precision->name)
     plan.config.set("trainer", "precision", plan.precision->name, plan.auto_precision_note.empty() ? "--plugins" : "auto");
   if (max_time) plan.config.set("timer", "duration", *max_time, set_where(plan.raw, "trainer", "max_time"));
+  // [metrics] is checked now, before anything is loaded or launched (the loop makes its own).
+  (void)ConfiguredMetrics(plan.config.section("metrics"));
   return plan;
 }
 

@@ -119,11 +119,6 @@ int64_t Runtime::data_parallel_size() const {
   return world_size();
 }
 
-bool Runtime::counts_metric_samples() const {
-  if (auto* mesh = static_cast<IDeviceMesh*>(strategy_.object->query_interface(kDeviceMeshIid))) return mesh->tensor_parallel_rank() == 0;
-  return true;
-}
-
 void Runtime::set_precision(Named<IPrecision> precision) {
   if (!launched_) throw RunError("Runtime::set_precision before launch (an engine bug)");
   if (precision_.object) throw RunError("Runtime::set_precision called twice (an engine bug)");

@@ -69,9 +69,6 @@ class Runtime {
   // global ones.
   int64_t data_parallel_rank() const;
   int64_t data_parallel_size() const;
-  // Requires launched(). Whether the samples this rank sees count in sums over the ranks: false
-  // for a tensor-parallel peer (rank > 0 of its group), which saw the same batch as rank 0.
-  bool counts_metric_samples() const;
   // Requires launched(). The precision handler of the run (made after launch).
   void set_precision(Named<IPrecision> precision);
   bool has_precision() const { return precision_.object != nullptr; }

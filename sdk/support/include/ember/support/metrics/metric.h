@@ -44,6 +44,7 @@ struct SyncGroup {
 
 class Metric;
 void sync_metrics(const std::vector<Metric*>& metrics, const SyncGroup& group);
+void broadcast_metrics(const std::vector<Metric*>& metrics, const std::function<at::Tensor(const at::Tensor&)>& broadcast);
 
 class Metric {
  public:
@@ -129,6 +130,7 @@ class Metric {
 
  private:
   friend void sync_metrics(const std::vector<Metric*>& metrics, const SyncGroup& group);
+  friend void broadcast_metrics(const std::vector<Metric*>& metrics, const std::function<at::Tensor(const at::Tensor&)>& broadcast);
   struct State {
     at::Tensor value, initial;
     StateReduce reduce;
@@ -206,6 +208,58 @@ inline void sync_metrics(const std::vector<Metric*>& metrics, const SyncGroup& g
       offset += mine[i].numel();
       s->chunks = {all};
       s->rows = all.size(0);
+    }
+  }
+}
+
+// Collective: every rank takes one rank's states, `broadcast(t)` returning that rank's `t` on every
+// rank. For states synced over a group that not every rank belongs to: a device mesh's
+// data-parallel group of the pipeline's last stage, which alone saw predictions. One broadcast per
+// dtype (and the cat states' row counts first).
+inline void broadcast_metrics(const std::vector<Metric*>& metrics, const std::function<at::Tensor(const at::Tensor&)>& broadcast) {
+  using State = Metric::State;
+  std::vector<State*> fixed, cat;
+  for (Metric* m : metrics)
+    for (auto& s : m->states_) (s.reduce == StateReduce::cat ? cat : fixed).push_back(&s);
+  std::map<std::pair<int, std::string>, std::vector<State*>> buckets;
+  for (State* s : fixed) buckets[{static_cast<int>(s->value.scalar_type()), s->value.device().str()}].push_back(s);
+  for (auto& [key, states] : buckets) {
+    std::vector<at::Tensor> flat;
+    for (State* s : states) flat.push_back(s->value.reshape({-1}));
+    const at::Tensor got = broadcast(at::cat(flat)).to(states.front()->value.device());
+    int64_t offset = 0;
+    for (State* s : states) {
+      s->value = got.narrow(0, offset, s->value.numel()).reshape(s->value.sizes()).clone();
+      offset += s->value.numel();
+    }
+  }
+  if (cat.empty()) return;
+  at::Tensor rows = at::zeros({static_cast<int64_t>(cat.size())}, at::kLong);
+  for (size_t j = 0; j < cat.size(); ++j) rows[static_cast<int64_t>(j)] = cat[j]->rows;
+  rows = broadcast(rows).to(at::kCPU);
+  std::map<int, std::vector<size_t>> by_dtype;
+  for (size_t j = 0; j < cat.size(); ++j) by_dtype[static_cast<int>(cat[j]->initial.scalar_type())].push_back(j);
+  for (auto& [dtype, js] : by_dtype) {
+    std::vector<at::Tensor> parts;
+    std::vector<std::vector<int64_t>> shapes;
+    for (size_t j : js) {
+      State* s = cat[j];
+      auto shape = s->initial.sizes().vec();
+      shape[0] = rows[static_cast<int64_t>(j)].item<int64_t>();
+      const at::Tensor mine = s->chunks.empty() ? s->initial : (s->chunks.size() > 1 ? at::cat(s->chunks) : s->chunks.front());
+      // The source sends its rows; the others send a buffer of the same size.
+      parts.push_back((mine.size(0) == shape[0] ? mine : at::zeros(shape, mine.options())).reshape({-1}));
+      shapes.push_back(shape);
+    }
+    const at::Tensor got = broadcast(at::cat(parts));
+    int64_t offset = 0;
+    for (size_t i = 0; i < js.size(); ++i) {
+      State* s = cat[js[i]];
+      int64_t n = 1;
+      for (int64_t d : shapes[i]) n *= d;
+      s->chunks = {got.narrow(0, offset, n).reshape(shapes[i]).clone()};
+      s->rows = shapes[i][0];
+      offset += n;
     }
   }
 }
