@@ -6,6 +6,8 @@
 // gradient norm across shards.
 #include <gtest/gtest.h>
 
+#include <ember/support/metrics.h>
+
 #include <optional>
 
 #include <ember/error.h>
@@ -645,4 +647,41 @@ TEST(Fabric, TwoCpuRanksTrainTheProgramsTensorParallelPlan) {
   bad.tensor_parallel = 2;
   auto m = error_of<ember::ConfigError>([&] { ember::Fabric g(bad); });
   EXPECT_NE(m.find("FabricOptions.tensor_parallel = 2 needs FabricOptions.parallelize"), std::string::npos) << m;
+}
+
+// Fabric::sync: a program's own evaluation loop gets the metrics of <ember/support/metrics.h>
+// exactly over its ranks. Rank 0 sees 37 samples, rank 1 the other 26: after the sync both ranks
+// compute the whole data's F1, exact AUROC (its scores gathered) and confusion matrix.
+TEST(Fabric, TwoCpuRanksSyncMetricsOverTheWholeData) {
+  EMBER_SKIP_WITHOUT_MPI();
+  const bool launched = std::getenv("EMBER_FABRIC_TEST_METRICS") != nullptr;
+  if (!launched) ::setenv("EMBER_FABRIC_TEST_METRICS", "1", 1);
+  ember::Fabric f({.accelerator = "cpu", .strategy = "ddp", .devices = 2,
+                   .argv = {std::filesystem::read_symlink("/proc/self/exe").string(),
+                            "--gtest_filter=Fabric.TwoCpuRanksSyncMetricsOverTheWholeData"}});
+  namespace m = ember::metrics;
+  const int code = f.launch([&](ember::Fabric& fab) {
+    torch::manual_seed(5);
+    const at::Tensor scores = torch::randn({63, 3}), target = torch::randint(0, 3, {63}, at::kLong);
+    auto make = [] {
+      m::MetricCollection c;
+      c.add("f1", m::f1(3));
+      c.add("auroc", std::make_unique<m::ExactCurve>(m::CurveKind::auroc, m::Task::multiclass, 3));
+      c.add("confusion", std::make_unique<m::ConfusionMatrix>(3));
+      return c;
+    };
+    m::MetricCollection whole = make(), mine = make();
+    whole.update(scores, target);
+    const int64_t begin = fab.rank() == 0 ? 0 : 37, count = fab.rank() == 0 ? 37 : 26;
+    mine.update(scores.narrow(0, begin, count), target.narrow(0, begin, count));
+    fab.sync(mine);
+    const auto got = mine.compute(), want = whole.compute();
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i].second, want[i].second, 1e-12) << got[i].first << " on rank " << fab.rank();
+    EXPECT_TRUE(dynamic_cast<const m::ConfusionMatrix&>(*mine.metrics()[2].second).matrix().equal(
+        dynamic_cast<const m::ConfusionMatrix&>(*whole.metrics()[2].second).matrix()));
+  });
+  if (!launched) {
+    ::unsetenv("EMBER_FABRIC_TEST_METRICS");
+    EXPECT_EQ(code, 0) << "a rank failed (its output is above)";
+  }
 }

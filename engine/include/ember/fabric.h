@@ -39,6 +39,11 @@
 namespace torch::nn { class Module; }
 namespace torch::optim { class Optimizer; }
 
+namespace ember::metrics {
+class Metric;
+class MetricCollection;
+}  // namespace ember::metrics
+
 namespace ember {
 
 struct FabricOptions {
@@ -197,6 +202,13 @@ class EMBER_API Fabric {
   // on (may be undefined). Any dense dtype; a sparse or quantized tensor is a RunError on every rank.
   at::Tensor broadcast(const at::Tensor& value, int64_t src = 0);
   bool broadcast(bool flag);                                        // rank 0's flag on every rank
+  // Metrics of <ember/support/metrics.h> (F1, AUROC, a confusion matrix...) over the whole data:
+  // every rank's states reduced by their declared reduction (counts summed over the data-parallel
+  // ranks, one collective per reduction and dtype; exact curves' scores gathered), so compute()
+  // then gives the same value on every rank. Call on every rank, e.g. after the last evaluation
+  // batch; then log compute() and reset().
+  void sync(metrics::MetricCollection& metrics);
+  void sync(metrics::Metric& metric);
 
   int64_t rank() const;
   int64_t local_rank() const;

@@ -2,6 +2,8 @@
 // precision plugins. The plugins are chosen and validated by the composition root (make_plan), as
 // for a run of the engine; the step goes through the same strategy/precision contract as the
 // engine's training loop (docs/step.md), with the program in the loop's place.
+#include <ember/support/metrics.h>
+
 #include "api/fabric_impl.h"
 
 #include <ATen/ATen.h>
@@ -343,6 +345,28 @@ at::Tensor Fabric::all_reduce(const at::Tensor& value, ReduceOp op) {
 void Fabric::barrier(const std::string& name) {
   impl_->ensure_launched();
   impl_->runtime->barrier(name.c_str());
+}
+
+namespace {
+// Sums over the data-parallel ranks (Runtime::reduce); on a device mesh whose tensor-parallel peers
+// hold copies, rank 0's totals then go to every rank, as the engine's [metrics] table does.
+void sync_over_ranks(engine::Runtime& rt, const std::vector<metrics::Metric*>& all) {
+  metrics::sync_metrics(all, {[&](const at::Tensor& t, ReduceOp op) { return rt.reduce(t, op); }, rt.data_parallel_rank(), rt.data_parallel_size()});
+  if (rt.data_parallel_size() != rt.world_size())
+    metrics::broadcast_metrics(all, [&](const at::Tensor& t) { return rt.broadcast(t, 0); });
+}
+}  // namespace
+
+void Fabric::sync(metrics::MetricCollection& collection) {
+  impl_->ensure_launched();
+  std::vector<metrics::Metric*> all;
+  for (const auto& [name, metric] : collection.metrics()) all.push_back(metric.get());
+  sync_over_ranks(*impl_->runtime, all);
+}
+
+void Fabric::sync(metrics::Metric& metric) {
+  impl_->ensure_launched();
+  sync_over_ranks(*impl_->runtime, {&metric});
 }
 
 at::Tensor Fabric::broadcast(const at::Tensor& value, int64_t src) {
