@@ -268,3 +268,34 @@ TEST(Metrics, EveryBuiltInEqualsScikitLearnIncludingEdgeCases) {
   EXPECT_GT(compared, 100);
 }
 #endif
+
+// Compute groups: accuracy, F1 and the confusion matrix keep one confusion matrix between them (one
+// update, one sync), exact AUROC and average precision one list of scores; the values equal those
+// of the metrics updated on their own.
+TEST(Metrics, CollectionUpdatesAndSyncsEachComputeGroupOnce) {
+  at::manual_seed(2);
+  const at::Tensor logits = at::randn({50, 4}), target = at::randint(0, 4, {50}, at::kLong);
+  m::MetricCollection c;
+  c.add("accuracy", m::accuracy(4));
+  c.add("f1", m::f1(4));
+  c.add("confusion", std::make_unique<m::ConfusionMatrix>(4));
+  c.add("auroc", std::make_unique<m::ExactCurve>(m::CurveKind::auroc, m::Task::multiclass, 4));
+  c.add("ap", std::make_unique<m::ExactCurve>(m::CurveKind::average_precision, m::Task::multiclass, 4));
+  c.add("f1_ignoring_3", std::make_unique<m::ClassificationScore>(m::ScoreKind::fbeta, 4, m::Average::macro, 1.0, 3));
+  EXPECT_EQ(c.distinct().size(), 3u) << "the confusion matrix, the scores, and the matrix that ignores class 3";
+  c.update(logits, target);
+  int reduces = 0;
+  c.sync(m::SyncGroup{[&](const at::Tensor& t, ember::ReduceOp) { ++reduces; return t; }, 0, 1});
+  EXPECT_EQ(reduces, 1) << "the sums of every group in one collective (int64 counts; the cat states need none on one rank)";
+  const auto values = c.compute();
+  auto alone = [&](std::unique_ptr<m::Metric> metric) {
+    metric->update(logits, target);
+    return metric->compute();
+  };
+  EXPECT_DOUBLE_EQ(values[0].second, alone(m::accuracy(4)));
+  EXPECT_DOUBLE_EQ(values[1].second, alone(m::f1(4)));
+  EXPECT_DOUBLE_EQ(values[3].second, alone(std::make_unique<m::ExactCurve>(m::CurveKind::auroc, m::Task::multiclass, 4)));
+  EXPECT_DOUBLE_EQ(values[4].second, alone(std::make_unique<m::ExactCurve>(m::CurveKind::average_precision, m::Task::multiclass, 4)));
+  EXPECT_DOUBLE_EQ(values[5].second, alone(std::make_unique<m::ClassificationScore>(m::ScoreKind::fbeta, 4, m::Average::macro, 1.0, 3)));
+  EXPECT_EQ(static_cast<const m::ConfusionMatrix&>(*c.metrics()[2].second).matrix().sum().item<int64_t>(), 50);
+}

@@ -359,9 +359,8 @@ void sync_over_ranks(engine::Runtime& rt, const std::vector<metrics::Metric*>& a
 
 void Fabric::sync(metrics::MetricCollection& collection) {
   impl_->ensure_launched();
-  std::vector<metrics::Metric*> all;
-  for (const auto& [name, metric] : collection.metrics()) all.push_back(metric.get());
-  sync_over_ranks(*impl_->runtime, all);
+  // One state per compute group; compute() hands it to the group's other metrics.
+  sync_over_ranks(*impl_->runtime, collection.distinct());
 }
 
 void Fabric::sync(metrics::Metric& metric) {

@@ -91,11 +91,7 @@ void ConfiguredMetrics::make(SplitMetrics& m, int64_t num_classes) const {
     metrics::MetricSpec spec = spec_;
     spec.name = n;
     spec.num_classes = needs_classes(n) ? num_classes : 2;
-    if (n == "confusion_matrix") {
-      auto cm = metrics::make_metric(spec);
-      m.confusion.reset(static_cast<metrics::ConfusionMatrix*>(cm.release()));
-      continue;
-    }
+    // The confusion matrix shares its counts with accuracy, precision, F1... (one compute group).
     m.collection.add(n, metrics::make_metric(spec));
   }
   m.made = true;
@@ -114,7 +110,6 @@ void ConfiguredMetrics::update(Split split, const at::Tensor& preds, const at::T
       make(m, classes);
     }
     m.collection.update(preds, target);
-    if (m.confusion) m.confusion->update(preds, target);
     m.updated = true;
   };
   try {
@@ -133,7 +128,8 @@ void ConfiguredMetrics::update(Split split, const at::Tensor& preds, const at::T
 std::vector<std::pair<std::string, double>> ConfiguredMetrics::take_step_values() {
   std::vector<std::pair<std::string, double>> out;
   if (!step_window_used_) return out;
-  for (const auto& [name, value] : step_window_.collection.compute()) out.emplace_back("train_" + name + "_step", value);
+  for (const auto& [name, value] : step_window_.collection.compute())
+    if (name != "confusion_matrix") out.emplace_back("train_" + name + "_step", value);
   step_window_.collection.reset();
   step_window_used_ = false;
   return out;
@@ -165,32 +161,33 @@ ConfiguredMetrics::EpochValues ConfiguredMetrics::finish(Split split, const Metr
     throw RunError(where_ + ": [metrics] ranks saw scores for " + std::to_string(fewest) + " and " + std::to_string(most) +
                    " classes: set metrics.num_classes");
   if (!m.made) make(m, needs ? most : std::max<int64_t>(spec_.num_classes, 2));
-  std::vector<metrics::Metric*> all;
-  for (const auto& [name, metric] : m.collection.metrics()) all.push_back(metric.get());
-  if (m.confusion) all.push_back(m.confusion.get());
+  // One state per compute group (the confusion matrix behind accuracy and F1, ...).
+  const std::vector<metrics::Metric*> all = m.collection.distinct();
   // Sums over the data-parallel group (the cat states placed by data-parallel rank) ...
   metrics::sync_metrics(all, {ranks.reduce, ranks.data_parallel_rank, ranks.data_parallel_size});
   // ... and on a mesh, the first rank with predictions gives its totals to every rank.
   if (ranks.data_parallel_size != ranks.world_size)
     metrics::broadcast_metrics(all, [&](const at::Tensor& t) { return ranks.broadcast(t, source); });
+  m.collection.share();
   const std::string prefix = kSplitNames[static_cast<int>(split)];
   for (const auto& [name, metric] : m.collection.metrics()) {
+    if (name == "confusion_matrix") {
+      out.confusion_matrix = static_cast<const metrics::ConfusionMatrix&>(*metric).matrix();
+      continue;
+    }
     const std::string key = prefix + "_" + name + (split == Split::train && on_step_ ? "_epoch" : "");
     out.values.emplace_back(key, metric->compute());
     if (spec_.average != metrics::Average::none) continue;
     const at::Tensor per = metric->per_class();
     for (int64_t c = 0; per.defined() && c < per.numel(); ++c) out.values.emplace_back(key + "_" + std::to_string(c), per[c].item<double>());
   }
-  if (m.confusion) out.confusion_matrix = m.confusion->matrix();
   m.collection.reset();
-  if (m.confusion) m.confusion->reset();
   return out;
 }
 
 void ConfiguredMetrics::discard(Split split) {
   auto& m = splits_metrics_[static_cast<size_t>(split)];
   m.collection.reset();
-  if (m.confusion) m.confusion->reset();
   if (split == Split::train) {
     step_window_.collection.reset();
     step_window_used_ = false;

@@ -61,8 +61,7 @@ class ConfiguredMetrics {
 
  private:
   struct SplitMetrics {
-    metrics::MetricCollection collection;
-    std::unique_ptr<metrics::ConfusionMatrix> confusion;
+    metrics::MetricCollection collection;  // the confusion matrix too, named "confusion_matrix"
     bool made = false;
     bool updated = false;  // predictions came this epoch
     int64_t classes = 0;   // what the metrics were made for

@@ -37,22 +37,46 @@
 namespace ember::metrics {
 
 // Named metrics updated from the same predictions, synced together (one collective per reduction
-// and dtype for all of them) and computed into (name, value) pairs.
+// and dtype for all of them) and computed into (name, value) pairs. Metrics with the same
+// state_key() (accuracy, F1 and the confusion matrix; exact AUROC and average precision) are one
+// compute group: one update and one sync for the group, the others take its states.
 class MetricCollection {
  public:
   Metric& add(std::string name, std::unique_ptr<Metric> metric) {
+    const std::string key = metric->state_key();
+    size_t leader = metrics_.size();
+    for (size_t i = 0; i < metrics_.size() && !key.empty(); ++i)
+      if (leader_[i] == i && metrics_[i].second->state_key() == key) {
+        leader = i;
+        break;
+      }
     metrics_.emplace_back(std::move(name), std::move(metric));
+    leader_.push_back(leader);
     return *metrics_.back().second;
   }
   void update(const at::Tensor& preds, const at::Tensor& target) {
-    for (auto& [name, m] : metrics_) m->update(preds, target);
+    for (size_t i = 0; i < metrics_.size(); ++i)
+      if (leader_[i] == i) metrics_[i].second->update(preds, target);
   }
-  void sync(const SyncGroup& group) { sync_metrics(pointers(), group); }
+  // The metrics that keep their own states (one per compute group): what a sync reduces.
+  std::vector<Metric*> distinct() {
+    std::vector<Metric*> out;
+    for (size_t i = 0; i < metrics_.size(); ++i)
+      if (leader_[i] == i) out.push_back(metrics_[i].second.get());
+    return out;
+  }
+  // Hands each group's states to its other members (before computing them).
+  void share() {
+    for (size_t i = 0; i < metrics_.size(); ++i)
+      if (leader_[i] != i) metrics_[i].second->share_states_of(*metrics_[leader_[i]].second);
+  }
+  void sync(const SyncGroup& group) { sync_metrics(distinct(), group); }
   void sync(ITrainer& trainer) {
     auto& c = trainer_service<ITrainerCollectives>(trainer, "metrics");
     sync({[&](const at::Tensor& t, ReduceOp op) { return c.reduce(t, op); }, trainer.rank(), trainer.world_size()});
   }
-  std::vector<std::pair<std::string, double>> compute() const {
+  std::vector<std::pair<std::string, double>> compute() {
+    share();
     std::vector<std::pair<std::string, double>> out;
     for (const auto& [name, m] : metrics_) out.emplace_back(name, m->compute());
     return out;
@@ -61,15 +85,12 @@ class MetricCollection {
     for (auto& [name, m] : metrics_) m->reset();
   }
   bool empty() const { return metrics_.empty(); }
+  // After share() (compute() calls it), every metric holds its group's states.
   const std::vector<std::pair<std::string, std::unique_ptr<Metric>>>& metrics() const { return metrics_; }
 
  private:
-  std::vector<Metric*> pointers() {
-    std::vector<Metric*> out;
-    for (auto& [name, m] : metrics_) out.push_back(m.get());
-    return out;
-  }
   std::vector<std::pair<std::string, std::unique_ptr<Metric>>> metrics_;
+  std::vector<size_t> leader_;  // the index of the metric whose states each one takes
 };
 
 }  // namespace ember::metrics

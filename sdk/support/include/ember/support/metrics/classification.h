@@ -150,6 +150,10 @@ class ConfusionMatrix : public Metric {
   // The matrix itself, on the CPU (rows: targets, columns: predictions).
   at::Tensor matrix() const { return state(matrix_).to(at::kCPU); }
   int64_t num_classes() const { return num_classes_; }
+  std::string state_key() const override {
+    return "confusion " + std::to_string(num_classes_) + " " + std::to_string(ignore_index_) + " " + (binary_ ? "binary " : "multiclass ") +
+           std::to_string(threshold_) + " " + std::to_string(static_cast<int>(scores_));
+  }
 
  protected:
   // tp, fp, fn, tn per class (double, CPU).
@@ -222,6 +226,10 @@ class LabelScore : public Metric {
     const at::Tensor c = state(counts_).to(at::kCPU, at::kDouble);
     return score_of(kind_, beta_, c.select(1, 0), c.select(1, 1), c.select(1, 2), c.select(1, 3), true);
   }
+  std::string state_key() const override {
+    return std::string("labels ") + task_name(task_) + " " + std::to_string(labels_) + " " + std::to_string(threshold_) + " " +
+           std::to_string(static_cast<int>(scores_));
+  }
 
  private:
   ScoreKind kind_;
@@ -270,6 +278,9 @@ class TopKAccuracy : public Metric {
     return per.mean().item<double>();
   }
   at::Tensor per_class() const override { return safe_ratio(state(hits_).to(at::kCPU, at::kDouble), state(support_).to(at::kCPU, at::kDouble)); }
+  std::string state_key() const override {
+    return "topk " + std::to_string(num_classes_) + " " + std::to_string(k_) + " " + std::to_string(ignore_index_);
+  }
 
  private:
   int64_t num_classes_, k_;

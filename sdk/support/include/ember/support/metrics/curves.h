@@ -113,6 +113,11 @@ class ExactCurve : public Metric {
     for (int64_t c = 0; c < columns_; ++c) out.push_back(exact_curve_value(kind_, s.select(1, c).contiguous(), t.select(1, c).contiguous()));
     return at::tensor(out, at::kDouble);
   }
+  // AUROC and average precision keep the same scores.
+  std::string state_key() const override {
+    return std::string("scores ") + task_name(task_) + " " + std::to_string(columns_) + " " + std::to_string(static_cast<int>(scores_)) + " " +
+           std::to_string(ignore_index_);
+  }
 
  private:
   CurveKind kind_;
@@ -140,13 +145,14 @@ class BinnedCurve : public Metric {
   void update(const at::Tensor& preds, const at::Tensor& target) override {
     follow(preds.device());
     auto [p, t] = curve_inputs(preds, target, task_, columns_, scores_, ignore_index_);
-    // The small epsilon keeps a score on the grid (k / (T - 1), rounded) in bin k.
-    const at::Tensor bin = (p.clamp(0, 1) * static_cast<double>(thresholds_ - 1) + 1e-9).floor().clamp_max(thresholds_ - 1).to(at::kLong);
-    const at::Tensor flat = bin + at::arange(columns_, bin.options()).unsqueeze(0) * thresholds_;
-    const at::Tensor positive = t.to(at::kBool);
+    // The small epsilon keeps a score on the grid (k / (T - 1), rounded) in bin k; truncation is
+    // the floor of a non-negative number. One bincount over (positive?, column, bin).
     const int64_t n = columns_ * thresholds_;
-    state(pos_) += at::bincount(flat.masked_select(positive), {}, n).reshape({columns_, thresholds_}).to(state(pos_).device());
-    state(neg_) += at::bincount(flat.masked_select(positive.logical_not()), {}, n).reshape({columns_, thresholds_}).to(state(neg_).device());
+    const at::Tensor bin = (p.clamp(0, 1) * static_cast<double>(thresholds_ - 1) + 1e-9).to(at::kLong).clamp_max_(thresholds_ - 1);
+    const at::Tensor flat = bin + at::arange(0, n, thresholds_, bin.options()).unsqueeze(0) + t.to(at::kLong) * n;
+    const at::Tensor counts = at::bincount(flat.reshape({-1}), {}, 2 * n).reshape({2, columns_, thresholds_});
+    state(neg_) += counts[0].to(state(neg_).device());
+    state(pos_) += counts[1].to(state(pos_).device());
   }
   double compute() const override {
     const at::Tensor pos = state(pos_).to(at::kCPU, at::kDouble), neg = state(neg_).to(at::kCPU, at::kDouble);
@@ -161,6 +167,10 @@ class BinnedCurve : public Metric {
     std::vector<double> out;
     for (int64_t c = 0; c < columns_; ++c) out.push_back(value(pos[c], neg[c]));
     return at::tensor(out, at::kDouble);
+  }
+  std::string state_key() const override {
+    return std::string("bins ") + task_name(task_) + " " + std::to_string(columns_) + " " + std::to_string(thresholds_) + " " +
+           std::to_string(static_cast<int>(scores_)) + " " + std::to_string(ignore_index_);
   }
 
  private:

@@ -57,6 +57,30 @@ class Metric {
   virtual double compute() const = 0;
   // One value per class or label where the metric has them (average = none), else undefined.
   virtual at::Tensor per_class() const { return {}; }
+  // Metrics whose states are equal after the same updates (the confusion matrix behind accuracy,
+  // precision, F1...; the scores behind exact AUROC and average precision) return the same key: a
+  // MetricCollection then updates and syncs one of them and hands its states to the others
+  // (torchmetrics' compute groups). "" = shares with nobody.
+  virtual std::string state_key() const { return {}; }
+  // Takes `other`'s states (a metric of the same state_key; the tensors are shared, not copied).
+  void share_states_of(const Metric& other) {
+    if (other.states_.size() != states_.size()) throw RunError("metrics: sharing the states of a metric of another kind");
+    for (size_t i = 0; i < states_.size(); ++i) {
+      states_[i].value = other.states_[i].value;
+      states_[i].chunks = other.states_[i].chunks;
+      states_[i].rows = other.states_[i].rows;
+    }
+  }
+
+  // Bytes the states hold now (a cat state: every row it keeps).
+  int64_t state_bytes() const {
+    int64_t n = 0;
+    for (const auto& s : states_) {
+      n += static_cast<int64_t>(s.value.nbytes());
+      for (const auto& c : s.chunks) n += static_cast<int64_t>(c.nbytes());
+    }
+    return n;
+  }
 
   // Back to the state before the first update.
   void reset() {
