@@ -3,12 +3,14 @@
 #  1. csv and tensorboard together: every metrics.csv cell is a TensorBoard scalar (tag, step,
 #     value), plus the config as text and hparams, and weight/gradient histograms;
 #  2. ddp with 2 ranks: one event file (rank 0 only), equal to metrics.csv;
+#  4. the [metrics] table's confusion matrix: one image per validation epoch, equal to the run
+#     folder's PNG (where the build has cairo), and val_f1 a scalar like every metrics.csv cell;
 #  3. resume: a run killed in epoch 1 (after rows past its last checkpoint reached the event
 #     file) and resumed with --resume last shows in TensorBoard exactly the scalars of an
 #     uninterrupted run, and still equals its own metrics.csv.
-#   tensorboard_readback.sh <engine> <python with tensorboard> <test plugin dir> <scratch dir>
+#   tensorboard_readback.sh <engine> <python with tensorboard> <test plugin dir> <scratch dir> <cairo: 1|0>
 set -euo pipefail
-engine=$(realpath "$1"); python=$2; plugins=$(realpath "$3"); work=$4
+engine=$(realpath "$1"); python=$2; plugins=$(realpath "$3"); work=$4; cairo=${5:-0}
 check="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/reference/tb_check.py"
 "$python" -c 'import tensorboard' 2>/dev/null || { echo "no tensorboard in $python (scripts/setup.sh installs it)"; exit 1; }
 rm -rf "$work"; mkdir -p "$work"; cd "$work"
@@ -54,3 +56,9 @@ mkdir straight split
 [ "$(ls split/runs/run/version_0/events.out.tfevents.* | wc -l)" = 2 ] || { ls split/runs/run/version_0; exit 1; }
 "$python" -W ignore "$check" same straight/runs/run/version_0 split/runs/run/version_0
 "$python" -W ignore "$check" match split/runs/run/version_0
+
+# The confusion matrix of [metrics] as an image per validation epoch (3), next to val_f1.
+mkdir metrics && (cd metrics && cp ../run.toml . && printf '[metrics]\nnames = ["f1", "confusion_matrix"]\n' >> run.toml && run run.toml) || fail
+"$python" -W ignore "$check" match metrics/runs/run/version_0
+grep -q "val_f1" metrics/runs/run/version_0/metrics.csv || { head -1 metrics/runs/run/version_0/metrics.csv; exit 1; }
+if [ "$cairo" = 1 ]; then "$python" -W ignore "$check" images metrics/runs/run/version_0 val_confusion_matrix 3; fi

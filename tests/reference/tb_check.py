@@ -4,6 +4,8 @@
                                              same tag, step and value (float32), and nothing else is;
                                              the config is there as text and as hparams
   tb_check.py same RUN_A RUN_B               the same scalars (tag, step) with the same values
+  tb_check.py images RUN_DIR TAG N           N images tagged TAG: PNG files whose size TensorBoard
+                                             reads, byte for byte the run folder's TAG.png (the last)
 """
 import csv
 import glob
@@ -94,10 +96,27 @@ def same(a, b):
     print(f"same {sum(ka.values())} scalars in both runs")
 
 
+def images(run_dir, tag, count):
+    acc = event_accumulator.EventAccumulator(run_dir, size_guidance={event_accumulator.IMAGES: 0})
+    acc.Reload()
+    assert tag in acc.Tags()["images"], acc.Tags()["images"]
+    events = acc.Images(tag)
+    assert len(events) == count, (len(events), count)
+    for ev in events:
+        assert ev.encoded_image_string.startswith(b"\x89PNG\r\n\x1a\n"), ev.encoded_image_string[:8]
+        # The PNG header's own size (IHDR) is what the event says.
+        w, h = int.from_bytes(ev.encoded_image_string[16:20], "big"), int.from_bytes(ev.encoded_image_string[20:24], "big")
+        assert (ev.width, ev.height) == (w, h) and w > 100 and h > 100, (ev.width, ev.height, w, h)
+    with open(os.path.join(run_dir, tag + ".png"), "rb") as f:
+        assert f.read() == events[-1].encoded_image_string, "the run folder's PNG is not the last image logged"
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "match":
         match(sys.argv[2], "--histograms" in sys.argv)
+    elif sys.argv[1] == "images":
+        images(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif sys.argv[1] == "same":
         same(sys.argv[2], sys.argv[3])
     else:
-        sys.exit("usage: tb_check.py match RUN_DIR [--histograms] | same RUN_A RUN_B")
+        sys.exit("usage: tb_check.py match RUN_DIR [--histograms] | same RUN_A RUN_B | images RUN_DIR TAG N")

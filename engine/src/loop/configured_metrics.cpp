@@ -199,7 +199,7 @@ void ConfiguredMetrics::discard(Split split) {
 namespace {
 // A heat map of the counts, each row shaded by its share of the row's samples (so a rare class's
 // errors show as clearly as a common one's), the count written in every cell.
-void draw_confusion_matrix(const at::Tensor& matrix, const std::filesystem::path& png, const std::string& split) {
+ConfusionMatrixImage draw_confusion_matrix(const at::Tensor& matrix, const std::string& split) {
   namespace chart = ember::support::chart;
   const int64_t c = matrix.size(0);
   const int cell = static_cast<int>(std::clamp<int64_t>(560 / c, 14, 48));
@@ -232,16 +232,13 @@ void draw_confusion_matrix(const at::Tensor& matrix, const std::filesystem::path
   cairo_set_line_width(cr, 1);
   cairo_rectangle(cr, left + 0.5, top + 0.5, size, size);
   cairo_stroke(cr);
-  const std::filesystem::path tmp = png.string() + ".tmp";
-  const std::string error = canvas.write_png(tmp.string());
-  if (!error.empty()) throw RunError("could not write " + png.string() + ": " + error);
-  std::filesystem::rename(tmp, png);
+  return {canvas.png_bytes(), canvas.width(), canvas.height()};
 }
 }  // namespace
 #endif
 
-std::vector<std::filesystem::path> write_confusion_matrix(const at::Tensor& matrix, const std::filesystem::path& dir, const std::string& split) {
-  std::vector<std::filesystem::path> written;
+ConfusionMatrixImage write_confusion_matrix(const at::Tensor& matrix, const std::filesystem::path& dir, const std::string& split) {
+  ConfusionMatrixImage image;
   const int64_t c = matrix.size(0);
   std::ostringstream csv;
   csv << "target\\predicted";
@@ -255,13 +252,12 @@ std::vector<std::filesystem::path> write_confusion_matrix(const at::Tensor& matr
   const std::string text = csv.str();
   const auto path = dir / (split + "_confusion_matrix.csv");
   atomic_write(path, text.data(), text.size());
-  written.push_back(path);
 #ifdef EMBER_WITH_CAIRO
-  const auto png = dir / (split + "_confusion_matrix.png");
-  draw_confusion_matrix(matrix, png, split);
-  written.push_back(png);
+  image = draw_confusion_matrix(matrix, split);
+  if (image.png.empty()) throw RunError("cairo could not encode " + (dir / (split + "_confusion_matrix.png")).string());
+  atomic_write(dir / (split + "_confusion_matrix.png"), image.png.data(), image.png.size());
 #endif
-  return written;
+  return image;
 }
 
 }  // namespace ember::engine

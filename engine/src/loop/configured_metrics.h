@@ -80,7 +80,12 @@ class ConfiguredMetrics {
 };
 
 // Writes `matrix` as <dir>/<split>_confusion_matrix.csv (rows: targets, columns: predictions; and
-// a .png where the build has cairo), each atomically. Returns the files written.
-std::vector<std::filesystem::path> write_confusion_matrix(const at::Tensor& matrix, const std::filesystem::path& dir, const std::string& split);
+// a .png where the build has cairo), each atomically. Returns the image (empty without cairo) for
+// the loggers that take images.
+struct ConfusionMatrixImage {
+  std::string png;
+  int64_t width = 0, height = 0;
+};
+ConfusionMatrixImage write_confusion_matrix(const at::Tensor& matrix, const std::filesystem::path& dir, const std::string& split);
 
 }  // namespace ember::engine

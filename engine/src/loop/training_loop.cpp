@@ -225,7 +225,13 @@ void TrainingLoop::add_configured_metrics(Split split, std::vector<std::pair<std
   }
   if (epoch.confusion_matrix.defined() && is_global_zero()) {
     std::filesystem::create_directories(run_dir_);
-    write_confusion_matrix(epoch.confusion_matrix, run_dir_, split == Split::train ? "train" : split == Split::val ? "val" : "test");
+    const std::string name = split == Split::train ? "train" : split == Split::val ? "val" : "test";
+    const auto image = write_confusion_matrix(epoch.confusion_matrix, run_dir_, name);
+    // Loggers that take images (tensorboard) get it at the step the row is logged at.
+    const int64_t step = std::max<int64_t>(pos_.global_step - 1, 0);
+    for (auto& l : plugins_.loggers)
+      if (auto* images = static_cast<ILoggerImages*>(l.object->query_interface(kLoggerImagesIid)); images && !image.png.empty())
+        images->log_image(name + "_confusion_matrix", image.png, image.width, image.height, step);
   }
 }
 

@@ -83,6 +83,20 @@ void EventWriter::histogram(const std::string& tag, const Histogram& h, int64_t 
   write(e.SerializeAsString());
 }
 
+void EventWriter::image(const std::string& tag, const std::string& png, int width, int height, int64_t step, double wall_time) {
+  tb::Event e;
+  e.set_wall_time(wall_time);
+  e.set_step(step);
+  auto* val = e.mutable_summary()->add_value();
+  val->set_tag(tag);
+  auto* img = val->mutable_image();
+  img->set_height(height);
+  img->set_width(width);
+  img->set_colorspace(4);
+  img->set_encoded_image_string(png);
+  write(e.SerializeAsString());
+}
+
 void EventWriter::text(const std::string& tag, const std::string& markdown, int64_t step, double wall_time) {
   tb::Event e;
   e.set_wall_time(wall_time);

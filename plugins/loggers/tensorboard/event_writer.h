@@ -35,6 +35,8 @@ class EventWriter {
   // One event holding every value (Summary.Value.simple_value, float32 like TensorBoard's).
   void scalars(const std::vector<std::pair<std::string, double>>& values, int64_t step, double wall_time);
   void histogram(const std::string& tag, const Histogram& h, int64_t step, double wall_time);
+  // An image (Summary.Value.image: the "images" tab), `png` the encoded file, RGBA.
+  void image(const std::string& tag, const std::string& png, int width, int height, int64_t step, double wall_time);
   // A text summary (the "text" plugin renders it as Markdown).
   void text(const std::string& tag, const std::string& markdown, int64_t step, double wall_time);
   // The HParams tab: _hparams_/session_start_info with these values.

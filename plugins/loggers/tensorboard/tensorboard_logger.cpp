@@ -92,7 +92,7 @@ ember_tb::Histogram histogram_of(const at::Tensor& t, int64_t bins) {
   return h;
 }
 
-class TensorBoardLogger final : public ember::ILogger {
+class TensorBoardLogger final : public ember::ILogger, public ember::ILoggerImages {
  public:
   TensorBoardLogger(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
@@ -168,6 +168,16 @@ class TensorBoardLogger final : public ember::ILogger {
     });
   }
 
+  // The [metrics] table's confusion matrices (the "images" tab).
+  void log_image(const std::string& tag, const std::string& png, int64_t width, int64_t height, int64_t step) override {
+    require_setup("log_image");
+    guarded("write", [&] { writer_->image(tag, png, static_cast<int>(width), static_cast<int>(height), step, now()); });
+  }
+  void* query_interface(const char* iid) override {
+    if (std::string_view(iid) == ember::kLoggerImagesIid) return static_cast<ember::ILoggerImages*>(this);
+    return nullptr;
+  }
+
   void flush() override {
     if (writer_) guarded("flush", [&] { writer_->flush(); });
   }
@@ -211,5 +221,5 @@ ember::ILogger* make(ember::IHost& host, const ember::IConfig& cfg) { return new
 }  // namespace
 
 EMBER_PLUGIN(ember::ILogger, "tensorboard", "0.1.0", "Apache-2.0",
-             "Writes TensorBoard event files: scalars, the config as text and hparams, optional weight/gradient histograms.",
+             "Writes TensorBoard event files: scalars, the config as text and hparams, confusion matrices as images, optional weight/gradient histograms.",
              EMBER_CONFIG_KEYS(kKeys), make)

@@ -23,4 +23,14 @@ class EMBER_SDK_API ILogger : public IPluginObject {
   virtual void finalize(const std::string& status) = 0;
 };
 
+// SDK 2.7. A logger that also takes images answers query_interface(kLoggerImagesIid): the engine
+// hands it the [metrics] table's confusion matrices (docs/metrics.md). `png`: the encoded PNG file.
+// Called on global rank 0 only.
+inline constexpr const char* kLoggerImagesIid = "ember.ILoggerImages/1";
+class EMBER_SDK_API ILoggerImages {
+ public:
+  virtual ~ILoggerImages() = default;
+  virtual void log_image(const std::string& tag, const std::string& png, int64_t width, int64_t height, int64_t step) = 0;
+};
+
 }  // namespace ember

@@ -61,6 +61,19 @@ class Canvas {
     const cairo_status_t status = cairo_surface_write_to_png(surface_.get(), path.c_str());
     return status == CAIRO_STATUS_SUCCESS ? std::string() : cairo_status_to_string(status);
   }
+  // The image as PNG bytes (empty when cairo fails).
+  std::string png_bytes() const {
+    cairo_surface_flush(surface_.get());
+    std::string out;
+    auto append = [](void* closure, const unsigned char* data, unsigned int length) {
+      static_cast<std::string*>(closure)->append(reinterpret_cast<const char*>(data), length);
+      return CAIRO_STATUS_SUCCESS;
+    };
+    if (cairo_surface_write_to_png_stream(surface_.get(), append, &out) != CAIRO_STATUS_SUCCESS) return {};
+    return out;
+  }
+  int width() const { return cairo_image_surface_get_width(surface_.get()); }
+  int height() const { return cairo_image_surface_get_height(surface_.get()); }
 
  private:
   std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)> surface_;
