@@ -223,6 +223,16 @@ eval_batch_size = 500
   EXPECT_NEAR(a, b, 0.03) << "image_folder " << a << " vs idx files " << b;
 }
 
+// configs/image_folder_resnet.toml trains as the README says: on a folder of two classes.
+TEST(ImageFolder, TheReadmeConfigTrainsOnAFolder) {
+  TempDir dir("image_folder");
+  auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/reference/image_folder.py").string(), "resnet", "rn"}, dir.path(), {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  run_engine_ok(dir, {(source_dir() / "configs/image_folder_resnet.toml").string(), "--set", "data.root=\"rn/images\"", "--set", "model.num_classes=3",
+                      "--set", "trainer.max_epochs=1", "--set", "data.image_size=32", "--set", "data.val_split=0.5", "--set", "trainer.enable_progress_bar=false"});
+  EXPECT_FALSE(find_file(dir.path(), "val_confusion_matrix.csv").empty());
+}
+
 // Unreadable files: a header that is not an image stops the run naming the file, or is skipped
 // and counted; data that breaks after a good header (a truncated JPEG) names the file when it is
 // decoded, as Pillow's "image file is truncated" would.

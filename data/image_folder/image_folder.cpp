@@ -83,8 +83,10 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
       if (v.size() != 3) throw ember::ConfigError(cfg.where(key) + ": " + section_ + "." + key + " needs one value per channel (R, G, B)");
       return v;
     };
-    mean_ = at::tensor(triple("mean"), at::kFloat).view({3, 1, 1});
-    std_ = at::tensor(triple("std"), at::kFloat).view({3, 1, 1});
+    const at::Tensor mean = at::tensor(triple("mean"), at::kFloat).view({3, 1, 1});
+    const at::Tensor std = at::tensor(triple("std"), at::kFloat).view({3, 1, 1});
+    scale_per_channel_ = 1.0 / (255.0 * std);
+    shift_per_channel_ = mean / std;
     const int64_t resize = cfg.get_int("resize");
     resize_ = resize > 0 ? resize : static_cast<int64_t>(static_cast<double>(size_) / 0.875);
     if (resize_ < size_)
@@ -247,10 +249,10 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
     const int64_t left = std::min<int64_t>(pixels.size(1) - 1, static_cast<int64_t>(box.left * rx));
     const int64_t h = std::clamp<int64_t>(static_cast<int64_t>(std::llround(box.height * ry)), 1, pixels.size(0) - top);
     const int64_t w = std::clamp<int64_t>(static_cast<int64_t>(std::llround(box.width * rx)), 1, pixels.size(1) - left);
-    at::Tensor planes = ember_image::to_planes(pixels.narrow(0, top, h).narrow(1, left, w));
-    planes = ember_image::resize_planes(planes, out_h, out_w).squeeze(0);
+    at::Tensor planes = ember_image::resize_to_planes(pixels.narrow(0, top, h).narrow(1, left, w), out_h, out_w);
     if (train && flip_ && std::uniform_int_distribution<int>(0, 1)(rng) == 1) planes = planes.flip(-1);
-    return planes.div_(255.0).sub_(mean_).div_(std_);
+    // (x / 255 - mean) / std as one multiply and one subtract.
+    return planes.mul_(scale_per_channel_).sub_(shift_per_channel_);
   }
 
   ember::IHost& host_;
@@ -260,7 +262,7 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
   int64_t size_, resize_ = 0;
   bool augment_, flip_, skip_bad_;
   std::array<double, 2> scale_{}, ratio_{};
-  at::Tensor mean_, std_;
+  at::Tensor scale_per_channel_, shift_per_channel_;  // 1 / (255 std), mean / std
   uint64_t seed_ = 0;
   std::vector<std::string> classes_;
   std::array<std::vector<Sample>, 3> splits_;

@@ -2,7 +2,7 @@
 //   train: RandomResizedCrop(size, scale, ratio) + RandomHorizontalFlip(0.5)
 //   eval:  Resize(resize) (the shorter side) + CenterCrop(size)
 // then ToTensor + Normalize(mean, std): float32 [3, size, size]. Resizing is antialiased bilinear
-// (torchvision's tensor path, ATen's _upsample_bilinear2d_aa). The random choices come from a
+// on the uint8 pixels (ATen's _upsample_bilinear2d_aa, torchvision v2's path). The random choices come from a
 // generator seeded per sample (trainer.seed, epoch, sample index), so a sample gets the same crop
 // in the same epoch however batches are loaded.
 #pragma once
@@ -56,13 +56,15 @@ inline CropBox center_crop(int64_t height, int64_t width, int64_t size) {
           static_cast<int64_t>(std::llround(static_cast<double>(width - size) / 2.0)), size, size};
 }
 
-// uint8 [H, W, 3] -> float [1, 3, H, W] in [0, 255].
-inline at::Tensor to_planes(const at::Tensor& hwc) { return hwc.permute({2, 0, 1}).unsqueeze(0).to(at::kFloat); }
-
-// Antialiased bilinear resize of [1, 3, h, w] to (height, width); the same tensor when it already is.
-inline at::Tensor resize_planes(const at::Tensor& planes, int64_t height, int64_t width) {
-  if (planes.size(2) == height && planes.size(3) == width) return planes;
-  return at::_upsample_bilinear2d_aa(planes, {height, width}, /*align_corners=*/false);
+// uint8 pixels [h, w, 3] resized to [3, height, width] float in [0, 255]. The resize runs on the
+// uint8 pixels in channels-last layout (an HWC image is one), where ATen has a vectorised
+// antialiased bilinear kernel (what torchvision's v2 transforms use), and only the output is
+// converted to float.
+inline at::Tensor resize_to_planes(const at::Tensor& hwc, int64_t height, int64_t width) {
+  at::Tensor nchw = hwc.unsqueeze(0).permute({0, 3, 1, 2});  // channels-last strides
+  if (nchw.size(2) != height || nchw.size(3) != width)
+    nchw = at::_upsample_bilinear2d_aa(nchw.contiguous(at::MemoryFormat::ChannelsLast), {height, width}, /*align_corners=*/false);
+  return nchw.squeeze(0).to(at::kFloat);
 }
 
 }  // namespace ember_image
