@@ -31,18 +31,6 @@ const std::string kRun = synthetic_mlp_toml({.accelerator = "cpu", .hidden = "[2
                                              .num_val = 16, .batch_size = 8}) +
                          "[optimizer]\nname = \"sgd\"\nlr = 0.1\nmomentum = 0.9\n";
 
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // The single-device reference: one process, batch 16.
 void reference(const TempDir& dir, std::vector<std::string> extra = {}) {
   write_file(dir / "run.toml", kRun);

@@ -61,15 +61,19 @@ void remove_tree(const fs::path& path) {
   fs::remove(path, ec);
 }
 
-void write_sharded_checkpoint(const fs::path& dir, const c10::IValue& part, const c10::IValue& meta, const ShardedWrite& how) {
+namespace {
+// Throws on every rank when `error` is set on any rank.
+void agree(const fs::path& dir, const std::string& error, const ShardedWrite& how, const char* stage) {
+  const bool failed_here = !error.empty();
+  if (how.max_over_ranks(failed_here ? 1.0 : 0.0) > 0.0)
+    throw std::runtime_error("cannot write sharded checkpoint " + dir.string() + ": " +
+                             (failed_here ? error : std::string("another rank failed while ") + stage));
+}
+}  // namespace
+
+void prepare_sharded_checkpoint(const fs::path& dir, const ShardedWrite& how) {
   const fs::path tmp = partial_dir(dir);
   std::string error;
-  auto agree = [&](const char* stage) {
-    const bool failed_here = !error.empty();
-    if (how.max_over_ranks(failed_here ? 1.0 : 0.0) > 0.0)
-      throw std::runtime_error("cannot write sharded checkpoint " + dir.string() + ": " +
-                               (failed_here ? error : std::string("another rank failed while ") + stage));
-  };
   if (how.rank == 0) {
     try {
       remove_tree(tmp);  // what a crashed save left
@@ -78,20 +82,25 @@ void write_sharded_checkpoint(const fs::path& dir, const c10::IValue& part, cons
       error = std::string("cannot create ") + tmp.string() + " (" + e.what() + ")";
     }
   }
-  agree("preparing the directory");
-  try {
-    c10::impl::GenericDict wrapped(c10::StringType::get(), c10::AnyType::get());
-    wrapped.insert("format", std::string(kCheckpointFormat));
-    wrapped.insert("format_version", kCheckpointFormatVersion);
-    wrapped.insert("part", part);
-    save_checkpoint_file(part_file(tmp, how.rank), wrapped);
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  agree("writing its part");
+  agree(dir, error, how, "preparing the directory");
+}
+
+void write_sharded_part(const fs::path& dir, int64_t rank, const c10::IValue& part, const c10::IValue& meta) {
+  const fs::path tmp = partial_dir(dir);
+  c10::impl::GenericDict wrapped(c10::StringType::get(), c10::AnyType::get());
+  wrapped.insert("format", std::string(kCheckpointFormat));
+  wrapped.insert("format_version", kCheckpointFormatVersion);
+  wrapped.insert("part", part);
+  save_checkpoint_file(part_file(tmp, rank), wrapped);
+  if (rank == 0) save_checkpoint_file(tmp / kMeta, meta);
+}
+
+void commit_sharded_checkpoint(const fs::path& dir, const std::string& part_error, const ShardedWrite& how) {
+  agree(dir, part_error, how, "writing its part");
+  std::string error;
   if (how.rank == 0) {
+    const fs::path tmp = partial_dir(dir);
     try {
-      save_checkpoint_file(tmp / kMeta, meta);
       fsync_dir(tmp);
       exchange(tmp, dir);
       fsync_dir(dir.parent_path().empty() ? fs::path(".") : dir.parent_path());
@@ -100,7 +109,18 @@ void write_sharded_checkpoint(const fs::path& dir, const c10::IValue& part, cons
       error = e.what();
     }
   }
-  agree("committing the checkpoint");
+  agree(dir, error, how, "committing the checkpoint");
+}
+
+void write_sharded_checkpoint(const fs::path& dir, const c10::IValue& part, const c10::IValue& meta, const ShardedWrite& how) {
+  prepare_sharded_checkpoint(dir, how);
+  std::string error;
+  try {
+    write_sharded_part(dir, how.rank, part, meta);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  commit_sharded_checkpoint(dir, error, how);
 }
 
 c10::impl::GenericDict read_sharded_meta(const fs::path& dir) {

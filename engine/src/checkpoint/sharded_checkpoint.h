@@ -28,6 +28,14 @@ struct ShardedWrite {
 // any rank failed, naming what failed where it is known.
 void write_sharded_checkpoint(const std::filesystem::path& dir, const c10::IValue& part, const c10::IValue& meta,
                               const ShardedWrite& how);
+// The same in three steps, so the parts can be written on a background thread (checkpoint.async):
+// prepare (collective: rank 0 makes the partial directory), write_sharded_part (no collective;
+// rank 0 also writes `meta`), commit (collective: every rank passes what its part's write threw,
+// "" when it succeeded; rank 0 swaps the directory into place; throws on every rank when any
+// failed).
+void prepare_sharded_checkpoint(const std::filesystem::path& dir, const ShardedWrite& how);
+void write_sharded_part(const std::filesystem::path& dir, int64_t rank, const c10::IValue& part, const c10::IValue& meta);
+void commit_sharded_checkpoint(const std::filesystem::path& dir, const std::string& part_error, const ShardedWrite& how);
 
 c10::impl::GenericDict read_sharded_meta(const std::filesystem::path& dir);
 c10::IValue read_sharded_part(const std::filesystem::path& dir, int64_t rank);

@@ -161,6 +161,8 @@ void TrainingLoop::place_data(const Section& d) {
 void* TrainingLoop::query_interface(const char* iid) {
   const std::string_view id(iid);
   if (id == ITrainerCheckpoints::kIid) return static_cast<ITrainerCheckpoints*>(this);
+  if (id == ITrainerAsyncCheckpoints::kIid) return static_cast<ITrainerAsyncCheckpoints*>(this);
+  if (id == ITrainerRecovery::kIid) return static_cast<ITrainerRecovery*>(this);
   if (id == ITrainerSettings::kIid) return static_cast<ITrainerSettings*>(this);
   if (id == ITrainerPasses::kIid) return static_cast<ITrainerPasses*>(this);
   if (id == ITrainerWeights::kIid) return static_cast<ITrainerWeights*>(this);
@@ -248,12 +250,20 @@ void TrainingLoop::publish(const std::vector<std::pair<std::string, double>>& va
 // on_train_epoch_end, where the model runs between the two groups (docs/hooks.md).
 void TrainingLoop::call_hook(Hook hook) {
   if (steps_->quiet()) return;
+  struct Current {
+    Hook& slot;
+    Hook before;
+    Current(Hook& s, Hook h) : slot(s), before(s) { slot = h; }
+    ~Current() { slot = before; }
+  } current(current_hook_, hook);
+  // A rollback asked for in on_train_batch_end ends the batch there: nobody after sees it.
+  auto go_on = [&] { return rollback_path_.empty(); };
   for (auto& c : plugins_.callbacks)
-    if (!c.object->monitors_metrics()) c.object->on_hook(hook, *this);
-  if (hook == Hook::on_train_epoch_end) plugins_.model.object->on_hook(hook, *this);
+    if (go_on() && !c.object->monitors_metrics()) c.object->on_hook(hook, *this);
+  if (go_on() && hook == Hook::on_train_epoch_end) plugins_.model.object->on_hook(hook, *this);
   for (auto& c : plugins_.callbacks)
-    if (c.object->monitors_metrics()) c.object->on_hook(hook, *this);
-  if (hook != Hook::on_train_epoch_end) plugins_.model.object->on_hook(hook, *this);
+    if (go_on() && c.object->monitors_metrics()) c.object->on_hook(hook, *this);
+  if (go_on() && hook != Hook::on_train_epoch_end) plugins_.model.object->on_hook(hook, *this);
 }
 
 bool TrainingLoop::validation_enabled() const { return plan_->validates(); }
@@ -292,7 +302,17 @@ void TrainingLoop::train_epoch() {
     if (!feed.next(batch)) break;
     batch_idx_ = b;
     current_batch_ = std::move(batch);
-    call_hook(Hook::on_train_batch_start);
+    if (!skipping_window_) call_hook(Hook::on_train_batch_start);
+    if (skip_requested_ || skipping_window_) {
+      // ITrainerRecovery::skip_batch: this batch and the rest of its window are passed over (no
+      // hook sees the rest).
+      skip_requested_ = false;
+      skipping_window_ = !Cadence::steps_after(b, n, accum);
+      ++batches_skipped_;
+      pos_.batches_done = b + 1;
+      ++pos_.total_batch_idx;
+      continue;
+    }
     const bool do_step = Cadence::steps_after(b, n, accum);
     const bool first_in_window = Cadence::opens_window(b, start, accum);
     step_taken_ = do_step;
@@ -309,6 +329,7 @@ void TrainingLoop::train_epoch() {
     // validation is still to run, and a resume from it runs that validation first.
     pos_.validation_pending = cadence_.validates_after_batch(pos_, val_every, validation_enabled());
     call_hook(Hook::on_train_batch_end);
+    if (!rollback_path_.empty()) return roll_back();
     if (do_step && cadence_.logs_at(pos_.global_step)) {
       auto values = metrics_.take_step_values();
       for (auto& v : configured_metrics_.take_step_values()) values.push_back(std::move(v));
@@ -328,11 +349,17 @@ void TrainingLoop::train_epoch() {
     // (Lightning's reduce_boolean_decision, "any rank"): a signal one rank received, or a stop a
     // callback asked for on one rank only. A rank that stopped alone would leave the others
     // waiting in a collective. One small all-reduce per optimizer step carries both.
+    // The same vote carries the state of a checkpoint being written in the background
+    // (checkpoint.async): once it is on disk everywhere it is committed here, at the same step on
+    // every rank, and a failed write stops every rank.
     if (do_step && rt.world_size() > 1) {
-      const at::Tensor votes =
-          rt.reduce(at::tensor({static_cast<double>(sig), stop_requested_ ? 1.0 : 0.0}, at::kDouble), ReduceOp::max);
+      const at::Tensor votes = rt.reduce(
+          at::tensor({static_cast<double>(sig), stop_requested_ ? 1.0 : 0.0, rt.background_save_vote()}, at::kDouble), ReduceOp::max);
       sig = stop_requested_ ? 0 : static_cast<int>(votes[0].item<double>());
       if (!stop_requested_ && sig == 0 && votes[1].item<double>() > 0) stop("another rank asked to stop");
+      rt.settle_background_save(votes[2].item<double>());
+    } else if (do_step) {
+      rt.settle_background_save(rt.background_save_vote());
     }
     if (sig != 0)
       stop(stop_signal_name(sig) + " received: finishing this step, saving, then exiting (send it again to quit at once)");
@@ -359,6 +386,33 @@ void TrainingLoop::train_epoch() {
   for (const auto& [k, v] : metrics_.callback_metrics())
     if (k.ends_with("_epoch") || k.starts_with("val_")) summary.emplace_back(k, v);
   progress_.finish(format_metrics(summary));
+}
+
+void TrainingLoop::skip_batch() {
+  if (current_hook_ != Hook::on_train_batch_start)
+    throw RunError("skip_batch() was called in " + std::string(hook_name(current_hook_)) + "; it works in on_train_batch_start only");
+  skip_requested_ = true;
+}
+
+void TrainingLoop::rollback(const std::string& path) {
+  if (current_hook_ != Hook::on_train_batch_end)
+    throw RunError("rollback() was called in " + std::string(hook_name(current_hook_)) + "; it works in on_train_batch_end only");
+  if (path.empty()) throw RunError("rollback() needs the checkpoint to go back to");
+  rollback_path_ = path;
+}
+
+// ITrainerRecovery::rollback, after the hook that asked for it: the snapshot's state and position,
+// this epoch's running metrics dropped (as a resume starts them), loggers untouched.
+void TrainingLoop::roll_back() {
+  const std::string path = std::move(rollback_path_);
+  rollback_path_.clear();
+  skip_requested_ = skipping_window_ = false;
+  metrics_.discard_epoch(Stage::fit);
+  configured_metrics_.discard(Split::train);
+  restore(path, /*weights_only=*/false, /*announce=*/false, /*loggers=*/false);
+  rolled_back_ = true;
+  log::info("rolled back to " + path + ": epoch " + std::to_string(pos_.epoch) + ", step " + std::to_string(pos_.global_step) +
+            (pos_.epoch_finished ? " (end of epoch)" : " (batch " + std::to_string(pos_.batches_done) + " of the epoch)"));
 }
 
 void TrainingLoop::evaluate(Split split, Stage stage, int64_t max_batches) {
@@ -451,6 +505,14 @@ void TrainingLoop::fit() {
   while (!stop_requested_) {
     if (cadence_.max_epochs_reached(pos_.epoch) || cadence_.max_steps_reached(pos_)) break;
     train_epoch();
+    if (rolled_back_) {  // the position is the snapshot's now: go on from there
+      rolled_back_ = false;
+      if (pos_.epoch_finished) {
+        ++pos_.epoch;
+        pos_.epoch_finished = false;
+      }
+      continue;
+    }
     stop_if_minimum_trained(pos_.epoch_finished);
     // Every rank stops together: any rank's stop is every rank's.
     if (runtime_->any_rank(stop_requested_) && !stop_requested_) stop("another rank asked to stop");
@@ -473,6 +535,9 @@ void TrainingLoop::fit() {
                                   std::to_string(settings_.cuda_graph_warmup_steps) + " warm-up steps; " +
                                   std::to_string(graph->replays()) + " steps replayed, " + std::to_string(graph->eager_steps()) +
                                   " run as usual (warm-up and batches of other shapes)");
+  if (batches_skipped_ > 0)
+    log::info("skipped " + std::to_string(batches_skipped_) + " training batch(es) without training on them (ITrainerRecovery::skip_batch)");
+  runtime_->finish_background_save();  // the last checkpoint is on disk before anything reads it
   call_hook(Hook::on_train_end);
   call_hook(Hook::on_fit_end);
   call_hook(Hook::teardown);

@@ -53,6 +53,8 @@ std::string locate_checkpoint(const std::vector<Named<ICallback>>& callbacks, co
 // The loop is the trainer plugins see: ITrainer and its services (ember/trainer.h).
 class TrainingLoop final : public ITrainer,
                            public ITrainerCheckpoints,
+                           public ITrainerAsyncCheckpoints,
+                           public ITrainerRecovery,
                            public ITrainerSettings,
                            public ITrainerPasses,
                            public ITrainerWeights,
@@ -137,6 +139,12 @@ class TrainingLoop final : public ITrainer,
   // ITrainerCheckpoints
   void save_checkpoint(const std::string& path, bool weights_only) override;
   void load_checkpoint(const std::string& path) override;
+  // ITrainerAsyncCheckpoints
+  void save_checkpoint_async(const std::vector<std::string>& paths, bool weights_only, std::function<void()> committed) override;
+  void finish_checkpoints() override;
+  // ITrainerRecovery
+  void skip_batch() override;
+  void rollback(const std::string& path) override;
   // ITrainerSettings
   int64_t accumulate_grad_batches() const override { return settings_.accumulate_grad_batches; }
   void set_accumulate_grad_batches(int64_t factor) override;
@@ -173,7 +181,8 @@ class TrainingLoop final : public ITrainer,
   void stop_if_minimum_trained(bool epoch_done);
   void place_data(const Section& data);
   void attach_plugins(ITrainer* trainer);
-  void restore(const std::filesystem::path& checkpoint, bool weights_only, bool announce);
+  void restore(const std::filesystem::path& checkpoint, bool weights_only, bool announce, bool loggers_too = true);
+  void roll_back();
   bool validation_enabled() const;
   c10::IValue plugin_states() const;
   c10::impl::GenericDict checkpoint_meta(bool weights_only) const;
@@ -201,6 +210,12 @@ class TrainingLoop final : public ITrainer,
   bool fitting_ = false;       // inside fit(), validation included
   Batch current_batch_;
   bool step_taken_ = false, step_skipped_ = false;  // of the current training batch
+  Hook current_hook_ = Hook::count_;                 // the hook being dispatched (count_: none)
+  // ITrainerRecovery: a skip asked for in on_train_batch_start and the rest of its window; a
+  // rollback asked for in on_train_batch_end, done once that hook was dispatched.
+  bool skip_requested_ = false, skipping_window_ = false, rolled_back_ = false;
+  int64_t batches_skipped_ = 0;
+  std::string rollback_path_;
   bool attached_ = false;
   // How a step runs (micro-batches, the optimizer step, the CUDA graph, a step's logging); last:
   // it refers to the runtime, the model, the metric stores and the settings above.

@@ -73,6 +73,14 @@ void TrainingLoop::save_checkpoint(const std::string& path, bool weights_only) {
   runtime_->save_checkpoint(path, /*with_model=*/true, /*with_optimizer=*/!weights_only, [&] { return checkpoint_meta(weights_only); });
 }
 
+void TrainingLoop::save_checkpoint_async(const std::vector<std::string>& paths, bool weights_only, std::function<void()> committed) {
+  call_hook(Hook::on_save_checkpoint);
+  runtime_->save_checkpoint_async(paths, /*with_model=*/true, /*with_optimizer=*/!weights_only,
+                                  [&] { return checkpoint_meta(weights_only); }, std::move(committed));
+}
+
+void TrainingLoop::finish_checkpoints() { runtime_->finish_background_save(); }
+
 void TrainingLoop::write_consolidated(const std::string& path, c10::impl::GenericDict meta) {
   auto model_state = runtime_->state().full_model_state(/*rank0_only=*/true);
   const std::string optimizer_state = runtime_->state().full_optimizer_state(/*rank0_only=*/true);
@@ -86,7 +94,7 @@ void TrainingLoop::write_consolidated(const std::string& path, c10::impl::Generi
 
 void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only) { restore(file, weights_only, true); }
 
-void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only, bool announce) {
+void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only, bool announce, bool loggers_too) {
   const std::string where = "checkpoint " + file.string();
   using Part = Runtime::Part;
   auto ck = runtime_->load_checkpoint(file, Part::required, weights_only ? Part::skip : Part::required);
@@ -110,7 +118,7 @@ void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only,
     if (callbacks.contains(c.name)) c.object->load_state_dict(callbacks.at(c.name));
   auto loggers = ck.at("loggers").toGenericDict();
   for (auto& l : plugins_.loggers)
-    if (loggers.contains(l.name)) l.object->load_state_dict(loggers.at(l.name));
+    if (loggers_too && loggers.contains(l.name)) l.object->load_state_dict(loggers.at(l.name));
   call_hook(Hook::on_load_checkpoint);
   if (announce)
     log::info("resumed from " + file.string() + " at epoch " + std::to_string(pos_.epoch) + ", step " + std::to_string(pos_.global_step) +

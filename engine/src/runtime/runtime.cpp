@@ -6,8 +6,11 @@
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 
+#include <chrono>
+
 #include "checkpoint/checkpoint_document.h"
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint/background_write.h"
 #include "checkpoint/sharded_checkpoint.h"
 #include "common/log.h"
 
@@ -34,6 +37,18 @@ LaunchRequest Runtime::launch_request(const IConfig& trainer, const IConfig& par
     throw ConfigError(parallelism.where("sequence_parallel") +
                       ": parallelism.sequence_parallel = true splits activations over the tensor-parallel ranks, and tensor_parallel = 1 "
                       "(set tensor_parallel > 1, or sequence_parallel = false)");
+  const int64_t shard = parallelism.get_int("data_parallel_shard");
+  if (request.num_nodes == 0) {
+    // Elastic: the launcher (torchrun --nnodes=MIN:MAX) decides how many ranks there are, and the
+    // data-parallel dimension takes whatever the other degrees leave (the strategy's mesh checks
+    // the product once the ranks are known).
+    if (shard != -1)
+      throw ConfigError(parallelism.where("data_parallel_shard") + ": parallelism.data_parallel_shard = " + std::to_string(shard) +
+                        " fixes the number of ranks, and trainer.num_nodes = 0 (" + trainer.where("num_nodes") +
+                        ") lets the launcher choose it: set data_parallel_shard = -1 (the ranks left over)");
+    request.data_parallel_shard = -1;
+    return request;
+  }
   const int64_t ranks = request.devices * request.num_nodes;
   const int64_t fixed = request.data_parallel_replicate * request.tensor_parallel * request.pipeline_parallel;
   const std::string product = "data_parallel_replicate (" + std::to_string(request.data_parallel_replicate) + ") x tensor_parallel (" +
@@ -46,7 +61,6 @@ LaunchRequest Runtime::launch_request(const IConfig& trainer, const IConfig& par
   for (const char* k : {"tensor_parallel", "pipeline_parallel", "data_parallel_replicate", "data_parallel_shard"})
     if (where.empty() && parallelism.where(k) != "default") where = parallelism.where(k);
   if (where.empty()) where = trainer.where("devices");
-  const int64_t shard = parallelism.get_int("data_parallel_shard");
   if (shard == -1) {
     if (ranks % fixed != 0)
       throw ConfigError(where + ": the device mesh does not fit the run: " + product + " = " + std::to_string(fixed) +
@@ -237,7 +251,16 @@ void Runtime::save_full(bool with_model, bool with_optimizer, const FullStateWri
   if (error) std::rethrow_exception(error);
 }
 
+ShardedWrite Runtime::sharded_write() {
+  ShardedWrite how;
+  how.rank = rank();
+  how.world = world_size();
+  how.max_over_ranks = [this](double v) { return reduce(at::scalar_tensor(v, at::kDouble), ReduceOp::max).item<double>(); };
+  return how;
+}
+
 void Runtime::save_checkpoint(const std::string& path, bool with_model, bool with_optimizer, const CheckpointMeta& meta) {
+  finish_background_save();  // at most one write in flight, and in order
   if (writes_sharded_checkpoints() && with_model && with_optimizer) {
     // One part per rank, nothing gathered (sharded_checkpoint.h has the layout and the commit).
     const c10::IValue part = strategy_.object->sharded_state();
@@ -250,11 +273,7 @@ void Runtime::save_checkpoint(const std::string& path, bool with_model, bool wit
       ck.insert("sharded", layout);
       doc = ck;
     }
-    ShardedWrite how;
-    how.rank = rank();
-    how.world = world_size();
-    how.max_over_ranks = [&](double v) { return reduce(at::scalar_tensor(v, at::kDouble), ReduceOp::max).item<double>(); };
-    write_sharded_checkpoint(path, part, doc, how);
+    write_sharded_checkpoint(path, part, doc, sharded_write());
     return;
   }
   save_full(with_model, with_optimizer, [&](const c10::Dict<std::string, at::Tensor>& model, const std::string& optimizer) {
@@ -267,6 +286,7 @@ void Runtime::save_checkpoint(const std::string& path, bool with_model, bool wit
 
 c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& path, Part model, Part optimizer,
                                                 const std::string& optimizer_fix) {
+  finish_background_save();  // the file being written may be the one asked for
   const std::string where = "checkpoint " + path.string();
   if (is_sharded_checkpoint(path)) {
     auto ck = read_sharded_meta(path);
@@ -309,7 +329,126 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
   return ck;
 }
 
+void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool with_model, bool with_optimizer,
+                                    const CheckpointMeta& meta, std::function<void()> committed) {
+  finish_background_save();
+  if (paths.empty()) return;
+  const auto started = std::chrono::steady_clock::now();
+  if (!writer_) writer_ = std::make_unique<BackgroundWrite>();
+  auto pending = std::make_unique<PendingSave>();
+  pending->paths = paths;
+  pending->committed = std::move(committed);
+  pending->sharded = writes_sharded_checkpoints() && with_model && with_optimizer;
+  const std::string what = "checkpoint " + paths.front() + (paths.size() > 1 ? " (and " + std::to_string(paths.size() - 1) + " more)" : "");
+  // What this rank takes before the writer starts may throw (a plugin's state_dict, memory for the
+  // copy): every rank learns it here, so none is left waiting in a later collective.
+  std::exception_ptr error;
+  auto agree = [&](const std::string& who) {
+    if (any_rank(error != nullptr) && !error) throw RunError(who + " could not take its part of " + what + " (its log says why); stopping with it");
+    if (error) std::rethrow_exception(error);
+  };
+  if (pending->sharded) {
+    c10::IValue part, doc;
+    try {
+      part = host_snapshot(strategy_.object->sharded_state());
+      if (rank() == 0) {
+        auto ck = meta();
+        auto layout = checkpoint_dict();
+        layout.insert("world_size", world_size());
+        layout.insert("strategy", strategy_.name);
+        ck.insert("sharded", layout);
+        doc = host_snapshot(c10::IValue(ck));
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+    agree("another rank");
+    for (const auto& path : paths) prepare_sharded_checkpoint(path, sharded_write());
+    writer_->start([paths, r = rank(), part = std::move(part), doc = std::move(doc)] {
+      for (const auto& path : paths) write_sharded_part(path, r, part, doc);
+    });
+  } else {
+    // The gathers are collective; rank 0 alone copies and writes.
+    c10::Dict<std::string, at::Tensor> model_state;
+    if (with_model) model_state = strategy_.object->full_model_state(/*rank0_only=*/true);
+    const std::string optimizer_state = with_optimizer ? strategy_.object->full_optimizer_state(/*rank0_only=*/true) : std::string();
+    if (rank() == 0) {
+      try {
+        auto ck = host_snapshot(c10::IValue(meta())).toGenericDict();
+        if (with_model) ck.insert("state_dict", host_snapshot(model_state));
+        if (with_optimizer) ck.insert("optimizer", bytes_tensor(optimizer_state));
+        writer_->start([paths, ck = std::move(ck)] {
+          for (const auto& path : paths) save_checkpoint_file(path, ck);
+        });
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    agree("rank 0");
+  }
+  pending_save_ = std::move(pending);
+  // What the training waited for (the gathers and the copy); the write goes on behind it.
+  log::debug("checkpoint " + paths.front() + ": the state was copied for a background write in " +
+             std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count()) + " ms");
+}
+
+double Runtime::background_save_vote() {
+  if (!pending_save_) return 0;
+  auto& p = *pending_save_;
+  if (!p.written_here && writer_ && writer_->busy()) {
+    if (!writer_->done()) return 1;
+    p.error = writer_->wait();
+  }
+  p.written_here = true;
+  return p.error.empty() ? 0 : 2;
+}
+
+void Runtime::settle_background_save(double worst_vote) {
+  if (!pending_save_ || worst_vote == 1) return;
+  // This rank's writer has ended too (a rank that failed may have voted before the others ended).
+  if (writer_ && writer_->busy()) pending_save_->error = writer_->wait();
+  pending_save_->written_here = true;
+  std::unique_ptr<PendingSave> p = std::move(pending_save_);
+  const std::string where = "checkpoint " + p->paths.front() + " (written in the background)";
+  if (p->sharded) {
+    try {
+      // Agrees; throws on every rank when one failed.
+      for (const auto& path : p->paths) commit_sharded_checkpoint(path, p->error, sharded_write());
+    } catch (const std::exception& e) {
+      throw RunError(e.what());
+    }
+  } else if (worst_vote >= 2) {
+    if (!p->error.empty()) throw RunError(p->error);
+    throw RunError("rank 0 could not write " + where + " (its log says why); stopping with it");
+  }
+  if (p->committed) p->committed();
+}
+
+void Runtime::finish_background_save() {
+  if (!pending_save_) return;
+  if (writer_ && writer_->busy() && !pending_save_->written_here) {
+    pending_save_->error = writer_->wait();
+    pending_save_->written_here = true;
+  }
+  const double mine = background_save_vote();
+  settle_background_save(world_size() > 1 ? reduce(at::scalar_tensor(mine, at::kDouble), ReduceOp::max).item<double>() : mine);
+}
+
+void Runtime::abandon_background_save() {
+  if (!pending_save_) return;
+  std::unique_ptr<PendingSave> p = std::move(pending_save_);
+  const std::string error = writer_ && writer_->busy() ? writer_->wait() : p->error;
+  const std::string path = p->paths.front();
+  if (!error.empty())
+    log::warn("the checkpoint being written in the background was not written (" + error + "); the previous " + path + " stays");
+  else if (p->sharded)
+    log::warn("the sharded checkpoint " + path + " being written in the background was not committed (the run failed first); the previous one stays");
+  else if (rank() == 0)
+    log::info("the checkpoint " + path + " being written in the background was finished before the run ended");
+}
+
 void Runtime::teardown() {
+  abandon_background_save();
   if (torn_down_ || !launched_) return;
   torn_down_ = true;
   try {

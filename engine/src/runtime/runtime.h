@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/background_write.h"
+#include "checkpoint/sharded_checkpoint.h"
 #include "registry/named.h"
 
 namespace ember {
@@ -151,6 +153,29 @@ class Runtime {
   // failed or killed save leaves the previous `path` whole, and every rank throws when one failed.
   using CheckpointMeta = std::function<c10::impl::GenericDict()>;
   void save_checkpoint(const std::string& path, bool with_model, bool with_optimizer, const CheckpointMeta& meta);
+  // The same written in the background (ITrainerAsyncCheckpoints, docs/checkpoint.md): the state
+  // is gathered and copied to the host here (host_snapshot), then a thread of this rank writes it
+  // (rank 0 the file; every rank its part of a sharded directory) while training goes on. First
+  // finishes a background save still pending. Collective. The save stays pending until the loop
+  // settles it: `committed` runs then, on every rank at the same step.
+  // The same state goes to each of `paths`, in order.
+  void save_checkpoint_async(const std::vector<std::string>& paths, bool with_model, bool with_optimizer, const CheckpointMeta& meta,
+                             std::function<void()> committed);
+  // This rank's part of the stop vote for the pending background save: 0 none, or written here;
+  // 1 still writing; 2 failed here. Never blocks.
+  double background_save_vote();
+  // Every rank, at the same point, with the largest vote over the ranks: 0 commits the pending
+  // save (a sharded directory swapped into place: collective) and runs its `committed`; 2 throws
+  // RunError on every rank (the writer's reason on the rank that failed); 1 does nothing.
+  void settle_background_save(double worst_vote);
+  // Blocks until the pending background save is written on this rank, then settles it with the
+  // other ranks. Collective; nothing (no collective either) when none is pending.
+  void finish_background_save();
+  // After a failure (teardown): waits for this rank's writer without collectives and logs what
+  // became of the pending save; a file already renamed into place stays, a sharded directory not
+  // yet committed does not replace the previous one.
+  void abandon_background_save();
+
   // What load_checkpoint restores besides the run's own tables, which stay the caller's.
   enum class Part { required, if_present, skip };
   // Restores the model's state (`model`) and the optimizer's (`optimizer`) from a checkpoint file
@@ -189,6 +214,17 @@ class Runtime {
   bool sharded_ = false;                   // the strategy answers kShardedCheckpointsIid
   IPipelineParallel* pipeline_ = nullptr;  // the strategy's, when the mesh has pipeline stages
   bool launched_ = false, torn_down_ = false;
+  // The background save started and not yet settled (the same on every rank).
+  struct PendingSave {
+    std::vector<std::string> paths;
+    bool sharded = false;
+    std::function<void()> committed;
+    bool written_here = false;  // this rank's writer has ended and was collected
+    std::string error;          // what it threw
+  };
+  std::unique_ptr<PendingSave> pending_save_;
+  std::unique_ptr<BackgroundWrite> writer_;
+  ShardedWrite sharded_write();
 };
 
 }  // namespace ember::engine

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <optional>
@@ -67,6 +68,9 @@ constexpr EmberConfigKey kKeys[] = {
         "Write {val_loss} as val_loss=0.25 in file names; turn off for metric names that contain '/'."),
     ember::key::Bool("verbose", "false",
         "Log every save, deletion and top-k decision."),
+    ember::key::Bool("async", "false",
+        "Write checkpoints in the background: the state is copied to the host and training goes on while a thread writes it "
+        "(one write at a time; files that leave the top k are deleted only once the new one is on disk; a failed write stops the run)."),
 };
 // clang-format on
 
@@ -279,6 +283,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
         save_weights_only_(cfg.get_bool("save_weights_only")),
         auto_insert_metric_name_(cfg.get_bool("auto_insert_metric_name")),
         verbose_(cfg.get_bool("verbose")),
+        async_(cfg.get_bool("async")),
         topk_(parse_mode(cfg), save_top_k_) {
     const std::string dir = cfg.get_string("dirpath");
     if (!dir.empty()) dirpath_cfg_ = absolute_dir(dir);
@@ -338,6 +343,13 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
 
   void load_state_dict(const c10::IValue& state) override {
     if (state.isNone()) return;  // nothing was saved (e.g. a checkpoint from before this plugin)
+    // A state loaded while training is under way is a rollback (spike_guard) or a tuner going
+    // back to where it began: the training state goes back, the files on disk do not, and this
+    // bookkeeping describes the files. It stays as it is.
+    if (training_) {
+      info("state loaded while training (a rollback): the top-k bookkeeping stays with the files on disk");
+      return;
+    }
     SavedState saved = parse_state(state, topk_.mode());  // throws on a malformed state
     if (dirpath_.empty()) {
       pending_ = std::move(saved);  // setup() resolves the folder and applies it
@@ -395,11 +407,14 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   }
 
   void on_train_start(ember::ITrainer& trainer) override {
+    training_ = true;
     // Nothing to save before the first step; after a resume the current step is already on disk.
     last_global_step_saved_ = trainer.global_step();
     validation_has_run_ = false;
     warned_missing_monitor_ = false;
   }
+
+  void on_train_end(ember::ITrainer&) override { training_ = false; }
 
   void on_validation_end(ember::ITrainer& trainer) override {
     if (!trainer.sanity_checking()) validation_has_run_ = true;
@@ -408,15 +423,21 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   void on_train_batch_end(ember::ITrainer& trainer) override {
     if (skip(trainer)) return;
     if (every_n_train_steps_ < 1 || trainer.global_step() % every_n_train_steps_ != 0) return;
+    begin_saves(trainer);
     save_topk(trainer);
     save_last(trainer);
+    end_saves(trainer);
   }
 
   void on_train_epoch_end(ember::ITrainer& trainer) override {
     // Runs after the model's on_train_epoch_end, with this epoch's validation metrics in place.
     if (skip(trainer)) return;
-    if (every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0) save_topk(trainer);
+    const bool topk = every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0;
+    if (!topk && !save_last_) return;
+    begin_saves(trainer);
+    if (topk) save_topk(trainer);
     save_last(trainer);  // Lightning: every_n_epochs does not throttle last.ckpt
+    end_saves(trainer);
   }
 
  private:
@@ -495,16 +516,19 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     const std::string stem = format_stem(trainer);  // may throw: before anything changes
     const ck::TopKState before = topk_.state();
     const auto added = topk_.add(score, [&](const std::string& dropped) { return versioned(stem, dropped); });
-    write(trainer, added.path, before);
+    std::string message;
     if (verbose_) {
       const auto& s = topk_.state();
       char line[96];
       std::snprintf(line, sizeof line, "reached %.5f (best %.5f)", current,
                     s.best_model_score ? *s.best_model_score : std::nan(""));
-      info(where(trainer) + ": '" + monitor_ + "' " + line + ", saved '" + added.path + "' as top " +
-           (save_top_k_ == -1 ? std::string("all") : std::to_string(save_top_k_)));
+      message = where(trainer) + ": '" + monitor_ + "' " + line + ", saved '" + added.path + "' as top " +
+                (save_top_k_ == -1 ? std::string("all") : std::to_string(save_top_k_));
     }
-    remove_if_unused(trainer, added.dropped, added.path);
+    write(trainer, added.path, before, [this, &trainer, message, dropped = added.dropped, path = added.path] {
+      info(message);
+      remove_if_unused(trainer, dropped, path);
+    });
   }
 
   // No monitor: the newest checkpoint is "the best"; with save_top_k = 1 the previous one goes.
@@ -516,9 +540,10 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     // are kept, a repeated name gets a version suffix instead of overwriting a kept file.
     const std::string path = versioned(stem, save_top_k_ == 1 ? previous : std::string());
     topk_.state().best_model_path = path;
-    write(trainer, path, before);
-    info(where(trainer) + ": saved '" + path + "'");
-    if (save_top_k_ == 1) remove_if_unused(trainer, previous, path);
+    write(trainer, path, before, [this, &trainer, previous, path, message = where(trainer) + ": saved '" + path + "'"] {
+      info(message);
+      if (save_top_k_ == 1) remove_if_unused(trainer, previous, path);
+    });
   }
 
   void save_last(ember::ITrainer& trainer) {
@@ -527,14 +552,61 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     const std::string previous = before.last_model_path;
     const std::string path = versioned(ck::kNameLast, previous);
     topk_.state().last_model_path = path;
-    write(trainer, path, before);
-    info(where(trainer) + ": saved '" + path + "'");
-    remove_if_unused(trainer, previous, path);
+    write(trainer, path, before, [this, &trainer, previous, path, message = where(trainer) + ": saved '" + path + "'"] {
+      info(message);
+      remove_if_unused(trainer, previous, path);
+    });
+  }
+
+  // Asynchronous saves (async = true) of one step go out together, as one copy of the state
+  // written to each file: the top-k file and last.ckpt. Before deciding anything, the write still
+  // in flight is finished (committed, and what it replaced deleted), so the bookkeeping and the
+  // file names are those of synchronous saves. Collective like the saves: every rank reaches a
+  // save's trigger at the same step.
+  struct StepSave {
+    std::string path;
+    ck::TopKState before;
+    std::function<void()> on_disk;
+  };
+  void begin_saves(ember::ITrainer& trainer) {
+    if (async_) ember::trainer_service<ember::ITrainerAsyncCheckpoints>(trainer, "checkpoint (async = true)").finish_checkpoints();
+  }
+  void end_saves(ember::ITrainer& trainer) {
+    if (step_saves_.empty()) return;
+    std::vector<StepSave> saves = std::move(step_saves_);
+    step_saves_.clear();
+    std::vector<std::string> paths;
+    std::vector<std::function<void()>> on_disk;
+    for (auto& s : saves) {
+      paths.push_back(s.path);
+      on_disk.push_back(std::move(s.on_disk));
+    }
+    try {
+      if (trainer.is_global_zero()) {
+        std::error_code ec;
+        fs::create_directories(fs::path(paths.front()).parent_path(), ec);
+      }
+      ember::trainer_service<ember::ITrainerAsyncCheckpoints>(trainer, "checkpoint (async = true)")
+          .save_checkpoint_async(paths, save_weights_only_, [on_disk = std::move(on_disk)] {
+            for (const auto& f : on_disk) f();
+          });
+    } catch (...) {
+      topk_.state() = saves.front().before;
+      throw;
+    }
+    last_global_step_saved_ = trainer.global_step();
   }
 
   // The bookkeeping for `path` is already in place (the file must hold the state that includes
   // itself); if writing fails it goes back to `before`, so the previous best is never lost.
-  void write(ember::ITrainer& trainer, const std::string& path, const ck::TopKState& before) {
+  // `on_disk` runs once the file is durable (deleting what it replaces): at once after a
+  // synchronous save, when the trainer commits it after an asynchronous one (a failed background
+  // write stops the run, and the files it would have replaced stay).
+  void write(ember::ITrainer& trainer, const std::string& path, const ck::TopKState& before, std::function<void()> on_disk) {
+    if (async_) {  // end_saves() writes it
+      step_saves_.push_back({path, before, std::move(on_disk)});
+      return;
+    }
     try {
       // The folder is created here when it can be; when it cannot, save_checkpoint fails on rank 0
       // with the reason, and every rank learns it there (a throw here would leave the other ranks
@@ -549,6 +621,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
       throw;
     }
     last_global_step_saved_ = trainer.global_step();
+    on_disk();
   }
 
   // Deletes a file that left the top k (or an older last/latest one). Rank 0 only, and only
@@ -597,6 +670,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   bool save_weights_only_;
   bool auto_insert_metric_name_;
   bool verbose_;
+  bool async_;
   std::string dirpath_cfg_;  // the configured folder, absolute; "" = <run_dir>/checkpoints
 
   std::string dirpath_;  // the folder in use, known from setup() on
@@ -605,7 +679,9 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   bool validation_has_run_ = false;
   bool warned_missing_monitor_ = false;
   bool restored_ = false;
+  bool training_ = false;  // between on_train_start and on_train_end
   std::optional<SavedState> pending_;  // state loaded before setup()
+  std::vector<StepSave> step_saves_;   // async: this step's saves, written together by end_saves()
 };
 
 ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return new ModelCheckpoint(host, cfg); }

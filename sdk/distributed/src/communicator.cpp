@@ -60,12 +60,23 @@ bool Communicator::launch(const ember::LaunchRequest& request, int* exit_code) {
   } catch (const std::exception& e) {
     throw ember::RunError(e.what());
   }
+  if (request.num_nodes == 0) {
+    // trainer.num_nodes = 0: an elastic job; the launcher that started this rank says how many
+    // there are (and may say another number after a restart). Only the ranks per node are fixed.
+    if (!env)
+      throw ember::ConfigError(name_ + ": trainer.num_nodes = 0 takes the number of nodes from the launcher that started the ranks "
+                               "(torchrun --nnodes=MIN:MAX, mpirun, SLURM), and none did; start it with one, or set trainer.num_nodes");
+    if (env->local_world != request.devices)
+      throw ember::ConfigError(name_ + ": " + env->source + " started " + std::to_string(env->local_world) +
+                               " ranks on this node, but trainer.devices = " + std::to_string(request.devices) +
+                               "; set trainer.devices to the ranks per node (--nproc-per-node)");
+  } else if (env && env->world != expected) {
+    throw ember::ConfigError(name_ + ": " + env->source + " started " + std::to_string(env->world) +
+                             " ranks, but trainer.devices x trainer.num_nodes = " + std::to_string(request.devices) + " x " +
+                             std::to_string(request.num_nodes) + " = " + std::to_string(expected) +
+                             "; set trainer.devices to the ranks per node and trainer.num_nodes to the nodes (or 0 for an elastic job)");
+  }
   if (env) {
-    if (env->world != expected)
-      throw ember::ConfigError(name_ + ": " + env->source + " started " + std::to_string(env->world) +
-                               " ranks, but trainer.devices x trainer.num_nodes = " + std::to_string(request.devices) + " x " +
-                               std::to_string(request.num_nodes) + " = " + std::to_string(expected) +
-                               "; set trainer.devices to the ranks per node and trainer.num_nodes to the nodes");
     info_ = *env;
     if (info_.master_addr.empty()) info_.master_addr = master_addr_;
     if (info_.master_port == 0) info_.master_port = master_port_;

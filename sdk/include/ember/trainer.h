@@ -127,6 +127,46 @@ class EMBER_SDK_API ITrainerCheckpoints {
   virtual void load_checkpoint(const std::string& path) = 0;
 };
 
+// Service (SDK 2.8): checkpoints written in the background (the checkpoint plugin's `async`).
+// save_checkpoint_async takes what save_checkpoint would write, copies it to the host (pinned
+// memory for GPU tensors) and returns; a background thread writes it and commits it atomically
+// (fsync, then rename: a crash at any point leaves the previous `path` whole) while training goes
+// on. The trainer checks the write after every optimizer step (within the stop vote it already
+// takes, so no extra collective) and, once they are durable on every rank, calls `committed` on
+// every rank at the same step (the place to delete a checkpoint that left the top k). A write
+// that failed on any rank stops the run on every rank there, with the reason, like a failed
+// synchronous save. At most one write is in flight: a save of either kind, or a load, first
+// waits for the one before. The trainer finishes the write in flight when training ends and
+// before it tests, predicts or exits. Collective: every rank calls these at the same point.
+class EMBER_SDK_API ITrainerAsyncCheckpoints {
+ public:
+  static constexpr const char* kIid = "ember.trainer.AsyncCheckpoints/1";
+  virtual ~ITrainerAsyncCheckpoints() = default;
+  // The same state goes to each of `paths` (a top-k file and last.ckpt of one step: one copy of
+  // the state, one write in flight).
+  virtual void save_checkpoint_async(const std::vector<std::string>& paths, bool weights_only, std::function<void()> committed) = 0;
+  // Waits for the write in flight, if any, commits it (running its `committed`), and throws
+  // ember::RunError on every rank when it failed on one.
+  virtual void finish_checkpoints() = 0;
+};
+
+// Service (SDK 2.8): undoing training (spike_guard's rollback). Rank-consistent: every rank calls
+// these at the same batch.
+class EMBER_SDK_API ITrainerRecovery {
+ public:
+  static constexpr const char* kIid = "ember.trainer.Recovery/1";
+  virtual ~ITrainerRecovery() = default;
+  // In on_train_batch_start: this batch and the rest of its accumulation window are not trained
+  // on (no forward, backward or optimizer step; the gradients earlier micro-batches of the window
+  // accumulated are dropped), and no later hook sees them; the loop goes on with the next batch.
+  virtual void skip_batch() = 0;
+  // In on_train_batch_end: once the callback that calls it returns (the callbacks after it and the
+  // model do not see this batch end), the trainer restores the checkpoint `path` as a resume does
+  // (weights, optimizer, loop position, RNG, every callback's state; loggers keep theirs) and
+  // training goes on from the position it holds. The epoch's running metrics start again there.
+  virtual void rollback(const std::string& path) = 0;
+};
+
 // Service: settings a plugin may change while the run goes on.
 class EMBER_SDK_API ITrainerSettings {
  public:
