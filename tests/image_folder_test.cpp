@@ -8,6 +8,7 @@
 
 #include <ember/error.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -15,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint_support.h"
 #include "image_decode.h"
 #include "support.h"
 
@@ -271,5 +273,73 @@ batch_size = 8
   EXPECT_NE(skip.err.find("1 unreadable files skipped (first: imgs/a/not_an_image.png)"), std::string::npos) << skip.err;
   EXPECT_NE(skip.exit_code, 0) << "the truncated JPEG's header is fine, its data is not";
   EXPECT_NE(skip.err.find("imgs/b/cut.jpg: corrupt JPEG data"), std::string::npos) << skip.err;
+}
+// A list of path and label instead of a folder: a CSV with its own column names (paths relative
+// to the list) and a JSONL with integer labels train exactly like the folder itself when they
+// list its images in the same order; a label outside the training classes and a missing column
+// are one line each, naming the file and line.
+TEST(ImageFolder, ListsOfPathAndLabelTrainLikeTheFolder) {
+  TempDir dir("image_folder");
+  auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/reference/image_folder.py").string(), "resnet", "rn"}, dir.path(), {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // The folder's images in torchvision's order (sorted classes, sorted files).
+  std::vector<std::pair<std::string, int>> images;
+  const std::vector<std::string> classes = {"a", "b", "c"};
+  for (int c = 0; c < 3; ++c) {
+    std::vector<std::string> files;
+    for (const auto& e : fs::directory_iterator(dir / "rn/images" / classes[c])) files.push_back(e.path().filename().string());
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files) images.emplace_back(classes[c] + "/" + f, c);
+  }
+  std::string csv = "id,file,kind\n", jsonl;
+  for (size_t i = 0; i < images.size(); ++i) {
+    csv += std::to_string(i) + "," + images[i].first + "," + classes[images[i].second] + "\n";
+    jsonl += "{\"path\": \"images/" + images[i].first + "\", \"label\": " + std::to_string(images[i].second) + "}\n";
+  }
+  write_file(dir / "rn/images/list.csv", csv);
+  write_file(dir / "rn/list.jsonl", jsonl);
+  const std::vector<std::string> common = {"run.toml", "--set", "trainer.max_epochs=2"};
+  write_file(dir / "run.toml", R"([trainer]
+accelerator = "cpu"
+deterministic = true
+enable_progress_bar = false
+enable_model_summary = false
+num_sanity_val_steps = 0
+[model]
+name = "cnn"
+in_channels = 3
+image_size = 16
+num_classes = 3
+[data]
+name = "image_folder"
+image_size = 16
+batch_size = 2
+val_split = 0.5
+)");
+  TempDir folder("image_folder"), from_csv("image_folder"), from_jsonl("image_folder");
+  for (const auto* d : {&folder, &from_csv, &from_jsonl}) fs::copy_file(dir / "run.toml", *d / "run.toml");
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = common;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  run_engine_ok(folder, with({"--set", "data.root=\"" + (dir / "rn/images").string() + "\""}));
+  auto c = run_engine_ok(from_csv, with({"--set", "data.root=\"" + (dir / "rn/images/list.csv").string() + "\"", "--set",
+                                         "data.path_column=\"file\"", "--set", "data.label_column=\"kind\""}));
+  EXPECT_NE(c.err.find("image_folder: 3 classes, 3 train, 3 val"), std::string::npos) << c.err;
+  run_engine_ok(from_jsonl, with({"--set", "data.root=\"" + (dir / "rn/list.jsonl").string() + "\""}));
+  for (const auto* d : {&from_csv, &from_jsonl})
+    EXPECT_EQ(max_weight_difference(last_checkpoint(folder), last_checkpoint(*d)), 0.0) << d->path();
+
+  write_file(dir / "rn/val.jsonl", "{\"path\": \"images/a/" + images[0].first.substr(2) + "\", \"label\": 7}\n");
+  auto bad_label = run_engine({"run.toml", "--set", "data.root=\"rn/list.jsonl\"", "--set", "data.val_split=0.0", "--set",
+                               "data.val_root=\"rn/val.jsonl\""},
+                              dir.path(), {}, 60);
+  EXPECT_EQ(bad_label.exit_code, 1) << bad_label.err;
+  EXPECT_NE(bad_label.err.find("rn/val.jsonl:1: label '7' is not a class of the training list"), std::string::npos) << bad_label.err;
+  auto bad_column = run_engine({"run.toml", "--set", "data.root=\"rn/images/list.csv\""}, dir.path(), {}, 60);
+  EXPECT_EQ(bad_column.exit_code, 1) << bad_column.err;
+  EXPECT_NE(bad_column.err.find("list.csv:1: no column \"path\" in the header: set data.path_column to one of its columns"), std::string::npos)
+      << bad_column.err;
 }
 #endif

@@ -323,7 +323,7 @@ TEST(TextClassification, TrainsAndTestsATinyBertThroughTheEngine) {
   write_file(dir / "run.toml", tiny_run(dir));
   auto r = run_engine({"run.toml"}, dir.path());
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.err.find("test.jsonl:1: no string field \"text\": set text_column"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("test.jsonl:1: no string or integer field \"text\": set text_column"), std::string::npos) << r.err;
   // The test file's own names: JSONL rows {"sentence", "y"}; CSV rows {"text", "label"} are the defaults.
   std::string run = tiny_run(dir);
   run.replace(run.find("test.jsonl"), 10, "train.csv");

@@ -9,6 +9,7 @@
 #include <ember/data.h>
 #include <ember/error.h>
 #include <ember/plugin.h>
+#include <ember/support/table_file.h>
 #include <ember/predict.h>
 #include <ember/trainer.h>
 
@@ -31,9 +32,11 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr EmberConfigKey kKeys[] = {
-    ember::key::String("root", nullptr, "Folder of one sub-folder per class holding .jpg/.jpeg/.png images (torchvision's ImageFolder layout)."),
-    ember::key::String("val_root", "\"\"", "Folder of validation images in the same layout and classes; empty = val_split of root."),
-    ember::key::String("test_root", "\"\"", "Folder of test images in the same layout and classes; empty = no test split."),
+    ember::key::String("root", nullptr, "Folder of one sub-folder per class holding .jpg/.jpeg/.png images (torchvision's ImageFolder layout), or a .csv / .jsonl list of path and label (paths relative to the list's folder)."),
+    ember::key::String("val_root", "\"\"", "Folder (or list) of validation images of the same classes; empty = val_split of root."),
+    ember::key::String("test_root", "\"\"", "Folder (or list) of test images of the same classes; empty = no test split."),
+    ember::key::String("path_column", "\"path\"", "Lists: the CSV column / JSONL field holding each image's path."),
+    ember::key::String("label_column", "\"label\"", "Lists: the CSV column / JSONL field holding each image's class (a name, or an index 0..C-1 when every label is one)."),
     ember::key::Float("val_split", "0.0", "Without val_root: the fraction of root's images held out for validation (chosen by a permutation seeded with trainer.seed).").at_least(0.0).below(1.0),
     ember::key::Int("image_size", "224", "Side of the square images a batch holds.").at_least(1),
     ember::key::Int("resize", "0", "Evaluation: the shorter side is resized to this before the centre crop of image_size; 0 = image_size / 0.875 (256 for 224, torchvision's ImageNet recipe); image_size = no crop.").at_least(0),
@@ -65,6 +68,8 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
         root_(cfg.get_string("root")),
         val_root_(cfg.get_string("val_root")),
         test_root_(cfg.get_string("test_root")),
+        path_column_(cfg.get_string("path_column")),
+        label_column_(cfg.get_string("label_column")),
         val_split_(cfg.get_float("val_split")),
         size_(cfg.get_int("image_size")),
         augment_(cfg.get_bool("augment")),
@@ -98,19 +103,25 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
 
   void setup(const ember::DataSetup& setup) override {
     seed_ = setup.seed;
-    if (!fs::is_directory(root_))
-      throw ember::RunError("image_folder: root " + root_.string() + " is not a folder: set [" + section_ + "] root to a folder of one sub-folder per class");
-    for (const auto& e : fs::directory_iterator(root_))
-      if (e.is_directory()) classes_.push_back(e.path().filename().string());
-    std::sort(classes_.begin(), classes_.end());  // torchvision: sorted(entry.name ...)
-    if (classes_.empty())
-      throw ember::RunError("image_folder: " + root_.string() + " has no class sub-folders: put each class's images in <root>/<class>/");
-    std::vector<Sample> train = scan(root_, "root");
+    std::vector<Sample> train;
+    if (ember::support::is_table_file(root_)) {
+      train = from_list(root_, "root", /*define_classes=*/true);
+    } else {
+      if (!fs::is_directory(root_))
+        throw ember::RunError("image_folder: root " + root_.string() + " is not a folder or a .csv/.jsonl list: set [" + section_ +
+                              "] root to a folder of one sub-folder per class, or to a list of path and label");
+      for (const auto& e : fs::directory_iterator(root_))
+        if (e.is_directory()) classes_.push_back(e.path().filename().string());
+      std::sort(classes_.begin(), classes_.end());  // torchvision: sorted(entry.name ...)
+      if (classes_.empty())
+        throw ember::RunError("image_folder: " + root_.string() + " has no class sub-folders: put each class's images in <root>/<class>/");
+      train = scan(root_, "root");
+    }
     if (train.empty())
       throw ember::RunError("image_folder: no readable .jpg, .jpeg or .png file under " + root_.string() +
                             (skipped_ > 0 ? " (" + std::to_string(skipped_) + " unreadable files skipped, first: " + first_skipped_ + ")" : ""));
     if (!val_root_.empty()) {
-      splits_[1] = scan(val_root_, "val_root");
+      splits_[1] = ember::support::is_table_file(val_root_) ? from_list(val_root_, "val_root", false) : scan(val_root_, "val_root");
     } else if (val_split_ > 0) {
       // A permutation seeded with trainer.seed: the same split in every run and on every rank.
       const auto n = static_cast<int64_t>(train.size());
@@ -123,7 +134,8 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
       for (int64_t i = 0; i < n; ++i) (held[static_cast<size_t>(i)] ? splits_[1] : kept).push_back(train[static_cast<size_t>(i)]);
       train = std::move(kept);
     }
-    if (!test_root_.empty()) splits_[2] = scan(test_root_, "test_root");
+    if (!test_root_.empty())
+      splits_[2] = ember::support::is_table_file(test_root_) ? from_list(test_root_, "test_root", false) : scan(test_root_, "test_root");
     splits_[0] = std::move(train);
     host_.log(ember::LogLevel::info, "image_folder: " + std::to_string(classes_.size()) + " classes, " + std::to_string(splits_[0].size()) +
                                          " train, " + std::to_string(splits_[1].size()) + " val, " + std::to_string(splits_[2].size()) +
@@ -190,6 +202,51 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
         for (const auto& f : files) out.push_back({(fs::path(d) / f).string(), static_cast<int64_t>(c)});
       }
     }
+    return readable(std::move(out));
+  }
+
+  // A list of path and label (Ember::table_file: CSV with a header row, or JSON Lines), in its
+  // order; paths relative to the list's folder. The training list defines the classes: when every
+  // label is an integer they are the class indices (classes "0".."max"), otherwise the sorted
+  // names, as torchvision sorts class folders. Other lists may only use those classes.
+  std::vector<Sample> from_list(const fs::path& list, const char* key, bool define_classes) {
+    const auto records = ember::support::read_table(list, {{path_column_, section_ + ".path_column"}, {label_column_, section_ + ".label_column"}});
+    if (records.empty()) throw ember::RunError("image_folder: " + std::string(key) + " " + list.string() + " lists no images");
+    auto index_of = [](const std::string& s) -> int64_t {
+      if (s.empty() || s.size() > 9 || !std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); })) return -1;
+      return std::stoll(s);
+    };
+    if (define_classes) {
+      const bool indices = std::all_of(records.begin(), records.end(), [&](const auto& r) { return index_of(r.values[1]) >= 0; });
+      if (indices) {
+        int64_t top = 0;
+        for (const auto& r : records) top = std::max(top, index_of(r.values[1]));
+        for (int64_t c = 0; c <= top; ++c) classes_.push_back(std::to_string(c));
+      } else {
+        for (const auto& r : records) classes_.push_back(r.values[1]);
+        std::sort(classes_.begin(), classes_.end());
+        classes_.erase(std::unique(classes_.begin(), classes_.end()), classes_.end());
+      }
+    }
+    std::vector<Sample> out;
+    const fs::path base = list.parent_path();
+    for (const auto& r : records) {
+      const auto it = std::lower_bound(classes_.begin(), classes_.end(), r.values[1], [&](const std::string& a, const std::string& b) {
+        const int64_t ia = index_of(a), ib = index_of(b);
+        return ia >= 0 && ib >= 0 ? ia < ib : a < b;
+      });
+      if (it == classes_.end() || *it != r.values[1])
+        throw ember::RunError(list.string() + ":" + std::to_string(r.line) + ": label '" + r.values[1] +
+                              "' is not a class of the training list " + root_.string() + " (every split uses the training classes)");
+      const fs::path image = fs::path(r.values[0]).is_absolute() ? fs::path(r.values[0]) : base / r.values[0];
+      out.push_back({image.string(), static_cast<int64_t>(it - classes_.begin())});
+    }
+    return readable(std::move(out));
+  }
+
+  // The samples whose file is an image this plugin reads; the others stop the run with their path
+  // (bad_images = "stop") or are counted and left out ("skip").
+  std::vector<Sample> readable(std::vector<Sample> out) {
     // Headers, in parallel: a file that is not an image is found now, not mid-epoch.
     std::vector<std::string> errors(out.size());
     at::parallel_for(0, static_cast<int64_t>(out.size()), 64, [&](int64_t begin, int64_t end) {
@@ -258,6 +315,7 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
   ember::IHost& host_;
   std::string section_;
   fs::path root_, val_root_, test_root_;
+  std::string path_column_, label_column_;
   double val_split_;
   int64_t size_, resize_ = 0;
   bool augment_, flip_, skip_bad_;

@@ -8,7 +8,6 @@
 // Batch: tensors[0] = input_ids int64 [N, L], tensors[1] = labels int64 [N],
 // tensors[2] = attention_mask int64 [N, L], where L is the longest sequence of the batch.
 // Reports each text's token count (ember::ISampleLengths) for data.group_by_length.
-#include <csv.h>
 
 #include <algorithm>
 #include <array>
@@ -25,7 +24,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/StringUtil.h>
-#include <nlohmann/json.hpp>
+#include <ember/support/table_file.h>
 #include <torch/types.h>
 
 #include <ember/config.h>
@@ -59,81 +58,10 @@ struct Row {
   int64_t line = 0;
 };
 
-[[noreturn]] void file_error(const std::string& path, int64_t line, const std::string& what) {
-  throw ember::RunError(c10::str(path, ":", line, ": ", what));
-}
-
-std::vector<Row> read_jsonl(const std::string& path, const std::string& text_col, const std::string& label_col) {
-  std::ifstream in(path, std::ios::binary);
+std::vector<Row> read_table_rows(const std::string& path, const std::string& text_col, const std::string& label_col) {
   std::vector<Row> rows;
-  std::string line;
-  int64_t n = 0;
-  while (std::getline(in, line)) {
-    ++n;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      file_error(path, n, c10::str("not a JSON object (", e.what(), "): JSONL needs one object a line"));
-    }
-    if (!j.is_object()) file_error(path, n, "not a JSON object: JSONL needs one object a line");
-    if (!j.contains(text_col) || !j[text_col].is_string())
-      file_error(path, n, c10::str("no string field \"", text_col, "\": set text_column to the field holding the text"));
-    if (!j.contains(label_col) || !(j[label_col].is_string() || j[label_col].is_number_integer()))
-      file_error(path, n, c10::str("no string or integer field \"", label_col, "\": set label_column to the field holding the label"));
-    Row r;
-    r.text = j[text_col].get<std::string>();
-    r.label = j[label_col].is_string() ? j[label_col].get<std::string>() : std::to_string(j[label_col].get<int64_t>());
-    r.line = n;
-    rows.push_back(std::move(r));
-  }
-  return rows;
-}
-
-// libcsv hands over fields and row ends through callbacks; this collects them.
-struct CsvCollector {
-  std::vector<std::vector<std::string>> records;
-  std::vector<std::string> current;
-  static void field(void* s, size_t len, void* self) {
-    static_cast<CsvCollector*>(self)->current.emplace_back(static_cast<const char*>(s), s == nullptr ? 0 : len);
-  }
-  static void row(int, void* self) {
-    auto* c = static_cast<CsvCollector*>(self);
-    c->records.push_back(std::move(c->current));
-    c->current.clear();
-  }
-};
-
-std::vector<Row> read_csv(const std::string& path, const std::string& text_col, const std::string& label_col) {
-  std::ifstream in(path, std::ios::binary);
-  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  csv_parser p{};
-  if (csv_init(&p, CSV_STRICT | CSV_STRICT_FINI | CSV_APPEND_NULL) != 0) throw ember::RunError(path + ": cannot start the CSV parser");
-  CsvCollector c;
-  const size_t done = csv_parse(&p, data.data(), data.size(), CsvCollector::field, CsvCollector::row, &c);
-  const bool ok = done == data.size() && csv_fini(&p, CsvCollector::field, CsvCollector::row, &c) == 0;
-  const std::string err = ok ? "" : csv_strerror(csv_error(&p));
-  csv_free(&p);
-  if (!ok) {
-    const int64_t line = 1 + std::count(data.begin(), data.begin() + static_cast<std::ptrdiff_t>(std::min(done, data.size())), '\n');
-    file_error(path, line, c10::str("malformed CSV (", err, "): quote fields that hold commas, quotes or newlines"));
-  }
-  if (c.records.empty()) file_error(path, 1, "empty file: a CSV file needs a header row naming its columns");
-  const auto& header = c.records.front();
-  auto column = [&](const std::string& name, const char* key) {
-    const auto it = std::find(header.begin(), header.end(), name);
-    if (it == header.end()) file_error(path, 1, c10::str("no column \"", name, "\" in the header: set ", key, " to one of its columns"));
-    return static_cast<size_t>(it - header.begin());
-  };
-  const size_t ti = column(text_col, "text_column"), li = column(label_col, "label_column");
-  std::vector<Row> rows;
-  for (size_t r = 1; r < c.records.size(); ++r) {
-    const auto& rec = c.records[r];
-    if (rec.size() != header.size())
-      file_error(path, static_cast<int64_t>(r + 1), c10::str("record ", r, " has ", rec.size(), " fields, the header ", header.size()));
-    rows.push_back({rec[ti], rec[li], static_cast<int64_t>(r + 1)});
-  }
+  for (auto& r : ember::support::read_table(path, {{text_col, "text_column"}, {label_col, "label_column"}}))
+    rows.push_back({std::move(r.values[0]), std::move(r.values[1]), r.line});
   return rows;
 }
 
@@ -152,8 +80,7 @@ std::string data_file(const std::string& key, const ember::IConfig& cfg) {
 }
 
 std::vector<Row> read_rows(const std::string& path, const std::string& text_col, const std::string& label_col) {
-  std::vector<Row> rows = std::filesystem::path(path).extension() == ".csv" ? read_csv(path, text_col, label_col)
-                                                                              : read_jsonl(path, text_col, label_col);
+  std::vector<Row> rows = read_table_rows(path, text_col, label_col);
   if (rows.empty()) throw ember::RunError(c10::str(path, ": holds no texts"));
   return rows;
 }

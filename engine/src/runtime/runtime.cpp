@@ -251,6 +251,16 @@ void Runtime::save_full(bool with_model, bool with_optimizer, const FullStateWri
   if (error) std::rethrow_exception(error);
 }
 
+// A sharded directory's meta.ckpt: the run's document plus the layout its parts were written in.
+c10::impl::GenericDict Runtime::sharded_meta(const CheckpointMeta& meta) {
+  auto ck = meta();
+  auto layout = checkpoint_dict();
+  layout.insert("world_size", world_size());
+  layout.insert("strategy", strategy_.name);
+  ck.insert("sharded", layout);
+  return ck;
+}
+
 ShardedWrite Runtime::sharded_write() {
   ShardedWrite how;
   how.rank = rank();
@@ -264,15 +274,7 @@ void Runtime::save_checkpoint(const std::string& path, bool with_model, bool wit
   if (writes_sharded_checkpoints() && with_model && with_optimizer) {
     // One part per rank, nothing gathered (sharded_checkpoint.h has the layout and the commit).
     const c10::IValue part = strategy_.object->sharded_state();
-    c10::IValue doc;
-    if (rank() == 0) {
-      auto ck = meta();
-      auto layout = checkpoint_dict();
-      layout.insert("world_size", world_size());
-      layout.insert("strategy", strategy_.name);
-      ck.insert("sharded", layout);
-      doc = ck;
-    }
+    const c10::IValue doc = rank() == 0 ? c10::IValue(sharded_meta(meta)) : c10::IValue();
     write_sharded_checkpoint(path, part, doc, sharded_write());
     return;
   }
@@ -351,14 +353,7 @@ void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool 
     c10::IValue part, doc;
     try {
       part = host_snapshot(strategy_.object->sharded_state());
-      if (rank() == 0) {
-        auto ck = meta();
-        auto layout = checkpoint_dict();
-        layout.insert("world_size", world_size());
-        layout.insert("strategy", strategy_.name);
-        ck.insert("sharded", layout);
-        doc = host_snapshot(c10::IValue(ck));
-      }
+      if (rank() == 0) doc = host_snapshot(c10::IValue(sharded_meta(meta)));
     } catch (...) {
       error = std::current_exception();
     }

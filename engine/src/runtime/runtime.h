@@ -225,6 +225,7 @@ class Runtime {
   std::unique_ptr<PendingSave> pending_save_;
   std::unique_ptr<BackgroundWrite> writer_;
   ShardedWrite sharded_write();
+  c10::impl::GenericDict sharded_meta(const CheckpointMeta& meta);
 };
 
 }  // namespace ember::engine

@@ -1,0 +1,37 @@
+// Tables users write by hand or export from elsewhere: a CSV file with a header row (RFC 4180
+// quoting, parsed by libcsv) or a JSON Lines file (one object a line, parsed by nlohmann-json).
+// What data plugins read their lists from: text_classification's texts and labels, image_folder's
+// image paths and labels. Ember::table_file, a small compiled library (static, position-
+// independent, hidden); libcsv and nlohmann-json stay private to it.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace ember::support {
+
+// A column to read: the header's column (CSV) or the object's field (JSONL), and the config key
+// that names it (for the message when it is missing).
+struct TableColumn {
+  std::string name;
+  std::string key;
+};
+
+// One record: a value per requested column, in their order (a JSONL integer as its decimal text),
+// and the line it starts on (1-based; the header is line 1 of a CSV file).
+struct TableRecord {
+  std::vector<std::string> values;
+  int64_t line = 0;
+};
+
+// .csv, .jsonl or .ndjson.
+bool is_table_file(const std::filesystem::path& path);
+
+// The requested columns of every record. Throws ember::RunError "PATH:LINE: what is wrong; how to
+// fix it" for an unreadable or malformed file, a missing column, a CSV record with another number
+// of fields than the header, or a JSONL field that is neither a string nor an integer. Blank JSONL
+// lines are skipped.
+std::vector<TableRecord> read_table(const std::filesystem::path& path, const std::vector<TableColumn>& columns);
+
+}  // namespace ember::support

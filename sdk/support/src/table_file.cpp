@@ -1,0 +1,110 @@
+#include "ember/support/table_file.h"
+
+#include <ember/error.h>
+
+#include <csv.h>
+
+#include <algorithm>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+
+namespace ember::support {
+namespace {
+
+[[noreturn]] void file_error(const std::filesystem::path& path, int64_t line, const std::string& what) {
+  throw ember::RunError(path.string() + ":" + std::to_string(line) + ": " + what);
+}
+
+std::vector<TableRecord> read_jsonl(const std::filesystem::path& path, const std::vector<TableColumn>& columns) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ember::RunError("cannot read " + path.string());
+  std::vector<TableRecord> out;
+  std::string line;
+  int64_t n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      file_error(path, n, std::string("not a JSON object (") + e.what() + "): JSONL needs one object a line");
+    }
+    if (!j.is_object()) file_error(path, n, "not a JSON object: JSONL needs one object a line");
+    TableRecord r;
+    r.line = n;
+    for (const auto& c : columns) {
+      const auto it = j.find(c.name);
+      if (it == j.end() || !(it->is_string() || it->is_number_integer()))
+        file_error(path, n, "no string or integer field \"" + c.name + "\": set " + c.key + " to the field that holds it");
+      r.values.push_back(it->is_string() ? it->get<std::string>() : std::to_string(it->get<int64_t>()));
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+// libcsv hands over fields and record ends through callbacks; this collects them.
+struct CsvCollector {
+  std::vector<std::vector<std::string>> records;
+  std::vector<std::string> current;
+  static void field(void* s, size_t len, void* self) {
+    static_cast<CsvCollector*>(self)->current.emplace_back(static_cast<const char*>(s), s == nullptr ? 0 : len);
+  }
+  static void row(int, void* self) {
+    auto* c = static_cast<CsvCollector*>(self);
+    c->records.push_back(std::move(c->current));
+    c->current.clear();
+  }
+};
+
+std::vector<TableRecord> read_csv(const std::filesystem::path& path, const std::vector<TableColumn>& columns) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ember::RunError("cannot read " + path.string());
+  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  csv_parser p{};
+  if (csv_init(&p, CSV_STRICT | CSV_STRICT_FINI | CSV_APPEND_NULL) != 0) throw ember::RunError(path.string() + ": cannot start the CSV parser");
+  CsvCollector c;
+  const size_t done = csv_parse(&p, data.data(), data.size(), CsvCollector::field, CsvCollector::row, &c);
+  const bool ok = done == data.size() && csv_fini(&p, CsvCollector::field, CsvCollector::row, &c) == 0;
+  const std::string err = ok ? "" : csv_strerror(csv_error(&p));
+  csv_free(&p);
+  if (!ok) {
+    const int64_t line = 1 + std::count(data.begin(), data.begin() + static_cast<std::ptrdiff_t>(std::min(done, data.size())), '\n');
+    file_error(path, line, "malformed CSV (" + err + "): quote fields that hold commas, quotes or newlines");
+  }
+  if (c.records.empty()) file_error(path, 1, "empty file: a CSV file needs a header row naming its columns");
+  const auto& header = c.records.front();
+  std::vector<size_t> index;
+  for (const auto& col : columns) {
+    const auto it = std::find(header.begin(), header.end(), col.name);
+    if (it == header.end()) file_error(path, 1, "no column \"" + col.name + "\" in the header: set " + col.key + " to one of its columns");
+    index.push_back(static_cast<size_t>(it - header.begin()));
+  }
+  std::vector<TableRecord> out;
+  for (size_t r = 1; r < c.records.size(); ++r) {
+    const auto& rec = c.records[r];
+    if (rec.size() != header.size())
+      file_error(path, static_cast<int64_t>(r + 1),
+                 "record " + std::to_string(r) + " has " + std::to_string(rec.size()) + " fields, the header " + std::to_string(header.size()));
+    TableRecord t;
+    t.line = static_cast<int64_t>(r + 1);
+    for (size_t i : index) t.values.push_back(rec[i]);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+}  // namespace
+
+bool is_table_file(const std::filesystem::path& path) {
+  const std::string ext = path.extension().string();
+  return ext == ".csv" || ext == ".jsonl" || ext == ".ndjson";
+}
+
+std::vector<TableRecord> read_table(const std::filesystem::path& path, const std::vector<TableColumn>& columns) {
+  return path.extension() == ".csv" ? read_csv(path, columns) : read_jsonl(path, columns);
+}
+
+}  // namespace ember::support
