@@ -218,3 +218,27 @@ TEST(SpikeGuard, RollbacksAreBoundedAndCanLowerTheLearningRate) {
   for (const auto& [name, t] : wl) differ = differ || !at::equal(t, ws.at(name));
   EXPECT_TRUE(differ) << "3 steps at a tenth of the rate change the weights";
 }
+
+// check_gradients: an inf planted in the gradients of batch 4 (the grad_poison test plugin; the
+// loss of that batch is still finite) is a spike at batch 4 itself; without the check the guard
+// sees it one batch later, as the NaN loss the broken weights give. Under 16-mixed the loss scaler
+// skips that step, so nothing was broken and the run goes on.
+TEST(SpikeGuard, NonFiniteGradientsAreASpikeUnlessThePrecisionSkipsTheStep) {
+  TempDir dir("spike");
+  write_file(dir / "run.toml", kRun + "[grad_poison]\nbatches = [4]\n");
+  const std::vector<std::string> base = {"--plugin-path", test_plugin_dir("good").string(), "--plugins", "spike_guard,grad_poison", "run.toml"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  auto checked = run_engine(with({"--set", "spike_guard.check_gradients=true"}), dir.path(), {}, 120);
+  EXPECT_EQ(checked.exit_code, 1) << checked.err;
+  EXPECT_NE(checked.err.find("spike_guard: non-finite gradient (training loss "), std::string::npos) << checked.err;
+  EXPECT_EQ(stops(checked.err), (std::set<std::string>{"training batch 4 of epoch 0 (global step 5)"})) << checked.err;
+  auto unchecked = run_engine(base, dir.path(), {}, 120);
+  EXPECT_EQ(unchecked.exit_code, 1) << unchecked.err;
+  EXPECT_EQ(stops(unchecked.err), (std::set<std::string>{"training batch 5 of epoch 0 (global step 6)"})) << unchecked.err;
+  auto amp = run_engine(with({"--plugins", "amp16", "--set", "spike_guard.check_gradients=true"}), dir.path(), {}, 120);
+  EXPECT_EQ(amp.exit_code, 0) << amp.err;
+}

@@ -54,6 +54,8 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Float("atol", "0.0", "... and at least atol away (both must hold when both are set); 0 = no absolute test.").at_least(0.0),
     ember::key::String("mode", "\"min\"", "Whether a lower loss is better (min) or a higher one (max); a move in the better direction is never a spike.").choices("min|max"),
     ember::key::Bool("finite_only", "false", "Only non-finite losses are spikes (Lightning's finite_only)."),
+    ember::key::Bool("check_gradients", "false",
+        "Also a spike: a non-finite gradient at an optimizer step (a step the precision handler skips, as 16-mixed loss scaling does, is not one). One pass over the gradients per step."),
     ember::key::String("action", "\"stop\"",
         "stop: end the run non-zero at the spike; rollback: restore the newest snapshot, skip the offending step's batches and go on.").choices("stop|rollback"),
     ember::key::Int("snapshot_every_n_steps", "10",
@@ -115,6 +117,7 @@ class SpikeGuard final : public ember::Callback {
         atol_(cfg.get_float("atol")),
         minimize_(cfg.get_string("mode") == "min"),
         finite_only_(cfg.get_bool("finite_only")),
+        check_gradients_(cfg.get_bool("check_gradients")),
         rollback_(cfg.get_string("action") == "rollback"),
         snapshot_every_(cfg.get_int("snapshot_every_n_steps")),
         max_rollbacks_(cfg.get_int("max_rollbacks")),
@@ -139,6 +142,18 @@ class SpikeGuard final : public ember::Callback {
   }
 
   void on_before_optimizer_step(ember::ITrainer& t) override {
+    if (check_gradients_) {
+      // The tensors the optimizer trains (this rank's shards under a sharding strategy): one flag
+      // for all of them, read once.
+      at::Tensor bad;
+      for (const auto& p : ember::trainer_service<ember::ITrainerWeights>(t, "spike_guard (check_gradients)").trained_parameters()) {
+        const at::Tensor& g = p.tensor.grad();
+        if (!g.defined()) continue;
+        const at::Tensor here = at::isfinite(g).logical_not().any();
+        bad = bad.defined() ? bad.logical_or(here) : here;
+      }
+      gradients_bad_ = bad.defined() && bad.item<bool>();
+    }
     if (cooldown_left_ <= 0 || lr_factor_ == 1.0) return;
     auto& opt = t.optimizer();
     lowered_.clear();
@@ -155,6 +170,10 @@ class SpikeGuard final : public ember::Callback {
     if (!loss.defined()) return;
     const double value = loss.item<double>();
     std::string why = judge(value);
+    // A step the precision handler skipped for inf/NaN gradients (loss scaling) changed nothing.
+    if (why.empty() && gradients_bad_ && t.optimizer_stepped() && !t.optimizer_step_skipped())
+      why = "non-finite gradient (training loss " + ember::shortest_number(value) + ")";
+    if (t.optimizer_stepped()) gradients_bad_ = false;
     // Every rank learns whether any rank saw a spike, and all act at this batch together.
     const bool local = !why.empty();
     const bool any = t.world_size() > 1 ? ember::trainer_service<ember::ITrainerCollectives>(t, "spike_guard").any_rank(local) : local;
@@ -310,7 +329,8 @@ class SpikeGuard final : public ember::Callback {
   size_t window_;
   int64_t warmup_;
   double rtol_, atol_;
-  bool minimize_, finite_only_, rollback_;
+  bool minimize_, finite_only_, check_gradients_, rollback_;
+  bool gradients_bad_ = false;  // this step's gradients had an inf or NaN (check_gradients)
   int64_t snapshot_every_, max_rollbacks_;
   double lr_factor_;
   int64_t lr_steps_;
