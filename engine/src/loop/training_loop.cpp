@@ -388,33 +388,6 @@ void TrainingLoop::train_epoch() {
   progress_.finish(format_metrics(summary));
 }
 
-void TrainingLoop::skip_batch() {
-  if (current_hook_ != Hook::on_train_batch_start)
-    throw RunError("skip_batch() was called in " + std::string(hook_name(current_hook_)) + "; it works in on_train_batch_start only");
-  skip_requested_ = true;
-}
-
-void TrainingLoop::rollback(const std::string& path) {
-  if (current_hook_ != Hook::on_train_batch_end)
-    throw RunError("rollback() was called in " + std::string(hook_name(current_hook_)) + "; it works in on_train_batch_end only");
-  if (path.empty()) throw RunError("rollback() needs the checkpoint to go back to");
-  rollback_path_ = path;
-}
-
-// ITrainerRecovery::rollback, after the hook that asked for it: the snapshot's state and position,
-// this epoch's running metrics dropped (as a resume starts them), loggers untouched.
-void TrainingLoop::roll_back() {
-  const std::string path = std::move(rollback_path_);
-  rollback_path_.clear();
-  skip_requested_ = skipping_window_ = false;
-  metrics_.discard_epoch(Stage::fit);
-  configured_metrics_.discard(Split::train);
-  restore(path, /*weights_only=*/false, /*announce=*/false, /*loggers=*/false);
-  rolled_back_ = true;
-  log::info("rolled back to " + path + ": epoch " + std::to_string(pos_.epoch) + ", step " + std::to_string(pos_.global_step) +
-            (pos_.epoch_finished ? " (end of epoch)" : " (batch " + std::to_string(pos_.batches_done) + " of the epoch)"));
-}
-
 void TrainingLoop::evaluate(Split split, Stage stage, int64_t max_batches) {
   auto& rt = *runtime_;
   auto& model = *plugins_.model.object;

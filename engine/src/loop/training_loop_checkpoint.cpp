@@ -125,4 +125,18 @@ void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only,
             (pos_.epoch_finished ? " (end of epoch)" : " (batch " + std::to_string(pos_.batches_done) + " of the epoch)"));
 }
 
+// ITrainerRecovery::rollback, after the hook that asked for it: the snapshot's state and position,
+// this epoch's running metrics dropped (as a resume starts them), loggers untouched.
+void TrainingLoop::roll_back() {
+  const std::string path = std::move(rollback_path_);
+  rollback_path_.clear();
+  skip_requested_ = skipping_window_ = false;
+  metrics_.discard_epoch(Stage::fit);
+  configured_metrics_.discard(Split::train);
+  restore(path, /*weights_only=*/false, /*announce=*/false, /*loggers=*/false);
+  rolled_back_ = true;
+  log::info("rolled back to " + path + ": epoch " + std::to_string(pos_.epoch) + ", step " + std::to_string(pos_.global_step) +
+            (pos_.epoch_finished ? " (end of epoch)" : " (batch " + std::to_string(pos_.batches_done) + " of the epoch)"));
+}
+
 }  // namespace ember::engine

@@ -52,5 +52,19 @@ void TrainingLoop::run_validation() {
   evaluate(Split::val, Stage::validate, plan_->num_batches(Split::val));
 }
 
+// ITrainerRecovery (spike_guard): asked for in a hook, done by the loop (train_epoch, roll_back).
+void TrainingLoop::skip_batch() {
+  if (current_hook_ != Hook::on_train_batch_start)
+    throw RunError("skip_batch() was called in " + std::string(hook_name(current_hook_)) + "; it works in on_train_batch_start only");
+  skip_requested_ = true;
+}
+
+void TrainingLoop::rollback(const std::string& path) {
+  if (current_hook_ != Hook::on_train_batch_end)
+    throw RunError("rollback() was called in " + std::string(hook_name(current_hook_)) + "; it works in on_train_batch_end only");
+  if (path.empty()) throw RunError("rollback() needs the checkpoint to go back to");
+  rollback_path_ = path;
+}
+
 }  // namespace ember::engine
 

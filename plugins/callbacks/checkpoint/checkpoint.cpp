@@ -2,7 +2,8 @@
 // metric (or the latest ones without a monitor) plus last.ckpt, and resolves `--resume last|best`.
 //
 // The pieces that need no trainer live beside this file: filename_template.h (file names),
-// topk.h (the top-k bookkeeping) and suggest.h ("did you mean"). This file is the glue: when to
+// topk.h (the top-k bookkeeping), checkpoint_state.h (reading back its state_dict),
+// checkpoint_folder.h (the files of a checkpoint folder) and suggest.h ("did you mean"). This file is the glue: when to
 // save, the file work, the state_dict and the checkpoint locator.
 #include <ember/callback.h>
 #include <ember/support/callback_base.h>
@@ -33,6 +34,8 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint_folder.h"
+#include "checkpoint_state.h"
 #include "filename_template.h"
 #include "suggest.h"
 #include "topk.h"
@@ -42,7 +45,13 @@ namespace {
 namespace fs = std::filesystem;
 namespace ck = ember_checkpoint;
 
-constexpr const char* kPluginName = "checkpoint";
+using ck::CkptFile;
+using ck::parse_state;
+using ck::SavedState;
+using ck::is_last_name;
+using ck::list_checkpoints;
+using ck::read_plugin_state;
+using ck::remove_checkpoint;
 
 // clang-format off
 constexpr EmberConfigKey kKeys[] = {
@@ -116,158 +125,6 @@ ck::Mode parse_mode(const ember::IConfig& cfg) {
   if (m == "min") return ck::Mode::min;
   if (m == "max") return ck::Mode::max;
   config_error(cfg, "mode", "'" + m + "' is not a mode", "use \"min\" or \"max\"");
-}
-
-// A number stored in a checkpoint state: a float, an int or a one-element tensor (Lightning
-// stores tensors).
-std::optional<double> as_number(const c10::IValue& v) {
-  if (v.isDouble()) return v.toDouble();
-  if (v.isInt()) return static_cast<double>(v.toInt());
-  if (v.isTensor() && v.toTensor().numel() == 1) return v.toTensor().item<double>();
-  return std::nullopt;
-}
-
-// The callback's state after it was read from a checkpoint and checked.
-struct SavedState {
-  std::string dirpath, monitor, mode;
-  ck::TopKState topk;
-};
-
-[[noreturn]] void malformed(const std::string& what) {
-  throw ember::RunError("checkpoint: malformed state in the checkpoint: " + what +
-                        " (was it written by another plugin named 'checkpoint'?)");
-}
-
-// Checks the layout that state_dict() writes (see there) and converts it.
-SavedState parse_state(const c10::IValue& state, ck::Mode default_mode) {
-  if (!state.isGenericDict()) malformed(std::string("expected a dict, got ") + state.tagKind());
-  const auto dict = state.toGenericDict();
-  for (const auto& entry : dict) {
-    if (!entry.key().isString()) malformed("a key is a " + entry.key().tagKind() + ", not a string");
-  }
-  auto get = [&](const char* key) -> std::optional<c10::IValue> {
-    auto it = dict.find(c10::IValue(std::string(key)));
-    if (it == dict.end()) return std::nullopt;
-    return it->value();
-  };
-  auto get_string = [&](const char* key, bool required) -> std::string {
-    auto v = get(key);
-    if (!v) {
-      if (required) malformed(std::string("'") + key + "' is missing");
-      return "";
-    }
-    if (!v->isString()) malformed(std::string("'") + key + "' is a " + v->tagKind() + ", not a string");
-    return v->toStringRef();
-  };
-
-  SavedState out;
-  out.dirpath = get_string("dirpath", false);
-  out.monitor = get_string("monitor", false);
-  out.mode = get_string("mode", false);
-  if (out.mode.empty()) out.mode = ck::mode_name(default_mode);
-  if (out.mode != "min" && out.mode != "max") malformed("'mode' is '" + out.mode + "'");
-  auto& t = out.topk;
-  t.best_model_path = get_string("best_model_path", true);
-  t.kth_best_model_path = get_string("kth_best_model_path", false);
-  t.last_model_path = get_string("last_model_path", false);
-
-  if (auto v = get("best_model_score"); v && !v->isNone()) {
-    auto n = as_number(*v);
-    if (!n) malformed("'best_model_score' is a " + v->tagKind() + ", not a number");
-    t.best_model_score = *n;
-  }
-  const double inf = std::numeric_limits<double>::infinity();
-  t.kth_value = out.mode == "min" ? inf : -inf;
-  if (auto v = get("kth_value"); v && !v->isNone()) {
-    auto n = as_number(*v);
-    if (!n) malformed("'kth_value' is a " + v->tagKind() + ", not a number");
-    t.kth_value = *n;
-  }
-  if (auto v = get("best_k_models"); v && !v->isNone()) {
-    if (!v->isGenericDict()) malformed("'best_k_models' is a " + v->tagKind() + ", not a dict");
-    for (const auto& e : v->toGenericDict()) {
-      auto score = as_number(e.value());
-      if (!e.key().isString() || !score) malformed("'best_k_models' must map file paths to numbers");
-      t.best_k_models.emplace_back(e.key().toStringRef(), *score);
-    }
-  }
-  if (!t.kth_best_model_path.empty() && t.find(t.kth_best_model_path) == nullptr) {
-    malformed("'kth_best_model_path' is not one of 'best_k_models'");
-  }
-  return out;
-}
-
-// A *.ckpt file of a checkpoint folder.
-struct CkptFile {
-  std::string path;
-  fs::file_time_type mtime;
-};
-
-// *.ckpt files in `dir`, newest first: regular files, and the directories a sharding strategy
-// writes (docs/checkpoint.md: a directory holding meta.ckpt).
-bool is_checkpoint_entry(const fs::directory_entry& e) {
-  std::error_code ec;
-  if (e.path().extension() != ck::kExtension) return false;
-  if (e.is_regular_file(ec)) return true;
-  return e.is_directory(ec) && fs::is_regular_file(e.path() / "meta.ckpt", ec);
-}
-
-// Deletes a checkpoint file or directory (LibTorch's wheel breaks std::filesystem::remove_all).
-void remove_checkpoint(const fs::path& p, std::error_code& ec) {
-  if (fs::is_directory(p, ec) && !fs::is_symlink(p, ec)) {
-    std::vector<fs::path> children;
-    for (fs::directory_iterator it(p, ec), end; !ec && it != end; it.increment(ec)) children.push_back(it->path());
-    for (const auto& c : children) fs::remove(c, ec);
-  }
-  fs::remove(p, ec);
-}
-
-std::vector<CkptFile> list_checkpoints(const fs::path& dir) {
-  std::vector<CkptFile> out;
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) return out;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    std::error_code e2;
-    if (!is_checkpoint_entry(*it)) continue;
-    const auto t = it->last_write_time(e2);
-    if (!e2) out.push_back({it->path().string(), t});
-  }
-  std::stable_sort(out.begin(), out.end(), [](const CkptFile& a, const CkptFile& b) {
-    return a.mtime != b.mtime ? a.mtime > b.mtime : a.path > b.path;
-  });
-  return out;
-}
-
-// "last.ckpt", or "last-v<N>.ckpt" that the version counter makes when last.ckpt was someone
-// else's.
-bool is_last_name(const fs::path& p) {
-  const std::string stem = p.stem().string();
-  const std::string base = ck::kNameLast;
-  if (stem == base) return true;
-  const std::string prefix = base + ck::kJoinChar + "v";
-  if (stem.size() <= prefix.size() || stem.compare(0, prefix.size(), prefix) != 0) return false;
-  return std::all_of(stem.begin() + static_cast<std::ptrdiff_t>(prefix.size()), stem.end(),
-                     [](char c) { return c >= '0' && c <= '9'; });
-}
-
-// This plugin's state inside an engine checkpoint: the file is a pickled dict whose "callbacks"
-// entry maps plugin names to their state_dict. nullopt when the file has none (weights only). A
-// sharded checkpoint directory keeps it in its meta.ckpt (the parts hold only tensors).
-std::optional<c10::IValue> read_plugin_state(const std::string& checkpoint) {
-  std::error_code ec;
-  const std::string path = fs::is_directory(checkpoint, ec) ? (fs::path(checkpoint) / "meta.ckpt").string() : checkpoint;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ember::RunError("cannot open " + path);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const c10::IValue root = torch::pickle_load(bytes);
-  if (!root.isGenericDict()) return std::nullopt;
-  const auto top = root.toGenericDict();
-  auto cbs = top.find(c10::IValue(std::string("callbacks")));
-  if (cbs == top.end() || !cbs->value().isGenericDict()) return std::nullopt;
-  const auto callbacks = cbs->value().toGenericDict();
-  auto mine = callbacks.find(c10::IValue(std::string(kPluginName)));
-  if (mine == callbacks.end() || mine->value().isNone()) return std::nullopt;
-  return mine->value();
 }
 
 class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointLocator {
