@@ -30,35 +30,14 @@ num_sanity_val_steps = 0
 enable_progress_bar = false
 enable_model_summary = false
 max_epochs = -1
-[model]
-name = "cnn"
-conv1_channels = 4
-conv2_channels = 8
-hidden = )") + std::to_string(hidden) + R"(
-[data]
-name = "synthetic"
-shape = [1, 28, 28]
-num_train = 192
-num_val = 32
-batch_size = 32
-shuffle = true
-[optimizer]
-name = "adam"
-lr = 0.003
 [checkpoint]
-)" + (monitor ? "monitor = \"val_loss\"\nsave_top_k = 2\n" : "") + "every_n_train_steps = 2\n";
+)") + (monitor ? "monitor = \"val_loss\"\nsave_top_k = 2\n" : "") + "every_n_train_steps = 2\n" + small_cnn_toml(hidden);
 }
 
 std::set<std::string> files_in(const fs::path& dir) {
   std::set<std::string> out;
   for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
   return out;
-}
-
-void expect_identical(const fs::path& a, const fs::path& b) {
-  auto wa = weights(a), wb = weights(b);
-  ASSERT_EQ(wa.size(), wb.size()) << a << " vs " << b;
-  for (const auto& [name, t] : wa) EXPECT_TRUE(at::equal(t, wb.at(name))) << name << " differs: " << a << " vs " << b;
 }
 
 const std::vector<std::string> kAsync = {"--set", "checkpoint.async=true"};
@@ -84,7 +63,7 @@ TEST(AsyncCheckpoint, SameFilesAndWeightsAsSynchronousSavesAndResumesExactly) {
   EXPECT_EQ(names.size(), 3u) << "2 top-k files and last.ckpt";
   EXPECT_EQ(files_in(async_ckpts), names) << "no temporary file left, and the files that left the top k were deleted";
   for (const auto& n : names) {
-    expect_identical(sync_ckpts / n, async_ckpts / n);
+    expect_identical_weights(sync_ckpts / n, async_ckpts / n);
     auto a = ember::engine::load_checkpoint_file(sync_ckpts / n), b = ember::engine::load_checkpoint_file(async_ckpts / n);
     EXPECT_EQ(a.at("global_step").toInt(), b.at("global_step").toInt()) << n;
     const auto topk = [](const c10::impl::GenericDict& ck) {
@@ -95,7 +74,7 @@ TEST(AsyncCheckpoint, SameFilesAndWeightsAsSynchronousSavesAndResumesExactly) {
   run_engine_ok(split, with({"run.toml", "--set", "trainer.max_steps=8"}, kAsync));
   auto resumed = run_engine_ok(split, with({"run.toml", "--set", "trainer.max_steps=15", "--resume", "last"}, kAsync));
   EXPECT_NE(resumed.err.find("(batch 2 of the epoch)"), std::string::npos) << resumed.err;
-  expect_identical(last_checkpoint(sync_dir), last_checkpoint(split));
+  expect_identical_weights(last_checkpoint(sync_dir), last_checkpoint(split));
 }
 
 // The folder cannot be written (a path under a regular file): the background write fails, and
@@ -161,7 +140,7 @@ TEST(AsyncCheckpoint, KilledDuringBackgroundWritesResumesExactly20Times) {
     auto again = run_engine(cmd, dir.path(), {{"TORCHELASTIC_RESTART_COUNT", "1"}});
     ASSERT_EQ(again.exit_code, 0) << again.err;
     EXPECT_NE(again.err.find("resumed from"), std::string::npos) << again.err;
-    expect_identical(last_checkpoint(reference), last_checkpoint(dir));
+    expect_identical_weights(last_checkpoint(reference), last_checkpoint(dir));
   }
   std::printf("[ async ] %d of 20 kills landed while a checkpoint was being written (%d left a partial file)\n", mid_write, partial_files);
   EXPECT_GE(mid_write, 10) << "the kills should land while the write is in flight";

@@ -94,4 +94,11 @@ inline WeightDifference max_weight_difference(const std::filesystem::path& a, co
   return worst;
 }
 
+// Every tensor of two checkpoints bit for bit equal (the exact-resume tests).
+inline void expect_identical_weights(const std::filesystem::path& a, const std::filesystem::path& b) {
+  auto wa = weights(a), wb = weights(b);
+  ASSERT_EQ(wa.size(), wb.size()) << a << " vs " << b;
+  for (const auto& [name, t] : wa) EXPECT_TRUE(at::equal(t, wb.at(name))) << name << " differs: " << a << " vs " << b;
+}
+
 }  // namespace ember::test

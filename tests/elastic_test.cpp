@@ -71,7 +71,7 @@ TEST(Elastic, GroupRestartedOnMoreRanksResumesTheShardedCheckpoint) {
 
 #ifdef EMBER_TEST_PYTHON
 namespace {
-const char* kCnn = R"(
+const std::string kCnn = R"(
 [trainer]
 deterministic = true
 accelerator = "cpu"
@@ -81,24 +81,9 @@ enable_progress_bar = false
 enable_model_summary = false
 max_epochs = -1
 max_steps = 15
-[model]
-name = "cnn"
-conv1_channels = 4
-conv2_channels = 8
-hidden = 16
-[data]
-name = "synthetic"
-shape = [1, 28, 28]
-num_train = 192
-num_val = 32
-batch_size = 16
-shuffle = true
-[optimizer]
-name = "adam"
-lr = 0.003
 [checkpoint]
 every_n_train_steps = 1
-)";
+)" + small_cnn_toml(16, 16);
 }  // namespace
 
 TEST(Elastic, TorchrunAgentRestartsTheGroupWhichResumesByItself) {

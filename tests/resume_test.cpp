@@ -19,37 +19,15 @@ using namespace ember::test;
 namespace fs = std::filesystem;
 
 namespace {
-const char* kCnn = R"(
+const std::string kCnn = R"(
 [trainer]
 deterministic = true
 num_sanity_val_steps = 1
 enable_progress_bar = false
 enable_model_summary = false
-[model]
-name = "cnn"
-conv1_channels = 4
-conv2_channels = 8
-hidden = 16
-[data]
-name = "synthetic"
-shape = [1, 28, 28]
-num_train = 192
-num_val = 32
-num_test = 32
-batch_size = 32
-shuffle = true
-[optimizer]
-name = "adam"
-lr = 0.003
 [checkpoint]
 monitor = "val_loss"
-)";
-
-void expect_identical(const fs::path& a, const fs::path& b) {
-  auto wa = weights(a), wb = weights(b);
-  ASSERT_EQ(wa.size(), wb.size());
-  for (const auto& [name, t] : wa) EXPECT_TRUE(at::equal(t, wb.at(name))) << name << " differs";
-}
+)" + small_cnn_toml();
 
 ProcessResult engine_in(const TempDir& dir, std::vector<std::string> args) {
   auto r = run_engine(args, dir.path());
@@ -67,7 +45,7 @@ TEST(Resume, AfterEpochKMatchesAnUninterruptedRunExactly) {
   auto r = engine_in(split, {"run.toml", "--set", "trainer.max_epochs=4", "--resume", "last"});
   EXPECT_NE(r.err.find("resumed from"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(split / "runs/run/version_1"));  // continued in its own folder
-  expect_identical(full / "runs/run/version_0/checkpoints/last.ckpt", split / "runs/run/version_0/checkpoints/last.ckpt");
+  expect_identical_weights(full / "runs/run/version_0/checkpoints/last.ckpt", split / "runs/run/version_0/checkpoints/last.ckpt");
   EXPECT_EQ(ember::engine::load_checkpoint_file(split / "runs/run/version_0/checkpoints/last.ckpt").at("global_step").toInt(), 24);
   // metrics.csv continues: rows of every epoch, none duplicated.
   std::map<std::string, int> val_rows_per_epoch;
@@ -85,7 +63,7 @@ TEST(Resume, MidEpochMatchesAnUninterruptedRunExactly) {
   engine_in(split, {"run.toml", "--set", "trainer.max_steps=8", "--set", "trainer.max_epochs=-1"});
   auto r = engine_in(split, {"run.toml", "--set", "trainer.max_steps=15", "--set", "trainer.max_epochs=-1", "--resume", "last"});
   EXPECT_NE(r.err.find("(batch 2 of the epoch)"), std::string::npos) << r.err;
-  expect_identical(full / "runs/run/version_0/checkpoints/last.ckpt", split / "runs/run/version_0/checkpoints/last.ckpt");
+  expect_identical_weights(full / "runs/run/version_0/checkpoints/last.ckpt", split / "runs/run/version_0/checkpoints/last.ckpt");
 }
 
 // A job its agent restarted resumes by itself from its last checkpoint (issue "Training that heals
@@ -113,7 +91,7 @@ TEST(Resume, RestartedJobResumesByItselfFromItsLastCheckpoint) {
     EXPECT_NE(second.err.find(std::string("restart 1 of this job (") + variable + "=1): resuming from its last checkpoint"), std::string::npos)
         << second.err;
     EXPECT_NE(second.err.find("(batch 2 of the epoch)"), std::string::npos) << second.err;
-    expect_identical(full / "runs/run/version_0/checkpoints/last.ckpt", killed / "runs/run/version_0/checkpoints/last.ckpt");
+    expect_identical_weights(full / "runs/run/version_0/checkpoints/last.ckpt", killed / "runs/run/version_0/checkpoints/last.ckpt");
   }
   // A count that is not one is a one-line error, not a silent fresh start.
   TempDir dir("resume");
@@ -146,7 +124,7 @@ TEST(Resume, MaxRestartsRestartsTheGroupWhichResumesByItself) {
   EXPECT_NE(r.err.find("ddp launcher: restarting the job (1 of trainer.max_restarts = 1); its ranks resume from the last checkpoint"),
             std::string::npos) << r.err;
   EXPECT_NE(r.err.find("restart 1 of this job (EMBER_RESTART_COUNT=1): resuming from its last checkpoint"), std::string::npos) << r.err;
-  expect_identical(full / "runs/run/version_0/checkpoints/last.ckpt", restarted / "runs/run/version_0/checkpoints/last.ckpt");
+  expect_identical_weights(full / "runs/run/version_0/checkpoints/last.ckpt", restarted / "runs/run/version_0/checkpoints/last.ckpt");
   auto no_restart = run_engine(cmd, failed.path());
   EXPECT_NE(no_restart.exit_code, 0) << no_restart.err;
   EXPECT_EQ(no_restart.err.find("restarting the job"), std::string::npos) << no_restart.err;
@@ -403,7 +381,7 @@ TEST(Resume, FromAStepCheckpointRunsTheValidationDueAfterIt) {
   const auto v0 = dir / "runs/run/version_0", v1 = dir / "runs/run/version_1";
   EXPECT_EQ(tail(by_step(v0 / "metrics.csv", "val_loss")), tail(by_step(v1 / "metrics.csv", "val_loss")));
   EXPECT_EQ(tail(by_step(v1 / "metrics.csv", "val_loss")).size(), 3u);  // after steps 9, 12, 15
-  expect_identical(v0 / "checkpoints/last.ckpt", v1 / "checkpoints/last.ckpt");
+  expect_identical_weights(v0 / "checkpoints/last.ckpt", v1 / "checkpoints/last.ckpt");
 }
 
 // trainer.overfit_batches (Lightning's): every epoch trains on the same first batches of the

@@ -192,4 +192,10 @@ std::string synthetic_mlp_toml(const SyntheticMlpRun& run) {
   return t.str();
 }
 
+std::string small_cnn_toml(int hidden, int batch_size) {
+  return "[model]\nname = \"cnn\"\nconv1_channels = 4\nconv2_channels = 8\nhidden = " + std::to_string(hidden) +
+         "\n[data]\nname = \"synthetic\"\nshape = [1, 28, 28]\nnum_train = 192\nnum_val = 32\nnum_test = 32\nbatch_size = " +
+         std::to_string(batch_size) + "\nshuffle = true\n[optimizer]\nname = \"adam\"\nlr = 0.003\n";
+}
+
 }  // namespace ember::test

@@ -82,4 +82,10 @@ struct SyntheticMlpRun {
 };
 std::string synthetic_mlp_toml(const SyntheticMlpRun& run);
 
+// The [model], [data] and [optimizer] sections of the small CNN the resume and checkpoint tests
+// train: 192 shuffled synthetic 1x28x28 images (32 validation, 32 test), Adam at 0.003. `hidden`
+// sets the size of the state (the kill tests want writes that take a while), `batch_size` the
+// batch per rank. The test adds [trainer] and [checkpoint].
+std::string small_cnn_toml(int hidden = 16, int batch_size = 32);
+
 }  // namespace ember::test
