@@ -9,7 +9,8 @@
 # Ember's side is a one-epoch run whose model costs next to nothing (a 2-unit linear layer), timed
 # by its epoch line (the loader's throughput, the header scan at setup excluded and reported apart);
 # torchvision's side one pass of its DataLoader. Same batch (128), 2 workers each, interleaved
-# rounds, medians; ratio = Ember / torchvision.
+# rounds, medians; ratio = Ember / torchvision. The same files packed into WebDataset shards
+# (`engine data pack`, 10,000 images a shard) and read by the webdataset plugin make a third column.
 #   bash bench/image_folder.sh [N=60000] [N224=10000] [rounds=3] [workers=2]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -18,7 +19,7 @@ n=${1:-60000}; n224=${2:-10000}; rounds=${3:-3}; workers=${4:-2}
 build=${EMBER_BUILD_DIR:-build}
 torch_prefix=${EMBER_TORCH_PREFIX:-$(bash scripts/setup.sh | tail -n 1)}
 python=$(cd "$torch_prefix/../../../../../.." && pwd)/bin/python
-cmake --build "$build" --target engine ember_plugin_image_folder ember_plugin_mlp ember_plugin_single_device ember_plugin_fp32 >/dev/null
+cmake --build "$build" --target engine ember_plugin_image_folder ember_plugin_webdataset ember_plugin_mlp ember_plugin_single_device ember_plugin_fp32 >/dev/null
 data=${EMBER_BENCH_IMAGES:-$HOME/.cache/ember/bench-images}
 if [ ! -f "$data/.complete-$n-$n224" ]; then
   rm -rf "$data"; mkdir -p "$data"
@@ -29,8 +30,12 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-ember_pass() {  # folder size train -> images/s of the epoch
-  local folder=$1 size=$2 train=$3 count=$4
+ember_pass() {  # folder size train count [shards] -> images/s of the epoch (from the folder, or its shard list)
+  local folder=$1 size=$2 train=$3 count=$4 shards=${5:-}
+  local source="name = \"image_folder\"
+root = \"$folder\""
+  [ -n "$shards" ] && source="name = \"webdataset\"
+train = [\"$shards\"]"
   cat > "$work/bench.toml" <<TOML
 [trainer]
 max_epochs = 1
@@ -44,8 +49,7 @@ name = "mlp"
 input_size = $((3 * size * size))
 hidden = [2]
 [data]
-name = "image_folder"
-root = "$folder"
+$source
 image_size = $size
 augment = $([ "$train" = 1 ] && echo true || echo false)
 batch_size = 128
@@ -60,16 +64,22 @@ TOML
 }
 median() { sort -n | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 
-echo "| files | transform | Ember images/s | torchvision images/s | Ember / torchvision |"
-echo "|---|---|---|---|---|"
+echo "| files | transform | Ember images/s | torchvision images/s | Ember / torchvision | Ember from shards images/s |"
+echo "|---|---|---|---|---|---|"
 for spec in "$data/small/png:28:0:$n:PNG 28x28" "$data/small/jpeg:28:0:$n:JPEG 28x28" "$data/large/jpeg224:224:1:$n224:JPEG 224x224"; do
   IFS=: read -r folder size train count label <<<"$spec"
-  : > "$work/e"; : > "$work/t"
+  : > "$work/e"; : > "$work/t"; : > "$work/w"
+  shards="$data/shards/$(basename "$folder")"
+  if [ ! -f "$shards/$(basename "$folder").json" ]; then
+    rm -rf "$shards"
+    "$build/engine/engine" data pack "$folder" "$shards" >/dev/null
+  fi
   for _ in $(seq "$rounds"); do
     ember_pass "$folder" "$size" "$train" "$count" >> "$work/e"
+    ember_pass "$folder" "$size" "$train" "$count" "$shards/$(basename "$folder").json" >> "$work/w"
     OMP_NUM_THREADS=1 "$python" -W ignore bench/image_folder.py torchvision "$folder" "$size" "$train" "$workers" 128 >> "$work/t"
   done
-  e=$(median < "$work/e"); t=$(median < "$work/t")
+  e=$(median < "$work/e"); t=$(median < "$work/t"); w=$(median < "$work/w")
   transform=$([ "$train" = 1 ] && echo "random resized crop + flip" || echo "resize 32 + centre crop 28")
-  awk -v l="$label" -v tr="$transform" -v e="$e" -v t="$t" 'BEGIN { printf "| %s | %s | %.0f | %.0f | %.2fx |\n", l, tr, e, t, e / t }'
+  awk -v l="$label" -v tr="$transform" -v e="$e" -v t="$t" -v w="$w" 'BEGIN { printf "| %s | %s | %.0f | %.0f | %.2fx | %.0f |\n", l, tr, e, t, e / t, w }'
 done

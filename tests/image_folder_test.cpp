@@ -17,7 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint_support.h"
-#include "image_decode.h"
+#include <ember/support/image_decode.h>
 #include "support.h"
 
 using namespace ember::test;
@@ -72,11 +72,11 @@ TEST(ImageFolder, DecodesLikePillow) {
   ASSERT_GE(sizes.size(), 8u);
   for (const auto& [name, hw] : sizes.items()) {
     const std::string path = (dir / "dec" / name).string();
-    const std::string bytes = ember_image::read_file(path);
-    const auto info = ember_image::probe_image(bytes, path);
+    const std::string bytes = ember::image::read_file(path);
+    const auto info = ember::image::probe_image(bytes, path);
     EXPECT_EQ(info.height, hw[0].get<int64_t>()) << name;
     EXPECT_EQ(info.width, hw[1].get<int64_t>()) << name;
-    const at::Tensor got = ember_image::decode_image(bytes, path);
+    const at::Tensor got = ember::image::decode_image(bytes, path);
     const std::string want_bytes = slurp(dir / "dec" / (name + ".rgb"));
     const at::Tensor want = at::from_blob(const_cast<char*>(want_bytes.data()), {hw[0].get<int64_t>(), hw[1].get<int64_t>(), 3}, at::kByte).clone();
     ASSERT_EQ(got.sizes(), want.sizes()) << name;
@@ -84,7 +84,7 @@ TEST(ImageFolder, DecodesLikePillow) {
     if (info.jpeg) EXPECT_LE(diff, 1) << name;
     else EXPECT_EQ(diff, 0) << name;
     if (info.jpeg) {
-      const at::Tensor half = ember_image::decode_image(bytes, path, 2);
+      const at::Tensor half = ember::image::decode_image(bytes, path, 2);
       EXPECT_EQ(half.size(0), (info.height + 1) / 2) << name;
       EXPECT_EQ(half.size(1), (info.width + 1) / 2) << name;
     }

@@ -16,6 +16,7 @@
 
 #include "config/run_config.h"
 #include "common/log.h"
+#include "app/data_pack.h"
 #include "app/plot.h"
 #include "registry/plugin_registry.h"
 #include "app/commands.h"
@@ -44,7 +45,10 @@ const char* kUsage =
     "  engine checkpoint consolidate DIR OUT.ckpt            one checkpoint file from a sharded checkpoint directory\n"
     "  engine export CKPT [--format safetensors] OUT         the checkpoint's model weights for other libraries: OUT.safetensors,\n"
     "      or a folder with model.safetensors and what the model adds (bert: config.json and tokenizer for transformers)\n"
-    "  engine plot RUN_DIR... --output FILE.png              draw the runs' loss, accuracy and lr curves\n";
+    "  engine plot RUN_DIR... --output FILE.png              draw the runs' loss, accuracy and lr curves\n"
+    "  engine data pack SOURCE OUT_DIR [--max-count N] [--max-mb M] [--seed S] [--no-shuffle] [--prefix NAME]\n"
+    "      an image folder (<root>/<class>/*.jpg|png) or a .csv/.jsonl list of path and label as WebDataset tar\n"
+    "      shards (the webdataset data plugin reads them) and OUT_DIR/NAME.json, their shard list\n";
 
 std::vector<std::string> split_commas(const std::vector<std::string>& items) {
   std::vector<std::string> out;
@@ -94,7 +98,11 @@ int run(int argc, char** argv) {
       ("temperature", po::value<double>()->default_value(0.8), "engine generate: sampling temperature; 0 = greedy (always the most likely token)")
       ("top-k", po::value<int64_t>()->default_value(0), "engine generate: sample among the k most likely tokens; 0 = all")
       ("top-p", po::value<double>()->default_value(1.0), "engine generate: sample among the most likely tokens holding this much probability (nucleus); 1 = all")
-      ("seed", po::value<uint64_t>()->default_value(1337), "engine generate: seed of the sampling")
+      ("seed", po::value<uint64_t>()->default_value(1337), "engine generate: seed of the sampling; engine data pack: seed of the samples' order")
+      ("max-count", po::value<int64_t>()->default_value(10000), "engine data pack: samples per shard at most")
+      ("max-mb", po::value<double>()->default_value(1024), "engine data pack: megabytes per shard at most")
+      ("no-shuffle", "engine data pack: keep the source's order (torchvision's) instead of shuffling the samples")
+      ("prefix", po::value<std::string>(), "engine data pack: the shards' file name prefix (default: the source's name)")
       ("no-kv-cache", "engine generate: run the whole sequence again for every token instead of caching keys and values (slow; a check)")
       ("quiet,q", "only warnings and errors")
       ("verbose,v", "debug output");
@@ -147,6 +155,16 @@ int run(int argc, char** argv) {
   if (args[0] == "export") {
     if (args.size() != 3) throw UsageError("expected `engine export CKPT --format safetensors OUT` (OUT: a folder, or a file ending in .safetensors)");
     return export_weights(req, args[1], vm["format"].as<std::string>(), args[2]);
+  }
+  if (args[0] == "data") {
+    if (args.size() != 4 || args[1] != "pack") throw UsageError("expected `engine data pack SOURCE OUT_DIR` (SOURCE: an image folder or a .csv/.jsonl list)");
+    PackOptions pack;
+    pack.max_count = vm["max-count"].as<int64_t>();
+    pack.max_mb = vm["max-mb"].as<double>();
+    pack.seed = vm["seed"].as<uint64_t>();
+    pack.shuffle = vm.count("no-shuffle") == 0;
+    if (vm.count("prefix")) pack.prefix = vm["prefix"].as<std::string>();
+    return pack_images(args[2], args[3], pack, std::cout);
   }
   if (args[0] == "plot")
     return plot_runs(std::vector<std::string>(args.begin() + 1, args.end()),

@@ -94,6 +94,7 @@ constexpr EmberConfigKey kDataBaseKeys[] = {
     Bool("shuffle", "true", "Shuffle the training split every epoch (seeded by trainer.seed and the epoch)."),
     Bool("drop_last", "false", "Drop the last incomplete training batch."),
     Bool("group_by_length", "false", "Batch training samples of similar length together so that less padding is computed (data plugins that report lengths, e.g. text_classification): Hugging Face's LengthGroupedSampler, i.e. the shuffled order cut into groups of up to 50 batches, each sorted longest first, the longest sample first of all. Validation, test and predict keep their order."),
+    Int("shuffle_groups", "4", "Data stored in shards (data plugins that read group by group, e.g. webdataset): shuffling permutes the shards by seed and epoch, then the samples of this many consecutive shards together; each rank reads one contiguous part of the epoch.").at_least(1),
     Int("num_workers", "0", "Threads that prepare batches ahead of the training loop; 0 = on the loop's thread.").at_least(0),
     Int("prefetch_factor", "2", "Batches each worker prepares ahead.").at_least(1),
     String("on_device", "\"auto\"", "Keep the data set on the training GPU so batches are gathered there (data plugins that support it, e.g. fashion_mnist): auto = when it takes at most a quarter of the GPU's memory, true = always (an error if the plugin cannot), false = never. No effect on the CPU, where the data already is.").choices("auto|true|false"),

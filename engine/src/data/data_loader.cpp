@@ -7,6 +7,7 @@
 #include <ember/error.h>
 
 #include <algorithm>
+#include <map>
 #include <numeric>
 
 namespace ember::engine {
@@ -31,9 +32,53 @@ void group_by_length(std::vector<int64_t>& order, const std::vector<int64_t>& le
   }
   std::swap(order[0], order[longest_at]);
 }
+
+// Grouped data (ISampleGroups, e.g. tar shards): the epoch is a sequence that does not depend on
+// the number of ranks. Shuffled: the groups in a permutation seeded by (seed, epoch), taken
+// shuffle_groups at a time, the samples of each such window permuted together (an exact shuffle
+// buffer); otherwise the index order. Rank r takes the r-th contiguous part (padded by repeating
+// the start, or the tail dropped, as DistributedSampler does), so it reads few groups.
+std::vector<int64_t> grouped_epoch_indices(int64_t n, const LoaderOptions& o, int64_t epoch, const std::vector<int64_t>& groups) {
+  if (static_cast<int64_t>(groups.size()) != n)
+    throw RunError("data loader: " + std::to_string(groups.size()) + " sample groups for " + std::to_string(n) + " samples (an engine bug)");
+  std::vector<int64_t> order;
+  order.reserve(static_cast<size_t>(n));
+  if (o.shuffle) {
+    // Members of each group in index order, groups in the order of their ids.
+    std::map<int64_t, std::vector<int64_t>> members;
+    for (int64_t i = 0; i < n; ++i) members[groups[static_cast<size_t>(i)]].push_back(i);
+    std::vector<const std::vector<int64_t>*> list;
+    for (const auto& [id, m] : members) list.push_back(&m);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed * 1000003ull + static_cast<uint64_t>(epoch) + 1);
+    const auto g = static_cast<int64_t>(list.size());
+    const at::Tensor group_perm = at::randperm(g, gen, at::TensorOptions().dtype(at::kLong));
+    const int64_t window = std::max<int64_t>(1, o.shuffle_groups);
+    std::vector<int64_t> pool;
+    for (int64_t begin = 0; begin < g; begin += window) {
+      pool.clear();
+      for (int64_t k = begin; k < std::min(g, begin + window); ++k) {
+        const auto& m = *list[static_cast<size_t>(group_perm[k].item<int64_t>())];
+        pool.insert(pool.end(), m.begin(), m.end());
+      }
+      const at::Tensor perm = at::randperm(static_cast<int64_t>(pool.size()), gen, at::TensorOptions().dtype(at::kLong));
+      const int64_t* p = perm.data_ptr<int64_t>();
+      for (size_t k = 0; k < pool.size(); ++k) order.push_back(pool[static_cast<size_t>(p[k])]);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) order.push_back(i);
+  }
+  if (o.world_size <= 1) return order;
+  const int64_t per_rank = o.drop_last ? n / o.world_size : (n + o.world_size - 1) / o.world_size;
+  const int64_t total = per_rank * o.world_size;
+  for (int64_t i = n; i < total; ++i) order.push_back(order[static_cast<size_t>((i - n) % std::max<int64_t>(n, 1))]);
+  const auto first = order.begin() + o.rank * per_rank;
+  return std::vector<int64_t>(first, first + per_rank);
+}
 }  // namespace
 
-std::vector<int64_t> epoch_indices(int64_t n, const LoaderOptions& o, int64_t epoch, const std::vector<int64_t>& lengths) {
+std::vector<int64_t> epoch_indices(int64_t n, const LoaderOptions& o, int64_t epoch, const std::vector<int64_t>& lengths,
+                                   const std::vector<int64_t>& groups) {
+  if (!groups.empty()) return grouped_epoch_indices(n, o, epoch, groups);
   std::vector<int64_t> order(static_cast<size_t>(n));
   if (o.shuffle) {
     // A generator of its own, seeded by (seed, epoch): resuming at epoch k replays epoch k's order.
@@ -64,15 +109,24 @@ std::vector<int64_t> epoch_indices(int64_t n, const LoaderOptions& o, int64_t ep
   return mine;
 }
 
-int64_t real_samples_on_rank(int64_t n, const LoaderOptions& o) {
+int64_t real_samples_on_rank(int64_t n, const LoaderOptions& o, bool contiguous) {
   if (o.world_size <= 1) return n;
   if (o.drop_last) return n / o.world_size;
+  if (contiguous) {  // positions rank * per_rank ... below n are real
+    const int64_t per_rank = (n + o.world_size - 1) / o.world_size;
+    return std::clamp<int64_t>(n - o.rank * per_rank, 0, per_rank);
+  }
   // Positions rank, rank + W, ... below n are real; those at n and beyond repeat the start.
   return n > o.rank ? (n - o.rank + o.world_size - 1) / o.world_size : 0;
 }
 
-DataLoader::DataLoader(const IDataModule& data, Split split, LoaderOptions options, const ISampleLengths* lengths)
+DataLoader::DataLoader(const IDataModule& data, Split split, LoaderOptions options, const ISampleLengths* lengths,
+                       const ISampleGroups* groups)
     : data_(data), split_(split), options_(options), size_(data.size(split)) {
+  if (groups != nullptr) {
+    groups_.resize(static_cast<size_t>(size_));
+    for (int64_t i = 0; i < size_; ++i) groups_[static_cast<size_t>(i)] = groups->sample_group(split, i);
+  }
   if (!options_.group_by_length) return;
   if (lengths == nullptr) throw RunError("data loader: group_by_length without the data module's sample lengths (an engine bug)");
   lengths_.resize(static_cast<size_t>(size_));
@@ -92,8 +146,9 @@ std::unique_ptr<DataLoader::Pass> DataLoader::pass(int64_t epoch, int64_t first,
 
 DataLoader::Pass::Pass(const DataLoader& loader, int64_t epoch, int64_t first, int64_t count)
     : loader_(loader),
-      indices_(epoch_indices(loader.size_, loader.options_, epoch, loader.lengths_)),
-      real_(loader.options_.exact ? real_samples_on_rank(loader.size_, loader.options_) : static_cast<int64_t>(indices_.size())) {
+      indices_(epoch_indices(loader.size_, loader.options_, epoch, loader.lengths_, loader.groups_)),
+      real_(loader.options_.exact ? real_samples_on_rank(loader.size_, loader.options_, !loader.groups_.empty())
+                                  : static_cast<int64_t>(indices_.size())) {
   int64_t total = loader.num_batches();
   next_ = std::min(first, total);
   end_ = std::min(total, next_ + std::max<int64_t>(count, 0));

@@ -21,6 +21,11 @@ DataPlan::DataPlan(IDataModule& data, const std::string& data_name, const Sectio
   train_opts_.rank = rank;
   train_opts_.world_size = world;
   train_opts_.group_by_length = d.get_bool("group_by_length");
+  train_opts_.shuffle_groups = d.get_int("shuffle_groups");
+  sample_groups_ = static_cast<const ISampleGroups*>(data.query_interface(kSampleGroupsIid));
+  if (sample_groups_ != nullptr && train_opts_.group_by_length)
+    throw UsageError(d.where("group_by_length") + ": data.group_by_length = true, but data plugin '" + data_name +
+                     "' is read group by group (its shards: ember.ISampleGroups/1), which orders the batches already: remove the key");
   if (train_opts_.group_by_length) {
     sample_lengths_ = static_cast<const ISampleLengths*>(data.query_interface(kSampleLengthsIid));
     if (sample_lengths_ == nullptr)
@@ -63,9 +68,10 @@ void DataPlan::build() {
   train_.reset();
   val_.reset();
   test_.reset();
-  if (data_.size(Split::train) > 0) train_ = std::make_unique<DataLoader>(data_, Split::train, train_opts_, sample_lengths_);
-  if (data_.size(Split::val) > 0) val_ = std::make_unique<DataLoader>(data_, Split::val, eval_opts_);
-  if (data_.size(Split::test) > 0) test_ = std::make_unique<DataLoader>(data_, Split::test, eval_opts_);
+  if (data_.size(Split::train) > 0)
+    train_ = std::make_unique<DataLoader>(data_, Split::train, train_opts_, sample_lengths_, sample_groups_);
+  if (data_.size(Split::val) > 0) val_ = std::make_unique<DataLoader>(data_, Split::val, eval_opts_, nullptr, sample_groups_);
+  if (data_.size(Split::test) > 0) test_ = std::make_unique<DataLoader>(data_, Split::test, eval_opts_, nullptr, sample_groups_);
   const auto& s = settings_;
   num_train_ = train_ ? limit(train_->num_batches(), s.limit_train, s.limit_train_is_count) : 0;
   num_val_ = val_ ? limit(val_->num_batches(), s.limit_val, s.limit_val_is_count) : 0;

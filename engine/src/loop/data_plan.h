@@ -1,5 +1,5 @@
 // The loaders a run trains and evaluates from: [data]'s loader options (batch sizes, shuffling,
-// workers, length grouping, this rank's share), the trainer's limits (limit_*_batches,
+// workers, length grouping, shard order, this rank's share), the trainer's limits (limit_*_batches,
 // overfit_batches), the train / val / test loaders built from them, and their batch counts per
 // epoch. Rebuilt when a tuner changes the batch size.
 #pragma once
@@ -51,6 +51,7 @@ class DataPlan {
   LoaderOptions train_opts_, eval_opts_;
   bool eval_batch_size_set_ = false;
   const ISampleLengths* sample_lengths_ = nullptr;  // the data module's, when data.group_by_length
+  const ISampleGroups* sample_groups_ = nullptr;    // the data module's, when it is stored in groups
   std::unique_ptr<DataLoader> train_, val_, test_;
   int64_t num_train_ = 0, num_val_ = 0, num_test_ = 0;
 };

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-namespace ember_image {
+namespace ember::image {
 
 struct ImageInfo {
   int64_t width = 0, height = 0;
@@ -26,4 +26,4 @@ ImageInfo probe_image(const std::string& bytes, const std::string& path);
 // (where PIL raises "image file is truncated", libjpeg would only warn and fill the rest with gray).
 at::Tensor decode_image(const std::string& bytes, const std::string& path, int denominator = 1);
 
-}  // namespace ember_image
+}  // namespace ember::image

@@ -1,4 +1,4 @@
-#include "image_decode.h"
+#include <ember/support/image_decode.h>
 
 #include <ember/error.h>
 
@@ -12,7 +12,7 @@
 #include <jpeglib.h>
 #include <png.h>
 
-namespace ember_image {
+namespace ember::image {
 namespace {
 
 bool is_jpeg(const std::string& b) { return b.size() >= 3 && static_cast<unsigned char>(b[0]) == 0xFF && static_cast<unsigned char>(b[1]) == 0xD8; }
@@ -120,4 +120,4 @@ at::Tensor decode_image(const std::string& bytes, const std::string& path, int d
   fail(path, bytes.empty() ? "an empty file" : "neither a JPEG nor a PNG file");
 }
 
-}  // namespace ember_image
+}  // namespace ember::image

@@ -1,0 +1,34 @@
+// Which images a split holds, as torchvision's ImageFolder finds them: a folder of one sub-folder
+// per class (<root>/<class>/**/*.{jpg,jpeg,png}; classes in sorted order, files in sorted walk
+// order), or a CSV / JSON Lines list of path and label (Ember::table_file). Part of Ember::image:
+// the image_folder data plugin and `engine data pack` list images with it.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace ember::image {
+
+struct LabelledImage {
+  std::string path;
+  int64_t label = 0;
+};
+
+struct ImageListOptions {
+  std::string path_column = "path", label_column = "label";  // lists: the columns to read
+  std::string section = "data";                               // lists: the config section naming them, for messages
+};
+
+// True for .jpg, .jpeg and .png in any case.
+bool image_extension(const std::filesystem::path& path);
+
+// The images of `root` (a folder or a .csv / .jsonl list). With `classes` empty the root defines
+// them (the sorted sub-folders; for a list, the sorted labels, or 0..max when every label is an
+// integer) and they are stored there; otherwise every class must be one of them (a later split of
+// the same classes). `key` names the setting in messages ("root", "val_root"). Throws
+// ember::RunError naming the folder, file or list line.
+std::vector<LabelledImage> list_images(const std::filesystem::path& root, std::vector<std::string>& classes, const std::string& key,
+                                       const ImageListOptions& options = {});
+
+}  // namespace ember::image

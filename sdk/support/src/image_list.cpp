@@ -1,0 +1,103 @@
+#include <ember/support/image_list.h>
+
+#include <ember/error.h>
+#include <ember/support/table_file.h>
+
+#include <algorithm>
+#include <cctype>
+#include <unordered_map>
+
+namespace fs = std::filesystem;
+
+namespace ember::image {
+
+bool image_extension(const fs::path& p) {
+  std::string ext = p.extension().string();
+  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return ext == ".jpg" || ext == ".jpeg" || ext == ".png";
+}
+
+namespace {
+
+// torchvision's make_dataset: for each class in order, its folder walked (sorted directories,
+// sorted file names) for files with an image extension.
+std::vector<LabelledImage> from_folder(const fs::path& root, std::vector<std::string>& classes, const std::string& key) {
+  if (!fs::is_directory(root))
+    throw ember::RunError("image_folder: " + key + " " + root.string() + " is not a folder or a .csv/.jsonl list: give a folder of one "
+                          "sub-folder per class, or a list of path and label");
+  if (classes.empty()) {
+    for (const auto& e : fs::directory_iterator(root))
+      if (e.is_directory()) classes.push_back(e.path().filename().string());
+    std::sort(classes.begin(), classes.end());  // torchvision: sorted(entry.name ...)
+    if (classes.empty()) throw ember::RunError("image_folder: " + root.string() + " has no class sub-folders: put each class's images in <root>/<class>/");
+  } else {
+    for (const auto& e : fs::directory_iterator(root))
+      if (e.is_directory() && std::find(classes.begin(), classes.end(), e.path().filename().string()) == classes.end())
+        throw ember::RunError("image_folder: " + e.path().string() + " is a class that the training images do not have: every split "
+                              "needs the training classes (labels are their sorted order)");
+  }
+  std::vector<LabelledImage> out;
+  for (size_t c = 0; c < classes.size(); ++c) {
+    const fs::path dir = root / classes[c];
+    if (!fs::is_directory(dir)) continue;
+    std::vector<std::string> dirs = {dir.string()};
+    for (const auto& e : fs::recursive_directory_iterator(dir, fs::directory_options::follow_directory_symlink))
+      if (e.is_directory()) dirs.push_back(e.path().string());
+    std::sort(dirs.begin(), dirs.end());
+    for (const auto& d : dirs) {
+      std::vector<std::string> files;
+      for (const auto& e : fs::directory_iterator(d))
+        if (e.is_regular_file() && image_extension(e.path())) files.push_back(e.path().filename().string());
+      std::sort(files.begin(), files.end());
+      for (const auto& f : files) out.push_back({(fs::path(d) / f).string(), static_cast<int64_t>(c)});
+    }
+  }
+  return out;
+}
+
+int64_t index_of(const std::string& s) {
+  if (s.empty() || s.size() > 9 || !std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); })) return -1;
+  return std::stoll(s);
+}
+
+// A list of path and label in its order; paths relative to the list's folder. The training list
+// defines the classes: when every label is an integer they are the class indices (classes
+// "0".."max"), otherwise the sorted names, as torchvision sorts class folders.
+std::vector<LabelledImage> from_list(const fs::path& list, std::vector<std::string>& classes, const std::string& key, const ImageListOptions& o) {
+  const auto records = ember::support::read_table(list, {{o.path_column, o.section + ".path_column"}, {o.label_column, o.section + ".label_column"}});
+  if (records.empty()) throw ember::RunError("image_folder: " + key + " " + list.string() + " lists no images");
+  const bool define = classes.empty();
+  if (define) {
+    const bool indices = std::all_of(records.begin(), records.end(), [&](const auto& r) { return index_of(r.values[1]) >= 0; });
+    if (indices) {
+      int64_t top = 0;
+      for (const auto& r : records) top = std::max(top, index_of(r.values[1]));
+      for (int64_t c = 0; c <= top; ++c) classes.push_back(std::to_string(c));
+    } else {
+      for (const auto& r : records) classes.push_back(r.values[1]);
+      std::sort(classes.begin(), classes.end());
+      classes.erase(std::unique(classes.begin(), classes.end()), classes.end());
+    }
+  }
+  std::unordered_map<std::string, int64_t> label_of;
+  for (size_t c = 0; c < classes.size(); ++c) label_of.emplace(classes[c], static_cast<int64_t>(c));
+  std::vector<LabelledImage> out;
+  const fs::path base = list.parent_path();
+  for (const auto& r : records) {
+    const auto it = label_of.find(r.values[1]);
+    if (it == label_of.end())
+      throw ember::RunError(list.string() + ":" + std::to_string(r.line) + ": label '" + r.values[1] +
+                            "' is not a class of the training list (every split uses the training classes)");
+    const fs::path image = fs::path(r.values[0]).is_absolute() ? fs::path(r.values[0]) : base / r.values[0];
+    out.push_back({image.string(), it->second});
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<LabelledImage> list_images(const fs::path& root, std::vector<std::string>& classes, const std::string& key, const ImageListOptions& options) {
+  return ember::support::is_table_file(root) ? from_list(root, classes, key, options) : from_folder(root, classes, key);
+}
+
+}  // namespace ember::image
