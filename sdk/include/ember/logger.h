@@ -33,4 +33,16 @@ class EMBER_SDK_API ILoggerImages {
   virtual void log_image(const std::string& tag, const std::string& png, int64_t width, int64_t height, int64_t step) = 0;
 };
 
+// SDK 2.9. A logger that keeps files (an experiment tracker's artifacts) answers
+// query_interface(kLoggerArtifactsIid). The engine hands it the run's resolved configuration
+// (`kind` "config": <run folder>/config.toml) after log_hyperparams, and, before finalize, the
+// checkpoint the checkpoint callback calls best ("best_checkpoint"; not called when there is none).
+// Called on global rank 0 only; the logger decides what to upload (the path alone, or the file).
+inline constexpr const char* kLoggerArtifactsIid = "ember.ILoggerArtifacts/1";
+class EMBER_SDK_API ILoggerArtifacts {
+ public:
+  virtual ~ILoggerArtifacts() = default;
+  virtual void log_artifact(const std::string& path, const std::string& kind) = 0;
+};
+
 }  // namespace ember
