@@ -310,6 +310,17 @@ TEST(WebDataset, HttpShardsAreDownloadedOnceIntoTheCache) {
   int cached = 0;
   for (const auto& e : fs::directory_iterator(dir / "cache")) cached += e.path().extension() == ".tar";
   EXPECT_EQ(cached, 3);
+  // A cache limit below one shard: only the shard in use stays; the second epoch fetches the
+  // evicted ones again and reads the same samples.
+  run_engine_ok(dir, probe({"run.toml", "--set", "data.train=[\"remote.json\"]", "--set", "data.cache_dir=\"small\"", "--set",
+                            "data.cache_limit_gb=1e-9", "--set", "data.shuffle=false", "--set", "trainer.max_epochs=2"},
+                           "small.txt"));
+  const auto small = steps(dir / "small.txt");
+  EXPECT_EQ(epoch_ids(small, 0), ref["ids"].get<std::vector<int64_t>>());
+  EXPECT_EQ(epoch_ids(small, 1), ref["ids"].get<std::vector<int64_t>>());
+  int kept = 0;
+  for (const auto& e : fs::directory_iterator(dir / "small")) kept += e.path().extension() == ".tar";
+  EXPECT_EQ(kept, 1);
   server.stop();
   EXPECT_EQ(epoch_ids(steps(dir / "remote.txt"), 0), ref["ids"].get<std::vector<int64_t>>());
   run_engine_ok(dir, probe(remote, "again.txt"));

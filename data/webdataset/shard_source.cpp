@@ -132,11 +132,9 @@ std::vector<ShardLocation> expand_shards(const std::vector<std::string>& entries
   return out;
 }
 
-fs::path local_copy(const std::string& source, const fs::path& cache_dir) {
-  if (!is_remote(source)) return source;
-  const std::string base = source.substr(source.find_last_of('/') + 1);
-  const fs::path target = cache_dir / (std::to_string(std::hash<std::string>{}(source)) + "-" + (base.empty() ? "shard.tar" : base));
-  if (fs::exists(target)) return target;
+namespace {
+
+void download(const std::string& source, const fs::path& cache_dir, const fs::path& target) {
   static std::once_flag curl_init;
   std::call_once(curl_init, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
   std::error_code ec;
@@ -169,7 +167,46 @@ fs::path local_copy(const std::string& source, const fs::path& cache_dir) {
   }
   fs::rename(partial, target, ec);
   if (ec) throw ember::RunError("webdataset: cannot move " + partial.string() + " to " + target.string() + ": " + ec.message());
+}
+
+}  // namespace
+
+fs::path ShardCache::fetch(const std::string& url) {
+  const std::string base = url.substr(url.find_last_of('/') + 1);
+  const fs::path target = dir_ / (std::to_string(std::hash<std::string>{}(url)) + "-" + (base.empty() ? "shard.tar" : base));
+  {
+    std::lock_guard lock(mutex_);
+    if (auto it = entries_.find(target.string()); it != entries_.end()) {
+      it->second.last_use = ++clock_;
+      return target;
+    }
+  }
+  if (!fs::exists(target)) download(url, dir_, target);
+  std::error_code ec;
+  const auto bytes = static_cast<int64_t>(fs::file_size(target, ec));
+  std::lock_guard lock(mutex_);
+  auto [it, added] = entries_.try_emplace(target.string());
+  if (added) total_ += ec ? 0 : bytes, it->second.bytes = ec ? 0 : bytes;
+  it->second.last_use = ++clock_;
+  // Over the limit: the least recently used copies go, never the one just fetched.
+  while (limit_ > 0 && total_ > limit_ && entries_.size() > 1) {
+    auto oldest = entries_.end();
+    for (auto e = entries_.begin(); e != entries_.end(); ++e)
+      if (e->first != target.string() && (oldest == entries_.end() || e->second.last_use < oldest->second.last_use)) oldest = e;
+    fs::remove(oldest->first, ec);
+    total_ -= oldest->second.bytes;
+    entries_.erase(oldest);
+  }
   return target;
 }
+
+void ShardCache::forget(const fs::path& copy) {
+  std::lock_guard lock(mutex_);
+  if (auto it = entries_.find(copy.string()); it != entries_.end()) {
+    total_ -= it->second.bytes;
+    entries_.erase(it);
+  }
+}
+
 
 }  // namespace ember_webdataset

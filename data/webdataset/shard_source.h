@@ -5,6 +5,8 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -27,10 +29,31 @@ std::vector<ShardLocation> expand_shards(const std::vector<std::string>& entries
 
 bool is_remote(const std::string& source);
 
-// The local copy of a remote shard in `cache_dir` (named by a hash of the URL and its file name),
+// Remote shards' local copies in a folder (named by a hash of the URL and its file name), each
 // downloaded once (to a temporary name, renamed when complete, so an interrupted download never
-// looks finished); a local source is returned as it is. Throws ember::RunError with the URL and
-// the HTTP status or libcurl's error.
-std::filesystem::path local_copy(const std::string& source, const std::filesystem::path& cache_dir);
+// looks finished). With a byte limit, the least recently used copies this process made or found
+// are deleted once the folder's copies exceed it (the one just fetched stays); a copy deleted
+// under a reader is fetched again. Thread-safe.
+class ShardCache {
+ public:
+  ShardCache(std::filesystem::path dir, int64_t limit_bytes) : dir_(std::move(dir)), limit_(limit_bytes) {}
+  // The local copy of `url`, downloaded when missing. Throws ember::RunError with the URL and the
+  // HTTP status or libcurl's error.
+  std::filesystem::path fetch(const std::string& url);
+  // Forgets a copy that disappeared (deleted by another process sharing the folder).
+  void forget(const std::filesystem::path& copy);
+
+ private:
+  struct Entry {
+    int64_t bytes = 0;
+    uint64_t last_use = 0;
+  };
+  std::filesystem::path dir_;
+  int64_t limit_;
+  mutable std::mutex mutex_;
+  std::map<std::string, Entry> entries_;
+  int64_t total_ = 0;
+  uint64_t clock_ = 0;
+};
 
 }  // namespace ember_webdataset

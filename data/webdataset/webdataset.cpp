@@ -48,6 +48,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::StringList("test", "[]", "Test shards (as train); empty = no test split."),
     ember::key::StringList("fields", "[\"jpg;jpeg;png\", \"cls\"]", "The batch's tensors, in order (webdataset's to_tuple): each the member with the first of its ;-separated extensions: jpg/jpeg/png = an image (the transform keys below), cls/cls2/index/label = an integer class, npy = a NumPy array (the same shape in every sample)."),
     ember::key::String("cache_dir", "\"\"", "Where http(s) shards are downloaded to (once; reused by later runs); empty = $EMBER_CACHE/webdataset, else ~/.cache/ember/webdataset."),
+    ember::key::Float("cache_limit_gb", "0.0", "Keep at most this many GB of downloaded shards: the least recently used go (and are fetched again when needed); 0 = keep every shard.").at_least(0.0),
     ember::key::String("incomplete_samples", "\"stop\"", "A sample without one of the fields: stop (one line naming the shard and key) or skip (left out, counted in the log).").choices("stop|skip"),
     EMBER_IMAGE_TRANSFORM_KEYS,
 };
@@ -66,14 +67,18 @@ struct Shard {
   int64_t first = 0, count = 0;
   std::once_flag indexed;
   std::exception_ptr error;
-  fs::path path;  // the local file
+  std::mutex fetch;  // one download of a remote shard at a time
   std::vector<IndexedSample> samples;
 };
 
 class WebDataset final : public ember::IDataModule, public ember::ISampleGroups, public ember::ITrainerAware, public ember::IPredictionNames {
  public:
   WebDataset(ember::IHost& host, const ember::IConfig& cfg)
-      : host_(host), section_(cfg.section()), transform_(cfg), skip_incomplete_(cfg.get_string("incomplete_samples") == "skip") {
+      : host_(host),
+        section_(cfg.section()),
+        transform_(cfg),
+        skip_incomplete_(cfg.get_string("incomplete_samples") == "skip"),
+        cache_limit_bytes_(static_cast<int64_t>(cfg.get_float("cache_limit_gb") * 1e9)) {
     const std::array<const char*, 3> keys = {"train", "val", "test"};
     for (size_t s = 0; s < 3; ++s) {
       lists_[s] = cfg.get_string_list(keys[s]);
@@ -90,6 +95,7 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
       const char* home = std::getenv("HOME");
       cache_dir_ = fs::path(home != nullptr ? home : ".") / ".cache" / "ember" / "webdataset";
     }
+    cache_ = std::make_unique<ShardCache>(cache_dir_, cache_limit_bytes_);
   }
 
   void setup(const ember::DataSetup& setup) override {
@@ -123,7 +129,10 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
     host_.log(ember::LogLevel::info, "webdataset: " + std::to_string(splits_[0].size()) + " train shards (" + std::to_string(sizes_[0]) +
                                          " samples), " + std::to_string(splits_[1].size()) + " val (" + std::to_string(sizes_[1]) + "), " +
                                          std::to_string(splits_[2].size()) + " test (" + std::to_string(sizes_[2]) + ")" +
-                                         (incomplete_ > 0 ? ", " + std::to_string(incomplete_) + " incomplete samples skipped (first: " + first_incomplete_ + ")" : ""));
+                                         (incomplete_ > 0 ? ", " + std::to_string(incomplete_) + " incomplete samples skipped (first: " + first_incomplete_ + ")" : "") +
+                                         (any_remote() ? "; http(s) shards cached in " + cache_dir_.string() +
+                                                             (cache_limit_bytes_ > 0 ? " (at most " + c10::str(static_cast<double>(cache_limit_bytes_) / 1e9) + " GB)" : "")
+                                                       : ""));
   }
 
   int64_t size(ember::Split split) const override { return sizes_[static_cast<size_t>(split)]; }
@@ -205,8 +214,7 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
   void ensure_indexed(Shard& shard) const {
     std::call_once(shard.indexed, [&] {
       try {
-        shard.path = local_copy(shard.location.source, cache_dir_);
-        auto index = index_shard(shard.path.string(), shard.location.source, specs(), skip_incomplete_);
+        auto index = index_shard(local_file(shard).string(), shard.location.source, specs(), skip_incomplete_);
         if (shard.location.samples >= 0 && static_cast<int64_t>(index.samples.size()) != shard.location.samples)
           throw ember::RunError("webdataset: shard " + shard.location.source + " holds " + std::to_string(index.samples.size()) +
                                 " complete samples, its shard list says " + std::to_string(shard.location.samples) + ": fix the list's \"nsamples\"");
@@ -219,6 +227,13 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
       }
     });
     if (shard.error) std::rethrow_exception(shard.error);
+  }
+
+  bool any_remote() const {
+    for (const auto& split : splits_)
+      for (const auto& shard : split)
+        if (is_remote(shard->location.source)) return true;
+    return false;
   }
 
   std::vector<FieldSpec> specs() const {
@@ -234,23 +249,37 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
     return static_cast<int64_t>(it - shards.begin()) - 1;
   }
 
-  std::pair<const Shard*, const IndexedSample*> locate(ember::Split split, int64_t index) const {
+  std::pair<Shard*, const IndexedSample*> locate(ember::Split split, int64_t index) const {
     Shard& shard = *splits_[static_cast<size_t>(split)][static_cast<size_t>(shard_of(split, index))];
     ensure_indexed(shard);
     return {&shard, &shard.samples[static_cast<size_t>(index - shard.first)]};
   }
 
-  // The bytes [offset, offset + size) of the shard's file.
-  static std::string read_span(const Shard& shard, int64_t offset, int64_t size, const std::string& name) {
+  // The shard's file: the path as listed, or the cache's copy of a URL (fetched when missing).
+  fs::path local_file(Shard& shard) const {
+    if (!is_remote(shard.location.source)) return shard.location.source;
+    std::lock_guard lock(shard.fetch);
+    return cache_->fetch(shard.location.source);
+  }
+
+  // The bytes [offset, offset + size) of the shard's file. A cached copy deleted meanwhile (by
+  // the cache limit of another process sharing the folder) is fetched again, once.
+  std::string read_span(Shard& shard, int64_t offset, int64_t size, const std::string& name) const {
     std::string bytes(static_cast<size_t>(size), '\0');
-    const int fd = ::open(shard.path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw ember::RunError("webdataset: cannot open shard " + shard.path.string() + " to read " + name + ": " + std::strerror(errno));
+    fs::path path = local_file(shard);
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT && is_remote(shard.location.source)) {
+      cache_->forget(path);
+      path = local_file(shard);
+      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    }
+    if (fd < 0) throw ember::RunError("webdataset: cannot open shard " + path.string() + " to read " + name + ": " + std::strerror(errno));
     size_t done = 0;
     while (done < bytes.size()) {
       const ssize_t n = ::pread(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + static_cast<int64_t>(done)));
       if (n <= 0) {
         ::close(fd);
-        throw ember::RunError("webdataset: " + name + " is cut short in " + shard.path.string() + " (the shard changed since it was indexed?)");
+        throw ember::RunError("webdataset: " + name + " is cut short in " + path.string() + " (the shard changed since it was indexed?)");
       }
       done += static_cast<size_t>(n);
     }
@@ -303,7 +332,9 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
   ember::image::ImageTransform transform_;
   bool skip_incomplete_;
   std::vector<Field> fields_;
+  int64_t cache_limit_bytes_;
   fs::path cache_dir_;
+  std::unique_ptr<ShardCache> cache_;
   std::array<std::vector<std::string>, 3> lists_;
   std::array<std::string, 3> wheres_;
   std::array<std::vector<std::unique_ptr<Shard>>, 3> splits_;
