@@ -120,13 +120,16 @@ TEST(Mlflow, RunIsReadBackWithMlflowsClientAndResumesIntoTheSameRun) {
     }
   EXPECT_GE(values, 20u);
 
-  // Resumed in its folder: the same MLflow run, now with the third epoch.
+  // Resumed in its folder: the same MLflow run, now with the third epoch, and with
+  // log_checkpoint the best checkpoint's file uploaded too.
   args = common;
-  args.insert(args.begin(), {"run.toml", "--resume", "last", "--set", "trainer.max_epochs=3"});
+  args.insert(args.begin(), {"run.toml", "--resume", "last", "--set", "trainer.max_epochs=3", "--set", "mlflow.log_checkpoint=true"});
   run_engine_ok(dir, args);
   EXPECT_EQ(run_id_in(run_dir), run_id);
   run = read_run(dir, server.uri(), run_id);
   EXPECT_EQ(run["status"], "FINISHED");
+  const std::string best_now = run["tags"].value("ember.best_checkpoint", "");
+  EXPECT_EQ(run["artifacts"], nlohmann::json({"checkpoints/" + fs::path(best_now).filename().string(), "config.toml"})) << best_now;
   int64_t last_epoch = -1;
   for (const auto& point : run["metrics"]["epoch"]) last_epoch = std::max<int64_t>(last_epoch, static_cast<int64_t>(point[1].get<double>()));
   EXPECT_EQ(last_epoch, 2);
@@ -160,11 +163,18 @@ TEST(Mlflow, AServerThatStopsMidRunDoesNotStopTraining) {
   ASSERT_TRUE(static_cast<bool>(std::getline(unsent, line)));
   EXPECT_TRUE(nlohmann::json::parse(line).contains("step")) << line;
 
+  // No server at all, and room for 2 values in memory: every value ends in the file, counted.
   auto none = run_engine({"run.toml", "--plugins", "mlflow", "--set", "mlflow.tracking_uri=\"http://127.0.0.1:" + std::to_string(free_port()) + "\"",
-                          "--set", "mlflow.finalize_timeout_s=1"},
+                          "--set", "mlflow.finalize_timeout_s=1", "--set", "mlflow.max_buffered_values=2"},
                          dir.path(), {}, 120);
   EXPECT_EQ(none.exit_code, 0) << none.err;
+  EXPECT_NE(none.err.find("training goes on, the data is kept and sent when the server answers"), std::string::npos) << none.err;
+  std::ifstream file(dir / "runs/run/version_1/mlflow_unsent.jsonl");
+  int64_t lines = 0;
+  for (std::string l; std::getline(file, l);) ++lines;
+  EXPECT_GT(lines, 20);
   EXPECT_NE(none.err.find("mlflow: not recorded on http://127.0.0.1:"), std::string::npos) << none.err;
+  EXPECT_EQ(count_in_log(none.err, R"((\d+) metric values \(kept in )"), lines) << none.err;
 }
 #endif
 

@@ -51,6 +51,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Float("flush_interval_s", "5.0", "Send buffered metrics at least this often (and at every 1000 values).").above(0.0),
     ember::key::Float("timeout_s", "10.0", "Time limit of one request to the server.").above(0.0),
     ember::key::Float("finalize_timeout_s", "30.0", "At the end, wait this long at most for what is still unsent.").at_least(0.0),
+    ember::key::Int("max_buffered_values", "100000", "Metric values kept in memory while the server does not answer; older ones go to <run folder>/mlflow_unsent.jsonl.").at_least(1),
 };
 
 // MLflow's request limits (runs/log-batch) and value limits.
@@ -99,7 +100,8 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
         log_checkpoint_(cfg.get_bool("log_checkpoint")),
         flush_interval_s_(cfg.get_float("flush_interval_s")),
         timeout_s_(cfg.get_float("timeout_s")),
-        finalize_timeout_s_(cfg.get_float("finalize_timeout_s")) {
+        finalize_timeout_s_(cfg.get_float("finalize_timeout_s")),
+        max_buffered_(static_cast<size_t>(cfg.get_int("max_buffered_values"))) {
     uri_ = cfg.get_string("tracking_uri");
     if (uri_.empty())
       if (const char* env = std::getenv("MLFLOW_TRACKING_URI")) uri_ = env;
@@ -161,6 +163,8 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
       else entry["value"] = std::isnan(value) ? "NaN" : value > 0 ? "Infinity" : "-Infinity";
       metrics_.push_back(std::move(entry));
     }
+    // A server away for long: memory stays bounded, the oldest values wait in the file.
+    if (metrics_.size() > max_buffered_) spill(metrics_.size() - max_buffered_);
     if (metrics_.size() >= kMetricsPerBatch) cv_.notify_all();
   }
 
@@ -325,17 +329,22 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
     ++refused_;
   }
 
+  // The oldest `n` buffered metric values appended to mlflow_unsent.jsonl (one JSON object a line,
+  // MLflow's fields). Called with the mutex held.
+  void spill(size_t n) {
+    std::ofstream out(fs::path(run_dir_) / "mlflow_unsent.jsonl", std::ios::app);
+    for (size_t i = 0; i < n; ++i) out << metrics_[i].dump() << '\n';
+    metrics_.erase(metrics_.begin(), metrics_.begin() + static_cast<std::ptrdiff_t>(n));
+    spilled_ += static_cast<int64_t>(n);
+  }
+
   // One line for what did not reach the server; the metric values written to mlflow_unsent.jsonl.
   void report_unsent() {
     std::lock_guard lock(mutex_);
-    if (metrics_.empty() && items_.empty() && refused_ == 0) return;
+    if (metrics_.empty() && items_.empty() && refused_ == 0 && spilled_ == 0) return;
     std::string what;
-    if (!metrics_.empty()) {
-      const fs::path file = fs::path(run_dir_) / "mlflow_unsent.jsonl";
-      std::ofstream out(file, std::ios::app);
-      for (const auto& m : metrics_) out << m.dump() << '\n';
-      what = std::to_string(metrics_.size()) + " metric values (kept in " + file.string() + ")";
-    }
+    spill(metrics_.size());
+    if (spilled_ > 0) what = std::to_string(spilled_) + " metric values (kept in " + (fs::path(run_dir_) / "mlflow_unsent.jsonl").string() + ")";
     if (!items_.empty()) what += (what.empty() ? "" : ", ") + std::to_string(items_.size()) + " params/tags/artifacts/run-end requests";
     if (refused_ > 0) what += (what.empty() ? "" : ", ") + std::to_string(refused_) + " values or requests the server refused";
     host_.log(ember::LogLevel::warn, "mlflow: not recorded on " + uri_ + ": " + what + "; last error: " + last_error_);
@@ -345,6 +354,7 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
   std::string uri_, experiment_, run_name_;
   bool log_checkpoint_;
   double flush_interval_s_, timeout_s_, finalize_timeout_s_;
+  size_t max_buffered_;
   std::string run_dir_, resume_run_id_;
   std::string run_id_, artifact_uri_;  // the sender thread's
   std::mutex mutex_;
@@ -352,7 +362,7 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
   std::deque<Item> items_;
   std::deque<json> metrics_;
   bool stopping_ = false, abandon_ = false, done_ = false, warned_ = false;
-  int64_t refused_ = 0;
+  int64_t refused_ = 0, spilled_ = 0;  // values the server refused; values written to the file
   std::string last_error_;
   std::thread sender_;
 };
