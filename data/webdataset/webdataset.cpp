@@ -83,7 +83,10 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
       lists_[s] = cfg.get_string_list(keys[s]);
       wheres_[s] = cfg.where(keys[s]);
     }
-    for (const auto& text : cfg.get_string_list("fields")) fields_.push_back(parse_field(text, cfg.where("fields")));
+    for (const auto& text : cfg.get_string_list("fields")) {
+      fields_.push_back(parse_field(text, cfg.where("fields")));
+      specs_.push_back(fields_.back().spec);
+    }
     if (fields_.empty()) throw ember::ConfigError(cfg.where("fields") + ": " + section_ + ".fields is empty: name the batch's tensors, e.g. [\"jpg;png\", \"cls\"]");
     const std::string dir = cfg.get_string("cache_dir");
     if (!dir.empty()) {
@@ -213,7 +216,7 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
   void ensure_indexed(Shard& shard) const {
     std::call_once(shard.indexed, [&] {
       try {
-        auto index = index_shard(local_file(shard).string(), shard.location.source, specs(), skip_incomplete_);
+        auto index = index_shard(local_file(shard).string(), shard.location.source, specs_, skip_incomplete_);
         if (shard.location.samples >= 0 && static_cast<int64_t>(index.samples.size()) != shard.location.samples)
           throw ember::RunError("webdataset: shard " + shard.location.source + " holds " + std::to_string(index.samples.size()) +
                                 " complete samples, its shard list says " + std::to_string(shard.location.samples) + ": fix the list's \"nsamples\"");
@@ -235,11 +238,7 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
     return false;
   }
 
-  std::vector<FieldSpec> specs() const {
-    std::vector<FieldSpec> out;
-    for (const auto& f : fields_) out.push_back(f.spec);
-    return out;
-  }
+
 
   int64_t shard_of(ember::Split split, int64_t index) const {
     const auto& shards = splits_[static_cast<size_t>(split)];
@@ -331,6 +330,7 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
   ember::image::ImageTransform transform_;
   bool skip_incomplete_;
   std::vector<Field> fields_;
+  std::vector<FieldSpec> specs_;  // the fields' extensions, what the shard index needs
   int64_t cache_limit_bytes_;
   fs::path cache_dir_;
   std::unique_ptr<ShardCache> cache_;

@@ -144,7 +144,7 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
     } catch (const std::exception& e) {
       host_.log(ember::LogLevel::warn, std::string("mlflow: the resolved config could not be read as params: ") + e.what());
     }
-    json batch = json::array(), plugins = json::array();
+    json batch = json::array();
     for (const auto& [k, v] : params) {
       if (k == "plugins") enqueue({Item::tags, json::array({tag("ember.plugins", v)}), {}, {}, {}});
       batch.push_back(tag(k, v));
