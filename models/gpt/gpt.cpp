@@ -122,7 +122,7 @@ class Gpt final : public ember::IModel,
     }
     shape.dropout = cfg.get_float("dropout");
     shape.init_std = cfg.get_float("init_std");
-    net_ = std::make_shared<ember_gpt::GptNet>(shape);
+    net_ = std::make_shared<ember_gpt::GptNet>(shape, weights.empty() ? &host : nullptr);
     if (!weights.empty()) {
       const auto unused = net_->load_safetensors(weights);
       if (!unused.empty())

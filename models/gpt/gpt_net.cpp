@@ -1,5 +1,6 @@
 #include "gpt_net.h"
 
+#include <ember/deferred_init.h>
 #include <ember/support/tensor_parallel.h>
 
 #include <algorithm>
@@ -272,24 +273,37 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, at::Tensor* k_cache, at::Tens
   return h + (recompute_mlp_ ? ember::recompute_in_backward(h, mlp) : mlp(h));
 }
 
-GptNet::GptNet(const GptShape& shape) : shape_(shape) {
+GptNet::GptNet(const GptShape& shape, ember::IHost* host) : shape_(shape) {
   const bool llama = shape.flavour == Flavour::llama;
+  // Each piece gets its initial values as soon as it is built, and is then handed to deferred
+  // initialisation (under a sharding strategy this rank keeps its part and the rest is freed).
+  auto built = [&](torch::nn::Module& piece) {
+    initialise(piece);
+    if (host) ember::parameters_initialised(*host, piece);
+  };
   body_ = register_module(llama ? "model" : "transformer", std::make_shared<torch::nn::Module>());
   embed_ = body_->register_module(llama ? "embed_tokens" : "wte", torch::nn::Embedding(shape.vocab_size, shape.width));
-  if (!llama) positions_ = body_->register_module("wpe", torch::nn::Embedding(shape.context_length, shape.width));
+  built(*embed_);
+  if (!llama) {
+    positions_ = body_->register_module("wpe", torch::nn::Embedding(shape.context_length, shape.width));
+    built(*positions_);
+  }
   block_list_ = body_->register_module(llama ? "layers" : "h", torch::nn::ModuleList());
   for (int64_t i = 0; i < shape.layers; ++i) {
     blocks_.emplace_back(shape, adapters_, c10::str(llama ? "model.layers." : "transformer.h.", i, "."));
     block_list_->push_back(blocks_.back());
+    built(*blocks_.back());
   }
   final_norm_ = body_->register_module(llama ? "norm" : "ln_f", Norm(shape.width, llama, shape.bias, shape.norm_eps));
-  if (!shape.tied)
+  built(*final_norm_);
+  if (!shape.tied) {
     lm_head_ = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(shape.width, shape.vocab_size).bias(false)));
+    built(*lm_head_);
+  }
   if (llama) {
     const int64_t d = shape.head_dim();
     inv_freq_ = 1.0 / at::pow(shape.rope_theta, at::arange(0, d, 2, at::kLong).to(at::kFloat) / static_cast<double>(d));
   }
-  initialise();
   held_.assign(static_cast<size_t>(shape.layers), true);
   for (const auto& item : named_parameters())
     if (item.value().dim() == 2 && item.key().find("wte") == std::string::npos && item.key().find("wpe") == std::string::npos &&
@@ -298,10 +312,10 @@ GptNet::GptNet(const GptShape& shape) : shape_(shape) {
   if (shape_.tied) matmul_parameters_ += shape_.vocab_size * shape_.width;  // the output layer reuses the embedding
 }
 
-void GptNet::initialise() {
+void GptNet::initialise(torch::nn::Module& piece) {
   torch::NoGradGuard no_grad;
   const double residual_std = shape_.init_std / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(shape_.layers, 1)));
-  for (auto& item : named_parameters()) {
+  for (auto& item : piece.named_parameters()) {
     const std::string& name = item.key();
     at::Tensor& p = item.value();
     const bool residual_projection = name.find("attn.c_proj.weight") != std::string::npos ||

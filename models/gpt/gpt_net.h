@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include <ember/host.h>
 #include <ember/pipeline.h>
 
 #include <torch/nn/module.h>
@@ -157,12 +158,15 @@ TORCH_MODULE(Block);
 
 class GptNet : public torch::nn::Module {
  public:
-  explicit GptNet(const GptShape& shape);
+  // `host`: each piece (embeddings, blocks, final norm, output layer) handed to
+  // ember::parameters_initialised once it has its initial values; none when weights are loaded.
+  explicit GptNet(const GptShape& shape, ember::IHost* host = nullptr);
   const GptShape& shape() const { return shape_; }
-  // Draws the weights from the current default generator: N(0, init_std) for every matrix and
-  // embedding, GPT-2's residual projections (attn/mlp c_proj, llama's o_proj/down_proj) scaled by
-  // 1/sqrt(2 * layers) as GPT-2 and nanoGPT do, zero biases, unit norms.
-  void initialise();
+  // Draws one piece's weights (names relative to it) from the current default generator:
+  // N(0, init_std) for every matrix and embedding, GPT-2's residual projections (attn/mlp c_proj,
+  // llama's o_proj/down_proj) scaled by 1/sqrt(2 * layers) as GPT-2 and nanoGPT do, zero biases,
+  // unit norms.
+  void initialise(torch::nn::Module& piece);
   // ids [N, T] int64 -> logits [N, T, vocab]. With a cache: the positions follow the cached ones
   // and this call's keys and values are appended.
   at::Tensor forward(const at::Tensor& ids, GenerationCache* cache = nullptr);

@@ -17,6 +17,7 @@
 
 #include <ember/config.h>
 #include <ember/error.h>
+#include <ember/deferred_init.h>
 #include <ember/host.h>
 #include <ember/model.h>
 #include <ember/model_flops.h>
@@ -55,7 +56,12 @@ struct MlpOptions {
 // calls reset() to rebuild its layers, then copies the values in).
 class MlpNet : public torch::nn::Cloneable<MlpNet> {
  public:
-  explicit MlpNet(const MlpOptions& o) : o_(o) { reset(); }
+  // `host`: each layer handed to ember::parameters_initialised as soon as it is built (deferred
+  // initialisation under a sharding strategy); none for a clone.
+  explicit MlpNet(const MlpOptions& o, ember::IHost* host = nullptr) : o_(o), host_(host) {
+    reset();
+    host_ = nullptr;
+  }
 
   // Fixed names (fc1, fc2, ..., head) keep named_parameters() and checkpoints stable; the order
   // of construction is also the order of the initial random draws.
@@ -65,9 +71,11 @@ class MlpNet : public torch::nn::Cloneable<MlpNet> {
     int64_t width = o_.input_size;
     for (size_t i = 0; i < o_.hidden.size(); ++i) {
       layers_.push_back(register_module("fc" + std::to_string(i + 1), torch::nn::Linear(width, o_.hidden[i])));
+      if (host_) ember::parameters_initialised(*host_, *layers_.back());
       width = o_.hidden[i];
     }
     head_ = register_module("head", torch::nn::Linear(width, o_.num_classes));
+    if (host_) ember::parameters_initialised(*host_, *head_);
     // No module at all for dropout 0: the forward is then exactly deterministic, which the
     // gradient-accumulation tests rely on. One module serves every layer (it holds no state).
     if (o_.dropout > 0.0) dropout_ = register_module("dropout", torch::nn::Dropout(o_.dropout));
@@ -106,6 +114,7 @@ class MlpNet : public torch::nn::Cloneable<MlpNet> {
   }
 
   MlpOptions o_;
+  ember::IHost* host_ = nullptr;  // while the constructor builds the layers
   ember::ModelUnits* units_ = nullptr;
   std::vector<torch::nn::Linear> layers_;
   torch::nn::Linear head_{nullptr};
@@ -140,8 +149,8 @@ MlpOptions read_options(const ember::IConfig& cfg) {
 class Mlp final : public ember::IModel, public ember::IModelFlops, public ember::UnitModel,
                   public ember::IPredictingModel {
  public:
-  explicit Mlp(const ember::IConfig& cfg)
-      : opts_(read_options(cfg)), section_(cfg.section()), net_(std::make_shared<MlpNet>(opts_)) {
+  Mlp(ember::IHost& host, const ember::IConfig& cfg)
+      : opts_(read_options(cfg)), section_(cfg.section()), net_(std::make_shared<MlpNet>(opts_, &host)) {
     net_->declare_units(units_);
   }
 
@@ -235,7 +244,7 @@ class Mlp final : public ember::IModel, public ember::IModelFlops, public ember:
   std::shared_ptr<MlpNet> net_;
 };
 
-ember::IModel* make(ember::IHost& /*host*/, const ember::IConfig& cfg) { return new Mlp(cfg); }
+ember::IModel* make(ember::IHost& host, const ember::IConfig& cfg) { return new Mlp(host, cfg); }
 
 }  // namespace
 

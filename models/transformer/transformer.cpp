@@ -16,6 +16,7 @@
 #include <torch/types.h>
 
 #include <ember/config.h>
+#include <ember/deferred_init.h>
 #include <ember/error.h>
 #include <ember/model.h>
 #include <ember/model_flops.h>
@@ -47,19 +48,26 @@ constexpr EmberConfigKey kKeys[] = {
 // calls reset() to rebuild its layers, then copies the values in).
 class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
  public:
-  TransformerNet(int64_t d_model, int64_t nhead, int64_t ff, int64_t layers, double dropout, int64_t classes)
-      : d_model_(d_model), nhead_(nhead), ff_(ff), layers_(layers), dropout_(dropout), classes_(classes) {
+  // `host`: each layer and the head handed to ember::parameters_initialised as soon as it is built
+  // (deferred initialisation under a sharding strategy); none for a clone.
+  TransformerNet(int64_t d_model, int64_t nhead, int64_t ff, int64_t layers, double dropout, int64_t classes,
+                 ember::IHost* host = nullptr)
+      : d_model_(d_model), nhead_(nhead), ff_(ff), layers_(layers), dropout_(dropout), classes_(classes), host_(host) {
     reset();
+    host_ = nullptr;
   }
   // Names layer1.*, ..., head.*; the order of construction is the order of the initial draws.
   void reset() override {
     blocks_.clear();  // a copy-constructed clone still holds the original's blocks
-    for (int64_t i = 0; i < layers_; ++i)
+    for (int64_t i = 0; i < layers_; ++i) {
       blocks_.push_back(register_module(
           "layer" + std::to_string(i + 1),
           torch::nn::TransformerEncoderLayer(
               torch::nn::TransformerEncoderLayerOptions(d_model_, nhead_).dim_feedforward(ff_).dropout(dropout_))));
+      if (host_) ember::parameters_initialised(*host_, *blocks_.back());
+    }
     head_ = register_module("head", torch::nn::Linear(d_model_, classes_));
+    if (host_) ember::parameters_initialised(*host_, *head_);
     held_.assign(static_cast<size_t>(layers_), true);
   }
   // x: [N, S, E]. LibTorch's encoder layer takes [S, N, E] (it has no batch_first option).
@@ -154,12 +162,13 @@ class TransformerNet : public torch::nn::Cloneable<TransformerNet> {
   std::vector<bool> held_;  // the layers this rank holds (all but under pipeline parallelism)
   std::vector<torch::nn::TransformerEncoderLayer> blocks_;
   torch::nn::Linear head_{nullptr};
+  ember::IHost* host_ = nullptr;  // while the constructor builds the layers
 };
 
 class Transformer final : public ember::IModel, public ember::IModelFlops, public ember::UnitModel,
                           public ember::IPredictingModel, public ember::ITensorParallelModel, public ember::IPipelineModel {
  public:
-  explicit Transformer(const ember::IConfig& cfg)
+  Transformer(ember::IHost& host, const ember::IConfig& cfg)
       : d_model_(cfg.get_int("d_model")), section_(cfg.section()), where_nhead_(cfg.where("nhead")),
         where_ff_(cfg.where("dim_feedforward")) {
     const int64_t nhead = cfg.get_int("nhead");
@@ -169,7 +178,7 @@ class Transformer final : public ember::IModel, public ember::IModelFlops, publi
     ff_ = cfg.get_int("dim_feedforward");
     layers_ = cfg.get_int("num_layers");
     classes_ = cfg.get_int("num_classes");
-    net_ = std::make_shared<TransformerNet>(d_model_, nhead, ff_, layers_, ember_models::read_dropout(cfg, "dropout"), classes_);
+    net_ = std::make_shared<TransformerNet>(d_model_, nhead, ff_, layers_, ember_models::read_dropout(cfg, "dropout"), classes_, &host);
     net_->declare_units(units_);
   }
   torch::nn::Module& module() override { return *net_; }
@@ -236,7 +245,7 @@ class Transformer final : public ember::IModel, public ember::IModelFlops, publi
   std::shared_ptr<TransformerNet> net_;
 };
 
-ember::IModel* make(ember::IHost&, const ember::IConfig& cfg) { return new Transformer(cfg); }
+ember::IModel* make(ember::IHost& host, const ember::IConfig& cfg) { return new Transformer(host, cfg); }
 
 }  // namespace
 

@@ -8,7 +8,10 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/module.h>
 
+#include <ember/deferred_init.h>
 #include <ember/model_support/classification.h>
+
+#include <unistd.h>
 
 namespace {
 
@@ -16,6 +19,8 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("input_size", "16", "Features per sample.").at_least(1),
     ember::key::Int("hidden", "8", "Width of the hidden layer.").at_least(1),
     ember::key::Int("num_classes", "4", "Classes.").at_least(2),
+    ember::key::Bool("rank_dependent_init", "false",
+                     "Add a number that differs between processes to fc1's initial weights (what deferred initialisation must catch)."),
 };
 
 struct Net : torch::nn::Module {
@@ -31,8 +36,15 @@ struct Net : torch::nn::Module {
 
 class BnMlp final : public ember::IModel {
  public:
-  explicit BnMlp(const ember::IConfig& cfg)
-      : net_(std::make_shared<Net>(cfg.get_int("input_size"), cfg.get_int("hidden"), cfg.get_int("num_classes"))) {}
+  // The whole net is one piece for deferred initialisation (handed over once it is built).
+  BnMlp(ember::IHost& host, const ember::IConfig& cfg)
+      : net_(std::make_shared<Net>(cfg.get_int("input_size"), cfg.get_int("hidden"), cfg.get_int("num_classes"))) {
+    if (cfg.get_bool("rank_dependent_init")) {
+      torch::NoGradGuard no_grad;
+      net_->fc1->weight.add_(static_cast<double>(::getpid() % 997) * 1e-3);
+    }
+    ember::parameters_initialised(host, *net_);
+  }
   torch::nn::Module& module() override { return *net_; }
   at::Tensor training_step(const ember::Batch& b, ember::IStepContext& ctx) override {
     return ember_models::classification_step(net_->forward(b[0]), b[1], ember_models::Phase::train, ctx, "bn_mlp");
@@ -48,7 +60,7 @@ class BnMlp final : public ember::IModel {
   std::shared_ptr<Net> net_;
 };
 
-ember::IModel* make(ember::IHost&, const ember::IConfig& cfg) { return new BnMlp(cfg); }
+ember::IModel* make(ember::IHost& host, const ember::IConfig& cfg) { return new BnMlp(host, cfg); }
 
 }  // namespace
 

@@ -1,7 +1,10 @@
 #include "registry/composition.h"
 #include "registry/defaults.h"
 
+#include <ember/deferred_init.h>
+
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <set>
 
@@ -24,6 +27,10 @@ void EngineHost::log(LogLevel level, std::string_view message) {
 }
 std::string EngineHost::engine_version() const { return kEmberVersion; }
 int EngineHost::sdk_abi_minor() const { return EMBER_SDK_ABI_MINOR; }
+void* EngineHost::query_interface(const char* iid) {
+  if (deferred_init_ != nullptr && std::strcmp(iid, kDeferredInitIid) == 0) return deferred_init_;
+  return nullptr;
+}
 
 namespace {
 

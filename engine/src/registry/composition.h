@@ -16,12 +16,19 @@ namespace ember::engine {
 
 struct RunRequest;
 
-// The IHost plugins talk to: the engine's log and versions.
+// The IHost plugins talk to: the engine's log and versions, and while the model is built the
+// strategy's deferred initialisation (ember/deferred_init.h).
 class EngineHost final : public IHost {
  public:
   void log(LogLevel level, std::string_view message) override;
   std::string engine_version() const override;
   int sdk_abi_minor() const override;
+  void* query_interface(const char* iid) override;
+  // Offered from here until it is set back to nullptr.
+  void offer_deferred_init(void* deferred_init) { deferred_init_ = deferred_init; }
+
+ private:
+  void* deferred_init_ = nullptr;
 };
 
 // Everything decided before any plugin object exists: which plugins, and the validated config.

@@ -7,6 +7,9 @@
 
 #include <cxxabi.h>
 
+#include <ember/deferred_init.h>
+#include <ember/precision.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -15,6 +18,7 @@
 #include "checkpoint/checkpoint_io.h"
 #include "common/log.h"
 #include "runtime/accelerator.h"
+#include "runtime/host_memory.h"
 #include "runtime/numerics.h"
 #include "checkpoint/sharded_checkpoint.h"
 #include "session/stop_signals.h"
@@ -93,11 +97,23 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
   data_setup.rank = runtime->data_parallel_rank();
   data_setup.world_size = runtime->data_parallel_size();
   plugins.data.object->setup(data_setup);
-  if (req.provided.model) plugins.model = {"model object", "", req.provided.model};
-  else make(plugins.model, plan_.model, cfg.section("model"));
   Named<IPrecision> precision;
   make(precision, plan_.precision, cfg.section(plan_.precision->name));
   runtime->set_precision(std::move(precision));
+  // The model is built from here to the end of the runtime's set-up: its host memory peak is
+  // logged, and a strategy that shards may take each piece as it is built (ember/deferred_init.h).
+  setup_memory_ = std::make_unique<HostMemoryPeak>();
+  if (req.provided.model) {
+    plugins.model = {"model object", "", req.provided.model};
+  } else {
+    deferred_init_ = begin_deferred_init(*runtime, trainer_cfg);
+    struct Withdraw {
+      EngineHost& host;
+      ~Withdraw() { host.offer_deferred_init(nullptr); }
+    } withdraw{host_};
+    if (deferred_init_) host_.offer_deferred_init(runtime->strategy_object().query_interface(kDeferredInitIid));
+    make(plugins.model, plan_.model, cfg.section("model"));
+  }
   for (const auto* c : plan_.callbacks) {
     Named<ICallback> n;
     make(n, c, cfg.section(c->name));
@@ -133,8 +149,38 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
   loop_ = std::make_unique<TrainingLoop>(host_, cfg, std::move(runtime), std::move(plugins), folder_.dir);
   guarded([&] {
     loop_->setup();
+    log_setup_memory();
     if (!folder_.checkpoint.empty()) loop_->restore(folder_.checkpoint, /*weights_only=*/false);
   });
+}
+
+// Whether the strategy takes the model piece by piece as it is built: it must offer it, the
+// precision handler must say the dtype it will give the parameters, and nothing between the build
+// and the strategy's set-up may need their values (channels_last converts them).
+bool RunSession::begin_deferred_init(Runtime& runtime, const IConfig& trainer_cfg) {
+  auto* deferred = static_cast<IDeferredInit*>(runtime.strategy_object().query_interface(kDeferredInitIid));
+  if (deferred == nullptr) return false;
+  auto* dtype = static_cast<IParameterDtype*>(runtime.precision_object().query_interface(kParameterDtypeIid));
+  std::string why_not;
+  if (dtype == nullptr)
+    why_not = "precision '" + runtime.precision().name + "' does not say which dtype it gives the parameters (ember::IParameterDtype, SDK 2.10)";
+  else if (trainer_cfg.get_bool("channels_last"))
+    why_not = "trainer.channels_last converts the whole model before the strategy shards it";
+  if (!why_not.empty()) {
+    if (runtime.rank() == 0) log::info("deferred initialisation off (the model is built whole on every rank): " + why_not);
+    return false;
+  }
+  return deferred->begin_deferred_init(dtype->parameter_dtype());
+}
+
+void RunSession::log_setup_memory() {
+  if (!setup_memory_) return;
+  const auto growth = setup_memory_->growth();
+  setup_memory_.reset();
+  if (!growth) return;
+  char mb[32];
+  std::snprintf(mb, sizeof mb, "%.1f", static_cast<double>(*growth) / (1024.0 * 1024.0));
+  log::info(std::string("model set-up: host memory peak +") + mb + " MB" + (deferred_init_ ? " (deferred initialisation)" : ""));
 }
 
 RunSession::~RunSession() {

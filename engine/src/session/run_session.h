@@ -16,6 +16,7 @@
 #include "session/run_folder.h"
 #include "config/run_request.h"
 #include "loop/training_loop.h"
+#include "runtime/host_memory.h"
 
 namespace ember::engine {
 
@@ -66,6 +67,8 @@ class RunSession {
   void start_logging();  // config.toml in the run folder, loggers set up (once)
   std::filesystem::path runs_base() const;  // <default_root_dir>/<name>
   std::optional<int64_t> run_version() const;
+  bool begin_deferred_init(Runtime& runtime, const IConfig& trainer_cfg);
+  void log_setup_memory();  // "model set-up: host memory peak +X MB", once, after the loop's set-up
 
   Plan plan_;
   EngineHost host_;
@@ -76,6 +79,8 @@ class RunSession {
   std::unique_ptr<TrainingLoop> loop_;
   int launcher_exit_code_ = 0;
   bool loggers_started_ = false, finished_ = false;
+  std::unique_ptr<HostMemoryPeak> setup_memory_;  // from just before the model is built to the end of set-up
+  bool deferred_init_ = false;                    // the strategy took the model piece by piece
 };
 
 }  // namespace ember::engine

@@ -26,7 +26,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Bool("log_scale", "true", "Log amp_scale (the scale after this step's update) and amp_skipped_steps with the step metrics."),
 };
 
-class Amp16 final : public ember::IPrecision, public ember::ITrainerAware, public ember::IGradientUnscaler {
+class Amp16 final : public ember::IPrecision, public ember::ITrainerAware, public ember::IGradientUnscaler, public ember::IParameterDtype {
  public:
   Amp16(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
@@ -90,8 +90,10 @@ class Amp16 final : public ember::IPrecision, public ember::ITrainerAware, publi
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kTrainerAwareIid) == 0) return static_cast<ember::ITrainerAware*>(this);
     if (std::strcmp(iid, ember::kGradientUnscalerIid) == 0) return static_cast<ember::IGradientUnscaler*>(this);
+    if (std::strcmp(iid, ember::kParameterDtypeIid) == 0) return static_cast<ember::IParameterDtype*>(this);
     return nullptr;
   }
+  c10::ScalarType parameter_dtype() const override { return at::kFloat; }
   void unscale_gradients(torch::optim::Optimizer& optimizer) override {
     if (unscaled_) return;
     scaler_.unscale(optimizer);

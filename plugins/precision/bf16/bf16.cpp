@@ -9,11 +9,12 @@
 
 #include <torch/nn/module.h>
 
+#include <cstring>
 #include <optional>
 
 namespace {
 
-class Bf16 final : public ember::IPrecision {
+class Bf16 final : public ember::IPrecision, public ember::IParameterDtype {
  public:
   explicit Bf16(ember::IHost& host) : host_(host) {}
   void setup(torch::nn::Module& module, const c10::Device& device) override {
@@ -29,6 +30,10 @@ class Bf16 final : public ember::IPrecision {
         host_.log(ember::LogLevel::warn, w);
   }
   ember::Batch convert_input(ember::Batch batch) override { return ember::cast_floating(std::move(batch), at::kFloat); }
+  c10::ScalarType parameter_dtype() const override { return at::kFloat; }
+  void* query_interface(const char* iid) override {
+    return std::strcmp(iid, ember::kParameterDtypeIid) == 0 ? static_cast<ember::IParameterDtype*>(this) : nullptr;
+  }
   void forward_begin() override { region_.emplace(device_.type(), at::kBFloat16); }
   void forward_end() override { region_.reset(); }
   void backward(const at::Tensor& loss) override { loss.backward(); }

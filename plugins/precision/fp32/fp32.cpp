@@ -4,9 +4,11 @@
 
 #include <torch/nn/module.h>
 
+#include <cstring>
+
 namespace {
 
-class Fp32 final : public ember::IPrecision {
+class Fp32 final : public ember::IPrecision, public ember::IParameterDtype {
  public:
   void setup(torch::nn::Module& module, const c10::Device& /*device*/) override {
     // A model may have built double or half parameters; "32-true" promises float32.
@@ -16,6 +18,10 @@ class Fp32 final : public ember::IPrecision {
     for (auto& t : batch.tensors)
       if (t.defined() && t.is_floating_point() && t.scalar_type() != at::kFloat) t = t.to(at::kFloat);
     return batch;
+  }
+  c10::ScalarType parameter_dtype() const override { return at::kFloat; }
+  void* query_interface(const char* iid) override {
+    return std::strcmp(iid, ember::kParameterDtypeIid) == 0 ? static_cast<ember::IParameterDtype*>(this) : nullptr;
   }
   void forward_begin() override {}
   void forward_end() override {}

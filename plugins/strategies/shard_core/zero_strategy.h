@@ -35,6 +35,7 @@ struct ZeroOptions {
   std::optional<at::ScalarType> compute_dtype;    // device copy of the weights; none: the module's
   std::string where_max_host;                     // config location, for the memory error line
   std::string where_state_dict_type;              // config location of state_dict_type
+  bool deferred_init = true;                      // take the model piece by piece as it is built
 };
 
 // The keys both plugins take besides EMBER_DIST_CONFIG_KEYS (read by read_zero_options).
@@ -56,6 +57,10 @@ struct ZeroOptions {
                          "directory with one part per rank (sharded: nothing is gathered; resumable on any number of ranks; "    \
                          "`engine checkpoint consolidate DIR OUT.ckpt` makes the full file).")                                   \
           .choices("full|sharded"),                                                                                              \
+      ember::key::Bool("deferred_init", "true",                                                                                  \
+                       "When parameters are sharded (stage 3) or offloaded: take each piece of the model as it is built and "     \
+                       "keep only this rank's part (ember/deferred_init.h), so no rank ever holds the whole model. Every rank "    \
+                       "builds the same values from the seed (checked once at set-up) instead of taking rank 0's."),              \
       ember::key::Bool("broadcast_buffers", "true",                                                                              \
                        "Every rank takes rank 0's buffers (batch-norm statistics) before each forward in training mode, and "     \
                        "once before evaluating after one (PyTorch DDP's broadcast_buffers), so all ranks evaluate with the same " \

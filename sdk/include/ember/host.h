@@ -17,6 +17,10 @@ class EMBER_SDK_API IHost {
   // The engine's version string ("0.1.0") and SDK ABI, for plugins that adapt to their host.
   virtual std::string engine_version() const = 0;
   virtual int sdk_abi_minor() const = 0;
+  // SDK 2.10 (appended): what the engine offers a plugin beyond the above, by id, or nullptr.
+  // While a model is built, "ember.IDeferredInit/1" (ember/deferred_init.h); models reach it
+  // through ember::parameters_initialised rather than directly.
+  virtual void* query_interface(const char* /*iid*/) { return nullptr; }
 };
 
 }  // namespace ember

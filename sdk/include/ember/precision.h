@@ -44,4 +44,16 @@ class EMBER_SDK_API IGradientUnscaler {
   virtual void unscale_gradients(torch::optim::Optimizer& optimizer) = 0;
 };
 
+// Extension interface (IPrecision::query_interface(kParameterDtypeIid); SDK 2.10): the dtype
+// setup() gives the module's floating-point parameters (float32 for the mixed modes, the mode's
+// own for the "true" ones). Deferred initialisation (ember/deferred_init.h) converts each part a
+// rank keeps to it as the model is built, so setup() finds nothing left to convert; a handler
+// without it makes the model be built whole.
+inline constexpr const char* kParameterDtypeIid = "ember.IParameterDtype/1";
+class EMBER_SDK_API IParameterDtype {
+ public:
+  virtual ~IParameterDtype() = default;
+  virtual c10::ScalarType parameter_dtype() const = 0;
+};
+
 }  // namespace ember

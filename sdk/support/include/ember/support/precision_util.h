@@ -8,6 +8,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include <torch/nn/module.h>
@@ -63,7 +64,7 @@ inline void check_precision_supported(const std::string& mode, const c10::Device
 // it around each forward, but it is one global: data-loader threads and anything else running at
 // that moment would create tensors in the wrong dtype.) A model that creates tensors in its step
 // takes the dtype from its input or its parameters (`x.options()`), as the bundled models do.
-class UniformPrecision : public IPrecision {
+class UniformPrecision : public IPrecision, public IParameterDtype {
  public:
   UniformPrecision(std::string mode, c10::ScalarType dtype, std::string alternative)
       : mode_(std::move(mode)), dtype_(dtype), alternative_(std::move(alternative)) {}
@@ -72,6 +73,10 @@ class UniformPrecision : public IPrecision {
     module.to(dtype_);
   }
   Batch convert_input(Batch batch) override { return cast_floating(std::move(batch), dtype_); }
+  c10::ScalarType parameter_dtype() const override { return dtype_; }
+  void* query_interface(const char* iid) override {
+    return std::string_view(iid) == kParameterDtypeIid ? static_cast<IParameterDtype*>(this) : nullptr;
+  }
   void forward_begin() override {}
   void forward_end() override {}
   void backward(const at::Tensor& loss) override { loss.backward(); }

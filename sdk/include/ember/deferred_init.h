@@ -1,0 +1,50 @@
+// Deferred initialisation (SDK 2.10): a model too large for one rank's host memory is built one
+// piece at a time, each rank keeping only what it will hold once the strategy has sharded it.
+//
+// A model calls ember::parameters_initialised(host, piece) as soon as a piece (a unit, the
+// embeddings, the head) has its initial values:
+//
+//   for (int64_t i = 0; i < layers; ++i) {
+//     blocks_.push_back(register_module("layer" + std::to_string(i + 1), Layer(...)));
+//     ember::parameters_initialised(host, *blocks_.back());  // this rank keeps its part; the rest is freed
+//   }
+//
+// Without a strategy that defers (single_device, ddp, sharded stages 1-2, tensor parallelism) the
+// call does nothing and the model is built whole, as before. With one, the piece's floating-point
+// parameters keep their shape, dtype and identity but lose their storage until the strategy's
+// set-up: the model must not read or write their values after the call (shapes, names, dtypes and
+// requires_grad are fine; tying a parameter to another module is fine). Values are the ones a
+// single-device run with the same seed gets, because the pieces are built, and draw from the
+// generator, in the same order; the model's initial values must therefore depend on the seed only.
+// So a rank's host peak while the model is built is what it keeps plus the largest piece.
+#pragma once
+#include <c10/core/ScalarType.h>
+
+#include "ember/export.h"
+#include "ember/host.h"
+
+namespace torch::nn { class Module; }
+
+namespace ember {
+
+// Implemented by a strategy that holds part of each parameter (IStrategy::query_interface); the
+// engine offers it to the model through IHost::query_interface while the model is built.
+inline constexpr const char* kDeferredInitIid = "ember.IDeferredInit/1";
+class EMBER_SDK_API IDeferredInit {
+ public:
+  virtual ~IDeferredInit() = default;
+  // Before the model is built, after launch: whether this strategy, as configured, keeps only a
+  // part of the parameters; they are kept in `dtype` (the precision handler's, IParameterDtype).
+  // False: parameters_initialised is never called and the model is built whole.
+  virtual bool begin_deferred_init(c10::ScalarType dtype) = 0;
+  // `module`'s parameters hold their initial values: keep this rank's part of each floating-point
+  // one and free its storage. Parameters already taken are skipped (a module may be passed twice).
+  virtual void parameters_initialised(torch::nn::Module& module) = 0;
+};
+
+// What a model calls (a no-op when nothing defers).
+inline void parameters_initialised(IHost& host, torch::nn::Module& module) {
+  if (auto* d = static_cast<IDeferredInit*>(host.query_interface(kDeferredInitIid))) d->parameters_initialised(module);
+}
+
+}  // namespace ember

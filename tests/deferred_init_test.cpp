@@ -1,0 +1,192 @@
+// Deferred initialisation (ember/deferred_init.h) on CPU ranks over loopback: under sharded stage 3
+// and offload every rank builds the model one piece at a time and keeps only its shard. Checked:
+// the initial weights are single_device's and training ends where single_device ends; a rank's
+// host memory peak while the model is built and set up is half the model plus one layer (and the
+// whole model without deferral, so the measure sees it); a dtype-changing precision (64-true)
+// under offload; ranks whose model initialisation differs are stopped in one line, and train with
+// deferral off.
+#include <gtest/gtest.h>
+
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "checkpoint_support.h"
+#include "mesh_support.h"
+#include "support.h"
+
+using namespace ember::test;
+
+namespace {
+
+class DeferredInit : public ::testing::Test {
+ protected:
+  void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
+};
+
+// Every match of `pattern`'s first group, as numbers (one per rank for a per-rank line).
+std::vector<double> all_in_log(const std::string& text, const std::string& pattern) {
+  std::vector<double> out;
+  std::regex re(pattern);
+  for (std::sregex_iterator it(text.begin(), text.end(), re), end; it != end; ++it) out.push_back(std::stod((*it)[1].str()));
+  return out;
+}
+
+// The transformer mesh run (4 layers) under sharded stage 3 on `ranks` ranks with the same
+// global batch (12), or under single_device with ranks = 0.
+ProcessResult transformer_run(const TempDir& dir, int ranks, std::vector<std::string> extra = {}) {
+  write_file(dir / "run.toml", transformer_mesh_toml(4));
+  std::vector<std::string> args = {"run.toml"};
+  if (ranks > 0)
+    args = {"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=" + std::to_string(ranks),
+            "--set", "data.batch_size=" + std::to_string(12 / ranks)};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return run_engine_ok(dir, args);
+}
+
+// Each rank's "this rank kept K of their N elements": the K add up to N.
+void expect_every_element_kept_once(const ProcessResult& r, size_t ranks) {
+  const auto kept = all_in_log(r.err, R"(this rank kept (\d+) of their \d+ elements)");
+  const auto whole = all_in_log(r.err, R"(this rank kept \d+ of their (\d+) elements)");
+  ASSERT_EQ(kept.size(), ranks) << r.err;
+  double sum = 0;
+  for (double k : kept) sum += k;
+  EXPECT_EQ(sum, whole.front()) << r.err;
+  EXPECT_GT(whole.front(), 0);
+}
+
+}  // namespace
+
+TEST_F(DeferredInit, ShardedRanksStartFromSingleDeviceWeightsAndTrainTheSame) {
+  // A learning rate of 1e-30 moves no weight by more than 1e-29: the checkpoints hold the initial
+  // weights (a wrong cut, offset or draw order differs by ~1e-2).
+  TempDir single_init("deferred"), sharded_init("deferred");
+  transformer_run(single_init, 0, {"--set", "optimizer.lr=1e-30"});
+  auto r = transformer_run(sharded_init, 2, {"--set", "optimizer.lr=1e-30"});
+  EXPECT_LE(max_weight_difference(last_checkpoint(single_init), last_checkpoint(sharded_init)), 1e-20);
+  EXPECT_EQ(all_in_log(r.err, R"(deferred initialisation: (\d+) of \d+ parameters taken as the model was built)").size(), 2u) << r.err;
+  expect_every_element_kept_once(r, 2);
+
+  // AdamW, clipping by norm, accumulation 2, two epochs: single_device's weights on 3 ranks.
+  TempDir single("deferred"), sharded("deferred");
+  transformer_run(single, 0);
+  auto r3 = transformer_run(sharded, 3);
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(sharded)), 1e-5);
+  expect_every_element_kept_once(r3, 3);
+}
+
+TEST_F(DeferredInit, HostPeakAtSetupIsTheShardAndOneLayer) {
+  // 16 encoder layers of width 512 (feed-forward 2048): 3,152,384 parameters each, 12.6 MB in
+  // float32; 202 MB in all. One optimizer step, no checkpoint: the set-up is what is measured.
+  constexpr double kLayerElements = 3 * 512 * 512 + 3 * 512 + 512 * 512 + 512 + 2 * 512 * 2048 + 2048 + 512 + 4 * 512;
+  const std::string run = R"([trainer]
+accelerator = "cpu"
+max_steps = 1
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+enable_checkpointing = false
+[model]
+name = "transformer"
+d_model = 512
+nhead = 4
+dim_feedforward = 2048
+num_layers = 16
+dropout = 0.0
+num_classes = 4
+[data]
+name = "synthetic"
+shape = [2, 512]
+num_classes = 4
+num_train = 8
+num_val = 4
+num_test = 0
+batch_size = 2
+[optimizer]
+name = "sgd"
+lr = 0.01
+)";
+  auto peaks = [&](const TempDir& dir, std::vector<std::string> extra) {
+    write_file(dir / "run.toml", run);
+    std::vector<std::string> args = {"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=2"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto r = run_engine_ok(dir, args);
+    return std::make_pair(all_in_log(r.err, R"(model set-up: host memory peak \+([0-9.]+) MB)"), r);
+  };
+  TempDir deferred_dir("deferred"), whole_dir("deferred");
+  const auto [deferred, r] = peaks(deferred_dir, {});
+  const auto [whole, rw] = peaks(whole_dir, {"--set", "sharded.deferred_init=false"});
+  ASSERT_EQ(deferred.size(), 2u) << r.err;
+  ASSERT_EQ(whole.size(), 2u) << rw.err;
+  const auto model = all_in_log(r.err, R"(this rank kept \d+ of their (\d+) elements)");
+  ASSERT_FALSE(model.empty()) << r.err;
+  const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kLayerElements * 4 / mb;
+  // Half the model, one layer being built, and a fixed allowance for what else the set-up takes.
+  const double bound = model_mb / 2 + layer_mb + 24.0;
+  for (double p : deferred) EXPECT_LE(p, bound) << "model " << model_mb << " MB, layer " << layer_mb << " MB\n" << r.err;
+  // Built whole, every rank holds the whole model at once: the measure sees it.
+  for (double p : whole) EXPECT_GE(p, model_mb) << rw.err;
+  EXPECT_EQ(rw.err.find("deferred initialisation:"), std::string::npos) << rw.err;
+}
+
+TEST_F(DeferredInit, OffloadTakesThePiecesInThePrecisionsDtype) {
+  // 64-true converts the parameters to float64: the pieces are kept in float64 as they are built,
+  // and the offloaded masters (float64) train bit for bit as they do when the model is built
+  // whole, and as single_device does (offload's host step is 9e-9 away in float64 either way).
+  TempDir single("deferred"), deferred("deferred"), whole("deferred");
+  transformer_run(single, 0, {"--set", "trainer.precision=\"64-true\""});
+  auto offload = [](const TempDir& dir, bool defer) {
+    write_file(dir / "run.toml", transformer_mesh_toml(4));
+    return run_engine_ok(dir, {"--plugins", "offload", "run.toml", "--set", "offload.timeout=60.0", "--set", "trainer.devices=2", "--set",
+                               "data.batch_size=6", "--set", "offload.offload_params=true", "--set", "trainer.precision=\"64-true\"",
+                               "--set", std::string("offload.deferred_init=") + (defer ? "true" : "false")});
+  };
+  auto r = offload(deferred, true);
+  offload(whole, false);
+  expect_every_element_kept_once(r, 2);
+  expect_identical_weights(last_checkpoint(whole), last_checkpoint(deferred));
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(deferred)), 1e-5);
+}
+
+TEST_F(DeferredInit, RanksThatBuildDifferentValuesStopInOneLine) {
+  const std::string run = R"([trainer]
+accelerator = "cpu"
+max_epochs = 1
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+[model]
+name = "bn_mlp"
+input_size = 16
+hidden = 8
+num_classes = 4
+rank_dependent_init = true
+[data]
+name = "synthetic"
+shape = [16]
+num_classes = 4
+num_train = 32
+num_val = 8
+num_test = 0
+batch_size = 8
+[optimizer]
+name = "sgd"
+lr = 0.1
+)";
+  TempDir dir("deferred");
+  write_file(dir / "run.toml", run);
+  const std::vector<std::string> args = {"run.toml", "--plugin-path", test_plugin_dir("good").string(), "--plugins", "sharded",
+                                         "--set", "sharded.timeout=60.0", "--set", "trainer.devices=2"};
+  auto r = run_engine(args, dir.path());
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_NE(r.err.find("deferred initialisation: the ranks built different initial values"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("sharded.deferred_init = false"), std::string::npos) << r.err;
+  // Built whole, every rank takes rank 0's values: the same model trains.
+  auto args_whole = args;
+  args_whole.insert(args_whole.end(), {"--set", "sharded.deferred_init=false"});
+  TempDir whole("deferred");
+  write_file(whole / "run.toml", run);
+  auto ok = run_engine(args_whole, whole.path());
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+}
