@@ -3,6 +3,7 @@
 // The model plugin is made from the checkpoint's own configuration only to learn the names it
 // exports under (ember::IExportableModel) and to check that the checkpoint's state_dict is the
 // module's; the weights written are the checkpoint's tensors, unchanged in value and dtype.
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/StringUtil.h>
 #include <torch/nn/module.h>
@@ -11,6 +12,7 @@
 
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +23,7 @@
 #include <ember/support/safetensors.h>
 
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint/omitted_parameters.h"
 #include "app/commands.h"
 #include "registry/composition.h"
 #include "common/log.h"
@@ -65,6 +68,25 @@ std::vector<std::string> class_names(const c10::impl::GenericDict& checkpoint, c
   return names;
 }
 
+// `state` (a checkpoint's, which left `omitted` out) completed with the model's own values, in the
+// module's order.
+void fill_from_model(std::vector<std::pair<std::string, at::Tensor>>& state, const OmittedParameters& omitted, torch::nn::Module& module,
+                     const std::string& ckpt) {
+  c10::Dict<std::string, at::Tensor> partial;
+  for (const auto& [name, t] : state) partial.insert(name, t);
+  const auto own = module.named_parameters();
+  fill_omitted(partial, omitted, [&](const std::string& name) -> std::optional<at::Tensor> {
+    if (const auto* t = own.find(name)) return *t;
+    return std::nullopt;
+  }, ckpt);
+  std::vector<std::pair<std::string, at::Tensor>> ordered;
+  for (const auto& item : module.named_parameters())
+    if (partial.contains(item.key())) ordered.emplace_back(item.key(), partial.at(item.key()));
+  for (const auto& [name, t] : state)
+    if (!own.contains(name)) ordered.emplace_back(name, t);  // buffers, in the checkpoint's order
+  state = std::move(ordered);
+}
+
 // Exports `ckpt` (a single checkpoint file).
 int export_file(const RunRequest& base, const std::string& ckpt, const std::string& out) {
   const auto checkpoint = load_checkpoint_file(ckpt);  // checks every record's checksum
@@ -75,6 +97,8 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
     if (!e.value().isTensor()) throw UsageError(ckpt + ": state_dict entry '" + e.key().toStringRef() + "' is not a tensor");
     state.emplace_back(e.key().toStringRef(), e.value().toTensor());
   }
+  std::optional<OmittedParameters> omitted;
+  if (checkpoint.contains("omitted_parameters")) omitted = OmittedParameters::from_ivalue(checkpoint.at("omitted_parameters"), ckpt);
 
   // The model, made from the configuration the checkpoint was trained with (--set may change it,
   // e.g. a model folder that moved). A checkpoint of a program's own loop has no model plugin.
@@ -90,6 +114,9 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
     req.config_path = ckpt + " (its config)";
     req.config_text = config_text;
     const Plan plan = make_plan(req);
+    // A checkpoint that left the frozen weights out takes them from the model built here: built
+    // from the training's seed, as its run built it.
+    if (omitted) at::manual_seed(static_cast<uint64_t>(plan.config.section("trainer").get_int("seed")));
     make_plugin_object(model, *plan.model, host, plan.config.section("model"));
     model_name = model.name;
     // Plugins that changed the model for training (LoRA) change it again, so that the names match,
@@ -111,6 +138,7 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
         transforms.push_back(std::move(n));
       }
     }
+    if (omitted) fill_from_model(state, *omitted, model.object->module(), ckpt);
     // The checkpoint must be this module's: same names, same shapes (a changed config or model
     // folder would otherwise export names that do not fit the tensors).
     const auto expected = module_tensors(model.object->module());
@@ -149,6 +177,8 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
     }
   }
 
+  if (omitted && model.object == nullptr)
+    throw UsageError(ckpt + ": holds the trained parameters only (the frozen ones are left out) and names no model to take them from");
   const bool one_file = ends_with(out, ".safetensors");
   std::error_code ec;
   if (!one_file && fs::exists(out, ec) && !fs::is_directory(out, ec))

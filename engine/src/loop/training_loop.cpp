@@ -81,6 +81,7 @@ void TrainingLoop::setup() {
   for (auto& c : plugins_.callbacks)
     if (auto* transform = static_cast<IModelTransform*>(c.object->query_interface(kModelTransformIid)))
       transform->transform_model(model, plugins_.model.name);
+  omit_frozen_from_checkpoints(model);
   // A language model must know every token id its data makes (else the first batch fails deep
   // inside an embedding lookup).
   check_vocabularies(model, plugins_.model.name, *plugins_.data.object, plugins_.data.name);
@@ -90,6 +91,32 @@ void TrainingLoop::setup() {
   place_data(d);
   if (settings_.cuda_graph) setup_cuda_graph();
   attach_plugins(this);
+}
+
+// A transform that froze the model's weights (LoRA) may let checkpoint files leave them out
+// (ember::IFrozenParameters): they then hold what trains, a fraction of the size. Kept when any
+// such plugin asks to keep them.
+void TrainingLoop::omit_frozen_from_checkpoints(IModel& model) {
+  std::string asked;
+  bool keep = false;
+  for (auto& c : plugins_.callbacks)
+    if (auto* frozen = static_cast<IFrozenParameters*>(c.object->query_interface(kFrozenParametersIid))) {
+      asked = c.name;
+      keep = keep || frozen->checkpoints_keep_frozen();
+    }
+  if (asked.empty() || keep) return;
+  std::vector<std::string> names;
+  int64_t elements = 0;
+  for (const auto& item : model.module().named_parameters())
+    if (!item.value().requires_grad()) {
+      names.push_back(item.key());
+      elements += item.value().numel();
+    }
+  if (names.empty()) return;
+  if (rank() == 0)
+    log::info("checkpoints leave out the " + std::to_string(names.size()) + " frozen parameters (" + std::to_string(elements) +
+              " elements), as '" + asked + "' asks: loading one takes them from the model as it is built");
+  runtime_->omit_from_checkpoints(std::move(names));
 }
 
 // trainer.activation_checkpointing: handed to the model's units before the first forward; a model

@@ -171,6 +171,7 @@ class TrainingLoop final : public ITrainer,
   void evaluate(Split split, Stage stage, int64_t max_batches);
   std::vector<std::pair<std::string, double>> evaluate_split(Split split);
   void setup_cuda_graph();
+  void omit_frozen_from_checkpoints(IModel& model);
   void apply_activation_checkpointing(IModel& model);
   void add_configured_metrics(Split split, std::vector<std::pair<std::string, double>>& values, bool ran_batches);
   void publish(const std::vector<std::pair<std::string, double>>& values);

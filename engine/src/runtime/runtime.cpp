@@ -11,6 +11,7 @@
 #include "checkpoint/checkpoint_document.h"
 #include "checkpoint/checkpoint_io.h"
 #include "checkpoint/background_write.h"
+#include "checkpoint/omitted_parameters.h"
 #include "checkpoint/sharded_checkpoint.h"
 #include "common/log.h"
 
@@ -280,10 +281,18 @@ void Runtime::save_checkpoint(const std::string& path, bool with_model, bool wit
   }
   save_full(with_model, with_optimizer, [&](const c10::Dict<std::string, at::Tensor>& model, const std::string& optimizer) {
     auto ck = meta();
-    if (with_model) ck.insert("state_dict", model);
+    if (with_model) ck.insert("state_dict", saved_model_state(model, ck));
     if (with_optimizer) ck.insert("optimizer", bytes_tensor(optimizer));
     save_checkpoint_file(path, ck);
   }, "checkpoint " + path);
+}
+
+c10::Dict<std::string, at::Tensor> Runtime::saved_model_state(const c10::Dict<std::string, at::Tensor>& state, c10::impl::GenericDict& ck) {
+  if (omitted_.empty()) return state;
+  OmittedParameters record;
+  auto kept = without_omitted(state, omitted_, omitted_fingerprint_, record);
+  ck.insert("omitted_parameters", record.to_ivalue());
+  return kept;
 }
 
 c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& path, Part model, Part optimizer,
@@ -310,8 +319,18 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
   }
   auto ck = load_checkpoint_file(path);
   if (model != Part::skip && ck.contains("state_dict")) {
+    auto state = c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict());
+    if (ck.contains("omitted_parameters")) {
+      // Left out when it was saved (frozen: LoRA's base): this run's own values, gathered.
+      const auto omitted = OmittedParameters::from_ivalue(ck.at("omitted_parameters"), where);
+      const auto own = strategy_.object->full_model_state(/*rank0_only=*/false);
+      fill_omitted(state, omitted, [&](const std::string& name) -> std::optional<at::Tensor> {
+        if (!own.contains(name)) return std::nullopt;
+        return own.at(name);
+      }, where);
+    }
     try {
-      strategy_.object->load_full_model_state(c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict()));
+      strategy_.object->load_full_model_state(state);
     } catch (const RunError& e) {
       throw RunError(where + ": " + e.what());
     }
@@ -370,7 +389,7 @@ void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool 
     if (rank() == 0) {
       try {
         auto ck = host_snapshot(c10::IValue(meta())).toGenericDict();
-        if (with_model) ck.insert("state_dict", host_snapshot(model_state));
+        if (with_model) ck.insert("state_dict", host_snapshot(saved_model_state(model_state, ck)));
         if (with_optimizer) ck.insert("optimizer", bytes_tensor(optimizer_state));
         writer_->start([paths, ck = std::move(ck)] {
           for (const auto& path : paths) save_checkpoint_file(path, ck);

@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -187,6 +188,10 @@ class Runtime {
   // [optimizer] settings" for the engine's runs).
   c10::impl::GenericDict load_checkpoint(const std::filesystem::path& path, Part model, Part optimizer,
                                          const std::string& optimizer_fix = "resume with the same [optimizer] settings");
+  // Checkpoint files written from here on leave out these (frozen) parameters, recording them
+  // (omitted_parameters.h); loading such a file takes them from this run's model. Sharded
+  // directories and `engine checkpoint consolidate` keep everything.
+  void omit_from_checkpoints(std::vector<std::string> names) { omitted_ = std::move(names); }
 
   // ---- identity
   int64_t rank() const { return strategy_.object->rank(); }
@@ -213,6 +218,11 @@ class Runtime {
   IGradientUnscaler* unscaler_ = nullptr;  // the precision handler's, when it scales the loss
   bool sharded_ = false;                   // the strategy answers kShardedCheckpointsIid
   IPipelineParallel* pipeline_ = nullptr;  // the strategy's, when the mesh has pipeline stages
+  // Frozen parameters checkpoint files leave out, and their fingerprint (computed at the first save).
+  std::vector<std::string> omitted_;
+  std::optional<int64_t> omitted_fingerprint_;
+  // Rank 0's model state as a checkpoint file holds it: without the omitted parameters, recorded in `ck`.
+  c10::Dict<std::string, at::Tensor> saved_model_state(const c10::Dict<std::string, at::Tensor>& state, c10::impl::GenericDict& ck);
   bool launched_ = false, torn_down_ = false;
   // The background save started and not yet settled (the same on every rank).
   struct PendingSave {

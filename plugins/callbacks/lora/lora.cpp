@@ -3,8 +3,9 @@
 //     y = W x + (alpha / rank) * B A dropout(x),   A [rank, in] (Kaiming-uniform), B [out, rank] (zeros),
 // so training starts from the model as it is. A and B are parameters of the layer's module
 // (`<layer>.lora_A`, `<layer>.lora_B`): the precision handler converts them, strategies place,
-// shard and synchronise them and checkpoints hold them like any other parameter. `engine export`
-// folds them into the weights (W + (alpha / rank) B A), so the export is the plain model's.
+// shard and synchronise them like any other parameter. Checkpoints hold them and leave the frozen
+// weights out (ember::IFrozenParameters; save_frozen keeps them). `engine export` folds them into
+// the weights (W + (alpha / rank) B A), so the export is the plain model's.
 // Needs a model that lists its linear layers (ember/model_adapters.h: gpt).
 #include <cmath>
 #include <cstring>
@@ -32,6 +33,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("rank", "8", "Rank r of the update B A.").at_least(1),
     ember::key::Float("alpha", "16.0", "Scale: the update is multiplied by alpha / rank (PEFT's lora_alpha).").above(0.0),
     ember::key::Float("dropout", "0.0", "Dropout on the branch's input while training, in [0, 1) (PEFT's lora_dropout).").at_least(0.0).below(1.0),
+    ember::key::Bool("save_frozen", "false", "Checkpoints also hold the frozen base weights. False: they hold the adapters (and what else trains) only, a fraction of the size; the base comes from the model as it is built (model_dir or the seed), checked by a fingerprint when a checkpoint is loaded."),
     ember::key::StringList("target_modules", "[\"c_attn\", \"q_proj\", \"v_proj\"]", "Layers to adapt: a layer whose name ends with an entry (\"c_attn\", \"mlp.c_fc\", \"q_proj\") or matches it as a regular expression (\"layers\\\\.[0-3]\\\\..*_proj\"). The defaults are PEFT's for GPT-2 (c_attn) and Llama (q_proj, v_proj)."),
 };
 
@@ -64,13 +66,14 @@ bool targets(const std::string& name, const std::vector<std::string>& patterns) 
   return false;
 }
 
-class Lora final : public ember::Callback, public ember::IModelTransform {
+class Lora final : public ember::Callback, public ember::IModelTransform, public ember::IFrozenParameters {
  public:
   Lora(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
         rank_(cfg.get_int("rank")),
         alpha_(cfg.get_float("alpha")),
         dropout_(cfg.get_float("dropout")),
+        save_frozen_(cfg.get_bool("save_frozen")),
         patterns_(cfg.get_string_list("target_modules")),
         where_(cfg.where("target_modules")),
         section_(cfg.section()) {
@@ -79,8 +82,11 @@ class Lora final : public ember::Callback, public ember::IModelTransform {
   }
 
   void* query_interface(const char* iid) override {
-    return std::strcmp(iid, ember::kModelTransformIid) == 0 ? static_cast<ember::IModelTransform*>(this) : nullptr;
+    if (std::strcmp(iid, ember::kModelTransformIid) == 0) return static_cast<ember::IModelTransform*>(this);
+    if (std::strcmp(iid, ember::kFrozenParametersIid) == 0) return static_cast<ember::IFrozenParameters*>(this);
+    return nullptr;
   }
+  bool checkpoints_keep_frozen() const override { return save_frozen_; }
 
   void transform_model(ember::IModel& model, const std::string& model_name) override {
     auto* linears = static_cast<ember::ILinearLayers*>(model.query_interface(ember::kLinearLayersIid));
@@ -146,6 +152,7 @@ class Lora final : public ember::Callback, public ember::IModelTransform {
   ember::IHost& host_;
   int64_t rank_;
   double alpha_, dropout_;
+  bool save_frozen_;
   std::vector<std::string> patterns_;
   std::string where_, section_;
   std::map<std::string, ember::LinearLayer> layers_;

@@ -63,4 +63,17 @@ class EMBER_SDK_API IModelTransform {
   virtual void fold_for_export(std::vector<NamedTensor>& state) = 0;
 };
 
+// ICallback::query_interface(kFrozenParametersIid) (SDK 2.10): a transform that froze the model's
+// own parameters (LoRA) says whether checkpoint files keep them. When not, a file holds what is
+// trained and every buffer, plus the names, dtypes and one fingerprint of the frozen parameters it
+// leaves out; loading it (resume, test, generate, export) takes those from the model as that run
+// builds it (its model_dir weights, or its seeded initialisation) and refuses, in one line, a
+// model whose frozen values differ from the ones it was trained on.
+inline constexpr const char* kFrozenParametersIid = "ember.IFrozenParameters/1";
+class EMBER_SDK_API IFrozenParameters {
+ public:
+  virtual ~IFrozenParameters() = default;
+  virtual bool checkpoints_keep_frozen() const = 0;
+};
+
 }  // namespace ember

@@ -1,0 +1,97 @@
+#include "checkpoint/omitted_parameters.h"
+
+#include <ATen/ATen.h>
+#include <ember/error.h>
+
+#include <set>
+
+#include "checkpoint/checkpoint_document.h"
+#include "checkpoint/crc32c.h"
+
+namespace ember::engine {
+
+c10::IValue OmittedParameters::to_ivalue() const {
+  auto d = checkpoint_dict();
+  c10::List<std::string> n;
+  c10::List<int64_t> t;
+  for (const auto& name : names) n.push_back(name);
+  for (auto dtype : dtypes) t.push_back(static_cast<int64_t>(dtype));
+  d.insert("names", n);
+  d.insert("dtypes", t);
+  d.insert("fingerprint", fingerprint);
+  d.insert("why", std::string("frozen parameters the model builds itself (ember::IFrozenParameters); loading takes them from the model"));
+  return d;
+}
+
+OmittedParameters OmittedParameters::from_ivalue(const c10::IValue& v, const std::string& where) {
+  const std::string bad = where + ": its omitted_parameters record is damaged (a foreign or broken checkpoint)";
+  if (!v.isGenericDict()) throw RunError(bad);
+  const auto d = v.toGenericDict();
+  if (!d.contains("names") || !d.contains("dtypes") || !d.contains("fingerprint") || !d.at("names").isList() || !d.at("dtypes").isList() ||
+      !d.at("fingerprint").isInt())
+    throw RunError(bad);
+  OmittedParameters o;
+  for (const auto& e : d.at("names").toListRef()) {
+    if (!e.isString()) throw RunError(bad);
+    o.names.push_back(e.toStringRef());
+  }
+  for (const auto& e : d.at("dtypes").toListRef()) {
+    if (!e.isInt()) throw RunError(bad);
+    o.dtypes.push_back(static_cast<c10::ScalarType>(e.toInt()));
+  }
+  if (o.names.size() != o.dtypes.size()) throw RunError(bad);
+  o.fingerprint = d.at("fingerprint").toInt();
+  return o;
+}
+
+int64_t fingerprint_of(const std::vector<std::string>& names, const std::function<at::Tensor(const std::string&)>& tensor_of) {
+  std::vector<uint32_t> parts;
+  for (const auto& name : names) {
+    const at::Tensor t = tensor_of(name).detach().to(at::kCPU).to(at::kFloat).contiguous();
+    std::vector<int64_t> shape = t.sizes().vec();
+    parts.push_back(crc32c(name.data(), name.size()));
+    parts.push_back(crc32c(shape.data(), shape.size() * sizeof(int64_t)));
+    parts.push_back(crc32c(t.data_ptr(), t.nbytes()));
+  }
+  return static_cast<int64_t>(crc32c(parts.data(), parts.size() * sizeof(uint32_t)));
+}
+
+c10::Dict<std::string, at::Tensor> without_omitted(const c10::Dict<std::string, at::Tensor>& state, const std::vector<std::string>& names,
+                                                   std::optional<int64_t>& fingerprint, OmittedParameters& record) {
+  const std::set<std::string> omit(names.begin(), names.end());
+  c10::Dict<std::string, at::Tensor> kept;
+  record = OmittedParameters{};
+  for (const auto& e : state) {
+    if (!omit.count(e.key())) {
+      kept.insert(e.key(), e.value());
+      continue;
+    }
+    record.names.push_back(e.key());
+    record.dtypes.push_back(e.value().scalar_type());
+  }
+  if (!fingerprint) fingerprint = fingerprint_of(record.names, [&](const std::string& n) { return state.at(n); });
+  record.fingerprint = *fingerprint;
+  return kept;
+}
+
+void fill_omitted(c10::Dict<std::string, at::Tensor>& state, const OmittedParameters& omitted,
+                  const std::function<std::optional<at::Tensor>(const std::string&)>& own, const std::string& where) {
+  c10::Dict<std::string, at::Tensor> mine;
+  for (size_t i = 0; i < omitted.names.size(); ++i) {
+    const auto& name = omitted.names[i];
+    auto t = own(name);
+    if (!t)
+      throw RunError(where + " leaves out the frozen parameter '" + name + "' (it holds the trained ones only), and this model has no such "
+                             "parameter: load it into the model it was trained on");
+    mine.insert(name, t->detach().to(omitted.dtypes[i]));
+  }
+  const int64_t here = fingerprint_of(omitted.names, [&](const std::string& n) { return mine.at(n); });
+  if (here != omitted.fingerprint)
+    throw RunError(where + " holds only what was trained (" + std::to_string(state.size()) + " tensors) and its " +
+                   std::to_string(omitted.names.size()) + " frozen parameters differ in this run from the ones it was trained on " +
+                   "(fingerprint " + hex32(static_cast<uint32_t>(here)) + ", saved " + hex32(static_cast<uint32_t>(omitted.fingerprint)) +
+                   "): use the same base model (model_dir, seed, precision), or train with the frozen weights saved (lora.save_frozen = true)");
+  for (const auto& e : mine) state.insert(e.key(), e.value());
+}
+
+}  // namespace ember::engine

@@ -1,0 +1,42 @@
+// Checkpoints that leave out frozen parameters (a transform such as LoRA says so:
+// ember::IFrozenParameters): the file's "omitted_parameters" record names them, with their dtypes
+// and one fingerprint of their values, and loading takes them from the model as the loading run
+// built it, refusing a model whose values differ (another base, seed or precision).
+#pragma once
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ember::engine {
+
+struct OmittedParameters {
+  std::vector<std::string> names;
+  std::vector<c10::ScalarType> dtypes;  // as the saving run held them (its precision's)
+  int64_t fingerprint = 0;
+
+  c10::IValue to_ivalue() const;
+  // Throws RunError naming `where` for a record that is not one.
+  static OmittedParameters from_ivalue(const c10::IValue& v, const std::string& where);
+};
+
+// A CRC32C over the names, shapes and float32 values of `names`, each from `tensor_of`.
+int64_t fingerprint_of(const std::vector<std::string>& names, const std::function<at::Tensor(const std::string&)>& tensor_of);
+
+// `state` without `names` (rank 0's gathered model state before it is written); the record
+// describes what was left out (its fingerprint computed once, then reused: the values are frozen).
+c10::Dict<std::string, at::Tensor> without_omitted(const c10::Dict<std::string, at::Tensor>& state, const std::vector<std::string>& names,
+                                                   std::optional<int64_t>& fingerprint, OmittedParameters& record);
+
+// Fills `state` (read from a file that left `omitted` out) with this run's own values, converted
+// to the dtypes the saving run held; `own` returns nothing for a name the model lacks. Throws
+// RunError naming `where` when a name is missing or the values differ from the ones trained on.
+void fill_omitted(c10::Dict<std::string, at::Tensor>& state, const OmittedParameters& omitted,
+                  const std::function<std::optional<at::Tensor>(const std::string&)>& own, const std::string& where);
+
+}  // namespace ember::engine
