@@ -582,6 +582,19 @@ std::string locate_checkpoint(const std::vector<Named<ICallback>>& callbacks, co
   return "";
 }
 
+std::vector<std::string> checkpoint_candidates(const std::vector<Named<ICallback>>& callbacks, const std::string& alias,
+                                               const std::string& run_dir) {
+  std::vector<std::string> out;
+  for (const auto& c : callbacks) {
+    if (auto* many = static_cast<ICheckpointCandidates*>(c.object->query_interface(kCheckpointCandidatesIid))) {
+      for (auto& path : many->checkpoint_candidates(alias, run_dir)) out.push_back(std::move(path));
+    } else if (auto* locator = static_cast<ICheckpointLocator*>(c.object->query_interface(kCheckpointLocatorIid))) {
+      if (auto path = locator->resolve_checkpoint(alias, run_dir); !path.empty()) out.push_back(std::move(path));
+    }
+  }
+  return out;
+}
+
 std::string TrainingLoop::locate_checkpoint(const std::string& alias) const {
   return engine::locate_checkpoint(plugins_.callbacks, alias, run_dir_.string());
 }

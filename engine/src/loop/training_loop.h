@@ -49,6 +49,10 @@ struct RunPlugins {
 // (ICheckpointLocator); "" when none has one.
 std::string locate_checkpoint(const std::vector<Named<ICallback>>& callbacks, const std::string& alias,
                               const std::string& run_dir);
+// Every file they would answer `alias` with, most preferred first (ICheckpointCandidates; a
+// locator without it gives its one answer).
+std::vector<std::string> checkpoint_candidates(const std::vector<Named<ICallback>>& callbacks, const std::string& alias,
+                                               const std::string& run_dir);
 
 // The loop is the trainer plugins see: ITrainer and its services (ember/trainer.h).
 class TrainingLoop final : public ITrainer,

@@ -33,30 +33,18 @@ std::vector<fs::path> versions_newest_first(const fs::path& base) {
 }
 
 
-// The file `--resume last` may use: `found` (what the checkpoint callback located) when it is a
-// full Ember checkpoint, else the newest such file next to it; empty when there is none.
-// Weights-only files, other programs' files and unreadable ones are skipped with a warning.
-fs::path resumable_last(const fs::path& found) {
-  auto usable = [](const fs::path& p) {
+// The file `--resume last` uses: the first of the checkpoint callback's candidates (its order:
+// ICheckpointCandidates) that is a whole Ember checkpoint; empty when there is none. Weights-only
+// files, other programs' files and unreadable ones are skipped with a warning.
+fs::path resumable_last(const std::vector<std::string>& candidates) {
+  for (const auto& c : candidates) {
+    const fs::path p(c);
     // A sharded checkpoint directory is judged by its meta.ckpt (the run's state and flags).
     const auto probe = probe_checkpoint_file(is_sharded_checkpoint(p) ? p / "meta.ckpt" : p);
-    if (probe.ember && !probe.weights_only) return true;
+    if (probe.ember && !probe.weights_only) return p;
     log::warn("--resume last: skipping " + p.string() + ": " +
               (probe.ember ? std::string("it holds weights only (save_weights_only)") : "not an Ember checkpoint (" + probe.why + ")"));
-    return false;
-  };
-  if (usable(found)) return found;
-  std::vector<std::pair<fs::file_time_type, fs::path>> others;
-  std::error_code ec;
-  for (fs::directory_iterator it(found.parent_path(), ec), end; !ec && it != end; it.increment(ec)) {
-    std::error_code e2;
-    if (it->path() == found || it->path().extension() != ".ckpt" || !(it->is_regular_file(e2) || is_sharded_checkpoint(it->path())))
-      continue;
-    others.emplace_back(it->last_write_time(e2), it->path());
   }
-  std::sort(others.begin(), others.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-  for (const auto& o : others)
-    if (usable(o.second)) return o.second;
   return {};
 }
 }  // namespace
@@ -108,9 +96,9 @@ RunFolder choose_run_folder(const fs::path& base, std::optional<int64_t> version
   if (wants_locator) {
     auto candidates = version ? std::vector<fs::path>{base / ("version_" + std::to_string(*version))} : versions_newest_first(base);
     for (const auto& dir : candidates) {
-      auto found = locate_checkpoint(callbacks, resume, dir.string());
       // `last` is what a requeued job resumes from: only a full Ember checkpoint will do.
-      if (!found.empty() && resume == "last") found = resumable_last(found).string();
+      const std::string found = resume == "last" ? resumable_last(checkpoint_candidates(callbacks, resume, dir.string())).string()
+                                                 : locate_checkpoint(callbacks, resume, dir.string());
       if (!found.empty()) {
         run_dir = dir;
         checkpoint = found;

@@ -127,7 +127,7 @@ ck::Mode parse_mode(const ember::IConfig& cfg) {
   config_error(cfg, "mode", "'" + m + "' is not a mode", "use \"min\" or \"max\"");
 }
 
-class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointLocator {
+class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointLocator, public ember::ICheckpointCandidates {
  public:
   ModelCheckpoint(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
@@ -172,6 +172,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     if (iid != nullptr && std::strcmp(iid, ember::kCheckpointLocatorIid) == 0) {
       return static_cast<ember::ICheckpointLocator*>(this);
     }
+    if (iid != nullptr && std::strcmp(iid, ember::kCheckpointCandidatesIid) == 0) return static_cast<ember::ICheckpointCandidates*>(this);
     return ember::Callback::query_interface(iid);
   }
 
@@ -216,15 +217,26 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   }
 
   std::string resolve_checkpoint(const std::string& alias, const std::string& run_dir) override {
+    const auto candidates = checkpoint_candidates(alias, run_dir);
+    return candidates.empty() ? "" : candidates.front();
+  }
+
+  // "last": the last*.ckpt files, then every other checkpoint, newest first (the engine resumes
+  // from the first whole Ember checkpoint among them); "best": the one the newest state names.
+  std::vector<std::string> checkpoint_candidates(const std::string& alias, const std::string& run_dir) override {
     const fs::path dir = dirpath_cfg_.empty() ? fs::path(run_dir) / "checkpoints" : fs::path(dirpath_cfg_);
-    const std::vector<CkptFile> files = list_checkpoints(dir);
     if (alias == "last") {
-      for (const auto& f : files) {
-        if (is_last_name(f.path)) return f.path;
-      }
-      return files.empty() ? "" : files.front().path;
+      std::vector<std::string> last, others;
+      for (const auto& f : list_checkpoints(dir)) (is_last_name(f.path) ? last : others).push_back(f.path);
+      last.insert(last.end(), others.begin(), others.end());
+      return last;
     }
-    if (alias != "best") return "";
+    const std::string best = alias == "best" ? best_checkpoint(dir) : "";
+    return best.empty() ? std::vector<std::string>{} : std::vector<std::string>{best};
+  }
+
+  std::string best_checkpoint(const fs::path& dir) {
+    const std::vector<CkptFile> files = list_checkpoints(dir);
     // The newest checkpoint that carries this plugin's state knows the best one.
     for (const auto& f : files) {
       std::string best;

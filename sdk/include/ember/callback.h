@@ -29,4 +29,16 @@ class EMBER_SDK_API ICheckpointLocator {
   virtual std::string resolve_checkpoint(const std::string& alias, const std::string& run_dir) = 0;
 };
 
+// SDK 2.10, beside ICheckpointLocator (query_interface(kCheckpointCandidatesIid)): every checkpoint
+// the locator would answer `alias` with, most preferred first ("last": the last*.ckpt files, then
+// the others, newest first). `--resume last` takes the first one that is a whole Ember checkpoint
+// (not weights-only, not another program's file), so what to fall back to is decided here and the
+// engine only checks each file; resolve_checkpoint answers the first of them.
+inline constexpr const char* kCheckpointCandidatesIid = "ember.ICheckpointCandidates/1";
+class EMBER_SDK_API ICheckpointCandidates {
+ public:
+  virtual ~ICheckpointCandidates() = default;
+  virtual std::vector<std::string> checkpoint_candidates(const std::string& alias, const std::string& run_dir) = 0;
+};
+
 }  // namespace ember
