@@ -91,6 +91,12 @@ if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("to
   "$venv/bin/pip" install -q --no-input --disable-pip-version-check "torchvision==0.26.0" "pillow>=10" >&2
 fi
 
+# peft: the lora plugin's adapter export (PEFT's folder format) is loaded back with PEFT itself.
+if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("peft") == "0.21.2"' >/dev/null 2>&1; then
+  log "installing peft into $venv (tests of the lora adapter export)"
+  "$venv/bin/pip" install -q --no-input --disable-pip-version-check "peft==0.21.2" >&2
+fi
+
 # webdataset: the webdataset data plugin's tests read shards its ShardWriter wrote and compare
 # with its own reader.
 if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("webdataset") == "1.0.2"' >/dev/null 2>&1; then

@@ -313,6 +313,61 @@ TEST(LanguageModel, ExportLoadsInTransformersWithTheSameLogits) {
 }
 #endif
 
+#ifdef EMBER_TEST_PYTHON
+// `engine export --format peft` writes a LoRA run's adapters as PEFT's folder: PEFT itself loads
+// them onto the base model (exported from a run without lora whose weights never moved: learning
+// rate 1e-30) and gives the logits transformers gives for the folded export, for GPT-2's Conv1D
+// layout (fan_in_fan_out) and Llama's linear layers.
+TEST(LanguageModel, PeftExportLoadsInPeftWithTheFoldedModelsLogits) {
+  TempDir dir("lm_peft");
+  write_lm_run(dir);
+  const at::Tensor ids = at::randint(0, 34, {2, 9}, at::kLong);
+  write_file(dir / "ids.json", json_from_tensor(ids).dump());
+  auto python = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), {EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/lm/reference.py").string()});
+    auto r = run_process(args, dir.path(), {}, 600);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    std::ifstream f(args.back());
+    return nlohmann::json::parse(f);
+  };
+  for (const std::string flavour : {"gpt2", "llama"}) {
+    const std::vector<std::string> common = {"run.toml", "--set", "trainer.accelerator=\"cpu\"", "--set", "model.flavour=\"" + flavour + "\"",
+                                             "--set", "trainer.max_steps=6", "--set", "trainer.val_check_interval=6"};
+    auto base = common, lora = common;
+    base.insert(base.end(), {"--set", "optimizer.lr=1e-30", "--set", "trainer.name=\"base_" + flavour + "\""});
+    lora.insert(lora.end(), {"--plugins", "lora", "--set", "lora.rank=4", "--set", "lora.alpha=8.0", "--set", "trainer.name=\"lora_" + flavour + "\""});
+    run_engine_ok(dir, base, 600);
+    run_engine_ok(dir, lora, 600);
+    const std::string base_ckpt = (dir / ("runs/base_" + flavour + "/version_0/checkpoints/last.ckpt")).string();
+    const std::string lora_ckpt = (dir / ("runs/lora_" + flavour + "/version_0/checkpoints/last.ckpt")).string();
+    const fs::path base_out = dir / ("base_" + flavour), peft_out = dir / ("peft_" + flavour), folded_out = dir / ("folded_" + flavour);
+    run_engine_ok(dir, {"export", base_ckpt, base_out.string()});
+    run_engine_ok(dir, {"export", lora_ckpt, folded_out.string()});
+    auto r = run_engine_ok(dir, {"export", lora_ckpt, "--format", "peft", peft_out.string()});
+    const std::string layers = flavour == "gpt2" ? "2" : "4";  // c_attn; q_proj and v_proj, of 2 blocks
+    EXPECT_NE(r.err.find("lora: " + layers + " adapted layers in PEFT's format"), std::string::npos) << r.err;
+    const auto config = nlohmann::json::parse(read_file(peft_out / "adapter_config.json"));
+    EXPECT_EQ(config["peft_type"], "LORA");
+    EXPECT_EQ(config["task_type"], "CAUSAL_LM");
+    EXPECT_EQ(config["r"], 4);
+    EXPECT_EQ(config["fan_in_fan_out"], flavour == "gpt2") << flavour;
+    EXPECT_EQ(config["target_modules"].size(), 2u * (flavour == "gpt2" ? 1 : 2)) << config.dump();
+    ember::support::SafetensorsFile adapters((peft_out / "adapter_model.safetensors").string());
+    for (const auto& name : adapters.names()) EXPECT_EQ(name.rfind("base_model.model.", 0), 0u) << name;
+    const auto peft = python({"peft-logits", base_out.string(), peft_out.string(), (dir / "ids.json").string(), (dir / "peft.json").string()});
+    const auto folded = python({"logits", folded_out.string(), (dir / "ids.json").string(), (dir / "folded.json").string()});
+    for (const auto& b : peft["lora_b_max"]) EXPECT_GT(b.get<double>(), 0.0) << "PEFT loaded an adapter that did not train";
+    EXPECT_LT((tensor_from_json(peft["logits"]) - tensor_from_json(folded["logits"])).abs().max().item<double>(), 1e-5) << flavour;
+  }
+  // A checkpoint without adapters has nothing to export in that format.
+  auto none = run_engine({"export", (dir / "runs/base_gpt2/version_0/checkpoints/last.ckpt").string(), "--format", "peft",
+                          (dir / "nothing").string()},
+                         dir.path());
+  EXPECT_EQ(none.exit_code, 2) << none.err;
+  EXPECT_NE(none.err.find("--format peft exports the adapters of a plugin that adds them (lora)"), std::string::npos) << none.err;
+}
+#endif
+
 // ZeRO stage 3 on 2 CPU ranks (every block a unit, gathered one at a time) trains gpt to the
 // weights single_device reaches with the same global batch.
 TEST(LanguageModel, ShardedStage3OnTwoRanksMatchesSingleDevice) {

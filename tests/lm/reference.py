@@ -4,6 +4,9 @@
                                         save_pretrained, and their logits on fixed ids (reference.json)
   reference.py logits FOLDER IDS_JSON OUT_JSON
                                         transformers' logits for the ids, from a folder (e.g. `engine export`'s)
+  reference.py peft-logits BASE ADAPTERS IDS_JSON OUT_JSON
+                                        PEFT's logits for the ids: the base folder with the adapter folder
+                                        (`engine export --format peft`) loaded onto it
   reference.py bytelevel-bpe CORPUS_DIR VOCAB OUT_DIR
                                         a GPT-2-style byte-level BPE trained with `tokenizers` on the corpus
                                         (OUT_DIR/tokenizer.json) and its ids for every file in path order (ids.json)
@@ -66,6 +69,22 @@ def logits(folder, ids_json, out_json):
     json.dump({"architecture": type(model).__name__, "logits": out.tolist()}, open(out_json, "w"))
 
 
+def peft_logits(base, adapters, ids_json, out_json):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapters)
+    model.eval()
+    ids = torch.tensor(json.load(open(ids_json)))
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+    # The adapter weights PEFT holds after loading: zero lora_B would mean nothing was loaded.
+    lora_b = [p.abs().max().item() for n, p in model.named_parameters() if "lora_B" in n]
+    json.dump({"architecture": type(model.get_base_model()).__name__, "logits": out.tolist(), "lora_b_max": lora_b},
+              open(out_json, "w"))
+
+
 def bytelevel_bpe(corpus_dir, vocab, out_dir):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -107,6 +126,8 @@ if __name__ == "__main__":
         tiny_models(sys.argv[2])
     elif cmd == "logits":
         logits(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif cmd == "peft-logits":
+        peft_logits(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5])
     elif cmd == "bytelevel-bpe":
         bytelevel_bpe(sys.argv[2], sys.argv[3], sys.argv[4])
     elif cmd == "sentencepiece-ids":

@@ -29,8 +29,9 @@ EMBER_API int generate_text(const RunRequest& request, const std::string& checkp
 EMBER_API int consolidate_checkpoint(const RunRequest& request, const std::string& dir, const std::string& out);
 // `engine export CKPT --format safetensors OUT` (weights_export.cpp): the checkpoint's model
 // weights as OUT (a .safetensors file) or OUT/model.safetensors plus the files the model exports
-// (ember::IExportableModel: e.g. config.json and the tokenizer for transformers). CKPT may be a
-// sharded checkpoint folder (consolidated first).
+// (ember::IExportableModel: e.g. config.json and the tokenizer for transformers); `--format peft`:
+// the adapters a transform added (ember::IAdapterExport: lora) as OUT/adapter_model.safetensors
+// and adapter_config.json. CKPT may be a sharded checkpoint folder (consolidated first).
 EMBER_API int export_weights(const RunRequest& request, const std::string& checkpoint, const std::string& format,
                              const std::string& out);
 // `engine config run.toml`: prints the resolved configuration.

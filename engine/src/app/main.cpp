@@ -44,7 +44,8 @@ const char* kUsage =
     "  engine plugins info NAME                              a plugin's kind, version, file and config keys\n"
     "  engine checkpoint consolidate DIR OUT.ckpt            one checkpoint file from a sharded checkpoint directory\n"
     "  engine export CKPT [--format safetensors] OUT         the checkpoint's model weights for other libraries: OUT.safetensors,\n"
-    "      or a folder with model.safetensors and what the model adds (bert: config.json and tokenizer for transformers)\n"
+    "      or a folder with model.safetensors and what the model adds (bert: config.json and tokenizer for transformers);\n"
+    "      --format peft: a LoRA run's adapters alone as a PEFT folder (adapter_model.safetensors, adapter_config.json)\n"
     "  engine plot RUN_DIR... --output FILE.png              draw the runs' loss, accuracy and lr curves\n"
     "  engine data pack SOURCE OUT_DIR [--max-count N] [--max-mb M] [--seed S] [--no-shuffle] [--prefix NAME]\n"
     "      an image folder (<root>/<class>/*.jpg|png) or a .csv/.jsonl list of path and label as WebDataset tar\n"
@@ -92,7 +93,7 @@ int run(int argc, char** argv) {
       ("ckpt", po::value<std::string>(), "engine validate/test/predict/generate: the weights to evaluate: best, last, or a checkpoint file")
       ("plugin-path", po::value<std::vector<std::string>>()->composing(), "extra folder to search for plugins (repeatable)")
       ("output,o", po::value<std::string>(), "engine plot: the PNG file to write")
-      ("format", po::value<std::string>()->default_value("safetensors"), "engine export: the format to write (safetensors)")
+      ("format", po::value<std::string>()->default_value("safetensors"), "engine export: the format to write (safetensors: the model's weights; peft: the adapters alone)")
       ("prompt", po::value<std::string>(), "engine generate: the text to continue (default: standard input)")
       ("max-new-tokens", po::value<int64_t>()->default_value(200), "engine generate: tokens to sample after the prompt")
       ("temperature", po::value<double>()->default_value(0.8), "engine generate: sampling temperature; 0 = greedy (always the most likely token)")

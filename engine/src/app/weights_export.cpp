@@ -87,8 +87,9 @@ void fill_from_model(std::vector<std::pair<std::string, at::Tensor>>& state, con
   state = std::move(ordered);
 }
 
-// Exports `ckpt` (a single checkpoint file).
-int export_file(const RunRequest& base, const std::string& ckpt, const std::string& out) {
+// Exports `ckpt` (a single checkpoint file): the model's weights, or with `peft` only the adapters
+// a transform added (IAdapterExport), in PEFT's folder format.
+int export_file(const RunRequest& base, const std::string& ckpt, const std::string& out, bool peft) {
   const auto checkpoint = load_checkpoint_file(ckpt);  // checks every record's checksum
   if (!checkpoint.contains("state_dict") || !checkpoint.at("state_dict").isGenericDict())
     throw UsageError(ckpt + ": holds no model weights (state_dict): export a checkpoint that the checkpoint callback or ember::Fabric::save wrote with the model");
@@ -138,52 +139,73 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
         transforms.push_back(std::move(n));
       }
     }
-    if (omitted) fill_from_model(state, *omitted, model.object->module(), ckpt);
-    // The checkpoint must be this module's: same names, same shapes (a changed config or model
-    // folder would otherwise export names that do not fit the tensors).
-    const auto expected = module_tensors(model.object->module());
-    std::map<std::string, bool> seen;
-    for (const auto& [name, t] : state) {
-      const auto it = expected.find(name);
-      if (it == expected.end())
-        throw UsageError(c10::str(ckpt, ": state_dict has '", name, "', which model '", model.name,
-                                  "' built from the checkpoint's config does not have: the config or the model's files changed since it was saved"));
-      if (it->second.sizes() != t.sizes())
-        throw UsageError(c10::str(ckpt, ": state_dict '", name, "' has shape ", t.sizes(), ", model '", model.name,
-                                  "' built from the checkpoint's config has ", it->second.sizes(), ": the config or the model's files changed"));
-      seen[name] = true;
-    }
-    for (const auto& [name, t] : expected)
-      if (!seen.count(name))
-        throw UsageError(c10::str(ckpt, ": state_dict lacks '", name, "' of model '", model.name, "': not a checkpoint of this model"));
-    for (auto& t : transforms) {
+    if (peft) {
+      // The adapters alone, under the names the exported model gives their layers.
+      IAdapterExport* adapter = nullptr;
+      for (auto& t : transforms)
+        if (auto* a = static_cast<IAdapterExport*>(t.object->query_interface(kAdapterExportIid))) adapter = a;
+      if (adapter == nullptr)
+        throw UsageError(ckpt + ": --format peft exports the adapters of a plugin that adds them (lora), and this checkpoint's run had none");
+      auto* named_export2 = static_cast<IExportableModel2*>(model.object->query_interface(kExportableModel2Iid));
+      IExportableModel* named_export =
+          named_export2 ? named_export2 : static_cast<IExportableModel*>(model.object->query_interface(kExportableModelIid));
       std::vector<NamedTensor> named;
       for (auto& [name, tensor] : state) named.push_back({name, tensor});
-      static_cast<IModelTransform*>(t.object->query_interface(kModelTransformIid))->fold_for_export(named);
+      auto adapters = adapter->export_adapters(named, [&](const std::string& n) { return named_export ? named_export->exported_name(n) : n; }, files);
       state.clear();
-      for (auto& n : named) state.emplace_back(std::move(n.name), std::move(n.tensor));
+      for (auto& n : adapters) state.emplace_back(std::move(n.name), std::move(n.tensor));
+      note = "peft: PeftModel.from_pretrained(base_model, folder), the base being the model the adapters were trained on";
     }
-    auto* exportable2 = static_cast<IExportableModel2*>(model.object->query_interface(kExportableModel2Iid));
-    auto* exportable = exportable2 ? exportable2 : static_cast<IExportableModel*>(model.object->query_interface(kExportableModelIid));
-    if (exportable) {
-      std::vector<std::pair<std::string, at::Tensor>> renamed;
-      for (auto& [name, t] : state) {
-        std::string to = exportable->exported_name(name);
-        if (!to.empty()) renamed.emplace_back(std::move(to), t);
+    if (omitted && !peft) fill_from_model(state, *omitted, model.object->module(), ckpt);
+    // The checkpoint must be this module's: same names, same shapes (a changed config or model
+    // folder would otherwise export names that do not fit the tensors).
+    if (!peft) {
+      const auto expected = module_tensors(model.object->module());
+      std::map<std::string, bool> seen;
+      for (const auto& [name, t] : state) {
+        const auto it = expected.find(name);
+        if (it == expected.end())
+          throw UsageError(c10::str(ckpt, ": state_dict has '", name, "', which model '", model.name,
+                                    "' built from the checkpoint's config does not have: the config or the model's files changed since it was saved"));
+        if (it->second.sizes() != t.sizes())
+          throw UsageError(c10::str(ckpt, ": state_dict '", name, "' has shape ", t.sizes(), ", model '", model.name,
+                                    "' built from the checkpoint's config has ", it->second.sizes(), ": the config or the model's files changed"));
+        seen[name] = true;
       }
-      state = std::move(renamed);
-      files = exportable2 ? exportable2->exported_files_with_classes(class_names(checkpoint, ckpt)) : exportable->exported_files();
-      note = exportable->export_note();
+      for (const auto& [name, t] : expected)
+        if (!seen.count(name))
+          throw UsageError(c10::str(ckpt, ": state_dict lacks '", name, "' of model '", model.name, "': not a checkpoint of this model"));
+      for (auto& t : transforms) {
+        std::vector<NamedTensor> named;
+        for (auto& [name, tensor] : state) named.push_back({name, tensor});
+        static_cast<IModelTransform*>(t.object->query_interface(kModelTransformIid))->fold_for_export(named);
+        state.clear();
+        for (auto& n : named) state.emplace_back(std::move(n.name), std::move(n.tensor));
+      }
+      auto* exportable2 = static_cast<IExportableModel2*>(model.object->query_interface(kExportableModel2Iid));
+      auto* exportable = exportable2 ? exportable2 : static_cast<IExportableModel*>(model.object->query_interface(kExportableModelIid));
+      if (exportable) {
+        std::vector<std::pair<std::string, at::Tensor>> renamed;
+        for (auto& [name, t] : state) {
+          std::string to = exportable->exported_name(name);
+          if (!to.empty()) renamed.emplace_back(std::move(to), t);
+        }
+        state = std::move(renamed);
+        files = exportable2 ? exportable2->exported_files_with_classes(class_names(checkpoint, ckpt)) : exportable->exported_files();
+        note = exportable->export_note();
+      }
     }
   }
 
   if (omitted && model.object == nullptr)
     throw UsageError(ckpt + ": holds the trained parameters only (the frozen ones are left out) and names no model to take them from");
-  const bool one_file = ends_with(out, ".safetensors");
+  if (peft && model.object == nullptr)
+    throw UsageError(ckpt + ": --format peft exports the adapters of a plugin that adds them (lora), and this checkpoint names no model");
+  const bool one_file = !peft && ends_with(out, ".safetensors");
   std::error_code ec;
   if (!one_file && fs::exists(out, ec) && !fs::is_directory(out, ec))
     throw UsageError(out + " exists and is not a folder: give a folder, or a file name ending in .safetensors");
-  const fs::path weights = one_file ? fs::path(out) : fs::path(out) / "model.safetensors";
+  const fs::path weights = one_file ? fs::path(out) : fs::path(out) / (peft ? "adapter_model.safetensors" : "model.safetensors");
   if (!weights.parent_path().empty() && !fs::is_directory(weights.parent_path(), ec)) {
     if (one_file) throw UsageError(out + ": no folder " + weights.parent_path().string() + " to write it in");
     fs::create_directories(weights.parent_path(), ec);
@@ -219,16 +241,21 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
 }  // namespace
 
 int export_weights(const RunRequest& base, const std::string& checkpoint, const std::string& format, const std::string& out) {
-  if (format != "safetensors") throw UsageError("--format " + format + ": not a format engine export writes (formats: safetensors)");
+  if (format != "safetensors" && format != "peft")
+    throw UsageError("--format " + format + ": not a format engine export writes (formats: safetensors, the model's weights; peft, the adapters "
+                     "alone in PEFT's folder format)");
+  const bool peft = format == "peft";
+  if (peft && ends_with(out, ".safetensors"))
+    throw UsageError("--format peft writes a folder (adapter_model.safetensors and adapter_config.json): give a folder as OUT, not " + out);
   if (out.empty()) throw UsageError("engine export needs the output: a folder, or a file name ending in .safetensors");
   std::error_code ec;
-  if (fs::is_regular_file(checkpoint, ec)) return export_file(base, checkpoint, out);
+  if (fs::is_regular_file(checkpoint, ec)) return export_file(base, checkpoint, out, peft);
   if (!is_sharded_checkpoint(checkpoint)) throw UsageError(checkpoint + ": no such checkpoint file or sharded checkpoint folder");
   // A sharded checkpoint: one file first, in a scratch folder, as `engine checkpoint consolidate` makes it.
   const ScratchDir scratch("ember-export");
   const std::string whole = (scratch.path() / "consolidated.ckpt").string();
   if (const int code = consolidate_checkpoint(base, checkpoint, whole); code != 0) return code;
-  return export_file(base, whole, out);
+  return export_file(base, whole, out, peft);
 }
 
 }  // namespace ember::engine

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <map>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>
+#include <ember/language_model.h>
 #include <ember/model.h>
 #include <ember/model_adapters.h>
 #include <ember/plugin.h>
@@ -66,7 +68,7 @@ bool targets(const std::string& name, const std::vector<std::string>& patterns) 
   return false;
 }
 
-class Lora final : public ember::Callback, public ember::IModelTransform, public ember::IFrozenParameters {
+class Lora final : public ember::Callback, public ember::IModelTransform, public ember::IFrozenParameters, public ember::IAdapterExport {
  public:
   Lora(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
@@ -84,11 +86,13 @@ class Lora final : public ember::Callback, public ember::IModelTransform, public
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kModelTransformIid) == 0) return static_cast<ember::IModelTransform*>(this);
     if (std::strcmp(iid, ember::kFrozenParametersIid) == 0) return static_cast<ember::IFrozenParameters*>(this);
+    if (std::strcmp(iid, ember::kAdapterExportIid) == 0) return static_cast<ember::IAdapterExport*>(this);
     return nullptr;
   }
   bool checkpoints_keep_frozen() const override { return save_frozen_; }
 
   void transform_model(ember::IModel& model, const std::string& model_name) override {
+    causal_lm_ = model.query_interface(ember::kCausalLanguageModelIid) != nullptr;
     auto* linears = static_cast<ember::ILinearLayers*>(model.query_interface(ember::kLinearLayersIid));
     if (linears == nullptr)
       throw ember::ConfigError(c10::str("lora: model '", model_name, "' does not list its linear layers (ember::ILinearLayers, ",
@@ -127,6 +131,47 @@ class Lora final : public ember::Callback, public ember::IModelTransform, public
                        100.0 * static_cast<double>(trained) / static_cast<double>(trained + frozen), "% trained)"));
   }
 
+  // PEFT's adapter folder: adapter_model.safetensors with base_model.model.<layer>.lora_A.weight
+  // ([r, in]) and .lora_B.weight ([out, r]) under the exported model's names, and
+  // adapter_config.json (LoraConfig; fan_in_fan_out for GPT-2's Conv1D layout), which
+  // peft.PeftModel.from_pretrained(base, folder) loads onto the base model.
+  std::vector<ember::NamedTensor> export_adapters(const std::vector<ember::NamedTensor>& state,
+                                                  const std::function<std::string(const std::string&)>& exported_name,
+                                                  std::vector<std::pair<std::string, std::string>>& files) override {
+    std::map<std::string, at::Tensor> by_name;
+    for (const auto& t : state) by_name[t.name] = t.tensor;
+    std::vector<ember::NamedTensor> out;
+    std::vector<std::string> targets;
+    size_t in_out = 0;
+    for (const auto& [name, l] : layers_) {
+      const auto a = by_name.find(name + ".lora_A"), b = by_name.find(name + ".lora_B");
+      if (a == by_name.end() || b == by_name.end())
+        throw ember::RunError(c10::str("lora: the checkpoint lacks ", name, ".lora_A or .lora_B: not a checkpoint of this LoRA configuration"));
+      std::string layer = exported_name(name + ".weight");
+      const std::string suffix = ".weight";
+      if (layer.size() <= suffix.size() || layer.compare(layer.size() - suffix.size(), suffix.size(), suffix) != 0)
+        throw ember::RunError(c10::str("lora: the model exports layer ", name, " under no weight name ('", layer, "'): its adapters have no place in PEFT's format"));
+      layer.resize(layer.size() - suffix.size());
+      out.push_back({"base_model.model." + layer + ".lora_A.weight", a->second.contiguous()});
+      out.push_back({"base_model.model." + layer + ".lora_B.weight", b->second.contiguous()});
+      targets.push_back(layer);
+      in_out += l.weight_in_out ? 1 : 0;
+    }
+    if (in_out != 0 && in_out != layers_.size())
+      throw ember::RunError("lora: the adapted layers mix [in, out] (Conv1D) and [out, in] weights; PEFT's fan_in_fan_out is one setting for all");
+    std::string json = "{\n  \"peft_type\": \"LORA\",\n  \"task_type\": " + std::string(causal_lm_ ? "\"CAUSAL_LM\"" : "null") +
+                       ",\n  \"r\": " + std::to_string(rank_) + ",\n  \"lora_alpha\": " + number(alpha_) +
+                       ",\n  \"lora_dropout\": " + number(dropout_) + ",\n  \"fan_in_fan_out\": " + (in_out ? "true" : "false") +
+                       ",\n  \"bias\": \"none\",\n  \"use_rslora\": false,\n  \"use_dora\": false,\n  \"init_lora_weights\": true,\n"
+                       "  \"inference_mode\": true,\n  \"base_model_name_or_path\": null,\n  \"modules_to_save\": null,\n  \"target_modules\": [";
+    for (size_t i = 0; i < targets.size(); ++i) json += (i ? ", " : "") + quoted(targets[i]);
+    json += "]\n}\n";
+    files.emplace_back("adapter_config.json", json);
+    host_.log(ember::LogLevel::info, c10::str("lora: ", layers_.size(), " adapted layers in PEFT's format (r ", rank_, ", lora_alpha ", alpha_,
+                                              in_out ? ", fan_in_fan_out" : "", ")"));
+    return out;
+  }
+
   void fold_for_export(std::vector<ember::NamedTensor>& state) override {
     std::map<std::string, size_t> index;
     for (size_t i = 0; i < state.size(); ++i) index[state[i].name] = i;
@@ -156,6 +201,23 @@ class Lora final : public ember::Callback, public ember::IModelTransform, public
   std::vector<std::string> patterns_;
   std::string where_, section_;
   std::map<std::string, ember::LinearLayer> layers_;
+  bool causal_lm_ = false;
+
+  // JSON: a number that reads back as the same double, a string with its quotes escaped.
+  static std::string number(double v) {
+    std::ostringstream s;
+    s.precision(17);
+    s << v;
+    return s.str();
+  }
+  static std::string quoted(const std::string& text) {
+    std::string out = "\"";
+    for (char c : text) {
+      if (c == '"' || c == '\\') out += '\\';
+      out += c;
+    }
+    return out + "\"";
+  }
 };
 
 ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return new Lora(host, cfg); }

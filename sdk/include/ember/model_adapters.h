@@ -8,8 +8,10 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ember/export.h"
@@ -74,6 +76,22 @@ class EMBER_SDK_API IFrozenParameters {
  public:
   virtual ~IFrozenParameters() = default;
   virtual bool checkpoints_keep_frozen() const = 0;
+};
+
+// ICallback::query_interface(kAdapterExportIid) (SDK 2.10): a transform whose additions can be
+// exported on their own, for `engine export CKPT --format peft OUT` (PEFT's adapter folder).
+inline constexpr const char* kAdapterExportIid = "ember.IAdapterExport/1";
+class EMBER_SDK_API IAdapterExport {
+ public:
+  virtual ~IAdapterExport() = default;
+  // `state` holds the transformed model's tensors by name (what the checkpoint holds);
+  // `exported_name` maps a model tensor's name to the one the exported model uses ("" when it is
+  // not exported). Returns the adapter's tensors under the names its format wants, and adds the
+  // files written beside them to `files` (name, content). Throws ember::RunError when the
+  // checkpoint is not one of this transform's.
+  virtual std::vector<NamedTensor> export_adapters(const std::vector<NamedTensor>& state,
+                                                   const std::function<std::string(const std::string&)>& exported_name,
+                                                   std::vector<std::pair<std::string, std::string>>& files) = 0;
 };
 
 }  // namespace ember
