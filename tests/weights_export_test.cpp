@@ -77,7 +77,7 @@ TEST(WeightsExport, BadRequestsAreOneLineErrorsAndAnEarlierExportSurvives) {
     std::string says;
   };
   const std::vector<Case> cases = {
-      {{"export", ckpt, "--format", "onnx", "x.onnx"}, 2, "--format onnx: not a format engine export writes (formats: safetensors)"},
+      {{"export", ckpt, "--format", "onnx", "x.onnx"}, 2, "--format onnx: not a format engine export writes (formats: safetensors, the model's weights; peft, the adapters alone"},
       {{"export", "nope.ckpt", "x.safetensors"}, 2, "nope.ckpt: no such checkpoint file or sharded checkpoint folder"},
       {{"export", ckpt}, 2, "expected `engine export CKPT --format safetensors OUT`"},
       {{"export", ckpt, "missing/x.safetensors"}, 2, "missing/x.safetensors: no folder missing to write it in"},
