@@ -102,7 +102,7 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
       const int64_t valid = std::clamp<int64_t>(numel - rank * chunk, 0, chunk);
       const at::Tensor whole = t.detach().to(deferred_dtype_);
       // Every rank must have built the same values: a fingerprint of each, compared at set-up.
-      deferred_fingerprints_.push_back(whole.to(at::kDouble).sum().item<double>());
+      deferred_fingerprints_.push_back(whole.sum(at::kDouble).item<double>());
       deferred_.emplace(impl, whole.reshape({-1}).narrow(0, std::min(rank * chunk, numel), valid).clone());
       deferred_elements_ += numel;
       kept_elements_ += valid;
