@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <thread>
 
@@ -293,6 +294,59 @@ TEST(Resume, Sigusr1StopsGracefullyLikeSigterm) {
   auto bad = run_engine({"run.toml", "--set", "trainer.stop_signals=[\"SIGUSR3\"]"}, dir.path());
   EXPECT_EQ(bad.exit_code, 2) << bad.err;
   EXPECT_NE(bad.err.find("unknown signal 'SIGUSR3'"), std::string::npos) << bad.err;
+}
+
+// A Slurm batch job stopped by SIGUSR1 (sbatch --signal=USR1@120) requeues itself once last.ckpt
+// is saved (`scontrol requeue JOB`, Lightning's auto_requeue) and, started again
+// (SLURM_RESTART_COUNT=1), resumes by itself. This machine has no Slurm: `scontrol` here is a
+// script on PATH that records its arguments. An array task requeues as ARRAYJOB_TASK; an
+// interactive job (SLURM_JOB_NAME=bash) and trainer.slurm_requeue = false do not requeue; a
+// failing scontrol is a warning and the exit code stays 128+SIGUSR1.
+TEST(Resume, SlurmJobStoppedBySigusr1RequeuesItself) {
+  TempDir dir("resume");
+  write_file(dir / "run.toml", kSmall);
+  fs::create_directories(dir / "bin");
+  write_file(dir / "bin/scontrol", "#!/bin/sh\necho \"$@\" >> \"$(dirname \"$0\")/calls.txt\"\nexit ${SCONTROL_EXIT:-0}\n");
+  fs::permissions(dir / "bin/scontrol", fs::perms::owner_all);
+  auto calls = [&] { return fs::exists(dir / "bin/calls.txt") ? read_file(dir / "bin/calls.txt") : std::string(); };
+  auto interrupt = [&](const std::string& name, std::map<std::string, std::string> env, std::vector<std::string> extra = {}) {
+    env["PATH"] = (dir / "bin").string() + ":" + std::getenv("PATH");
+    env["OMP_NUM_THREADS"] = "1";
+    std::vector<std::string> argv = {engine_path().string(), "run.toml", "--set", "trainer.max_epochs=100000", "--set",
+                                     "trainer.name=\"" + name + "\""};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    const auto ckpt = dir / ("runs/" + name + "/version_0/checkpoints/last.ckpt");
+    auto running = start_process(argv, dir.path(), env);
+    for (int i = 0; i < 3000 && !fs::exists(ckpt); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_TRUE(fs::exists(ckpt)) << "training did not start";
+    kill(running.pid, SIGUSR1);
+    return wait_process(running, 120);
+  };
+  auto r = interrupt("job", {{"SLURM_JOB_ID", "4242"}, {"SLURM_JOB_NAME", "train"}});
+  EXPECT_EQ(r.exit_code, 128 + SIGUSR1) << r.err;
+  EXPECT_NE(r.err.find("Slurm: scontrol requeue 4242: the job is queued again"), std::string::npos) << r.err;
+  EXPECT_EQ(calls(), "requeue 4242\n");
+  const auto ckpt = dir / "runs/job/version_0/checkpoints/last.ckpt";
+  const int64_t stopped_at = ember::engine::load_checkpoint_file(ckpt).at("global_step").toInt();
+  auto again = run_engine({"run.toml", "--set", "trainer.max_epochs=100000", "--set", "trainer.name=\"job\"", "--set",
+                           "trainer.max_steps=" + std::to_string(stopped_at + 2)},
+                          dir.path(), {{"SLURM_JOB_ID", "4242"}, {"SLURM_RESTART_COUNT", "1"}});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_NE(again.err.find("resumed from runs/job/version_0/checkpoints/last.ckpt"), std::string::npos) << again.err;
+  EXPECT_EQ(ember::engine::load_checkpoint_file(ckpt).at("global_step").toInt(), stopped_at + 2);
+
+  interrupt("array", {{"SLURM_JOB_ID", "5000"}, {"SLURM_ARRAY_JOB_ID", "4999"}, {"SLURM_ARRAY_TASK_ID", "3"}});
+  EXPECT_EQ(calls(), "requeue 4242\nrequeue 4999_3\n");
+  auto interactive = interrupt("interactive", {{"SLURM_JOB_ID", "6000"}, {"SLURM_JOB_NAME", "bash"}});
+  auto off = interrupt("off", {{"SLURM_JOB_ID", "7000"}}, {"--set", "trainer.slurm_requeue=false"});
+  for (const auto* p : {&interactive, &off}) {
+    EXPECT_EQ(p->exit_code, 128 + SIGUSR1) << p->err;
+    EXPECT_NE(p->err.find("continue with --resume last"), std::string::npos) << p->err;
+  }
+  EXPECT_EQ(calls(), "requeue 4242\nrequeue 4999_3\n");
+  auto failed = interrupt("failed", {{"SLURM_JOB_ID", "8000"}, {"SCONTROL_EXIT", "1"}});
+  EXPECT_EQ(failed.exit_code, 128 + SIGUSR1) << failed.err;
+  EXPECT_NE(failed.err.find("Slurm: scontrol requeue 8000 failed (exit code 1): the job is not requeued"), std::string::npos) << failed.err;
 }
 
 // ---------------------------------------------------------------------------------------------

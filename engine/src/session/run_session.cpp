@@ -10,6 +10,7 @@
 #include <ember/deferred_init.h>
 #include <ember/precision.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -21,6 +22,7 @@
 #include "runtime/host_memory.h"
 #include "runtime/numerics.h"
 #include "checkpoint/sharded_checkpoint.h"
+#include "session/slurm_requeue.h"
 #include "session/stop_signals.h"
 
 namespace fs = std::filesystem;
@@ -248,7 +250,12 @@ FitOutcome RunSession::fit() {
     if ((out.stop_signal = stop_signal())) {
       finished_ = true;
       loop_->finalize("interrupted");
-      log::warn("interrupted; continue with --resume last");
+      const std::string job = slurm_job_to_requeue();
+      if (out.stop_signal == SIGUSR1 && !job.empty() && plan_.config.section("trainer").get_bool("slurm_requeue")) {
+        if (loop_->is_global_zero()) requeue_slurm_job(job);
+      } else {
+        log::warn("interrupted; continue with --resume last");
+      }
     }
     return out;
   });
