@@ -51,6 +51,12 @@ mkdir straight split
 (cd straight && cp ../run.toml . && run run.toml) || fail
 (cd split && cp ../run.toml . && { run run.toml --plugins chaos --set chaos.rank=0 --set chaos.step=9 || true; })
 [ -f split/runs/run/version_0/checkpoints/last.ckpt ] || fail
+# The killed session's file renamed as if a larger pid had written it later in time: the resumed
+# session's file must still sort after it, or TensorBoard reads it first and keeps the steps its
+# START drops (a CI run had pids 9999 and 10000: "10000" sorts first).
+old=$(ls split/runs/run/version_0/events.out.tfevents.*)
+stamp=$(basename "$old" | cut -d. -f4)
+mv "$old" "split/runs/run/version_0/events.out.tfevents.$((stamp + 100)).host.99999.0"
 (cd split && run run.toml --resume last) || fail
 [ ! -e split/runs/run/version_1 ] || { echo "resume did not continue in its folder"; exit 1; }
 [ "$(ls split/runs/run/version_0/events.out.tfevents.* | wc -l)" = 2 ] || { ls split/runs/run/version_0; exit 1; }

@@ -16,6 +16,7 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <memory>
@@ -114,17 +115,28 @@ class TensorBoardLogger final : public ember::ILogger, public ember::ILoggerImag
     const fs::path dir = trainer.run_dir();
     guarded("set up", [&] {
       fs::create_directories(dir);
-      if (!resuming) {
-        // A fresh run in a folder that has event files: they belong to another run (as csv does).
-        for (const auto& entry : fs::directory_iterator(dir)) {
-          if (entry.path().filename().string().rfind("events.out.tfevents.", 0) == 0) {
-            host_.log(ember::LogLevel::warn, "tensorboard: removing " + entry.path().string() + " (this run does not resume)");
-            fs::remove(entry.path());
-          }
+      // TensorBoard reads a folder's event files in name order, so a resumed session's file must
+      // sort after the older ones for its SessionLog START to drop their later steps: its name's
+      // time is past the newest one's even within the same second (where the pid would decide,
+      // and "10000" sorts before "9999").
+      double name_time = 0;
+      for (const auto& entry : fs::directory_iterator(dir)) {
+        const std::string name = entry.path().filename().string();
+        const std::string prefix = "events.out.tfevents.";
+        if (name.rfind(prefix, 0) != 0) continue;
+        if (!resuming) {
+          // A fresh run in a folder that has event files: they belong to another run (as csv does).
+          host_.log(ember::LogLevel::warn, "tensorboard: removing " + entry.path().string() + " (this run does not resume)");
+          fs::remove(entry.path());
+          continue;
+        }
+        try {
+          name_time = std::max(name_time, std::stod(name.substr(prefix.size(), name.find('.', prefix.size()) - prefix.size())) + 1);
+        } catch (const std::exception&) {  // a name without a time: it orders after nothing
         }
       }
       const double t = now();
-      writer_ = std::make_unique<ember_tb::EventWriter>((dir / ember_tb::event_file_name(t)).string(), t);
+      writer_ = std::make_unique<ember_tb::EventWriter>((dir / ember_tb::event_file_name(std::max(t, name_time))).string(), t);
       // The first step after the checkpoint is logged at index resume_step (rows are logged at
       // global_step - 1): TensorBoard drops what older files hold from there on.
       if (resuming) writer_->session_start(resume_step, t);

@@ -356,10 +356,15 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   void check_deferred_init();
   // Rank 0's parameters (those built whole) and buffers to every rank.
   void broadcast_initial_state();
-  // This rank's part of parameter p: taken while the model was built, or cut from the whole one.
-  at::Tensor initial_part(const ShardedParam& p, const at::Tensor& whole) const {
+  // This rank's part of parameter p: taken while the model was built (handed over once: the
+  // copy kept since then is released as soon as it is placed, so the set-up never holds it twice),
+  // or cut from the whole one.
+  at::Tensor take_initial_part(const ShardedParam& p, const at::Tensor& whole) {
     auto it = deferred_.find(p.param.unsafeGetTensorImpl());
-    return it != deferred_.end() ? it->second : ShardTable::my_part(p, whole, shard_group_.rank);
+    if (it == deferred_.end()) return ShardTable::my_part(p, whole, shard_group_.rank);
+    at::Tensor part = std::move(it->second);
+    it->second = at::Tensor();
+    return part;
   }
   bool is_deferred(const ShardedParam& p) const { return deferred_.count(p.param.unsafeGetTensorImpl()) != 0; }
   void place_parameters();
@@ -530,7 +535,7 @@ void ZeroStrategy::place_parameters() {
   at::NoGradGuard no_grad;
   for (auto& p : table_.params) {
     if (is_deferred(p)) {
-      p.shard = initial_part(p, at::Tensor()).to(comm_.device());
+      p.shard = take_initial_part(p, at::Tensor()).to(comm_.device());
       continue;
     }
     at::Tensor part = ShardTable::my_part(p, p.param.detach(), shard_group_.rank);
@@ -565,7 +570,7 @@ void ZeroStrategy::offload_parameters() {
     }
     const auto mdt = master_dtype(p.param);
     p.shard = copies_.host_zeros(p.valid, mdt, "the master weights of '" + p.name + "'");
-    p.shard.copy_(initial_part(p, whole));
+    p.shard.copy_(take_initial_part(p, whole));
     p.host_grad = copies_.host_zeros(p.valid, mdt, "the gradient of '" + p.name + "'");
     const auto dtype = o_.compute_dtype.value_or(p.param.scalar_type());
     p.param.set_data(at::empty(p.shape, p.param.options().device(device).dtype(dtype)));
