@@ -108,12 +108,12 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
   if (req.provided.model) {
     plugins.model = {"model object", "", req.provided.model};
   } else {
-    deferred_init_ = begin_deferred_init(*runtime, trainer_cfg);
+    const bool deferred = begin_deferred_init(*runtime, trainer_cfg);
     struct Withdraw {
       EngineHost& host;
       ~Withdraw() { host.offer_deferred_init(nullptr); }
     } withdraw{host_};
-    if (deferred_init_) host_.offer_deferred_init(runtime->strategy_object().query_interface(kDeferredInitIid));
+    if (deferred) host_.offer_deferred_init(runtime->strategy_object().query_interface(kDeferredInitIid));
     make(plugins.model, plan_.model, cfg.section("model"));
   }
   for (const auto* c : plan_.callbacks) {
@@ -182,7 +182,8 @@ void RunSession::log_setup_memory() {
   if (!growth) return;
   char mb[32];
   std::snprintf(mb, sizeof mb, "%.1f", static_cast<double>(*growth) / (1024.0 * 1024.0));
-  log::info(std::string("model set-up: host memory peak +") + mb + " MB" + (deferred_init_ ? " (deferred initialisation)" : ""));
+  // Whether the pieces were taken as they were built, the strategy's own line says.
+  log::info(std::string("model set-up: host memory peak +") + mb + " MB");
 }
 
 RunSession::~RunSession() {

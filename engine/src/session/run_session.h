@@ -80,7 +80,6 @@ class RunSession {
   int launcher_exit_code_ = 0;
   bool loggers_started_ = false, finished_ = false;
   std::unique_ptr<HostMemoryPeak> setup_memory_;  // from just before the model is built to the end of set-up
-  bool deferred_init_ = false;                    // the strategy took the model piece by piece
 };
 
 }  // namespace ember::engine

@@ -18,7 +18,8 @@
 // The parts, one job each: shard_table (what this rank holds: parameters, shards, groups),
 // parameter_gather (whole parameters from the shards, prefetch and free), gradient_reducer
 // (gradients to shards while backward runs, offload's host landing), sharded_state_io (full and
-// per-rank checkpoints); this file ties them to the strategy contract (set-up, the step's
+// per-rank checkpoints), deferred_parts (this rank's parts taken while the model is built); this
+// file ties them to the strategy contract (set-up, the step's
 // non-finite vote, clipping across shards, the closing statistics).
 #include "zero_strategy.h"
 
@@ -42,6 +43,7 @@
 #include <ember/support/tensor_parallel.h>
 #include <ember/tensor_parallel.h>
 
+#include "deferred_parts.h"
 #include "gradient_reducer.h"
 #include "host_offload.h"
 #include <ember/support/optimizer_state_tensors.h>
@@ -87,30 +89,10 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   // device, offload its master on the host. Tensor parallelism first splits whole parameters.
   bool begin_deferred_init(c10::ScalarType dtype) override {
     if (!o_.deferred_init || (o_.stage < 3 && !o_.offload) || !mesh_ || mesh_->tensor_parallel_size() > 1) return false;
-    deferred_dtype_ = dtype;
-    deferring_ = true;
+    deferred_.begin(dtype, shard_group_.rank, shard_group_.size);
     return true;
   }
-  void parameters_initialised(torch::nn::Module& module) override {
-    if (!deferring_) return;
-    at::NoGradGuard no_grad;
-    const int64_t world = shard_group_.size, rank = shard_group_.rank;
-    for (auto& t : module.parameters()) {
-      const void* impl = t.unsafeGetTensorImpl();
-      if (deferred_.count(impl) || !at::isFloatingType(t.scalar_type()) || !t.is_contiguous() || t.numel() == 0) continue;
-      const int64_t numel = t.numel(), chunk = (numel + world - 1) / world;
-      const int64_t valid = std::clamp<int64_t>(numel - rank * chunk, 0, chunk);
-      const at::Tensor whole = t.detach().to(deferred_dtype_);
-      // Every rank must have built the same values: a fingerprint of each, compared at set-up.
-      deferred_fingerprints_.push_back(whole.sum(at::kDouble).item<double>());
-      deferred_.emplace(impl, whole.reshape({-1}).narrow(0, std::min(rank * chunk, numel), valid).clone());
-      deferred_elements_ += numel;
-      kept_elements_ += valid;
-      // The parameter keeps its shape, dtype and identity; its storage goes until set-up.
-      t.set_data(at::empty(t.sizes(), t.options().dtype(deferred_dtype_)));
-      free_storage(t);
-    }
-  }
+  void parameters_initialised(torch::nn::Module& module) override { deferred_.take(module); }
 
   // ---- processes and the step ----
   bool launch(const ember::LaunchRequest& request, int* exit_code) override {
@@ -353,20 +335,8 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
     return v.front();
   }
   void split_tensor_parallel(ember::IModel& model);
-  void check_deferred_init();
   // Rank 0's parameters (those built whole) and buffers to every rank.
   void broadcast_initial_state();
-  // This rank's part of parameter p: taken while the model was built (handed over once: the
-  // copy kept since then is released as soon as it is placed, so the set-up never holds it twice),
-  // or cut from the whole one.
-  at::Tensor take_initial_part(const ShardedParam& p, const at::Tensor& whole) {
-    auto it = deferred_.find(p.param.unsafeGetTensorImpl());
-    if (it == deferred_.end()) return ShardTable::my_part(p, whole, shard_group_.rank);
-    at::Tensor part = std::move(it->second);
-    it->second = at::Tensor();
-    return part;
-  }
-  bool is_deferred(const ShardedParam& p) const { return deferred_.count(p.param.unsafeGetTensorImpl()) != 0; }
   void place_parameters();
   void offload_parameters();
 
@@ -388,12 +358,7 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   torch::nn::Module* module_ = nullptr;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   bool forward_grad_ = false, ready_ = false, broadcast_done_ = false;
-  // Deferred initialisation: each parameter's part, by its TensorImpl, until set-up places it.
-  bool deferring_ = false;
-  c10::ScalarType deferred_dtype_ = at::kFloat;
-  std::unordered_map<const void*, at::Tensor> deferred_;
-  std::vector<double> deferred_fingerprints_;
-  int64_t deferred_elements_ = 0, kept_elements_ = 0;
+  DeferredParts deferred_;  // the model's parts taken while it was built (deferred initialisation)
 };
 
 
@@ -450,7 +415,7 @@ void ZeroStrategy::setup_module(ember::IModel& model) {
   if (mesh_->tensor_parallel_size() > 1) split_tensor_parallel(model);
   table_.build(*module_, model, o_);
   table_.lay_out(shard_group_.rank, shard_group_.size);
-  if (deferring_) check_deferred_init();
+  if (deferred_.active()) host_.log(ember::LogLevel::info, deferred_.check(table_.params, comm_, o_.name));
   if (o_.offload) offload_parameters();
   else place_parameters();
   deferred_.clear();  // the parts are the shards now
@@ -479,44 +444,12 @@ void ZeroStrategy::setup_module(ember::IModel& model) {
                                        std::to_string(mine) + " of " + std::to_string(total) + " elements" + where);
 }
 
-// Deferred initialisation: the table's parameters all had their part taken (or none did, for a
-// model that does not call ember::parameters_initialised), and every rank built the same values.
-void ZeroStrategy::check_deferred_init() {
-  int64_t deferred = 0;
-  for (const auto& p : table_.params) deferred += is_deferred(p) ? 1 : 0;
-  if (deferred == 0) {
-    host_.log(ember::LogLevel::info, o_.name + ": deferred initialisation: the model was built whole (it does not call "
-                                                "ember::parameters_initialised; ember/deferred_init.h)");
-    deferring_ = false;
-    return;
-  }
-  if (comm_.world() > 1) {
-    // The fingerprints' minimum and maximum over the ranks (as min = -max(-x)): equal, or the
-    // model's initial values depend on something other than the seed.
-    const auto n = static_cast<int64_t>(deferred_fingerprints_.size());
-    at::Tensor both = at::empty({2 * n}, at::kDouble);
-    for (int64_t i = 0; i < n; ++i) {
-      both[i] = deferred_fingerprints_[static_cast<size_t>(i)];
-      both[n + i] = -deferred_fingerprints_[static_cast<size_t>(i)];
-    }
-    const at::Tensor reduced = comm_.reduce(both, ember::ReduceOp::max).cpu();
-    for (int64_t i = 0; i < n; ++i)
-      if (reduced[i].item<double>() != -reduced[n + i].item<double>())
-        throw ember::RunError(o_.name + ": deferred initialisation: the ranks built different initial values (parameter " +
-                              std::to_string(i) + " taken while the model was built); the model's initialisation must depend "
-                              "on the seed only. Set " + o_.name + ".deferred_init = false to build it whole and take rank 0's values");
-  }
-  host_.log(ember::LogLevel::info, o_.name + ": deferred initialisation: " + std::to_string(deferred) + " of " +
-                                       std::to_string(table_.params.size()) + " parameters taken as the model was built; this rank kept " +
-                                       std::to_string(kept_elements_) + " of their " + std::to_string(deferred_elements_) + " elements");
-}
-
 void ZeroStrategy::broadcast_initial_state() {
   if (comm_.world() == 1) return;
   at::NoGradGuard no_grad;
   int i = 0;
   for (auto& p : table_.params)
-    if (!is_deferred(p)) comm_.broadcast_from_zero(p.param, "initial parameter '" + p.name + "'");
+    if (!deferred_.holds(p)) comm_.broadcast_from_zero(p.param, "initial parameter '" + p.name + "'");
   for (auto& b : module_->buffers()) comm_.broadcast_from_zero(b, "initial buffer " + std::to_string(i++));
 }
 
@@ -525,7 +458,7 @@ void ZeroStrategy::broadcast_initial_state() {
 // model was built has no storage: it gets one on the device, freed again (stage 3 gathers it).
 void ZeroStrategy::place_parameters() {
   for (auto& p : table_.params)
-    if (is_deferred(p) && p.param.device() != comm_.device()) {
+    if (deferred_.holds(p) && p.param.device() != comm_.device()) {
       p.param.set_data(at::empty(p.shape, p.param.options().device(comm_.device())));
       free_storage(p.param);
     }
@@ -534,8 +467,8 @@ void ZeroStrategy::place_parameters() {
   if (!broadcast_done_) broadcast_initial_state();
   at::NoGradGuard no_grad;
   for (auto& p : table_.params) {
-    if (is_deferred(p)) {
-      p.shard = take_initial_part(p, at::Tensor()).to(comm_.device());
+    if (deferred_.holds(p)) {
+      p.shard = deferred_.hand_over(p).to(comm_.device());
       continue;
     }
     at::Tensor part = ShardTable::my_part(p, p.param.detach(), shard_group_.rank);
@@ -564,13 +497,13 @@ void ZeroStrategy::offload_parameters() {
     at::Tensor whole = p.param.detach();
     // Every rank starts from rank 0's weights (through the device: NCCL); a part taken while the
     // model was built is already this rank's.
-    if (comm_.world() > 1 && !broadcast_done_ && !is_deferred(p)) {
+    if (comm_.world() > 1 && !broadcast_done_ && !deferred_.holds(p)) {
       whole = whole.to(device).clone();
       comm_.broadcast_from_zero(whole, "initial parameter '" + p.name + "'");
     }
     const auto mdt = master_dtype(p.param);
     p.shard = copies_.host_zeros(p.valid, mdt, "the master weights of '" + p.name + "'");
-    p.shard.copy_(take_initial_part(p, whole));
+    p.shard.copy_(deferred_.holds(p) ? deferred_.hand_over(p) : ShardTable::my_part(p, whole, shard_group_.rank));
     p.host_grad = copies_.host_zeros(p.valid, mdt, "the gradient of '" + p.name + "'");
     const auto dtype = o_.compute_dtype.value_or(p.param.scalar_type());
     p.param.set_data(at::empty(p.shape, p.param.options().device(device).dtype(dtype)));

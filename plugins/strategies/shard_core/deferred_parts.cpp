@@ -1,0 +1,78 @@
+#include "deferred_parts.h"
+
+#include <ember/error.h>
+#include <ember/types.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+
+
+namespace ember_shard {
+
+void DeferredParts::begin(c10::ScalarType dtype, int64_t rank, int64_t world) {
+  dtype_ = dtype;
+  rank_ = rank;
+  world_ = world;
+  active_ = true;
+}
+
+void DeferredParts::take(torch::nn::Module& module) {
+  if (!active_) return;
+  at::NoGradGuard no_grad;
+  for (auto& t : module.parameters()) {
+    const void* impl = t.unsafeGetTensorImpl();
+    if (parts_.count(impl) || !at::isFloatingType(t.scalar_type()) || !t.is_contiguous() || t.numel() == 0) continue;
+    const int64_t numel = t.numel(), chunk = (numel + world_ - 1) / world_;
+    const int64_t valid = std::clamp<int64_t>(numel - rank_ * chunk, 0, chunk);
+    const at::Tensor whole = t.detach().to(dtype_);
+    // Every rank must have built the same values: a fingerprint of each, compared at set-up.
+    fingerprints_.push_back(whole.sum(at::kDouble).item<double>());
+    parts_.emplace(impl, whole.reshape({-1}).narrow(0, std::min(rank_ * chunk, numel), valid).clone());
+    whole_elements_ += numel;
+    kept_elements_ += valid;
+    // The parameter keeps its shape, dtype and identity; its storage goes until set-up.
+    t.set_data(at::empty(t.sizes(), t.options().dtype(dtype_)));
+    free_storage(t);
+  }
+}
+
+at::Tensor DeferredParts::hand_over(const ShardedParam& p) {
+  auto it = parts_.find(p.param.unsafeGetTensorImpl());
+  if (it == parts_.end()) throw ember::RunError("deferred initialisation: no part was taken of parameter '" + p.name + "' (a strategy bug)");
+  at::Tensor part = std::move(it->second);
+  it->second = at::Tensor();  // still held: holds(p) stays true for the rest of the set-up
+  return part;
+}
+
+std::string DeferredParts::check(const std::vector<ShardedParam>& params, ember_dist::Communicator& comm, const std::string& name) {
+  int64_t taken = 0;
+  for (const auto& p : params) taken += holds(p) ? 1 : 0;
+  if (taken == 0) {
+    active_ = false;
+    return name + ": deferred initialisation: the model was built whole (it does not call ember::parameters_initialised; "
+                  "ember/deferred_init.h)";
+  }
+  if (comm.world() > 1) {
+    // The fingerprints' minimum and maximum over the ranks (as min = -max(-x)): equal, or the
+    // model's initial values depend on something other than the seed.
+    const auto n = static_cast<int64_t>(fingerprints_.size());
+    at::Tensor both = at::empty({2 * n}, at::kDouble);
+    for (int64_t i = 0; i < n; ++i) {
+      both[i] = fingerprints_[static_cast<size_t>(i)];
+      both[n + i] = -fingerprints_[static_cast<size_t>(i)];
+    }
+    const at::Tensor reduced = comm.reduce(both, ember::ReduceOp::max).cpu();
+    for (int64_t i = 0; i < n; ++i)
+      if (reduced[i].item<double>() != -reduced[n + i].item<double>())
+        throw ember::RunError(name + ": deferred initialisation: the ranks built different initial values (parameter " + std::to_string(i) +
+                              " taken while the model was built); the model's initialisation must depend on the seed only. Set " + name +
+                              ".deferred_init = false to build it whole and take rank 0's values");
+  }
+  return name + ": deferred initialisation: " + std::to_string(taken) + " of " + std::to_string(params.size()) +
+         " parameters taken as the model was built; this rank kept " + std::to_string(kept_elements_) + " of their " +
+         std::to_string(whole_elements_) + " elements";
+}
+
+}  // namespace ember_shard
