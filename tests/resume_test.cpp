@@ -176,6 +176,38 @@ TEST(Resume, SigtermStopsGracefullyAndResumeContinues) {
   EXPECT_EQ(ember::engine::load_checkpoint_file(ckpt).at("global_step").toInt(), stopped_at + 3);
 }
 
+// A signal that reaches one rank only (torchrun's agent stopping its own workers while a node
+// joins) stops every rank at the same step, and every rank exits as interrupted (128+signal): a
+// rank that exited 0 would tell its launcher the job had finished.
+TEST(Resume, SignalOnOneRankStopsEveryRankAsInterrupted) {
+  EMBER_SKIP_WITHOUT_MPI();
+  TempDir dir("resume"), r0("resume"), r1("resume");  // the run folder; each rank's own output files
+  const std::string port = std::to_string(free_port());
+  std::vector<Running> ranks;
+  for (const auto* r : {&r0, &r1}) {
+    const std::string rank = r == &r0 ? "0" : "1";
+    write_file(*r / "run.toml", synthetic_mlp_toml({.accelerator = "cpu", .num_train = 64, .num_val = 16, .batch_size = 8}) +
+                                    "[ddp]\ntimeout = 30.0\n");
+    ranks.push_back(start_process({engine_path().string(), "--plugins", "ddp", "run.toml", "--set", "trainer.devices=2", "--set",
+                                   "trainer.max_epochs=100000", "--set", "trainer.default_root_dir=\"" + (dir / "runs").string() + "\""},
+                                  r->path(), {{"RANK", rank}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", rank}, {"LOCAL_WORLD_SIZE", "2"},
+                                   {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}, {"OMP_NUM_THREADS", "1"}}));
+  }
+  const auto ckpt = dir / "runs/run/version_0/checkpoints/last.ckpt";
+  for (int i = 0; i < 6000 && !fs::exists(ckpt); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(fs::exists(ckpt)) << "training did not start";
+  kill(ranks[1].pid, SIGTERM);
+  std::string err[2];
+  for (int r = 1; r >= 0; --r) {
+    auto res = wait_process(ranks[static_cast<size_t>(r)], 120);
+    EXPECT_EQ(res.exit_code, 128 + SIGTERM) << "rank " << r << ": " << res.err;
+    err[r] = res.err;
+  }
+  EXPECT_NE(err[0].find("SIGTERM received by another rank: finishing this step, saving"), std::string::npos) << err[0];
+  EXPECT_NE(err[1].find("SIGTERM received: finishing this step"), std::string::npos) << err[1];
+  EXPECT_NE(err[0].find("continue with --resume last"), std::string::npos) << err[0];
+}
+
 namespace {
 const char* kSmall = R"(
 [trainer]

@@ -389,8 +389,11 @@ void TrainingLoop::train_epoch() {
     } else if (do_step) {
       rt.settle_background_save(rt.background_save_vote());
     }
-    if (sig != 0)
-      stop(stop_signal_name(sig) + " received: finishing this step, saving, then exiting (send it again to quit at once)");
+    if (sig != 0) {
+      agreed_stop_signal_ = sig;
+      stop(stop_signal_name(sig) + (sig == stop_signal() ? " received" : " received by another rank") +
+           ": finishing this step, saving, then exiting (send it again to quit at once)");
+    }
     const bool max_steps_hit = cadence_.max_steps_reached(pos_);
     if (max_steps_hit || stop_requested_) {
       // Stopping early: validate once more so monitors see the state being stopped at.

@@ -107,6 +107,9 @@ class TrainingLoop final : public ITrainer,
   // True when fit() would train nothing more: the position (a restored one included) already
   // meets max_epochs or max_steps, as the loop in fit() decides.
   bool fit_done() const { return cadence_.fit_done(pos_); }
+  // The stop signal the ranks agreed to stop for (the one any rank received), 0 if none: every
+  // rank of an interrupted job exits as interrupted, not only the ones the signal reached.
+  int agreed_stop_signal() const { return agreed_stop_signal_; }
 
   // ITrainer
   Stage stage() const override { return stage_; }
@@ -211,6 +214,7 @@ class TrainingLoop final : public ITrainer,
   int64_t batch_idx_ = 0;          // the batch the current stage is at
   int64_t resume_batch_ = 0;       // batches of pos_.epoch to skip after a mid-epoch resume
   bool stop_requested_ = false;
+  int agreed_stop_signal_ = 0;
   std::string deferred_stop_;  // a callback's stop request waiting for trainer.min_epochs/min_steps
   bool fitting_ = false;       // inside fit(), validation included
   Batch current_batch_;

@@ -22,6 +22,7 @@
 #include "runtime/host_memory.h"
 #include "runtime/numerics.h"
 #include "checkpoint/sharded_checkpoint.h"
+#include "session/elastic_job.h"
 #include "session/slurm_requeue.h"
 #include "session/stop_signals.h"
 
@@ -134,17 +135,32 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
   // Run folder: <root>/<name>/version_<n>; `--resume last|best` continues the newest run that
   // has such a checkpoint, in its own folder.
   const std::string test_ckpt = trainer_cfg.get_string("test_ckpt");
-  const bool resume_located = req.resume == "last" || req.resume == "best";  // choose_run_folder says what is missing
+  fast_dev_run_ = trainer_cfg.get_int("fast_dev_run");
+  std::string resume = req.resume;
+  std::optional<int64_t> version = run_version();
+  // A torchrun group re-formed because a node joined or left is the same job, though no restart
+  // was counted: it resumes from the job's last checkpoint by itself (session/elastic_job.h).
+  const std::string torchrun_job = torchrun_job_id();
+  if (resume.empty() && fast_dev_run_ == 0 && has_checkpoint_locator(plugins.callbacks))
+    if (const auto v = version_of_torchrun_job(runs_base(), version, torchrun_job);
+        v && !find_checkpoint_in_runs(runs_base(), v, "last", plugins.callbacks).empty()) {
+      log::info("torchrun re-formed the group of job '" + torchrun_job +
+                  "' (a node joined or left, which torchrun does not count as a restart): resuming from the last checkpoint of its run "
+                  "folder version_" + std::to_string(*v) + " (--resume last)");
+      resume = "last";
+      version = v;
+    }
+  const bool resume_located = resume == "last" || resume == "best";  // choose_run_folder says what is missing
   if (!resume_located && trainer_cfg.get_bool("test_after_fit") && test_ckpt != "current" && !has_checkpoint_locator(plugins.callbacks))
     throw UsageError(trainer_cfg.where("test_ckpt") + ": trainer.test_ckpt = \"" + test_ckpt +
                      "\" needs a checkpoint callback (enable checkpointing, or set test_ckpt = \"current\")");
-  fast_dev_run_ = trainer_cfg.get_int("fast_dev_run");
   if (fast_dev_run_ > 0 && resume_located)
-    throw UsageError(trainer_cfg.where("fast_dev_run") + ": trainer.fast_dev_run with --resume " + req.resume +
+    throw UsageError(trainer_cfg.where("fast_dev_run") + ": trainer.fast_dev_run with --resume " + resume +
                      " would train in that run's folder and overwrite its checkpoints: resume from the checkpoint's path instead");
   if (fast_dev_run_ > 0)
     for (fs::path dir = runs_base(); !dir.empty() && !fs::exists(dir); dir = dir.parent_path()) made_folders_.push_back(dir);
-  folder_ = choose_run_folder(runs_base(), run_version(), req.resume, plugins.callbacks, *runtime);
+  folder_ = choose_run_folder(runs_base(), version, resume, plugins.callbacks, *runtime);
+  if (rank == 0 && fast_dev_run_ == 0) mark_torchrun_job(folder_.dir, torchrun_job);
   if (fast_dev_run_ > 0 && rank == 0)
     log::info("fast_dev_run: " + std::to_string(fast_dev_run_) + " batch(es) of training, validation and test, no sanity check; " +
               folder_.dir.string() + " is removed at the end (kept if the run fails)");
@@ -248,7 +264,7 @@ FitOutcome RunSession::fit() {
     start_logging();
     if (request_.stop_signal_handlers) install_stop_signal_handlers(parse_stop_signals(plan_.config.section("trainer")));
     loop_->fit();
-    if ((out.stop_signal = stop_signal())) {
+    if ((out.stop_signal = loop_->agreed_stop_signal())) {
       finished_ = true;
       loop_->finalize("interrupted");
       const std::string job = slurm_job_to_requeue();
