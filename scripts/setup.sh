@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what Ember needs and is missing, then prints nothing but progress.
-#   - Debian packages (compiler tools, Boost 1.81, TOML++, spdlog, GoogleTest, Fashion-MNIST).
+#   - Debian packages (compiler tools, Boost 1.81, TOML++, spdlog, GoogleTest, Fashion-MNIST; Slurm
+#     and munge, which the requeue test runs as a private one-node cluster).
 #   - LibTorch 2.11.0, taken from PyPI's torch==2.11.0 wheel, installed once per machine into a
 #     cache outside the clone ($EMBER_CACHE, default ~/.cache/ember) so fresh clones reuse it.
 #   - Text fine-tuning assets, once per machine into the same cache: the pretrained
@@ -18,7 +19,8 @@ debs=(build-essential cmake ninja-build ccache pkg-config python3-venv zlib1g-de
       libcairo2-dev libjpeg-dev libpng-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin
       libprotobuf-dev protobuf-compiler
       nlohmann-json3-dev libutf8proc-dev libcsv-dev r-cran-modeldata r-cran-jsonlite r-cran-janeaustenr libsentencepiece-dev
-      libtcmalloc-minimal4 libarchive-dev libcurl4-openssl-dev)
+      libtcmalloc-minimal4 libarchive-dev libcurl4-openssl-dev
+      slurmctld slurmd slurm-client munge)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
