@@ -28,7 +28,8 @@ namespace {
 // process's output into its working folder, which the engine runs in).
 class MlflowServer {
  public:
-  explicit MlflowServer(const TempDir& dir) : port_(free_port()), cwd_(dir / "server") {
+  // On `port` when given (a server started again where the last one was), else a free one.
+  explicit MlflowServer(const TempDir& dir, int port = 0) : port_(port > 0 ? port : free_port()), cwd_(dir / "server") {
     fs::create_directories(cwd_);
     running_ = start_process({EMBER_TEST_PYTHON, "-m", "mlflow", "server", "--backend-store-uri", "sqlite:///" + (dir / "mlflow.db").string(),
                               "--artifacts-destination", (dir / "mlartifacts").string(), "--host", "127.0.0.1", "--port",
@@ -37,6 +38,7 @@ class MlflowServer {
   }
   ~MlflowServer() { stop(); }
   std::string uri() const { return "http://127.0.0.1:" + std::to_string(port_); }
+  int port() const { return port_; }
   // Waits until the server answers its health check (it takes seconds to start).
   bool ready(int timeout_s = 120) {
     for (int i = 0; i < timeout_s * 2; ++i) {
@@ -136,8 +138,9 @@ TEST(Mlflow, RunIsReadBackWithMlflowsClientAndResumesIntoTheSameRun) {
 }
 
 // The server dies after the run was created: training goes on and ends with exit 0; the metric
-// values that could not be sent are in mlflow_unsent.jsonl and one line says so. With no server
-// at all it is the same.
+// values that could not be sent are in mlflow_unsent.jsonl and one line says so. Resumed with the
+// server back, the run sends them first, into the same MLflow run, and the file goes. With no
+// server at all it is the same.
 TEST(Mlflow, AServerThatStopsMidRunDoesNotStopTraining) {
   TempDir dir("mlflow");
   MlflowServer server(dir);
@@ -158,10 +161,36 @@ TEST(Mlflow, AServerThatStopsMidRunDoesNotStopTraining) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.err.find("mlflow: not recorded on " + server.uri() + ": "), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("metric values (kept in "), std::string::npos) << r.err;
-  std::ifstream unsent(run_dir / "mlflow_unsent.jsonl");
-  std::string line;
-  ASSERT_TRUE(static_cast<bool>(std::getline(unsent, line)));
-  EXPECT_TRUE(nlohmann::json::parse(line).contains("step")) << line;
+  std::vector<nlohmann::json> unsent;
+  {
+    std::ifstream in(run_dir / "mlflow_unsent.jsonl");
+    for (std::string line; std::getline(in, line);) unsent.push_back(nlohmann::json::parse(line));
+  }
+  ASSERT_FALSE(unsent.empty());
+  EXPECT_TRUE(unsent.front().contains("step")) << unsent.front();
+  EXPECT_EQ(count_in_log(r.err, R"((\d+) metric values \(kept in )"), static_cast<int64_t>(unsent.size())) << r.err;
+
+  // The server back where it was: the resumed run sends the kept values to the same MLflow run.
+  const std::string run_id = run_id_in(run_dir);
+  MlflowServer again(dir, server.port());
+  ASSERT_TRUE(again.ready());
+  auto resumed = run_engine({"run.toml", "--plugins", "mlflow", "--resume", "last", "--set", "mlflow.tracking_uri=\"" + again.uri() + "\"",
+                             "--set", "mlflow.flush_interval_s=0.2", "--set", "trainer.max_epochs=5"},
+                            dir.path(), {}, 300);
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_NE(resumed.err.find(std::to_string(unsent.size()) + " metric values an earlier session could not send"), std::string::npos) << resumed.err;
+  EXPECT_EQ(resumed.err.find("not recorded"), std::string::npos) << resumed.err;
+  EXPECT_FALSE(fs::exists(run_dir / "mlflow_unsent.jsonl"));
+  EXPECT_EQ(run_id_in(run_dir), run_id);
+  const auto run = read_run(dir, again.uri(), run_id);
+  ASSERT_TRUE(run.is_object());
+  for (const auto& v : unsent) {
+    bool found = false;
+    for (const auto& point : run["metrics"].value(v["key"].get<std::string>(), nlohmann::json::array()))
+      found |= point[0].get<int64_t>() == v["step"].get<int64_t>() && point[1].get<double>() == v["value"].get<double>();
+    EXPECT_TRUE(found) << v;
+  }
+  again.stop();
 
   // No server at all, and room for 2 values in memory: every value ends in the file, counted.
   auto none = run_engine({"run.toml", "--plugins", "mlflow", "--set", "mlflow.tracking_uri=\"http://127.0.0.1:" + std::to_string(free_port()) + "\"",

@@ -8,7 +8,9 @@
 // Everything goes through a sender thread, so training never waits on the network: a server that
 // is down or slow only delays the rows, which are retried with backoff. At the end the logger
 // waits up to finalize_timeout_s for them; what could not be sent is written to
-// <run folder>/mlflow_unsent.jsonl and reported in one line, and the run still succeeds.
+// <run folder>/mlflow_unsent.jsonl and reported in one line, and the run still succeeds. Values in
+// that file are sent once the server answers again, in this session or when the run is resumed
+// (MLflow keeps a value sent twice once, so a crash mid-replay sends nothing twice).
 #include <ember/abi.h>
 #include <ember/config.h>
 #include <ember/error.h>
@@ -55,6 +57,7 @@ constexpr EmberConfigKey kKeys[] = {
 };
 
 // MLflow's request limits (runs/log-batch) and value limits.
+constexpr const char* kUnsentFile = "mlflow_unsent.jsonl";
 constexpr size_t kMetricsPerBatch = 1000, kParamsPerBatch = 100, kTagsPerBatch = 100, kParamValueChars = 6000;
 
 int64_t now_ms() {
@@ -130,6 +133,14 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
       const json saved = json::parse(in, nullptr, false);
       if (saved.is_object() && saved.value("tracking_uri", "") == uri_) resume_run_id_ = saved.value("run_id", "");
     }
+    // Values an earlier session of this run folder could not send go first.
+    {
+      std::ifstream in(dir / kUnsentFile);
+      for (std::string line; std::getline(in, line);) in_file_ += line.empty() ? 0 : 1;
+    }
+    if (in_file_ > 0)
+      host_.log(ember::LogLevel::info, "mlflow: " + std::to_string(in_file_) + " metric values an earlier session could not send (" +
+                                           (dir / kUnsentFile).string() + ") are sent when the server answers");
     enqueue({Item::tags, json::array({tag("ember.sdk", std::to_string(EMBER_SDK_ABI_MAJOR) + "." + std::to_string(EMBER_SDK_ABI_MINOR)),
                                       tag("ember.run_dir", fs::absolute(dir).string())}),
              {}, {}, {}});
@@ -216,14 +227,16 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
     double backoff = 0;
     std::unique_lock lock(mutex_);
     while (!abandon_) {
-      const bool has_work = !items_.empty() || !metrics_.empty();
+      const bool has_work = !items_.empty() || !metrics_.empty() || in_file_ > 0;
       if (!has_work && stopping_) break;
-      if (backoff > 0 || (!stopping_ && items_.empty() && metrics_.size() < kMetricsPerBatch)) {
+      // A full batch, an item, or the file's values (once memory is empty) go at once.
+      auto ready = [&] { return !items_.empty() || metrics_.size() >= kMetricsPerBatch || (metrics_.empty() && in_file_ > 0); };
+      if (backoff > 0 || (!stopping_ && !ready())) {
         const auto wait = std::chrono::duration<double>(backoff > 0 ? backoff : flush_interval_s_);
         if (backoff > 0) cv_.wait_for(lock, wait, [&] { return abandon_; });
-        else cv_.wait_for(lock, wait, [&] { return abandon_ || stopping_ || !items_.empty() || metrics_.size() >= kMetricsPerBatch; });
+        else cv_.wait_for(lock, wait, [&] { return abandon_ || stopping_ || ready(); });
         if (abandon_) break;
-        if (backoff == 0 && items_.empty() && metrics_.empty()) continue;
+        if (backoff == 0 && items_.empty() && metrics_.empty() && in_file_ == 0) continue;
       }
       lock.unlock();
       try {
@@ -249,7 +262,7 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
         drop_front();
       }
     }
-    done_ = items_.empty() && metrics_.empty();
+    done_ = items_.empty() && metrics_.empty() && in_file_ == 0;
     cv_.notify_all();
   }
 
@@ -259,14 +272,18 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
     Item item;
     bool has_item = false;
     json batch = json::array();
+    FileBatch from_file;
     {
       std::lock_guard lock(mutex_);
-      // Metrics go before the run's end; params, tags and artifacts as they came.
-      if (!items_.empty() && (items_.front().kind != Item::end || metrics_.empty())) {
+      // Metrics (those in memory, then the file's) go before the run's end; params, tags and
+      // artifacts as they came.
+      if (!items_.empty() && (items_.front().kind != Item::end || (metrics_.empty() && in_file_ == 0))) {
         item = items_.front();
         has_item = true;
-      } else {
+      } else if (!metrics_.empty()) {
         for (size_t i = 0; i < metrics_.size() && i < kMetricsPerBatch; ++i) batch.push_back(metrics_[i]);
+      } else if (in_file_ > 0) {
+        from_file = read_unsent_batch(batch);
       }
     }
     if (has_item) {
@@ -283,10 +300,55 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
       items_.pop_front();
       return;
     }
+    if (from_file.lines > 0) {
+      if (!batch.empty()) client.log_batch(run_id_, batch, json::array(), json::array());
+      std::lock_guard lock(mutex_);
+      consume_unsent(from_file);
+      return;
+    }
     if (batch.empty()) return;
     client.log_batch(run_id_, batch, json::array(), json::array());
     std::lock_guard lock(mutex_);
     metrics_.erase(metrics_.begin(), metrics_.begin() + static_cast<std::ptrdiff_t>(batch.size()));
+  }
+
+  // The next values of mlflow_unsent.jsonl from where the replay stands (mutex held). Lines that
+  // are not JSON objects (a torn last line of a crashed session) are skipped.
+  struct FileBatch {
+    int64_t lines = 0;        // lines read, the skipped ones included
+    std::streamoff end = 0;   // where the next batch starts
+  };
+  FileBatch read_unsent_batch(json& batch) {
+    FileBatch out;
+    std::ifstream in(fs::path(run_dir_) / kUnsentFile, std::ios::binary);
+    in.seekg(replay_offset_);
+    std::string line;
+    while (batch.size() < kMetricsPerBatch && out.lines < in_file_ && std::getline(in, line)) {
+      if (line.empty()) continue;
+      ++out.lines;
+      json entry = json::parse(line, nullptr, false);
+      if (entry.is_object() && entry.contains("key") && entry.contains("value")) batch.push_back(std::move(entry));
+    }
+    out.end = in ? static_cast<std::streamoff>(in.tellg()) : replay_offset_;
+    if (!in) {  // the end of the file: every line it has was read
+      in.clear();
+      in.seekg(0, std::ios::end);
+      out.end = in.tellg();
+    }
+    if (out.lines == 0) out.lines = in_file_;  // nothing left to read: what was counted is gone
+    return out;
+  }
+
+  // A batch of the file sent (or refused): the replay moves past it; the file goes once all of it
+  // is sent (mutex held, so no value is being appended).
+  void consume_unsent(const FileBatch& b) {
+    in_file_ = std::max<int64_t>(0, in_file_ - b.lines);
+    replay_offset_ = b.end;
+    if (in_file_ == 0) {
+      std::error_code ec;
+      fs::remove(fs::path(run_dir_) / kUnsentFile, ec);
+      replay_offset_ = 0;
+    }
   }
 
   // The run this training logs to: the one a resumed run folder names, else a new one (its id
@@ -318,8 +380,14 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
 
   // The server refused the front item (or batch): it is dropped and counted.
   void drop_front() {
-    if (!items_.empty() && (items_.front().kind != Item::end || metrics_.empty())) {
+    if (!items_.empty() && (items_.front().kind != Item::end || (metrics_.empty() && in_file_ == 0))) {
       items_.pop_front();
+    } else if (metrics_.empty() && in_file_ > 0) {
+      json refused = json::array();
+      const FileBatch b = read_unsent_batch(refused);
+      refused_ += b.lines;
+      consume_unsent(b);
+      return;
     } else {
       const size_t n = std::min(metrics_.size(), kMetricsPerBatch);
       refused_ += static_cast<int64_t>(n);
@@ -332,19 +400,37 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
   // The oldest `n` buffered metric values appended to mlflow_unsent.jsonl (one JSON object a line,
   // MLflow's fields). Called with the mutex held.
   void spill(size_t n) {
-    std::ofstream out(fs::path(run_dir_) / "mlflow_unsent.jsonl", std::ios::app);
+    if (n == 0) return;
+    std::ofstream out(fs::path(run_dir_) / kUnsentFile, std::ios::app);
     for (size_t i = 0; i < n; ++i) out << metrics_[i].dump() << '\n';
     metrics_.erase(metrics_.begin(), metrics_.begin() + static_cast<std::ptrdiff_t>(n));
-    spilled_ += static_cast<int64_t>(n);
+    in_file_ += static_cast<int64_t>(n);
+  }
+
+  // At the end: the file keeps only what was not sent (the replayed head cut off, written whole
+  // and renamed), so it holds exactly the values the last line counts.
+  void compact_unsent() {
+    if (replay_offset_ == 0) return;
+    const fs::path file = fs::path(run_dir_) / kUnsentFile, tmp = file.string() + ".tmp";
+    {
+      std::ifstream in(file, std::ios::binary);
+      in.seekg(replay_offset_);
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      out << in.rdbuf();
+    }
+    std::error_code ec;
+    fs::rename(tmp, file, ec);
+    replay_offset_ = 0;
   }
 
   // One line for what did not reach the server; the metric values written to mlflow_unsent.jsonl.
   void report_unsent() {
     std::lock_guard lock(mutex_);
-    if (metrics_.empty() && items_.empty() && refused_ == 0 && spilled_ == 0) return;
+    if (metrics_.empty() && items_.empty() && refused_ == 0 && in_file_ == 0) return;
     std::string what;
     spill(metrics_.size());
-    if (spilled_ > 0) what = std::to_string(spilled_) + " metric values (kept in " + (fs::path(run_dir_) / "mlflow_unsent.jsonl").string() + ")";
+    compact_unsent();
+    if (in_file_ > 0) what = std::to_string(in_file_) + " metric values (kept in " + (fs::path(run_dir_) / kUnsentFile).string() + ")";
     if (!items_.empty()) what += (what.empty() ? "" : ", ") + std::to_string(items_.size()) + " params/tags/artifacts/run-end requests";
     if (refused_ > 0) what += (what.empty() ? "" : ", ") + std::to_string(refused_) + " values or requests the server refused";
     host_.log(ember::LogLevel::warn, "mlflow: not recorded on " + uri_ + ": " + what + "; last error: " + last_error_);
@@ -362,7 +448,9 @@ class MlflowLogger final : public ember::ILogger, public ember::ILoggerArtifacts
   std::deque<Item> items_;
   std::deque<json> metrics_;
   bool stopping_ = false, abandon_ = false, done_ = false, warned_ = false;
-  int64_t refused_ = 0, spilled_ = 0;  // values the server refused; values written to the file
+  int64_t refused_ = 0;             // values or requests the server refused
+  int64_t in_file_ = 0;             // values in mlflow_unsent.jsonl not sent yet
+  std::streamoff replay_offset_ = 0;  // where in that file they start
   std::string last_error_;
   std::thread sender_;
 };
