@@ -109,6 +109,44 @@ TEST_F(TensorParallel, ShardedOverDataParallelRanksMatchesSingleDevice) {
   EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(offloaded)), 1e-5);
 }
 
+// Hybrid sharding (FSDP's HYBRID_SHARD, torchtitan's dp_replicate x dp_shard): 2 replicas, each
+// sharding the model over 2 ranks; a shard's gradient is reduce-scattered within its replica, then
+// averaged over the replicas. Stages 2 and 3 end where single_device does; whole checkpoints move
+// between hybrid sharding, plain sharding over all 4 ranks and single_device.
+TEST_F(TensorParallel, HybridShardingMatchesSingleDeviceAndResumesAcrossMeshes) {
+  TempDir one("tensor_parallel");
+  single(one);
+  const std::vector<std::string> hybrid = {"--set", "parallelism.data_parallel_replicate=2"};
+  for (int stage : {2, 3}) {
+    TempDir dir("tensor_parallel");
+    auto args = hybrid;
+    args.insert(args.end(), {"--set", "sharded.stage=" + std::to_string(stage)});
+    auto r = mesh(dir, 4, 1, args, "sharded");
+    EXPECT_NE(r.err.find("sharded: hybrid sharding, device mesh 2 (data parallel, replicas) x 2 (data parallel, shards) x 1 (tensor "
+                         "parallel): each of the 2 replicas shards the model over 2 ranks; rank 0 is replica 0, shard 0"),
+              std::string::npos)
+        << r.err;
+    EXPECT_NE(r.err.find("rank 3 is replica 1, shard 1"), std::string::npos) << r.err;
+    EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(dir)), 1e-5) << "stage " << stage;
+    EXPECT_EQ(val_acc(one), val_acc(dir)) << "stage " << stage;
+  }
+  // Hybrid -> sharded over 4 ranks; sharded over 4 -> hybrid; hybrid -> single_device.
+  TempDir to_flat("tensor_parallel"), to_hybrid("tensor_parallel"), to_single("tensor_parallel");
+  auto first_epoch = hybrid;
+  first_epoch.insert(first_epoch.end(), {"--set", "trainer.max_epochs=1"});
+  mesh(to_flat, 4, 1, first_epoch, "sharded");
+  mesh(to_flat, 4, 1, {"--resume", last_checkpoint(to_flat).string()}, "sharded");
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(to_flat, 1)), 1e-5);
+  mesh(to_hybrid, 4, 1, {"--set", "trainer.max_epochs=1"}, "sharded");
+  auto resumed = hybrid;
+  resumed.insert(resumed.end(), {"--resume", last_checkpoint(to_hybrid).string()});
+  mesh(to_hybrid, 4, 1, resumed, "sharded");
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(to_hybrid, 1)), 1e-5);
+  mesh(to_single, 4, 1, first_epoch, "sharded");
+  single(to_single, {"--resume", last_checkpoint(to_single).string()});
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(to_single, 1)), 1e-5);
+}
+
 // Sequence parallelism: norms, dropout and residuals on each rank's half of the positions; their
 // parameters' gradients summed over the tensor-parallel ranks (without that sum the norms would
 // train on half their gradient and the weights differ).
@@ -219,8 +257,16 @@ TEST_F(TensorParallel, BadMeshIsOneLineAndNothingStarts) {
                "sharded.state_dict_type=\"sharded\""},
               "--set sharded.state_dict_type=\"sharded\": sharded.state_dict_type = \"sharded\" does not combine with "
               "parallelism.tensor_parallel = 2 yet");
-  expect_line({"--plugins", "sharded", "--set", "trainer.devices=4", "--set", "parallelism.data_parallel_replicate=2"},
-              "parallelism.data_parallel_replicate = 2 with data_parallel_shard = 2: sharded does not build hybrid sharding");
+  expect_line({"--plugins", "offload", "--set", "trainer.devices=4", "--set", "parallelism.data_parallel_replicate=2"},
+              "parallelism.data_parallel_replicate = 2 (hybrid sharding) with offload is not built yet: offload over all 4 data-parallel "
+              "ranks (data_parallel_replicate = 1), or use sharded");
+  expect_line({"--plugins", "sharded", "--set", "trainer.devices=8", "--set", "parallelism.data_parallel_replicate=2", "--set",
+               "parallelism.tensor_parallel=2"},
+              "parallelism.data_parallel_replicate = 2 (hybrid sharding) with tensor_parallel = 2 is not built yet");
+  expect_line({"--plugins", "sharded", "--set", "trainer.devices=4", "--set", "parallelism.data_parallel_replicate=2", "--set",
+               "sharded.state_dict_type=\"sharded\""},
+              "sharded.state_dict_type = \"sharded\" with parallelism.data_parallel_replicate = 2 (hybrid sharding) is not built yet: "
+              "use \"full\"");
   expect_line({"--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.sequence_parallel=true"},
               "--set parallelism.sequence_parallel=true: parallelism.sequence_parallel = true splits activations over the "
               "tensor-parallel ranks, and tensor_parallel = 1");

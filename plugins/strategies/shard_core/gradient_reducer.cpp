@@ -65,11 +65,13 @@ void GradientReducer::launch_scatter(size_t g) {
   if (pending_params_ > 0) ++c_.stats.scatters_early;
   if (c_.world() == 1) {
     // Nothing to reduce: each gradient is this rank's part, delivered now (offload: its copy
-    // to the host starts while backward goes on).
+    // to the host starts while backward goes on); averaged over the replicas first, if any.
     for (size_t k : grp.params) {
       auto& p = t_.params[k];
       if (!p.trainable || !p.param.grad().defined()) continue;
-      deliver(p, p.param.grad().reshape({-1}));
+      at::Tensor part = p.param.grad().reshape({-1});
+      average_over_replicas(part, p.name);
+      deliver(p, part);
       if (c_.o.stage >= 2) p.param.mutable_grad() = at::Tensor();
     }
     if (c_.o.stage == 3 && grp.unit >= 0 && !t_.has_frozen(g)) gather_.release(g);
@@ -102,12 +104,24 @@ void GradientReducer::finish_scatter(size_t g) {
   auto& grp = t_.groups[g];
   at::NoGradGuard no_grad;
   grp.scatter_work->wait();
+  average_over_replicas(grp.scatter_out, grp.name);
   for (size_t k : grp.params) {
     auto& p = t_.params[k];
     if (p.trainable) deliver(p, grp.scatter_out.narrow(0, p.offset, p.valid));
   }
   grp.scatter_work.reset();
   grp.scatter_in = grp.scatter_out = at::Tensor();
+}
+
+// Hybrid sharding: a shard's reduced gradient is its replica's mean; the replicas holding the same
+// shard average theirs, so every rank ends with the mean over all data-parallel ranks.
+void GradientReducer::average_over_replicas(at::Tensor& part, const std::string& what) {
+  if (c_.replicas.size == 1) return;
+  std::vector<at::Tensor> one = {part};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::AVG;
+  c_.comm.label("all-reduce over the replicas of " + what);
+  c_.replicas.backend->allreduce(one, opts)->wait();
 }
 
 void GradientReducer::deliver(ShardedParam& p, const at::Tensor& part) {

@@ -1,6 +1,6 @@
 // Gradients from whole to this rank's shard while backward runs: a hook on every parameter's
 // gradient accumulator counts its group down, and each group that is ready is reduce-scattered
-// (averaged over the ranks) in a fixed order, the same on every rank; this rank's part joins the
+// (averaged over the ranks; under hybrid sharding then over the replicas) in a fixed order, the same on every rank; this rank's part joins the
 // shard's gradient (stage 1: a view of its slice of the whole gradient; offload: copied to the
 // host fp32 buffer, asynchronously on a GPU). Stage 3 frees a unit's parameters once its
 // gradients are on their way. One rank: the gradient is its part, nothing is reduced.
@@ -38,6 +38,7 @@ class GradientReducer {
   void finish_scatter(size_t g);
   // This rank's reduced gradient part of p (on the compute device) joins p's shard gradient.
   void deliver(ShardedParam& p, const at::Tensor& part);
+  void average_over_replicas(at::Tensor& part, const std::string& what);
   // Offload: the host fp32 gradient buffer becomes (or accumulates) the shard's gradient.
   void land_on_host(ShardedParam& p, const at::Tensor& host_part);
 

@@ -33,11 +33,14 @@ class HostBudget {
 };
 
 // The parts' common view of the run. Shards are cut over `group`, the data-parallel ranks: every
-// rank of the run, or, with tensor parallelism, the ranks that hold the same slices.
+// rank of the run, or, with tensor parallelism, the ranks that hold the same slices, or, under
+// hybrid sharding, one replica's ranks; `replicas` holds the same shard in the other replicas
+// (a group of one without hybrid sharding), over which the reduced gradients are averaged.
 struct ZeroContext {
   const ZeroOptions& o;
   ember_dist::Communicator& comm;
   ember_dist::Subgroup& group;
+  ember_dist::Subgroup& replicas;
   HostCopies& copies;
   HostBudget& budget;
   ZeroStats& stats;

@@ -96,20 +96,37 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
 
   // ---- processes and the step ----
   bool launch(const ember::LaunchRequest& request, int* exit_code) override {
-    // Hybrid sharding (replicas of a sharded group) would train the same numbers with other
-    // memory and traffic; refused rather than silently sharding over every data-parallel rank.
-    if (ember::has_field(request, &ember::LaunchRequest::data_parallel_shard) && request.data_parallel_replicate > 1)
-      throw ember::ConfigError("parallelism.data_parallel_replicate = " + std::to_string(request.data_parallel_replicate) +
-                               " with data_parallel_shard = " + std::to_string(request.data_parallel_shard) + ": " + o_.name +
-                               " does not build hybrid sharding (replicas of a sharded group) yet; set data_parallel_replicate = 1 "
-                               "to shard over all " + std::to_string(request.data_parallel_replicate * request.data_parallel_shard) +
-                               " data-parallel ranks, or use ddp to replicate");
+    // Hybrid sharding: replicas of a sharded group (docs/parallelism.md). Not yet with offload,
+    // tensor parallelism or sharded checkpoint directories: refused, never sharded another way.
+    if (ember::has_field(request, &ember::LaunchRequest::data_parallel_shard) && request.data_parallel_replicate > 1) {
+      const std::string mesh = "parallelism.data_parallel_replicate = " + std::to_string(request.data_parallel_replicate) +
+                               " (hybrid sharding) with ";
+      const int64_t tp = ember::has_field(request, &ember::LaunchRequest::tensor_parallel) ? request.tensor_parallel : 1;
+      if (o_.offload)
+        throw ember::ConfigError(mesh + o_.name + " is not built yet: offload over all " +
+                                 std::to_string(request.data_parallel_replicate * request.data_parallel_shard) +
+                                 " data-parallel ranks (data_parallel_replicate = 1), or use sharded");
+      if (tp > 1)
+        throw ember::ConfigError(mesh + "tensor_parallel = " + std::to_string(tp) +
+                                 " is not built yet: set data_parallel_replicate = 1 (the data-parallel ranks then all shard)");
+      if (o_.sharded_checkpoints)
+        throw ember::ConfigError(o_.where_state_dict_type + ": " + o_.name + ".state_dict_type = \"sharded\" with " + mesh.substr(0, mesh.size() - 6) +
+                                 " is not built yet: use \"full\" (whole checkpoints, which resume under any mesh)");
+    }
     const bool go_on = comm_.launch(request, exit_code);
     if (!go_on) return false;
     copies_ = HostCopies(comm_.device(), o_.pin_memory);
     mesh_ = std::make_unique<DeviceMesh>(comm_, request);
+    auto& shards = mesh_->data_parallel_shard();
+    auto& replicas = mesh_->data_parallel_replicate();
+    shard_group_ = Subgroup{shards.backend(), static_cast<int>(shards.rank()), static_cast<int>(shards.size())};
+    replica_group_ = Subgroup{replicas.backend(), static_cast<int>(replicas.rank()), static_cast<int>(replicas.size())};
+    if (replica_group_.size > 1)
+      host_.log(ember::LogLevel::info, o_.name + ": hybrid sharding, device mesh " + mesh_->describe() + ": each of the " +
+                                           std::to_string(replica_group_.size) + " replicas shards the model over " +
+                                           std::to_string(shard_group_.size) + " ranks; rank " + std::to_string(comm_.rank()) +
+                                           " is replica " + std::to_string(replica_group_.rank) + ", shard " + std::to_string(shard_group_.rank));
     auto& data = mesh_->data_parallel();
-    shard_group_ = Subgroup{data.backend(), static_cast<int>(data.rank()), static_cast<int>(data.size())};
     if (mesh_->tensor_parallel_size() > 1)
       host_.log(ember::LogLevel::info, o_.name + ": device mesh " + mesh_->describe() + " (sharded over the data-parallel ranks); rank " +
                                            std::to_string(comm_.rank()) + " is data-parallel rank " + std::to_string(data.rank()) +
@@ -184,7 +201,8 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
       }
     at::Tensor total;
     if (tensor_parallel_.empty()) {
-      total = sum_over(replicated, comm_.backend(), "gradient norm");
+      // The shards of one copy of the model (every rank, or one replica under hybrid sharding).
+      total = shard_group_.size > 1 ? sum_over(replicated, *shard_group_.backend, "gradient norm") : replicated;
     } else {
       total = sum_over(sliced, comm_.backend(), "gradient norm (split parameters)");
       if (shard_group_.size > 1) total = total + sum_over(replicated, *shard_group_.backend, "gradient norm (replicated parameters)");
@@ -324,7 +342,7 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   // The ranks' verdict on the precision handler's non-finite flag: the maximum over ranks.
 
  private:
-  ZeroContext context() { return ZeroContext{o_, comm_, shard_group_, copies_, budget_, stats_}; }
+  ZeroContext context() { return ZeroContext{o_, comm_, shard_group_, replica_group_, copies_, budget_, stats_}; }
   // The sum over a group's ranks of a one-element double tensor.
   at::Tensor sum_over(const at::Tensor& value, c10d::Backend& backend, const std::string& what) {
     comm_.label(what);
@@ -343,7 +361,8 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   ember::IHost& host_;
   Communicator comm_;
   std::unique_ptr<DeviceMesh> mesh_;
-  Subgroup shard_group_;  // what the shards are cut over: the data-parallel ranks
+  Subgroup shard_group_;    // what the shards are cut over: the data-parallel ranks (of one replica)
+  Subgroup replica_group_;  // hybrid sharding: the ranks holding this rank's shard in the other replicas
   std::map<std::string, ember::TensorShard> tensor_parallel_;  // the split parameters, by name
   std::set<std::string> summed_;  // kSummedGradient: gradients summed over the tensor-parallel ranks
   ZeroOptions o_;

@@ -122,7 +122,8 @@ int64_t DeviceMesh::tensor_degree(const ember::LaunchRequest& request) {
 
 DeviceMesh::DeviceMesh(Communicator& comm, const ember::LaunchRequest& request)
     : data_(comm, Subgroup{}, "data-parallel group"), tensor_(comm, Subgroup{}, "tensor-parallel group"),
-      pipeline_(comm, Subgroup{}, "pipeline group") {
+      pipeline_(comm, Subgroup{}, "pipeline group"), shard_(comm, Subgroup{}, "data-parallel shard group"),
+      replicate_(comm, Subgroup{}, "data-parallel replica group") {
   const int64_t tp = tensor_degree(request);
   const int64_t pp = ember::has_field(request, &ember::LaunchRequest::pipeline_parallel) ? request.pipeline_parallel : 1;
   const int64_t world = comm.world();
@@ -142,12 +143,25 @@ DeviceMesh::DeviceMesh(Communicator& comm, const ember::LaunchRequest& request)
   data_ = MeshGroup(comm, group(dp, p * tp + t, d, "data_parallel"), "data-parallel group");
   tensor_ = MeshGroup(comm, group(tp, p * dp + d, t, "tensor_parallel"), "tensor-parallel group");
   pipeline_ = MeshGroup(comm, group(pp, d * tp + t, p, "pipeline_parallel"), "pipeline group");
+  // Hybrid sharding: replicas of a group that shards; data-parallel rank d is replica d / shard,
+  // shard rank d % shard. Both splits happen on every rank (the request is the same everywhere).
+  if (ember::has_field(request, &ember::LaunchRequest::data_parallel_shard) && request.data_parallel_replicate > 1) {
+    replicas_ = request.data_parallel_replicate;
+    if (dp % replicas_ != 0)
+      throw ember::ConfigError("parallelism.data_parallel_replicate = " + std::to_string(replicas_) + " does not divide the " +
+                               std::to_string(dp) + " data-parallel ranks of this run");
+    const int64_t shard = dp / replicas_, r = d / shard, s = d % shard;
+    shard_ = MeshGroup(comm, group(shard, (p * tp + t) * replicas_ + r, s, "data_parallel_shard"), "data-parallel shard group");
+    replicate_ = MeshGroup(comm, group(replicas_, (p * tp + t) * shard + s, r, "data_parallel_replicate"), "data-parallel replica group");
+  }
   tensor_.set_sequence_parallel(ember::has_field(request, &ember::LaunchRequest::sequence_parallel) && request.sequence_parallel);
-  owns_ = {dp < world, tp < world, pp < world};
+  owns_ = {dp < world, tp < world, pp < world, replicas_ > 1 && dp / replicas_ < world, replicas_ > 1 && replicas_ < world};
 }
 
 std::string DeviceMesh::describe() const {
-  std::string line = std::to_string(data_.size()) + " (data parallel) x " + std::to_string(tensor_.size()) + " (tensor parallel)";
+  std::string line = replicas_ > 1 ? std::to_string(replicas_) + " (data parallel, replicas) x " + std::to_string(shard_.size()) +
+                                         " (data parallel, shards) x " + std::to_string(tensor_.size()) + " (tensor parallel)"
+                                   : std::to_string(data_.size()) + " (data parallel) x " + std::to_string(tensor_.size()) + " (tensor parallel)";
   return pipeline_.size() > 1 ? std::to_string(pipeline_.size()) + " (pipeline) x " + line : line;
 }
 
@@ -156,7 +170,9 @@ void DeviceMesh::shutdown() {
   if (owns_[0]) data_.shutdown();
   if (owns_[1]) tensor_.shutdown();
   if (owns_[2]) pipeline_.shutdown();
-  owns_ = {false, false, false};
+  if (owns_[3]) shard_.shutdown();
+  if (owns_[4]) replicate_.shutdown();
+  owns_ = {false, false, false, false, false};
 }
 
 void sum_over_group(MeshGroup& group, const std::vector<at::Tensor>& tensors, const std::string& what) {

@@ -3,6 +3,9 @@
 // Tensor-parallel ranks are consecutive global ranks (on one node, where the fastest links are:
 // torchtitan's and Megatron's order), pipeline stages the outermost dimension:
 // rank = (pipeline_rank * data_parallel + data_parallel_rank) * tensor_parallel + tensor_parallel_rank.
+// Hybrid sharding (data_parallel_replicate > 1 with data_parallel_shard): the data-parallel ranks
+// are replicas of a sharded group, data_parallel_rank = replica * data_parallel_shard + shard rank
+// (torchtitan's dp_replicate outside dp_shard), each with a group of its own.
 #pragma once
 #include <ember/strategy.h>
 #include <ember/tensor_parallel.h>
@@ -62,6 +65,10 @@ class DeviceMesh final : public ember::IDeviceMesh {
   int64_t pipeline_rank() const { return pipeline_.rank(); }
   int64_t pipeline_size() const { return pipeline_.size(); }
   MeshGroup& data_parallel() { return data_; }
+  // Hybrid sharding: the ranks that shard one copy of the model (the data-parallel group without
+  // it), and the ranks that hold the same shard in the other copies (a group of one without it).
+  MeshGroup& data_parallel_shard() { return replicas_ > 1 ? shard_ : data_; }
+  MeshGroup& data_parallel_replicate() { return replicate_; }
   MeshGroup& tensor_parallel() { return tensor_; }
   // The ranks of this rank's data- and tensor-parallel coordinates, one per pipeline stage.
   MeshGroup& pipeline() { return pipeline_; }
@@ -72,8 +79,9 @@ class DeviceMesh final : public ember::IDeviceMesh {
 
  private:
   static int64_t tensor_degree(const ember::LaunchRequest& request);
-  MeshGroup data_, tensor_, pipeline_;
-  std::array<bool, 3> owns_{};  // which groups are splits (not the world's backend)
+  MeshGroup data_, tensor_, pipeline_, shard_, replicate_;
+  int64_t replicas_ = 1;
+  std::array<bool, 5> owns_{};  // which groups are splits (not the world's backend)
 };
 
 // In place: each tensor becomes its sum over the group's ranks, with one all-reduce per dtype over
