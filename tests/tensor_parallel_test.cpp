@@ -111,8 +111,9 @@ TEST_F(TensorParallel, ShardedOverDataParallelRanksMatchesSingleDevice) {
 
 // Hybrid sharding (FSDP's HYBRID_SHARD, torchtitan's dp_replicate x dp_shard): 2 replicas, each
 // sharding the model over 2 ranks; a shard's gradient is reduce-scattered within its replica, then
-// averaged over the replicas. Stages 2 and 3 end where single_device does; whole checkpoints move
-// between hybrid sharding, plain sharding over all 4 ranks and single_device.
+// averaged over the replicas. Stages 2 and 3 and offload end where single_device does; whole checkpoints move
+// between hybrid sharding, plain sharding over all 4 ranks and single_device, sharded directories
+// between hybrid and plain sharding.
 TEST_F(TensorParallel, HybridShardingMatchesSingleDeviceAndResumesAcrossMeshes) {
   TempDir one("tensor_parallel");
   single(one);
@@ -130,6 +131,15 @@ TEST_F(TensorParallel, HybridShardingMatchesSingleDeviceAndResumesAcrossMeshes) 
     EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(dir)), 1e-5) << "stage " << stage;
     EXPECT_EQ(val_acc(one), val_acc(dir)) << "stage " << stage;
   }
+  // Offload: each replica's shards of masters, gradients and optimizer state on the host (with
+  // offload_params: the parameters too, fetched per unit).
+  TempDir offloaded("tensor_parallel");
+  auto args = hybrid;
+  args.insert(args.end(), {"--set", "offload.offload_params=true"});
+  auto r = mesh(offloaded, 4, 1, args, "offload");
+  EXPECT_NE(r.err.find("offload: hybrid sharding, device mesh 2 (data parallel, replicas) x 2 (data parallel, shards)"), std::string::npos)
+      << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(offloaded)), 1e-5);
   // Hybrid -> sharded over 4 ranks; sharded over 4 -> hybrid; hybrid -> single_device.
   TempDir to_flat("tensor_parallel"), to_hybrid("tensor_parallel"), to_single("tensor_parallel");
   auto first_epoch = hybrid;
@@ -145,6 +155,23 @@ TEST_F(TensorParallel, HybridShardingMatchesSingleDeviceAndResumesAcrossMeshes) 
   mesh(to_single, 4, 1, first_epoch, "sharded");
   single(to_single, {"--resume", last_checkpoint(to_single).string()});
   EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(to_single, 1)), 1e-5);
+
+  // Sharded directories: the first replica's ranks save the shards, the second replica's a small
+  // part naming whose copy they hold; the directory resumes under hybrid sharding, and under plain
+  // sharding over 4 and over 2 ranks.
+  TempDir dirs("tensor_parallel");
+  auto as_dir = first_epoch;
+  as_dir.insert(as_dir.end(), {"--set", "sharded.state_dict_type=\"sharded\""});
+  mesh(dirs, 4, 1, as_dir, "sharded");
+  const auto saved = last_checkpoint(dirs);
+  ASSERT_TRUE(std::filesystem::is_directory(saved));
+  EXPECT_GT(std::filesystem::file_size(saved / "rank1.ckpt"), 10 * std::filesystem::file_size(saved / "rank3.ckpt"));
+  auto again = hybrid;
+  again.insert(again.end(), {"--resume", saved.string()});
+  mesh(dirs, 4, 1, again, "sharded");
+  mesh(dirs, 4, 1, {"--resume", saved.string()}, "sharded");
+  mesh(dirs, 2, 1, {"--resume", saved.string()}, "sharded");
+  for (int version : {1, 2, 3}) EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(dirs, version)), 1e-5) << version;
 }
 
 // Sequence parallelism: norms, dropout and residuals on each rank's half of the positions; their
@@ -257,16 +284,9 @@ TEST_F(TensorParallel, BadMeshIsOneLineAndNothingStarts) {
                "sharded.state_dict_type=\"sharded\""},
               "--set sharded.state_dict_type=\"sharded\": sharded.state_dict_type = \"sharded\" does not combine with "
               "parallelism.tensor_parallel = 2 yet");
-  expect_line({"--plugins", "offload", "--set", "trainer.devices=4", "--set", "parallelism.data_parallel_replicate=2"},
-              "parallelism.data_parallel_replicate = 2 (hybrid sharding) with offload is not built yet: offload over all 4 data-parallel "
-              "ranks (data_parallel_replicate = 1), or use sharded");
   expect_line({"--plugins", "sharded", "--set", "trainer.devices=8", "--set", "parallelism.data_parallel_replicate=2", "--set",
                "parallelism.tensor_parallel=2"},
               "parallelism.data_parallel_replicate = 2 (hybrid sharding) with tensor_parallel = 2 is not built yet");
-  expect_line({"--plugins", "sharded", "--set", "trainer.devices=4", "--set", "parallelism.data_parallel_replicate=2", "--set",
-               "sharded.state_dict_type=\"sharded\""},
-              "sharded.state_dict_type = \"sharded\" with parallelism.data_parallel_replicate = 2 (hybrid sharding) is not built yet: "
-              "use \"full\"");
   expect_line({"--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.sequence_parallel=true"},
               "--set parallelism.sequence_parallel=true: parallelism.sequence_parallel = true splits activations over the "
               "tensor-parallel ranks, and tensor_parallel = 1");

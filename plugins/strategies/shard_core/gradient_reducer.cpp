@@ -50,7 +50,10 @@ void GradientReducer::on_gradient_ready(size_t k) {
   // Strictly in the fixed order, the same on every rank.
   while (next_ < t_.order.size() && t_.groups[t_.order[next_]].ready) launch_scatter(t_.order[next_++]);
   // Offload: parts whose reduce-scatter already completed go to the host while backward runs.
-  if (c_.o.offload && c_.world() > 1)
+  // Not under hybrid sharding: finishing one starts its all-reduce over the replicas, and those
+  // must start in the same order on every rank (one MPI thread runs every group's collectives in
+  // the order they came; a rank that finished early would wait on one its peers queued later).
+  if (c_.o.offload && c_.world() > 1 && c_.replicas.size == 1)
     for (size_t i = 0; i < next_; ++i) {
       auto& grp = t_.groups[t_.order[i]];
       if (grp.scatter_work && grp.scatter_work->isCompleted()) finish_scatter(t_.order[i]);

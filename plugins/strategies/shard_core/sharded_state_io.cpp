@@ -127,6 +127,13 @@ c10::IValue ShardedStateIO::sharded_state(torch::nn::Module& module, torch::opti
   part.insert("world_size", static_cast<int64_t>(c_.world()));
   part.insert("rank", static_cast<int64_t>(c_.comm.rank()));
   part.insert("stage", static_cast<int64_t>(c_.o.stage));
+  // Hybrid sharding: the replicas hold the same shards, so only the first replica's ranks (the
+  // run's first `world_size` ranks) save theirs; the others' parts say whose copy they hold.
+  if (c_.replicas.rank > 0) {
+    part.insert("replica", static_cast<int64_t>(c_.replicas.rank));
+    part.insert("copy_of", static_cast<int64_t>(c_.rank()));
+    return part;
+  }
   Dict params(c10::StringType::get(), c10::AnyType::get());
   for (const auto& p : t_.params) {
     Dict e(c10::StringType::get(), c10::AnyType::get());
@@ -173,6 +180,12 @@ void ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::optim:
                                         const std::function<c10::IValue(int64_t)>& read_part) {
   if (saved_world < 1) throw ember::RunError("the sharded checkpoint says it was written by " + std::to_string(saved_world) + " ranks");
   auto first = read_part(0).toGenericDict();
+  // Parts 0 .. shards-1 hold one copy of the model: every part of a run that sharded over all its
+  // ranks, the first replica's under hybrid sharding (the later replicas saved no tensors).
+  const int64_t shards = first.contains("world_size") ? first.at("world_size").toInt() : saved_world;
+  if (shards < 1 || saved_world % shards != 0)
+    throw ember::RunError("the sharded checkpoint's parts say " + std::to_string(shards) + " shards of " + std::to_string(saved_world) +
+                          " ranks (a damaged checkpoint?)");
   auto saved_params = first.at("params").toGenericDict();
   for (const auto& p : t_.params) {
     if (!saved_params.contains(p.name))
@@ -202,9 +215,12 @@ void ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::optim:
       });
     }
   at::NoGradGuard no_grad;
-  const int64_t rank = c_.comm.rank();
-  for (int64_t k = 0; k < saved_world; ++k) {
+  const int64_t rank = c_.rank();  // this rank's place among the shards (of its replica)
+  for (int64_t k = 0; k < shards; ++k) {
     auto part = k == 0 ? first : read_part(k).toGenericDict();
+    if (!part.contains("params"))
+      throw ember::RunError("part " + std::to_string(k) + " holds no tensors (a later replica's), but the first replica's parts are 0 to " +
+                            std::to_string(shards - 1) + " (a damaged checkpoint?)");
     auto sp = part.at("params").toGenericDict();
     auto sf = part.at("optimizer_fields").toGenericDict();
     for (size_t i = 0; i < t_.params.size(); ++i) {

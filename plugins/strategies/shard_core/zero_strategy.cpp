@@ -96,22 +96,15 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
 
   // ---- processes and the step ----
   bool launch(const ember::LaunchRequest& request, int* exit_code) override {
-    // Hybrid sharding: replicas of a sharded group (docs/parallelism.md). Not yet with offload,
-    // tensor parallelism or sharded checkpoint directories: refused, never sharded another way.
+    // Hybrid sharding: replicas of a sharded group (docs/parallelism.md). Not yet with tensor
+    // parallelism: refused, never sharded another way.
     if (ember::has_field(request, &ember::LaunchRequest::data_parallel_shard) && request.data_parallel_replicate > 1) {
       const std::string mesh = "parallelism.data_parallel_replicate = " + std::to_string(request.data_parallel_replicate) +
                                " (hybrid sharding) with ";
       const int64_t tp = ember::has_field(request, &ember::LaunchRequest::tensor_parallel) ? request.tensor_parallel : 1;
-      if (o_.offload)
-        throw ember::ConfigError(mesh + o_.name + " is not built yet: offload over all " +
-                                 std::to_string(request.data_parallel_replicate * request.data_parallel_shard) +
-                                 " data-parallel ranks (data_parallel_replicate = 1), or use sharded");
       if (tp > 1)
         throw ember::ConfigError(mesh + "tensor_parallel = " + std::to_string(tp) +
                                  " is not built yet: set data_parallel_replicate = 1 (the data-parallel ranks then all shard)");
-      if (o_.sharded_checkpoints)
-        throw ember::ConfigError(o_.where_state_dict_type + ": " + o_.name + ".state_dict_type = \"sharded\" with " + mesh.substr(0, mesh.size() - 6) +
-                                 " is not built yet: use \"full\" (whole checkpoints, which resume under any mesh)");
     }
     const bool go_on = comm_.launch(request, exit_code);
     if (!go_on) return false;
