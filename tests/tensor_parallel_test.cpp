@@ -131,6 +131,12 @@ TEST_F(TensorParallel, HybridShardingMatchesSingleDeviceAndResumesAcrossMeshes) 
     EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(dir)), 1e-5) << "stage " << stage;
     EXPECT_EQ(val_acc(one), val_acc(dir)) << "stage " << stage;
   }
+  // 3D: 2 replicas x 2 shards x 2 tensor-parallel slices on 8 ranks.
+  TempDir three_d("tensor_parallel");
+  auto r3 = mesh(three_d, 8, 2, hybrid, "sharded");
+  EXPECT_NE(r3.err.find("device mesh 2 (data parallel, replicas) x 2 (data parallel, shards) x 2 (tensor parallel)"), std::string::npos)
+      << r3.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(three_d)), 1e-5);
   // Offload: each replica's shards of masters, gradients and optimizer state on the host (with
   // offload_params: the parameters too, fetched per unit).
   TempDir offloaded("tensor_parallel");
@@ -284,9 +290,6 @@ TEST_F(TensorParallel, BadMeshIsOneLineAndNothingStarts) {
                "sharded.state_dict_type=\"sharded\""},
               "--set sharded.state_dict_type=\"sharded\": sharded.state_dict_type = \"sharded\" does not combine with "
               "parallelism.tensor_parallel = 2 yet");
-  expect_line({"--plugins", "sharded", "--set", "trainer.devices=8", "--set", "parallelism.data_parallel_replicate=2", "--set",
-               "parallelism.tensor_parallel=2"},
-              "parallelism.data_parallel_replicate = 2 (hybrid sharding) with tensor_parallel = 2 is not built yet");
   expect_line({"--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.sequence_parallel=true"},
               "--set parallelism.sequence_parallel=true: parallelism.sequence_parallel = true splits activations over the "
               "tensor-parallel ranks, and tensor_parallel = 1");

@@ -96,16 +96,6 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
 
   // ---- processes and the step ----
   bool launch(const ember::LaunchRequest& request, int* exit_code) override {
-    // Hybrid sharding: replicas of a sharded group (docs/parallelism.md). Not yet with tensor
-    // parallelism: refused, never sharded another way.
-    if (ember::has_field(request, &ember::LaunchRequest::data_parallel_shard) && request.data_parallel_replicate > 1) {
-      const std::string mesh = "parallelism.data_parallel_replicate = " + std::to_string(request.data_parallel_replicate) +
-                               " (hybrid sharding) with ";
-      const int64_t tp = ember::has_field(request, &ember::LaunchRequest::tensor_parallel) ? request.tensor_parallel : 1;
-      if (tp > 1)
-        throw ember::ConfigError(mesh + "tensor_parallel = " + std::to_string(tp) +
-                                 " is not built yet: set data_parallel_replicate = 1 (the data-parallel ranks then all shard)");
-    }
     const bool go_on = comm_.launch(request, exit_code);
     if (!go_on) return false;
     copies_ = HostCopies(comm_.device(), o_.pin_memory);
@@ -197,7 +187,13 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
       // The shards of one copy of the model (every rank, or one replica under hybrid sharding).
       total = shard_group_.size > 1 ? sum_over(replicated, *shard_group_.backend, "gradient norm") : replicated;
     } else {
-      total = sum_over(sliced, comm_.backend(), "gradient norm (split parameters)");
+      if (replica_group_.size > 1) {
+        // Hybrid sharding: one replica's ranks (its shards x the tensor-parallel slices), not every rank.
+        if (shard_group_.size > 1) sliced = sum_over(sliced, *shard_group_.backend, "gradient norm (split parameters, shards)");
+        total = sum_over(sliced, *mesh_->tensor_parallel().backend(), "gradient norm (split parameters, slices)");
+      } else {
+        total = sum_over(sliced, comm_.backend(), "gradient norm (split parameters)");
+      }
       if (shard_group_.size > 1) total = total + sum_over(replicated, *shard_group_.backend, "gradient norm (replicated parameters)");
       else total = total + replicated.to(total.device());
     }
