@@ -29,6 +29,7 @@ inline std::map<std::string, at::Tensor> weights(const std::filesystem::path& ck
     std::map<std::string, std::vector<int64_t>> shapes;
     for (int64_t k = 0; k < world; ++k) {
       auto part = ember::engine::read_sharded_part(ckpt, k).toGenericDict();
+      if (!part.contains("params")) continue;  // a later replica's part under hybrid sharding: no tensors
       for (const auto& e : part.at("params").toGenericDict()) {
         auto entry = e.value().toGenericDict();
         pieces[e.key().toStringRef()].push_back(entry.at("data").toTensor());

@@ -249,6 +249,43 @@ TEST_F(TensorParallel, GptPlanForGpt2AndLlamaMatchesSingleDevice) {
   }
 }
 
+// LoRA under tensor parallelism: an adapter follows its layer's split (B keeps this rank's outputs
+// on a column-parallel layer, A this rank's inputs on a row-parallel one, the branch joining the
+// layer's partial sum; the whole factor's gradient is summed over the group). GPT-2 with every
+// linear layer adapted under ddp, Llama's seven under sharded, each 2 (data parallel) x 2 (tensor
+// parallel): the adapters end where single_device's do.
+TEST_F(TensorParallel, LoraAdaptersFollowTheirLayersSplit) {
+  struct Case {
+    std::string flavour, strategy, extra, targets;
+  };
+  const std::vector<Case> cases = {
+      {"gpt2", "ddp", "vocab_size = 48\n", "[\"c_attn\", \"attn.c_proj\", \"mlp.c_fc\", \"mlp.c_proj\"]"},
+      {"llama", "sharded", "vocab_size = 48\nkv_heads = 2\ntied = false\n",
+       "[\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\", \"gate_proj\", \"up_proj\", \"down_proj\"]"}};
+  for (const auto& c : cases) {
+    TempDir one("tensor_parallel"), split("tensor_parallel");
+    for (const auto* dir : {&one, &split}) write_gpt_mesh_run(*dir, c.flavour, 2, c.extra);
+    const std::vector<std::string> lora = {"--plugins", "lora", "--set", "lora.target_modules=" + c.targets, "--set", "lora.rank=4"};
+    auto args = lora;
+    args.push_back("run.toml");
+    run_engine_ok(one, args);
+    args.insert(args.end(), {"--plugins", c.strategy, "--set", c.strategy + ".timeout=60.0", "--set", "trainer.devices=4", "--set",
+                             "parallelism.tensor_parallel=2", "--set", "data.batch_size=4"});
+    run_engine_ok(split, args);
+    const auto trained_weights = weights(last_checkpoint(split));
+    int64_t adapters = 0;
+    bool trained = false;
+    for (const auto& [name, t] : trained_weights) {
+      if (name.find(".lora_") == std::string::npos) continue;
+      ++adapters;
+      trained |= name.find(".lora_B") != std::string::npos && t.abs().max().item<double>() > 0;
+    }
+    EXPECT_EQ(adapters, c.flavour == "gpt2" ? 16 : 28) << c.flavour;
+    EXPECT_TRUE(trained) << c.flavour;
+    EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(split)), 1e-5) << c.flavour;
+  }
+}
+
 TEST_F(TensorParallel, MixedPrecisionMatchesSingleDeviceWithinTolerance) {
   for (const char* precision : {"16-mixed", "bf16-mixed"}) {
     const std::vector<std::string> mode = {"--set", std::string("trainer.precision=\"") + precision + "\""};

@@ -212,9 +212,10 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, at::Tensor* k_cache, at::
     mask = at::ones({t, past + t}, x.options().dtype(at::kBool)).tril(past);
   const double p = is_training() ? shape_.dropout : 0.0;
   const at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, p, causal).transpose(1, 2).reshape({n, t, h * d});
-  if (tp_) {  // row-parallel output projection: the ranks' partial sums, then the whole bias once
-    if (shape_.flavour == Flavour::llama) return ember::leave_tensor_parallel(at::linear(y, o_->weight), 1, *tp_);
-    const at::Tensor out = ember::leave_tensor_parallel(at::matmul(y, c_proj_->weight), 1, *tp_);
+  if (tp_) {  // row-parallel output projection: the ranks' partial sums (an adapter's too), then the whole bias once
+    if (shape_.flavour == Flavour::llama)
+      return ember::leave_tensor_parallel(adapters_->apply(prefix_ + "o_proj", y, at::linear(y, o_->weight)), 1, *tp_);
+    const at::Tensor out = ember::leave_tensor_parallel(adapters_->apply(prefix_ + "c_proj", y, at::matmul(y, c_proj_->weight)), 1, *tp_);
     return c_proj_->bias.defined() ? out + c_proj_->bias : out;
   }
   return shape_.flavour == Flavour::gpt2 ? adapters_->apply(prefix_ + "c_proj", y, c_proj_(y)) : adapters_->apply(prefix_ + "o_proj", y, o_(y));
@@ -235,15 +236,15 @@ MlpImpl::MlpImpl(const GptShape& shape, std::shared_ptr<const Adapters> adapters
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
   const Adapters& a = *adapters_;
-  if (tp_) {  // column-parallel in, row-parallel out (no adapters under tensor parallelism)
+  if (tp_) {  // column-parallel in, row-parallel out; adapters on this rank's slices (parallelize_tensors)
     const at::Tensor xin = ember::enter_tensor_parallel(x, 1, *tp_);
     if (shape_.flavour == Flavour::gpt2) {
-      const at::Tensor h = at::gelu(c_fc_(xin), shape_.gelu_tanh ? "tanh" : "none");
-      const at::Tensor out = ember::leave_tensor_parallel(at::matmul(h, c_proj_->weight), 1, *tp_);
+      const at::Tensor h = at::gelu(a.apply(prefix_ + "c_fc", xin, c_fc_(xin)), shape_.gelu_tanh ? "tanh" : "none");
+      const at::Tensor out = ember::leave_tensor_parallel(a.apply(prefix_ + "c_proj", h, at::matmul(h, c_proj_->weight)), 1, *tp_);
       return c_proj_->bias.defined() ? out + c_proj_->bias : out;
     }
-    const at::Tensor h = at::silu(gate_(xin)) * up_(xin);
-    return ember::leave_tensor_parallel(at::linear(h, down_->weight), 1, *tp_);
+    const at::Tensor h = at::silu(a.apply(prefix_ + "gate_proj", xin, gate_(xin))) * a.apply(prefix_ + "up_proj", xin, up_(xin));
+    return ember::leave_tensor_parallel(a.apply(prefix_ + "down_proj", h, at::linear(h, down_->weight)), 1, *tp_);
   }
   if (shape_.flavour == Flavour::gpt2) {
     const at::Tensor h = at::gelu(a.apply(prefix_ + "c_fc", x, c_fc_(x)), shape_.gelu_tanh ? "tanh" : "none");
@@ -537,9 +538,6 @@ std::vector<ember::TensorShard> GptNet::parallelize_tensors(ember::ITensorParall
   if (shape_.heads % tp != 0) refuse("heads", shape_.heads);
   if (shape_.kv_heads % tp != 0) refuse("kv_heads", shape_.kv_heads);
   if (shape_.ff_width % tp != 0) refuse("ff_width", shape_.ff_width);
-  if (!adapters_->by_name.empty())
-    throw ember::ConfigError("gpt: adapters (lora) do not combine with parallelism.tensor_parallel = " + std::to_string(tp) +
-                             " yet: set tensor_parallel = 1");
   const bool llama = shape_.flavour == Flavour::llama;
   std::vector<ember::TensorShard> shards;
   for (size_t i = 0; i < blocks_.size(); ++i) {
@@ -566,11 +564,25 @@ std::vector<ember::TensorShard> GptNet::parallelize_tensors(ember::ITensorParall
     if (!shape_.tied) shards.push_back({"lm_head.weight", 0, 1});
     vocab_parallel_ = true;
   }
+  // Adapters (lora: y += B A x, A [rank, in], B [out, rank]) follow their layer's split. On a
+  // column-parallel layer B takes this rank's outputs (in the layer's blocks) and A stays whole;
+  // on a row-parallel one A takes this rank's inputs and B stays whole, the branch's output joining
+  // the layer's partial sum. The whole factor's gradient is then a partial sum on each rank.
+  std::vector<std::string> adapter_summed;
+  for (const auto& [layer, adapter] : adapters_->by_name) {
+    const std::string leaf = layer.substr(layer.rfind('.') + 1);
+    const bool row = leaf == "o_proj" || leaf == "down_proj" || leaf == "c_proj";
+    const int64_t blocks = leaf == "c_attn" ? 3 : 1;
+    shards.push_back({layer + (row ? ".lora_A" : ".lora_B"), row ? int64_t{1} : int64_t{0}, blocks});
+    adapter_summed.push_back(layer + (row ? ".lora_B" : ".lora_A"));
+  }
   auto params = named_parameters();
   // Pipeline stages: only what this rank holds.
   shards.erase(std::remove_if(shards.begin(), shards.end(), [&](const ember::TensorShard& s) { return !params.contains(s.name); }),
                shards.end());
   for (const auto& s : shards) ember::keep_shard(params[s.name], s, group.rank(), tp);
+  for (auto& name : adapter_summed)
+    if (params.contains(name)) shards.push_back({std::move(name), ember::kSummedGradient, 1});
   // Sequence parallelism: the norms and the biases added after a sum see this rank's positions
   // only, so their gradients are partial sums.
   if (group.sequence_parallel()) {
