@@ -249,6 +249,14 @@ TEST(ImageFolder, BadImagesNameTheirPath) {
   write_file(dir / "imgs/a/not_an_image.png", "hello");
   const std::string jpeg = slurp(dir / "dec/rgb.jpg");
   write_file(dir / "imgs/b/cut.jpg", jpeg.substr(0, jpeg.size() * 6 / 10));
+  // A good JPEG whose header goes on past the 64 KiB the probe reads first (a 150 kB ICC profile
+  // in APP2 segments): read whole then, and accepted.
+  auto icc = run_process({EMBER_TEST_PYTHON, "-c",
+                          "import sys; from PIL import Image; Image.new('RGB', (8, 8), (200, 30, 40)).save(sys.argv[1], icc_profile=bytes(150000))",
+                          (dir / "imgs/b/big_header.jpg").string()},
+                         dir.path(), {}, 120);
+  ASSERT_EQ(icc.exit_code, 0) << icc.err;
+  ASSERT_GT(fs::file_size(dir / "imgs/b/big_header.jpg"), 150000u);
   write_file(dir / "run.toml", R"([trainer]
 accelerator = "cpu"
 max_epochs = 1

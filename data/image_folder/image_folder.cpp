@@ -128,12 +128,12 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
   // The samples whose file is an image this plugin reads; the others stop the run with their path
   // (bad_images = "stop") or are counted and left out ("skip").
   std::vector<Sample> readable(std::vector<Sample> out) {
-    // Headers, in parallel: a file that is not an image is found now, not mid-epoch.
+    // Headers (a file's first 64 KiB), in parallel: a file that is not an image is found now, not mid-epoch.
     std::vector<std::string> errors(out.size());
     at::parallel_for(0, static_cast<int64_t>(out.size()), 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         try {
-          (void)ember::image::probe_image(ember::image::read_file(out[static_cast<size_t>(i)].path), out[static_cast<size_t>(i)].path);
+          (void)ember::image::probe_image_file(out[static_cast<size_t>(i)].path);
         } catch (const std::exception& e) {
           errors[static_cast<size_t>(i)] = e.what();
         }

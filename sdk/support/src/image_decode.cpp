@@ -78,6 +78,21 @@ ImageInfo probe_image(const std::string& bytes, const std::string& path) {
   fail(path, bytes.empty() ? "an empty file" : "neither a JPEG nor a PNG file");
 }
 
+ImageInfo probe_image_file(const std::string& path) {
+  constexpr std::streamsize kHead = 64 * 1024;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ember::RunError("image_folder: cannot read " + path + ": " + std::strerror(errno));
+  std::string head(static_cast<size_t>(kHead), '\0');
+  in.read(head.data(), kHead);
+  head.resize(static_cast<size_t>(in.gcount()));
+  if (in.gcount() < kHead) return probe_image(head, path);  // the whole file
+  try {
+    return probe_image(head, path);
+  } catch (const ember::RunError&) {
+    return probe_image(read_file(path), path);  // the header goes on past the head, or the file is bad
+  }
+}
+
 at::Tensor decode_image(const std::string& bytes, const std::string& path, int denominator) {
   if (is_jpeg(bytes)) {
     JpegDecompress d;

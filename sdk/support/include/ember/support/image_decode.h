@@ -21,6 +21,10 @@ std::string read_file(const std::string& path);
 // Width and height from the header alone. Throws ember::RunError naming `path` (not an image, a
 // format other than JPEG or PNG, a broken header).
 ImageInfo probe_image(const std::string& bytes, const std::string& path);
+// The same for a file, reading only its first 64 KiB (where a header nearly always ends); the
+// whole file only when the header goes on past them (large EXIF or ICC segments). Throws
+// ember::RunError naming `path` when it cannot be read or is not a readable image.
+ImageInfo probe_image_file(const std::string& path);
 // uint8 [height, width, 3]. `denominator` (1, 2, 4 or 8) shrinks a JPEG by that much while
 // decoding (ignored for PNG). Throws ember::RunError naming `path` for corrupt or truncated data
 // (where PIL raises "image file is truncated", libjpeg would only warn and fill the rest with gray).
