@@ -34,6 +34,7 @@
 #include <ember/plugin.h>
 #include <ember/predict.h>
 #include <ember/trainer.h>
+#include <ember/support/held_out_split.h>
 
 #include <ember/model_support/device_copy.h>
 #include <ember/model_support/image_augment.h>
@@ -210,12 +211,9 @@ class FashionMnist final : public ember::IDataModule, public ember::IDeviceData,
 
     // The validation images are chosen by a permutation from a generator seeded with
     // trainer.seed: the same split in every run and on every rank, and never overlapping train.
-    const int64_t n = train.images.size(0);
-    const int64_t n_val = std::min<int64_t>(n - 1, std::llround(val_split_ * static_cast<double>(n)));
-    at::Generator gen = at::detail::createCPUGenerator(setup.seed);
-    const at::Tensor perm = torch::randperm(n, gen, torch::kLong);
-    const at::Tensor val_idx = perm.narrow(0, 0, n_val);
-    at::Tensor train_idx = perm.narrow(0, n_val, n - n_val);
+    const auto split = ember::held_out_split(train.images.size(0), val_split_, setup.seed);
+    const at::Tensor val_idx = split.val();
+    at::Tensor train_idx = split.train();
     // The limit applies after the split, so the validation set does not change with it.
     if (limit_train_ > 0 && limit_train_ < train_idx.size(0)) train_idx = train_idx.narrow(0, 0, limit_train_);
 

@@ -10,6 +10,7 @@
 #include <ember/error.h>
 #include <ember/plugin.h>
 #include <ember/support/image_decode.h>
+#include <ember/support/held_out_split.h>
 #include <ember/support/image_list.h>
 #include <ember/support/image_transforms.h>
 #include <ember/predict.h>
@@ -69,13 +70,12 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
     if (!val_root_.empty()) {
       splits_[1] = readable(ember::image::list_images(val_root_, classes_, "val_root", list_options_));
     } else if (val_split_ > 0) {
-      // A permutation seeded with trainer.seed: the same split in every run and on every rank.
+      // Held out in the files' order (ember/support/held_out_split.h: seeded with trainer.seed).
       const auto n = static_cast<int64_t>(train.size());
-      const int64_t n_val = std::min<int64_t>(n - 1, std::llround(val_split_ * static_cast<double>(n)));
-      at::Generator gen = at::detail::createCPUGenerator(setup.seed);
-      const at::Tensor perm = at::randperm(n, gen, at::kLong);
+      const auto split = ember::held_out_split(n, val_split_, setup.seed);
+      const at::Tensor val = split.val().contiguous();
       std::vector<bool> held(static_cast<size_t>(n), false);
-      for (int64_t i = 0; i < n_val; ++i) held[static_cast<size_t>(perm[i].item<int64_t>())] = true;
+      for (int64_t i = 0; i < split.n_val; ++i) held[static_cast<size_t>(val.data_ptr<int64_t>()[i])] = true;
       std::vector<Sample> kept;
       for (int64_t i = 0; i < n; ++i) (held[static_cast<size_t>(i)] ? splits_[1] : kept).push_back(train[static_cast<size_t>(i)]);
       train = std::move(kept);

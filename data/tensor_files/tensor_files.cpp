@@ -10,6 +10,7 @@
 #include <ember/data.h>
 #include <ember/error.h>
 #include <ember/plugin.h>
+#include <ember/support/held_out_split.h>
 #include <ember/support/npy.h>
 #include <ember/support/safetensors.h>
 
@@ -95,11 +96,8 @@ class TensorFiles final : public ember::IDataModule {
     for (size_t i = 0; i < 3; ++i)
       if (!files_[i].empty()) splits_[i] = load(i);
     if (files_[1].empty() && val_split_ > 0) {
-      const int64_t n = splits_[0].labels.size(0);
-      const int64_t n_val = std::min<int64_t>(n - 1, std::llround(val_split_ * static_cast<double>(n)));
-      at::Generator gen = at::detail::createCPUGenerator(setup.seed);
-      const at::Tensor perm = at::randperm(n, gen, at::kLong);
-      const at::Tensor val = std::get<0>(perm.narrow(0, 0, n_val).sort()), train = std::get<0>(perm.narrow(0, n_val, n - n_val).sort());
+      const auto split = ember::held_out_split(splits_[0].labels.size(0), val_split_, setup.seed);
+      const at::Tensor val = std::get<0>(split.val().sort()), train = std::get<0>(split.train().sort());
       splits_[1] = {splits_[0].inputs.index_select(0, val), splits_[0].labels.index_select(0, val)};
       splits_[0] = {splits_[0].inputs.index_select(0, train), splits_[0].labels.index_select(0, train)};
     }

@@ -24,6 +24,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/StringUtil.h>
+#include <ember/support/held_out_split.h>
 #include <ember/support/table_file.h>
 #include <torch/types.h>
 
@@ -135,12 +136,10 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
       slot(ember::Split::val) = encode(read_rows(val_file_, text_column_, label_column_), val_file_);
     } else {
       const auto n = static_cast<int64_t>(train.ids.size());
-      const int64_t n_val = std::min<int64_t>(n - 1, std::llround(val_split_ * static_cast<double>(n)));
-      at::Generator gen = at::detail::createCPUGenerator(setup.seed);
-      const at::Tensor perm = torch::randperm(n, gen, torch::kLong);
-      const auto* p = perm.data_ptr<int64_t>();
-      slot(ember::Split::val) = subset(train, p, n_val);
-      train = subset(train, p + n_val, n - n_val);
+      const auto split = ember::held_out_split(n, val_split_, setup.seed);
+      const auto* p = split.perm.data_ptr<int64_t>();
+      slot(ember::Split::val) = subset(train, p, split.n_val);
+      train = subset(train, p + split.n_val, n - split.n_val);
     }
     if (limit_train_ > 0 && limit_train_ < static_cast<int64_t>(train.ids.size())) {
       std::vector<int64_t> first(static_cast<size_t>(limit_train_));
