@@ -2,7 +2,7 @@
 # Per-rank host memory at set-up with and without deferred initialisation (docs/parallelism.md):
 # a 16-layer transformer of width 512 (feed-forward 2048; 50.4 M parameters, 192 MB in float32,
 # 12.0 MB a layer) built and set up under sharded stage 3 and offload (offload_params) on 1, 2
-# and 4 CPU ranks, and under single_device. Each rank logs "model set-up: host memory peak +X MB":
+# and 4 CPU ranks (and 4 as 2 pipeline stages x 2 shards), and under single_device. Each rank logs "model set-up: host memory peak +X MB":
 # its resident set's high-water mark from just before the model is built to the end of the
 # strategy's set-up, above what it held before. The table shows rank 0's, next to the model's
 # share per rank (model / N) and that share plus one layer.
@@ -65,4 +65,12 @@ for strategy in sharded offload; do
     w=$(peak --plugins "$strategy" --set "$strategy.timeout=120.0" --set "trainer.devices=$n" --set "$strategy.deferred_init=false" "${extra[@]}")
     echo "| $strategy | $n | $share | $plus | $d | $w | $(python3 -c "print(f'{$d / $w:.2f}')") |"
   done
+  # 2 pipeline stages x 2 shards: the model is built once for its shapes, then each rank keeps its
+  # shard of its own stage.
+  share=$(python3 -c "print(f'{${model_mb} / 4:.1f}')")
+  plus=$(python3 -c "print(f'{${model_mb} / 4 + ${layer_mb}:.1f}')")
+  mesh=(--set "trainer.devices=4" --set "parallelism.pipeline_parallel=2")
+  d=$(peak --plugins "$strategy" --set "$strategy.timeout=120.0" "${mesh[@]}" "${extra[@]}")
+  w=$(peak --plugins "$strategy" --set "$strategy.timeout=120.0" "${mesh[@]}" --set "$strategy.deferred_init=false" "${extra[@]}")
+  echo "| $strategy, 2 stages x 2 shards | 4 | $share | $plus | $d | $w | $(python3 -c "print(f'{$d / $w:.2f}')") |"
 done

@@ -2,7 +2,8 @@
 // and offload every rank builds the model one piece at a time and keeps only its shard. Checked:
 // the initial weights are single_device's and training ends where single_device ends; a rank's
 // host memory peak while the model is built and set up is half the model plus one layer (and the
-// whole model without deferral, so the measure sees it); a dtype-changing precision (64-true)
+// whole model without deferral, so the measure sees it), and a quarter of it plus one layer on 2
+// pipeline stages x 2 shards (built once for the shapes first); a dtype-changing precision (64-true)
 // under offload; ranks whose model initialisation differs are stopped in one line, and train with
 // deferral off.
 #include <gtest/gtest.h>
@@ -55,6 +56,39 @@ void expect_every_element_kept_once(const ProcessResult& r, size_t ranks) {
   EXPECT_GT(whole.front(), 0);
 }
 
+// 16 encoder layers of width 512 (feed-forward 2048): 3,152,384 parameters each, 12.6 MB in
+// float32; 202 MB in all. One optimizer step, no checkpoint: the set-up is what is measured.
+std::string big_transformer_toml(int num_train, int batch_size) {
+  return R"([trainer]
+accelerator = "cpu"
+max_steps = 1
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+enable_checkpointing = false
+[model]
+name = "transformer"
+d_model = 512
+nhead = 4
+dim_feedforward = 2048
+num_layers = 16
+dropout = 0.0
+num_classes = 4
+[data]
+name = "synthetic"
+shape = [2, 512]
+num_classes = 4
+num_train = )" + std::to_string(num_train) + R"(
+num_val = 4
+num_test = 0
+batch_size = )" + std::to_string(batch_size) + R"(
+[optimizer]
+name = "sgd"
+lr = 0.01
+)";
+}
+constexpr double kBigLayerElements = 3 * 512 * 512 + 3 * 512 + 512 * 512 + 512 + 2 * 512 * 2048 + 2048 + 512 + 4 * 512;
+
 }  // namespace
 
 TEST_F(DeferredInit, ShardedRanksStartFromSingleDeviceWeightsAndTrainTheSame) {
@@ -76,36 +110,7 @@ TEST_F(DeferredInit, ShardedRanksStartFromSingleDeviceWeightsAndTrainTheSame) {
 }
 
 TEST_F(DeferredInit, HostPeakAtSetupIsTheShardAndOneLayer) {
-  // 16 encoder layers of width 512 (feed-forward 2048): 3,152,384 parameters each, 12.6 MB in
-  // float32; 202 MB in all. One optimizer step, no checkpoint: the set-up is what is measured.
-  constexpr double kLayerElements = 3 * 512 * 512 + 3 * 512 + 512 * 512 + 512 + 2 * 512 * 2048 + 2048 + 512 + 4 * 512;
-  const std::string run = R"([trainer]
-accelerator = "cpu"
-max_steps = 1
-num_sanity_val_steps = 0
-enable_progress_bar = false
-enable_model_summary = false
-enable_checkpointing = false
-[model]
-name = "transformer"
-d_model = 512
-nhead = 4
-dim_feedforward = 2048
-num_layers = 16
-dropout = 0.0
-num_classes = 4
-[data]
-name = "synthetic"
-shape = [2, 512]
-num_classes = 4
-num_train = 8
-num_val = 4
-num_test = 0
-batch_size = 2
-[optimizer]
-name = "sgd"
-lr = 0.01
-)";
+  const std::string run = big_transformer_toml(8, 2);
   auto peaks = [&](const TempDir& dir, std::vector<std::string> extra) {
     write_file(dir / "run.toml", run);
     std::vector<std::string> args = {"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=2"};
@@ -120,13 +125,57 @@ lr = 0.01
   ASSERT_EQ(whole.size(), 2u) << rw.err;
   const auto model = all_in_log(r.err, R"(this rank kept \d+ of their (\d+) elements)");
   ASSERT_FALSE(model.empty()) << r.err;
-  const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kLayerElements * 4 / mb;
+  const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kBigLayerElements * 4 / mb;
   // Half the model, one layer being built, and a fixed allowance for what else the set-up takes.
   const double bound = model_mb / 2 + layer_mb + 24.0;
   for (double p : deferred) EXPECT_LE(p, bound) << "model " << model_mb << " MB, layer " << layer_mb << " MB\n" << r.err;
   // Built whole, every rank holds the whole model at once: the measure sees it.
   for (double p : whole) EXPECT_GE(p, model_mb) << rw.err;
   EXPECT_EQ(rw.err.find("deferred initialisation:"), std::string::npos) << rw.err;
+}
+
+// Pipeline stages x ZeRO-3 (2 x 2 on 4 ranks): the model is built once for its shapes, then again
+// with each rank keeping its shard of its own stage's pieces only. The initial weights are
+// single_device's, every element is kept by exactly one rank, and a rank's host peak at set-up is
+// a quarter of the model plus one layer (the whole model when built whole).
+TEST_F(DeferredInit, PipelineStagesKeepTheirShardOfTheirStagesOnly) {
+  const std::vector<std::string> mesh = {"--set", "trainer.devices=4", "--set", "parallelism.pipeline_parallel=2", "--set",
+                                         "parallelism.microbatches=2", "--set", "data.batch_size=6"};
+  TempDir single_init("deferred"), staged_init("deferred");
+  transformer_run(single_init, 0, {"--set", "optimizer.lr=1e-30"});
+  write_file(staged_init / "run.toml", transformer_mesh_toml(4));
+  std::vector<std::string> args = {"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=60.0", "--set", "optimizer.lr=1e-30"};
+  for (const auto& a : mesh) args.push_back(a);
+  auto r = run_engine_ok(staged_init, args);
+  EXPECT_NE(r.err.find("deferred initialisation: the model was built once for its shapes; built again, each rank keeps its part of its "
+                       "pipeline stages"),
+            std::string::npos)
+      << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(single_init), last_checkpoint(staged_init)), 1e-20);
+  expect_every_element_kept_once(r, 4);
+
+  // 16 layers of width 512 (202 MB), as above, on 2 stages x 2 shards.
+  const std::string big = big_transformer_toml(16, 2);
+  auto peaks = [&](const TempDir& dir, std::vector<std::string> extra) {
+    write_file(dir / "run.toml", big);
+    std::vector<std::string> a = {"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=4",
+                                  "--set", "parallelism.pipeline_parallel=2", "--set", "data.batch_size=2"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    auto run = run_engine_ok(dir, a);
+    return std::make_pair(all_in_log(run.err, R"(model set-up: host memory peak \+([0-9.]+) MB)"), run);
+  };
+  TempDir deferred_dir("deferred"), whole_dir("deferred");
+  const auto [deferred, rd] = peaks(deferred_dir, {});
+  const auto [whole, rw] = peaks(whole_dir, {"--set", "sharded.deferred_init=false"});
+  ASSERT_EQ(deferred.size(), 4u) << rd.err;
+  ASSERT_EQ(whole.size(), 4u) << rw.err;
+  expect_every_element_kept_once(rd, 4);
+  const auto model = all_in_log(rd.err, R"(this rank kept \d+ of their (\d+) elements)");
+  ASSERT_FALSE(model.empty()) << rd.err;
+  const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kBigLayerElements * 4 / mb;
+  const double bound = model_mb / 4 + layer_mb + 24.0;
+  for (double p : deferred) EXPECT_LE(p, bound) << "model " << model_mb << " MB, layer " << layer_mb << " MB\n" << rd.err;
+  for (double p : whole) EXPECT_GE(p, model_mb) << rw.err;
 }
 
 TEST_F(DeferredInit, OffloadTakesThePiecesInThePrecisionsDtype) {

@@ -8,6 +8,8 @@
 #include <cxxabi.h>
 
 #include <ember/deferred_init.h>
+
+#include <ATen/CPUGeneratorImpl.h>
 #include <ember/precision.h>
 
 #include <csignal>
@@ -115,6 +117,26 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
       ~Withdraw() { host.offer_deferred_init(nullptr); }
     } withdraw{host_};
     if (deferred) host_.offer_deferred_init(runtime->strategy_object().query_interface(kDeferredInitIid));
+    auto* plan = deferred ? static_cast<IDeferredInitPlan*>(runtime->strategy_object().query_interface(kDeferredInitPlanIid)) : nullptr;
+    if (plan && plan->wants_shapes_pass()) {
+      // The strategy decides what this rank keeps from the whole model's shapes (pipeline stages):
+      // a first build gives them, storage-less piece by piece; the second, from the same generator
+      // state, keeps the values (ember/deferred_init.h).
+      at::Generator generator = at::detail::getDefaultCPUGenerator();
+      at::Tensor before;
+      {
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        before = generator.get_state();
+      }
+      make(plugins.model, plan_.model, cfg.section("model"));
+      plan->plan_from_shapes(*plugins.model.object);
+      plugins.model = {};
+      {
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        generator.set_state(before);
+      }
+      if (rank == 0) log::info("deferred initialisation: the model was built once for its shapes; built again, each rank keeps its part of its pipeline stages");
+    }
     make(plugins.model, plan_.model, cfg.section("model"));
   }
   for (const auto* c : plan_.callbacks) {

@@ -6,7 +6,7 @@
 // parallel): the model's own plan splits its layers over T consecutive ranks, which see the same
 // batch, and gradients are averaged over the data-parallel ranks only. With pipeline_parallel =
 // P > 1 the model is also cut into P stages (or P x virtual_stages) at its units, and ddp owns
-// the micro-batch window: each batch runs through the stages on the schedule (pipeline_state.h;
+// the micro-batch window: each batch runs through the stages on the schedule (ember/distributed/pipeline_state.h;
 // docs/parallelism.md).
 #include <ember/error.h>
 #include <ember/plugin.h>
@@ -19,24 +19,22 @@
 
 #include <ember/distributed/communicator.h>
 #include <ember/distributed/device_mesh.h>
+#include <ember/distributed/pipeline_state.h>
 #include <ember/model.h>
 #include <ember/pipeline.h>
 #include <ember/tensor_parallel.h>
 #include <ember/support/grad_util.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
 
 #include "grad_buckets.h"
-#include "pipeline_state.h"
 #include "tensor_parallel_state.h"
 
 namespace {
 
 using namespace ember_dist;
 using ember_ddp::GradBuckets;
-using ember_ddp::PipelineState;
 using ember_ddp::TensorParallelState;
 
 constexpr EmberConfigKey kKeys[] = {
@@ -97,7 +95,7 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
                                " on " + comm_.device().str() +
                                ": pipeline stages exchange activations over Open MPI, on CPU ranks only so far (NCCL's paired "
                                "send/receive is not built); set trainer.accelerator = \"cpu\" or pipeline_parallel = 1");
-    pipeline_ = std::make_unique<PipelineState>(*mesh_, options);
+    pipeline_ = std::make_unique<ember_dist::PipelineState>(*mesh_, options);
   }
   int64_t pipeline_rank() const override { return mesh_ ? mesh_->pipeline_rank() : 0; }
   int64_t pipeline_size() const override { return mesh_ ? mesh_->pipeline_size() : 1; }
@@ -137,8 +135,8 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
     place_module(module);
     if (pipeline_size() > 1) {
       // An engine before SDK 2.6 never set the options: the defaults.
-      if (!pipeline_) pipeline_ = std::make_unique<PipelineState>(*mesh_, ember::PipelineOptions{});
-      pipeline_->cut(model, "", host_);
+      if (!pipeline_) pipeline_ = std::make_unique<ember_dist::PipelineState>(*mesh_, ember::PipelineOptions{});
+      pipeline_->cut(model, "ddp", host_);
       if (buffers_.enabled() && !module.buffers().empty())
         throw ember::ConfigError(where_broadcast_buffers_ + ": ddp.broadcast_buffers = true with pipeline stages: each stage holds "
                                  "other buffers, so rank 0's cannot be broadcast; set broadcast_buffers = false");
@@ -181,7 +179,7 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
 
   std::shared_ptr<torch::optim::Optimizer> setup_optimizer(ember::IOptimizerFactory& factory) override {
     auto optimizer = ember::ReplicatingStrategy::setup_optimizer(factory);
-    if (pipeline_) pipeline_->set_optimizer(*optimizer);
+    if (pipeline_) pipeline_->set_optimizer(*optimizer, trained_parameters());
     return optimizer;
   }
 
@@ -287,13 +285,7 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
       stats = "ddp: " + std::to_string(s.syncs) + " gradient syncs, " + std::to_string(s.all_reduces) + " bucket all-reduces in " +
               std::to_string(s.buckets) + " buckets, " + std::to_string(s.started_early) + " started while backward was still running";
     }
-    if (pipeline_ && pipeline_->runner_ready() && pipeline_->runner().stats().batches > 0) {
-      const auto& p = pipeline_->runner().stats();
-      char line[256];
-      std::snprintf(line, sizeof(line), "; pipeline: %lld training batches, %.1f%% of their time waiting for other stages (the schedule's bubble in theory: %.1f%%)",
-                    static_cast<long long>(p.batches), 100.0 * p.waiting / std::max(p.seconds, 1e-12), 100.0 * pipeline_->theoretical_bubble());
-      stats += line;
-    }
+    if (pipeline_) stats += pipeline_->describe_stats();
     if (mesh_) mesh_->shutdown();
     comm_.teardown(stats);
   }
@@ -323,7 +315,7 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
   BufferBroadcast buffers_;
   std::string where_broadcast_buffers_;
   std::unique_ptr<DeviceMesh> mesh_;
-  std::unique_ptr<PipelineState> pipeline_;
+  std::unique_ptr<ember_dist::PipelineState> pipeline_;
   std::unique_ptr<TensorParallelState> tensor_parallel_;
   std::unique_ptr<GradBuckets> buckets_;
 };

@@ -18,21 +18,38 @@ void DeferredParts::begin(c10::ScalarType dtype, int64_t rank, int64_t world) {
   active_ = true;
 }
 
+void DeferredParts::keep_only(std::vector<bool> keep) {
+  keep_ = std::move(keep);
+  shapes_pass_ = false;
+  arrived_ = 0;
+  seen_.clear();
+}
+
 void DeferredParts::take(torch::nn::Module& module) {
   if (!active_) return;
   at::NoGradGuard no_grad;
   for (auto& t : module.parameters()) {
     const void* impl = t.unsafeGetTensorImpl();
-    if (parts_.count(impl) || !at::isFloatingType(t.scalar_type()) || !t.is_contiguous() || t.numel() == 0) continue;
-    const int64_t numel = t.numel(), chunk = (numel + world_ - 1) / world_;
-    const int64_t valid = std::clamp<int64_t>(numel - rank_ * chunk, 0, chunk);
-    const at::Tensor whole = t.detach().to(dtype_);
-    // Every rank must have built the same values: a fingerprint of each, compared at set-up.
-    fingerprints_.push_back(whole.sum(at::kDouble).item<double>());
-    parts_.emplace(impl, whole.reshape({-1}).narrow(0, std::min(rank_ * chunk, numel), valid).clone());
-    whole_elements_ += numel;
-    kept_elements_ += valid;
-    // The parameter keeps its shape, dtype and identity; its storage goes until set-up.
+    if (seen_.count(impl) || !at::isFloatingType(t.scalar_type()) || !t.is_contiguous() || t.numel() == 0) continue;
+    seen_.insert(impl);
+    const int64_t index = arrived_++;
+    if (shapes_pass_) {
+      arrivals_.push_back(impl);
+    } else {
+      const int64_t numel = t.numel(), chunk = (numel + world_ - 1) / world_;
+      const int64_t valid = std::clamp<int64_t>(numel - rank_ * chunk, 0, chunk);
+      const at::Tensor whole = t.detach().to(dtype_);
+      // Every rank must have built the same values: a fingerprint of each, compared at set-up
+      // (another stage's too: every rank builds every piece).
+      fingerprints_.push_back(whole.sum(at::kDouble).item<double>());
+      whole_elements_ += numel;
+      if (keep_.empty() || (index < static_cast<int64_t>(keep_.size()) && keep_[static_cast<size_t>(index)])) {
+        parts_.emplace(impl, whole.reshape({-1}).narrow(0, std::min(rank_ * chunk, numel), valid).clone());
+        kept_elements_ += valid;
+      }
+    }
+    // The parameter keeps its shape, dtype and identity; its storage goes until set-up (or for
+    // good: the shapes build, another stage's piece).
     t.set_data(at::empty(t.sizes(), t.options().dtype(dtype_)));
     free_storage(t);
   }
@@ -47,6 +64,11 @@ at::Tensor DeferredParts::hand_over(const ShardedParam& p) {
 }
 
 std::string DeferredParts::check(const std::vector<ShardedParam>& params, ember_dist::Communicator& comm, const std::string& name) {
+  if (!keep_.empty() && arrived_ != static_cast<int64_t>(keep_.size()))
+    throw ember::RunError(name + ": deferred initialisation: the model handed over " + std::to_string(arrived_) +
+                          " parameters in its second build and " + std::to_string(keep_.size()) +
+                          " in the first (its shapes); a model's build must depend on its configuration and the seed only. Set " + name +
+                          ".deferred_init = false to build it whole");
   int64_t taken = 0;
   for (const auto& p : params) taken += holds(p) ? 1 : 0;
   if (taken == 0) {

@@ -8,7 +8,7 @@ namespace ember_shard {
 
 // Groups: one per unit the model declares (when it has at least auto_wrap_min_params), and the
 // remaining parameters in runs of consecutive ones of about bucket_cap_mb.
-void ShardTable::build(torch::nn::Module& module, ember::IModel& model, const ZeroOptions& o) {
+void ShardTable::build(torch::nn::Module& module, ember::IModel& model, const ZeroOptions& o, const std::vector<ember::UnitRange>* held) {
   std::unordered_map<const void*, size_t> index_of;
   for (const auto& item : module.named_parameters()) {
     ShardedParam p;
@@ -27,7 +27,14 @@ void ShardTable::build(torch::nn::Module& module, ember::IModel& model, const Ze
   units = static_cast<ember::IUnitModel*>(model.query_interface(ember::kUnitModelIid));
   const int64_t n_units = units ? units->num_units() : 0;
   unit_group.assign(static_cast<size_t>(n_units), kNone);
+  auto is_held = [held](int64_t u) {
+    if (!held) return true;
+    for (const auto& r : *held)
+      if (u >= r.begin && u < r.end) return true;
+    return false;
+  };
   for (int64_t u = 0; u < n_units; ++u) {
+    if (!is_held(u)) continue;  // another pipeline stage's
     std::vector<size_t> members;
     int64_t count = 0;
     for (const auto& t : units->unit_module(u).parameters()) {

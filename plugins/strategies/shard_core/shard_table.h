@@ -4,6 +4,7 @@
 #pragma once
 #include <ember/model.h>
 #include <ember/model_units.h>
+#include <ember/pipeline.h>
 
 #include <torch/nn/module.h>
 
@@ -29,7 +30,9 @@ struct ShardTable {
 
   // The parameters of `module` and their groups. Throws ember::RunError for what cannot be sharded
   // (no parameters, a non-contiguous one, a unit with a parameter outside module() or with mixed dtypes).
-  void build(torch::nn::Module& module, ember::IModel& model, const ZeroOptions& o);
+  // `held`: under pipeline parallelism, the units of this rank's stages (the others left the
+  // module); null: every unit.
+  void build(torch::nn::Module& module, ember::IModel& model, const ZeroOptions& o, const std::vector<ember::UnitRange>* held = nullptr);
   // Chunk, real elements and row offset of every parameter for `rank` of `world`.
   void lay_out(int64_t rank, int64_t world);
   // Once the shards exist: which parameter each optimizer tensor is.

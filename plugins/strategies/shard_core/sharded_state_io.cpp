@@ -30,8 +30,7 @@ at::Tensor ShardedStateIO::gather_whole(const ShardedParam& p, const at::Tensor&
   return out.narrow(0, 0, p.numel).view(p.shape);
 }
 
-c10::Dict<std::string, at::Tensor> ShardedStateIO::full_model_state(torch::nn::Module& module, bool rank0_only) {
-  const bool build = !rank0_only || c_.comm.rank() == 0;
+c10::Dict<std::string, at::Tensor> ShardedStateIO::full_model_state(torch::nn::Module& module, bool build) {
   c10::Dict<std::string, at::Tensor> out;
   for (auto& p : t_.params) {
     at::Tensor whole = gather_whole(p, p.shard);
@@ -95,6 +94,21 @@ std::string ShardedStateIO::full_optimizer_state(torch::optim::Optimizer& optimi
   }
   for (auto& [field, shard] : saved) *field = shard;
   return bytes;
+}
+
+at::Tensor ShardedStateIO::whole_field(const at::Tensor& trained, const at::Tensor& field) {
+  const auto& p = t_.param_of(trained);
+  at::Tensor whole = gather_whole(p, field);
+  return to_whole_ ? to_whole_(p.name, whole) : whole;
+}
+
+at::Tensor ShardedStateIO::part_of_field(const at::Tensor& trained, const at::Tensor& whole) {
+  const auto& p = t_.param_of(trained);
+  at::Tensor field = to_slice_ ? to_slice_(p.name, whole) : whole;
+  if (field.numel() != p.numel)
+    throw ember::RunError("optimizer state of '" + p.name + "' has " + std::to_string(field.numel()) + " elements, the parameter " +
+                          std::to_string(p.numel) + " (saved from another model?)");
+  return ShardTable::my_part(p, field, c_.rank()).to(p.shard.device()).clone();
 }
 
 void ShardedStateIO::load_full_optimizer_state(torch::optim::Optimizer& optimizer, const std::string& bytes) {

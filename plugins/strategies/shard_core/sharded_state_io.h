@@ -19,11 +19,17 @@ class ShardedStateIO {
  public:
   ShardedStateIO(ShardTable& table, ZeroContext ctx) : t_(table), c_(ctx) {}
 
-  c10::Dict<std::string, at::Tensor> full_model_state(torch::nn::Module& module, bool rank0_only);
+  // The whole tensors, built on the ranks where `build` (collective over the shards either way).
+  c10::Dict<std::string, at::Tensor> full_model_state(torch::nn::Module& module, bool build);
   // Throws ember::RunError naming the first tensor that is missing or has another shape.
   void load_full_model_state(torch::nn::Module& module, const c10::Dict<std::string, at::Tensor>& state);
   std::string full_optimizer_state(torch::optim::Optimizer& optimizer, bool rank0_only);
   void load_full_optimizer_state(torch::optim::Optimizer& optimizer, const std::string& bytes);
+  // One optimizer state field of the shard `trained`, whole (collective over the shards and
+  // tensor-parallel ranks), and this rank's part of a whole one: the pieces pipeline stages
+  // build the whole optimizer state from (ember/distributed/pipeline_state.h).
+  at::Tensor whole_field(const at::Tensor& trained, const at::Tensor& field);
+  at::Tensor part_of_field(const at::Tensor& trained, const at::Tensor& whole);
   c10::IValue sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer);
   void load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
                           const std::function<c10::IValue(int64_t)>& read_part);

@@ -40,6 +40,8 @@
 #include <set>
 
 #include <ember/distributed/device_mesh.h>
+#include <ember/distributed/pipeline_state.h>
+#include <ember/pipeline.h>
 #include <ember/support/tensor_parallel.h>
 #include <ember/tensor_parallel.h>
 
@@ -58,7 +60,12 @@ namespace {
 using namespace ember_dist;
 using ember::state_tensors_per_element;
 
-class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, public ember::IDeviceMesh, public ember::IDeferredInit {
+class ZeroStrategy final : public ember::IStrategy,
+                           public ember::IUnitHooks,
+                           public ember::IDeviceMesh,
+                           public ember::IDeferredInit,
+                           public ember::IDeferredInitPlan,
+                           public ember::IPipelineParallel {
  public:
   ZeroStrategy(ember::IHost& host, const ember::IConfig& cfg, ZeroOptions o)
       : host_(host),
@@ -81,18 +88,37 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
     if (std::strcmp(iid, ember::kShardedCheckpointsIid) == 0) return this;
     if (std::strcmp(iid, ember::kDeviceMeshIid) == 0) return static_cast<ember::IDeviceMesh*>(this);
     if (std::strcmp(iid, ember::kDeferredInitIid) == 0) return static_cast<ember::IDeferredInit*>(this);
+    if (std::strcmp(iid, ember::kDeferredInitPlanIid) == 0) return static_cast<ember::IDeferredInitPlan*>(this);
+    if (std::strcmp(iid, ember::kPipelineParallelIid) == 0 && mesh_ && mesh_->pipeline_size() > 1)
+      return static_cast<ember::IPipelineParallel*>(this);
     return nullptr;
   }
 
   // ---- ember::IDeferredInit: the model built piece by piece (docs/parallelism.md) ----
   // Only where a rank holds part of each parameter afterwards: stage 3 keeps its shard on the
   // device, offload its master on the host. Tensor parallelism first splits whole parameters.
+  // Pipeline stages: which pieces a rank keeps is known once the whole model's shapes are (the
+  // stage cut), so the model is built twice (IDeferredInitPlan below).
   bool begin_deferred_init(c10::ScalarType dtype) override {
     if (!o_.deferred_init || (o_.stage < 3 && !o_.offload) || !mesh_ || mesh_->tensor_parallel_size() > 1) return false;
     deferred_.begin(dtype, shard_group_.rank, shard_group_.size);
+    if (mesh_->pipeline_size() > 1) deferred_.begin_shapes_pass();
     return true;
   }
   void parameters_initialised(torch::nn::Module& module) override { deferred_.take(module); }
+  bool wants_shapes_pass() override { return deferred_.active() && deferred_.in_shapes_pass(); }
+  // The stages this rank will hold, cut from the shapes build as setup_module cuts the model; the
+  // parameters still in it are the ones the second build keeps parts of.
+  void plan_from_shapes(ember::IModel& model) override {
+    if (!pipeline_) pipeline_ = std::make_unique<PipelineState>(*mesh_, ember::PipelineOptions{});  // an engine before SDK 2.6
+    const auto mine = pipeline_->stages_of_this_rank(model);  // ConfigError for a model that cannot be cut
+    static_cast<ember::IPipelineModel*>(model.query_interface(ember::kPipelineModelIid))->keep_pipeline_stages(mine);
+    std::set<const void*> held;
+    for (const auto& p : model.module().parameters()) held.insert(p.unsafeGetTensorImpl());
+    std::vector<bool> keep;
+    for (const void* impl : deferred_.arrival_order()) keep.push_back(held.count(impl) != 0);
+    deferred_.keep_only(std::move(keep));
+  }
 
   // ---- processes and the step ----
   bool launch(const ember::LaunchRequest& request, int* exit_code) override {
@@ -110,10 +136,11 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
                                            std::to_string(shard_group_.size) + " ranks; rank " + std::to_string(comm_.rank()) +
                                            " is replica " + std::to_string(replica_group_.rank) + ", shard " + std::to_string(shard_group_.rank));
     auto& data = mesh_->data_parallel();
-    if (mesh_->tensor_parallel_size() > 1)
+    if (mesh_->tensor_parallel_size() > 1 || mesh_->pipeline_size() > 1)
       host_.log(ember::LogLevel::info, o_.name + ": device mesh " + mesh_->describe() + " (sharded over the data-parallel ranks); rank " +
                                            std::to_string(comm_.rank()) + " is data-parallel rank " + std::to_string(data.rank()) +
-                                           ", tensor-parallel rank " + std::to_string(mesh_->tensor_parallel_rank()));
+                                           ", tensor-parallel rank " + std::to_string(mesh_->tensor_parallel_rank()) +
+                                           (mesh_->pipeline_size() > 1 ? ", pipeline rank " + std::to_string(mesh_->pipeline_rank()) : ""));
     return true;
   }
   // ---- ember::IDeviceMesh (before launch: one rank)
@@ -121,6 +148,27 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   int64_t data_parallel_size() const override { return mesh_ ? mesh_->data_parallel_size() : 1; }
   int64_t tensor_parallel_rank() const override { return mesh_ ? mesh_->tensor_parallel_rank() : 0; }
   int64_t tensor_parallel_size() const override { return mesh_ ? mesh_->tensor_parallel_size() : 1; }
+  // ---- ember::IPipelineParallel (answered when the mesh has pipeline stages): each stage's
+  // parameters sharded over its data-parallel ranks (3D with tensor parallelism).
+  void set_pipeline_options(const ember::PipelineOptions& options) override {
+    const std::string degree = "parallelism.pipeline_parallel = " + std::to_string(mesh_->pipeline_size());
+    if (!comm_.device().is_cpu())
+      throw ember::ConfigError(options.where_pipeline_parallel + ": " + degree + " on " + comm_.device().str() +
+                               ": pipeline stages exchange activations over Open MPI, on CPU ranks only so far (NCCL's paired "
+                               "send/receive is not built); set trainer.accelerator = \"cpu\" or pipeline_parallel = 1");
+    if (o_.sharded_checkpoints)
+      throw ember::ConfigError(o_.where_state_dict_type + ": " + o_.name + ".state_dict_type = \"sharded\" does not combine with " + degree +
+                               " yet: use \"full\" (whole checkpoints, which resume under any mesh)");
+    pipeline_ = std::make_unique<PipelineState>(*mesh_, options);
+  }
+  int64_t pipeline_rank() const override { return mesh_ ? mesh_->pipeline_rank() : 0; }
+  int64_t pipeline_size() const override { return mesh_ ? mesh_->pipeline_size() : 1; }
+  at::Tensor pipeline_train_batch(const ember::Batch& batch, ember::IModel& model, ember::IStepContext& ctx, ember::IPrecision& precision,
+                                  double loss_divisor, bool sync_gradients) override;
+  at::Tensor pipeline_evaluate_batch(const ember::Batch& batch, ember::IModel&, ember::IStepContext& ctx) override {
+    return pipeline_->runner().evaluate(batch, pipeline_->model(), ctx);
+  }
+
   c10::Device root_device() const override { return comm_.device(); }
   int64_t rank() const override { return comm_.rank(); }
   int64_t world_size() const override { return comm_.world(); }
@@ -139,9 +187,13 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
       throw;
     }
     reducer_.end();
-    // Sequence parallelism: a norm's or bias's gradient is a partial sum on each tensor-parallel
-    // rank; the peers hold the same shard of it (same data-parallel rank), so the shards are summed.
-    if (sync_gradients && !summed_.empty()) {
+    if (sync_gradients) sum_sequence_parallel_gradients();
+  }
+
+  // Sequence parallelism: a norm's or bias's gradient is a partial sum on each tensor-parallel
+  // rank; the peers hold the same shard of it (same data-parallel rank), so the shards are summed.
+  void sum_sequence_parallel_gradients() {
+    if (!summed_.empty()) {
       std::vector<at::Tensor> grads;
       for (const auto& p : table_.params)
         if (summed_.count(p.name) && p.shard.grad().defined() && p.shard.grad().numel() > 0) grads.push_back(p.shard.grad());
@@ -179,6 +231,7 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
     for (auto& group : optimizer.param_groups())
       for (auto& t : group.params()) {
         if (!t.grad().defined() || t.grad().numel() == 0) continue;
+        if (pipeline_ && !pipeline_->counted_in_norm(t)) continue;  // a shared parameter: the first stage counts it
         const bool split = !tensor_parallel_.empty() && tensor_parallel_.count(table_.params[table_.param_of_shard.at(t.unsafeGetTensorImpl())].name);
         (split ? sliced : replicated) += t.grad().detach().to(at::kDouble).pow(2).sum();
       }
@@ -187,8 +240,9 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
       // The shards of one copy of the model (every rank, or one replica under hybrid sharding).
       total = shard_group_.size > 1 ? sum_over(replicated, *shard_group_.backend, "gradient norm") : replicated;
     } else {
-      if (replica_group_.size > 1) {
-        // Hybrid sharding: one replica's ranks (its shards x the tensor-parallel slices), not every rank.
+      if (replica_group_.size > 1 || pipeline_) {
+        // Hybrid sharding: one replica's ranks (its shards x the tensor-parallel slices), not every
+        // rank; pipeline stages: one stage's (the stages are summed below).
         if (shard_group_.size > 1) sliced = sum_over(sliced, *shard_group_.backend, "gradient norm (split parameters, shards)");
         total = sum_over(sliced, *mesh_->tensor_parallel().backend(), "gradient norm (split parameters, slices)");
       } else {
@@ -197,6 +251,11 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
       if (shard_group_.size > 1) total = total + sum_over(replicated, *shard_group_.backend, "gradient norm (replicated parameters)");
       else total = total + replicated.to(total.device());
     }
+    // Pipeline stages: each holds other parameters.
+    if (pipeline_) {
+      total = total.to(comm_.device()).reshape({1}).contiguous();
+      mesh_->pipeline().all_reduce(total, ember::ReduceOp::sum, "gradient norm (stages)");
+    }
     total = total.to(where).sqrt();
     auto coef = (max / (total + 1e-6)).clamp_max(1.0);
     for (const auto& g : grads) g.mul_(coef.to(g.scalar_type()));
@@ -204,9 +263,10 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   }
 
   // A sum (a metric's total) counts each batch once: over the data-parallel ranks, whose
-  // tensor-parallel peers hold the same value; the other reductions go over every rank.
+  // tensor-parallel peers and pipeline stages hold the same value; the other reductions go over
+  // every rank.
   at::Tensor reduce(const at::Tensor& value, ember::ReduceOp op) override {
-    if (op != ember::ReduceOp::sum || tensor_parallel_size() == 1) return comm_.reduce(value, op);
+    if (op != ember::ReduceOp::sum || data_parallel_size() == world_size()) return comm_.reduce(value, op);
     at::Tensor t = value.detach().to(comm_.device(), /*non_blocking=*/false, /*copy=*/true).contiguous();
     mesh_->data_parallel().all_reduce(t, op, "metric reduction");
     return t.to(value.device());
@@ -234,6 +294,7 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
                 " while backward was still running, " + describe_bytes(stats_.host_bytes) + "), " + std::to_string(stats_.steps) +
                 " host optimizer steps";
     }
+    if (pipeline_) line += pipeline_->describe_stats();
     if (mesh_) mesh_->shutdown();
     comm_.teardown(line);
   }
@@ -258,7 +319,7 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   std::shared_ptr<torch::optim::Optimizer> setup_optimizer(ember::IOptimizerFactory& factory) override;
 
   void forward_begin(bool grad_enabled) override {
-    buffers_.before_forward(*module_, comm_);
+    if (!pipeline_) buffers_.before_forward(*module_, comm_);  // each stage holds other buffers
     forward_grad_ = grad_enabled;
     if (o_.stage == 3)
       for (size_t g = 0; g < table_.groups.size(); ++g)
@@ -286,13 +347,27 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
     else gather_.release_all();
   }
 
-  c10::Dict<std::string, at::Tensor> full_model_state(bool rank0_only) override { return io_.full_model_state(*module_, rank0_only); }
+  // Under pipeline parallelism each stage's whole tensors (gathered from its shards and slices)
+  // are merged in the whole model's order.
+  c10::Dict<std::string, at::Tensor> full_model_state(bool rank0_only) override {
+    if (!pipeline_) return io_.full_model_state(*module_, !rank0_only || comm_.rank() == 0);
+    const bool part = !rank0_only || (data_parallel_rank() == 0 && tensor_parallel_rank() == 0);
+    return pipeline_->merge_model_state(io_.full_model_state(*module_, part), !rank0_only || comm_.rank() == 0, !rank0_only);
+  }
   void load_full_model_state(const c10::Dict<std::string, at::Tensor>& state) override {
     io_.load_full_model_state(*module_, state);
     parameters_changed();
   }
-  std::string full_optimizer_state(bool rank0_only) override { return io_.full_optimizer_state(*optimizer_, rank0_only); }
-  void load_full_optimizer_state(const std::string& bytes) override { io_.load_full_optimizer_state(*optimizer_, bytes); }
+  std::string full_optimizer_state(bool rank0_only) override {
+    if (!pipeline_) return io_.full_optimizer_state(*optimizer_, rank0_only);
+    return pipeline_->full_optimizer_state(*optimizer_, !rank0_only || comm_.rank() == 0, !rank0_only,
+                                           [this](const at::Tensor& shard, const at::Tensor& field) { return io_.whole_field(shard, field); });
+  }
+  void load_full_optimizer_state(const std::string& bytes) override {
+    if (!pipeline_) return io_.load_full_optimizer_state(*optimizer_, bytes);
+    pipeline_->load_full_optimizer_state(*optimizer_, bytes,
+                                         [this](const at::Tensor& shard, const at::Tensor& whole) { return io_.part_of_field(shard, whole); });
+  }
 
   // ---- sharded checkpoints ----
   bool sharded_checkpoints() const override { return o_.sharded_checkpoints; }
@@ -320,8 +395,10 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   void before_unit_backward(int64_t unit) override {
     // The unit after this one has finished its backward (its input is this unit's output): a
     // unit with frozen parameters kept them for it (gradient_reducer.cpp) and lets them go now.
+    // In a pipeline window no gradient is reduced before the window ends (pipeline_train_batch),
+    // so nothing else lets the finished unit go.
     const size_t done = table_.group_of_unit(unit + 1);
-    if (done != kNone && table_.has_frozen(done)) gather_.release(done);
+    if (done != kNone && (table_.has_frozen(done) || in_pipeline_window_)) gather_.release(done);
     const size_t g = table_.group_of_unit(unit);
     if (g == kNone) return;
     gather_.materialize(g);
@@ -342,6 +419,9 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
     return v.front();
   }
   void split_tensor_parallel(ember::IModel& model);
+  void cut_pipeline_stages(ember::IModel& model);
+  // Rank 0's whole model (parameters and buffers) to every rank, before it is cut or split.
+  void broadcast_whole_model();
   // Rank 0's parameters (those built whole) and buffers to every rank.
   void broadcast_initial_state();
   void place_parameters();
@@ -365,9 +445,42 @@ class ZeroStrategy final : public ember::IStrategy, public ember::IUnitHooks, pu
   ShardedStateIO io_;
   torch::nn::Module* module_ = nullptr;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
-  bool forward_grad_ = false, ready_ = false, broadcast_done_ = false;
+  bool forward_grad_ = false, ready_ = false, broadcast_done_ = false, buffers_done_ = false;
   DeferredParts deferred_;  // the model's parts taken while it was built (deferred initialisation)
+  std::unique_ptr<PipelineState> pipeline_;  // the model cut into stages (pipeline_parallel > 1)
+  bool in_pipeline_window_ = false;
 };
+
+// Pipeline stages under ZeRO: the stage's micro-batches add to whole gradients (stage 3 gathers
+// each unit for its forward and again for its backward, and frees it after), and the window's
+// gradients are reduce-scattered once, after its last batch: a stage's micro-batch backwards are
+// interleaved with other stages' work, so none is the one to overlap the reduction with (stage 2
+// thus keeps whole gradients during the window, as stage 1 does; FSDP with pipelines does the same
+// with its gradient sync off until the last micro-batch).
+at::Tensor ZeroStrategy::pipeline_train_batch(const ember::Batch& batch, ember::IModel&, ember::IStepContext& ctx,
+                                              ember::IPrecision& precision, double loss_divisor, bool sync_gradients) {
+  at::Tensor loss;
+  in_pipeline_window_ = true;
+  reducer_.begin(false);
+  try {
+    loss = pipeline_->runner().train(batch, pipeline_->model(), ctx, [&](const at::Tensor& l) {
+      precision.backward(loss_divisor != 1.0 ? l / loss_divisor : l);
+    });
+    reducer_.end();
+    in_pipeline_window_ = false;
+    if (sync_gradients) {
+      pipeline_->sum_shared_gradients();  // a tied embedding's copies on the first and last stage
+      reducer_.begin(true);
+      reducer_.end();  // every group reduce-scattered now, in order
+      sum_sequence_parallel_gradients();
+    }
+  } catch (...) {
+    in_pipeline_window_ = false;
+    reducer_.abandon();
+    throw;
+  }
+  return loss;
+}
 
 
 // 2D: the model, whole and equal on every rank (rank 0's weights), keeps each rank's
@@ -383,21 +496,7 @@ void ZeroStrategy::split_tensor_parallel(ember::IModel& model) {
   if (o_.sharded_checkpoints)
     throw ember::ConfigError(o_.where_state_dict_type + ": " + o_.name + ".state_dict_type = \"sharded\" does not combine with parallelism.tensor_parallel = " +
                              std::to_string(tp) + " yet: use \"full\" (whole checkpoints, which resume under any mesh)");
-  if (o_.offload) {
-    // Offload keeps the whole model off the device: rank 0's weights travel one tensor at a time
-    // (through the device, for NCCL) into the host module, which is then split on the host.
-    at::NoGradGuard no_grad;
-    int i = 0;
-    for (auto& t : module_->parameters()) {
-      at::Tensor staged = t.detach().to(comm_.device()).clone();
-      comm_.broadcast_from_zero(staged, "initial parameter " + std::to_string(i++));
-      t.detach().copy_(staged);
-    }
-  } else {
-    module_->to(comm_.device());
-    comm_.broadcast_module_from_zero(*module_);
-  }
-  broadcast_done_ = true;
+  broadcast_whole_model();
   auto& group = mesh_->tensor_parallel();
   const int64_t whole = parameter_elements(*module_);
   for (auto& s : plan->parallelize_tensors(group)) {
@@ -418,10 +517,57 @@ void ZeroStrategy::split_tensor_parallel(ember::IModel& model) {
       });
 }
 
+void ZeroStrategy::broadcast_whole_model() {
+  if (broadcast_done_) return;
+  if (o_.offload || deferred_.active()) {
+    // Offload keeps the whole model off the device: rank 0's weights (and buffers) travel one
+    // tensor at a time (through the device, for NCCL) into the host module. A parameter taken
+    // while the model was built has no storage (every rank built the same values: checked at
+    // set-up), so it is not sent.
+    at::NoGradGuard no_grad;
+    int i = 0;
+    for (auto& t : module_->parameters()) {
+      if (deferred_.taken(t)) {
+        ++i;
+        continue;
+      }
+      at::Tensor staged = t.detach().to(comm_.device()).clone();
+      comm_.broadcast_from_zero(staged, "initial parameter " + std::to_string(i++));
+      t.detach().copy_(staged);
+    }
+    i = 0;
+    for (auto& b : module_->buffers()) {
+      at::Tensor staged = b.detach().to(comm_.device()).clone();
+      comm_.broadcast_from_zero(staged, "initial buffer " + std::to_string(i++));
+      b.detach().copy_(staged);
+    }
+  } else {
+    module_->to(comm_.device());
+    comm_.broadcast_module_from_zero(*module_);
+  }
+  broadcast_done_ = buffers_done_ = true;
+}
+
+// 3D: the whole model, equal on every rank, keeps this rank's pipeline stages (then its
+// tensor-parallel slices of them); ZeRO shards what is left over the stage's data-parallel ranks.
+void ZeroStrategy::cut_pipeline_stages(ember::IModel& model) {
+  if (!pipeline_) pipeline_ = std::make_unique<PipelineState>(*mesh_, ember::PipelineOptions{});  // an engine before SDK 2.6
+  broadcast_whole_model();  // before the cut: afterwards each stage holds other tensors
+  pipeline_->cut(model, o_.name, host_);
+  if (buffers_.enabled() && !module_->buffers().empty())
+    throw ember::ConfigError(o_.where_broadcast_buffers + ": " + o_.name + ".broadcast_buffers = true with pipeline stages: each stage "
+                             "holds other buffers, so rank 0's cannot be broadcast; set broadcast_buffers = false");
+}
+
 void ZeroStrategy::setup_module(ember::IModel& model) {
   module_ = &model.module();
+  std::vector<ember::UnitRange> stages;
+  if (mesh_->pipeline_size() > 1) {
+    cut_pipeline_stages(model);
+    stages = pipeline_->my_stages();
+  }
   if (mesh_->tensor_parallel_size() > 1) split_tensor_parallel(model);
-  table_.build(*module_, model, o_);
+  table_.build(*module_, model, o_, pipeline_ ? &stages : nullptr);
   table_.lay_out(shard_group_.rank, shard_group_.size);
   if (deferred_.active()) host_.log(ember::LogLevel::info, deferred_.check(table_.params, comm_, o_.name));
   if (o_.offload) offload_parameters();
@@ -519,7 +665,8 @@ void ZeroStrategy::offload_parameters() {
   }
   for (auto& b : module_->buffers()) b.set_data(b.to(device));
   int i = 0;
-  for (auto& b : module_->buffers()) comm_.broadcast_from_zero(b, "initial buffer " + std::to_string(i++));
+  if (!buffers_done_)
+    for (auto& b : module_->buffers()) comm_.broadcast_from_zero(b, "initial buffer " + std::to_string(i++));
   // Stage 3 frees parameters: everything gathered starts released.
   for (auto& grp : table_.groups) grp.materialized = o_.stage < 3;
 }
@@ -532,6 +679,7 @@ std::shared_ptr<torch::optim::Optimizer> ZeroStrategy::setup_optimizer(ember::IO
     for (auto& t : group.params())
       if (!table_.param_of_shard.count(t.unsafeGetTensorImpl()))
         throw ember::RunError(o_.name + ": the optimizer holds a tensor that is not one of this strategy's shards (a bug)");
+  if (pipeline_) pipeline_->set_optimizer(*optimizer_, named);
   if (o_.offload) {
     // The optimizer creates its state on the first step: make sure the host has room for it now.
     int64_t need = 0;
@@ -557,6 +705,7 @@ ZeroOptions read_zero_options(std::string name, const ember::IConfig& cfg) {
   o.broadcast_buffers = cfg.get_bool("broadcast_buffers");
   o.sharded_checkpoints = cfg.get_string("state_dict_type") == "sharded";
   o.where_state_dict_type = cfg.where("state_dict_type");
+  o.where_broadcast_buffers = cfg.where("broadcast_buffers");
   o.deferred_init = cfg.get_bool("deferred_init");
   return o;
 }

@@ -35,6 +35,7 @@ struct ZeroOptions {
   std::optional<at::ScalarType> compute_dtype;    // device copy of the weights; none: the module's
   std::string where_max_host;                     // config location, for the memory error line
   std::string where_state_dict_type;              // config location of state_dict_type
+  std::string where_broadcast_buffers;            // config location of broadcast_buffers
   bool deferred_init = true;                      // take the model piece by piece as it is built
 };
 

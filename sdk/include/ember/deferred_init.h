@@ -1,4 +1,4 @@
-// Deferred initialisation (SDK 2.10): a model too large for one rank's host memory is built one
+// Deferred initialisation (SDK 2.10; pipeline stages 2.11): a model too large for one rank's host memory is built one
 // piece at a time, each rank keeping only what it will hold once the strategy has sharded it.
 //
 // A model calls ember::parameters_initialised(host, piece) as soon as a piece (a unit, the
@@ -40,6 +40,28 @@ class EMBER_SDK_API IDeferredInit {
   // `module`'s parameters hold their initial values: keep this rank's part of each floating-point
   // one and free its storage. Parameters already taken are skipped (a module may be passed twice).
   virtual void parameters_initialised(torch::nn::Module& module) = 0;
+};
+
+class IModel;
+
+// SDK 2.11: a strategy that knows what a rank keeps only once it has seen the whole model's shapes
+// (pipeline stages: the cut balances the units' parameter counts, and the model says which of its
+// other parameters, embeddings or head, go with which stage) answers this too
+// (IStrategy::query_interface). When wants_shapes_pass() says so after begin_deferred_init, the
+// engine builds the model twice: first for its shapes (every piece handed to
+// parameters_initialised loses its storage and nothing is kept), shown to plan_from_shapes and
+// destroyed; then, with the random generator put back where it was before the first build, again,
+// the strategy keeping its part of the pieces its plan chose and freeing the others whole. Both
+// builds must hand over the same pieces in the same order (they do: the same code and seed).
+inline constexpr const char* kDeferredInitPlanIid = "ember.IDeferredInitPlan/1";
+class EMBER_SDK_API IDeferredInitPlan {
+ public:
+  virtual ~IDeferredInitPlan() = default;
+  virtual bool wants_shapes_pass() = 0;
+  // The first build, whole (storage-less where pieces were handed over): decide what this rank
+  // keeps. The strategy may change the model (cut it); it is destroyed afterwards. Throws
+  // ember::ConfigError where the model cannot be parallelised as configured.
+  virtual void plan_from_shapes(IModel& model) = 0;
 };
 
 // What a model calls (a no-op when nothing defers).

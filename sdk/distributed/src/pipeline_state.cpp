@@ -1,4 +1,4 @@
-#include "pipeline_state.h"
+#include "ember/distributed/pipeline_state.h"
 
 #include <ember/error.h>
 #include <ember/model_units.h>
@@ -10,12 +10,13 @@
 #include <torch/serialize.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <numeric>
 #include <optional>
 #include <set>
 #include <sstream>
 
-namespace ember_ddp {
+namespace ember_dist {
 
 namespace {
 
@@ -24,13 +25,6 @@ std::string pickled(const c10::IValue& value) {
   return std::string(bytes.begin(), bytes.end());
 }
 c10::IValue unpickled(const std::string& bytes) { return torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())); }
-
-// Names by tensor, for the optimizer's groups.
-std::map<const void*, std::string> names_of(torch::nn::Module& module) {
-  std::map<const void*, std::string> out;
-  for (const auto& p : module.named_parameters()) out.emplace(p.value().unsafeGetTensorImpl(), p.key());
-  return out;
-}
 
 }  // namespace
 
@@ -52,9 +46,9 @@ PipelineState::PipelineState(ember_dist::DeviceMesh& mesh, const ember::Pipeline
                              " with schedule = \"interleaved_1f1b\" must be a multiple of pipeline_parallel = " + std::to_string(p));
 }
 
-void PipelineState::cut(ember::IModel& model, const std::string& model_name, ember::IHost& host) {
+std::vector<ember::UnitRange> PipelineState::plan(ember::IModel& model) {
   const int64_t p = mesh_.pipeline_size(), stages = p * virtual_stages_;
-  const std::string who = model_name.empty() ? std::string("the model") : "model '" + model_name + "'";
+  const std::string who = "the model";
   const std::string degrees = "parallelism.pipeline_parallel = " + std::to_string(p) +
                               (virtual_stages_ > 1 ? " x virtual_stages = " + std::to_string(virtual_stages_) : std::string());
   model_ = static_cast<ember::IPipelineModel*>(model.query_interface(ember::kPipelineModelIid));
@@ -89,6 +83,20 @@ void PipelineState::cut(ember::IModel& model, const std::string& model_name, emb
   std::vector<ember::UnitRange> ranges;
   for (int64_t s = 0, begin = 0; s < stages; begin += sizes[static_cast<size_t>(s)], ++s)
     ranges.push_back({begin, begin + sizes[static_cast<size_t>(s)]});
+  return ranges;
+}
+
+std::vector<ember::UnitRange> PipelineState::stages_of_this_rank(ember::IModel& model) {
+  const auto ranges = plan(model);
+  const int64_t p = mesh_.pipeline_size();
+  std::vector<ember::UnitRange> mine;
+  for (int64_t c = 0; c < virtual_stages_; ++c) mine.push_back(ranges[static_cast<size_t>(c * p + mesh_.pipeline_rank())]);
+  return mine;
+}
+
+void PipelineState::cut(ember::IModel& model, const std::string& strategy, ember::IHost& host) {
+  const auto ranges = plan(model);
+  auto* units = static_cast<ember::IUnitModel*>(model.query_interface(ember::kUnitModelIid));
   auto& module = model.module();
   int64_t k = 0;
   for (const auto& t : module.named_parameters()) order_.emplace(t.key(), k++);
@@ -97,12 +105,17 @@ void PipelineState::cut(ember::IModel& model, const std::string& model_name, emb
   runner_ = std::make_unique<ember_dist::PipelineRunner>(mesh_.pipeline(), kind_, microbatches_, ranges);
   model_->keep_pipeline_stages(runner_->my_stages());
   module_ = &module;
-  host.log(ember::LogLevel::info, "ddp: " + runner_->describe([&](int64_t u) { return units->unit_name(u); }) + "; this rank holds " +
+  host.log(ember::LogLevel::info, strategy + ": " + runner_->describe([&](int64_t u) { return units->unit_name(u); }) + "; this rank holds " +
                                       std::to_string(ember_dist::parameter_elements(module)) + " parameter elements");
 }
 
-void PipelineState::set_optimizer(torch::optim::Optimizer& optimizer) {
-  const auto names = names_of(*module_);
+void PipelineState::set_optimizer(torch::optim::Optimizer& optimizer, const std::vector<ember::NamedTensor>& trained) {
+  trained_.clear();
+  for (const auto& t : trained) {
+    trained_.emplace(t.tensor.unsafeGetTensorImpl(), t.name);
+    if (!device_) device_ = t.tensor.device();
+  }
+  const auto& names = trained_;
   c10::impl::GenericList mine(c10::ListType::create(c10::StringType::get()));
   for (auto& group : optimizer.param_groups()) {
     c10::List<std::string> g;
@@ -114,7 +127,7 @@ void PipelineState::set_optimizer(torch::optim::Optimizer& optimizer) {
   for (size_t r = 0; r < all.size(); ++r) {
     const auto list = unpickled(all[r]).toList();
     if (list.size() != groups_.size())
-      throw ember::RunError("ddp: the optimizer has " + std::to_string(groups_.size()) + " parameter groups on pipeline stage " +
+      throw ember::RunError("pipeline: the optimizer has " + std::to_string(groups_.size()) + " parameter groups on pipeline stage " +
                             std::to_string(mesh_.pipeline_rank()) + " and " + std::to_string(list.size()) + " on stage " +
                             std::to_string(r) + ": under pipeline parallelism every stage's configure_optimizers must build the same groups");
     for (size_t g = 0; g < list.size(); ++g)
@@ -142,11 +155,12 @@ void PipelineState::set_optimizer(torch::optim::Optimizer& optimizer) {
   }
   for (const auto& s : shared_)
     if (s.shape.empty())
-      throw ember::RunError("ddp: the model names '" + s.name + "' as shared by pipeline stages, but no stage holds it (a model bug)");
+      throw ember::RunError("pipeline: the model names '" + s.name + "' as shared by pipeline stages, but no stage holds it (a model bug)");
   // Counted in the norm by the first stage only.
   if (mesh_.pipeline_rank() != 0)
-    for (const auto& s : shared_)
-      if (const at::Tensor* p = params.find(s.name)) not_in_norm_.insert(p->unsafeGetTensorImpl());
+    for (const auto& [impl, name] : trained_)
+      for (const auto& s : shared_)
+        if (s.name == name) not_in_norm_.insert(impl);
 }
 
 void PipelineState::sum_shared_gradients() {
@@ -160,10 +174,19 @@ void PipelineState::sum_shared_gradients() {
   }
 }
 
-bool PipelineState::counted_in_norm(const at::Tensor& param) const { return not_in_norm_.count(param.unsafeGetTensorImpl()) == 0; }
+bool PipelineState::counted_in_norm(const at::Tensor& trained) const { return not_in_norm_.count(trained.unsafeGetTensorImpl()) == 0; }
 
 double PipelineState::theoretical_bubble() const {
   return ember_dist::theoretical_bubble(kind_, mesh_.pipeline_size(), microbatches_, virtual_stages_);
+}
+
+std::string PipelineState::describe_stats() const {
+  if (!runner_ || runner_->stats().batches == 0) return "";
+  const auto& p = runner_->stats();
+  char line[256];
+  std::snprintf(line, sizeof(line), "; pipeline: %lld training batches, %.1f%% of their time waiting for other stages (the schedule's bubble in theory: %.1f%%)",
+                static_cast<long long>(p.batches), 100.0 * p.waiting / std::max(p.seconds, 1e-12), 100.0 * theoretical_bubble());
+  return line;
 }
 
 at::Tensor PipelineState::sum_over_stages(const at::Tensor& squared) {
@@ -188,7 +211,8 @@ c10::Dict<std::string, at::Tensor> PipelineState::merge_model_state(const c10::D
 
 std::vector<std::vector<at::Tensor>> PipelineState::widen_groups(torch::optim::Optimizer& optimizer, std::vector<at::Tensor>* stand_ins) {
   std::map<std::string, at::Tensor> own;
-  for (const auto& p : module_->named_parameters()) own.emplace(p.key(), p.value());
+  for (auto& group : optimizer.param_groups())
+    for (const auto& t : group.params()) own.emplace(trained_.at(t.unsafeGetTensorImpl()), t);
   std::vector<std::vector<at::Tensor>> saved;
   for (size_t g = 0; g < groups_.size(); ++g) {
     auto& params = optimizer.param_groups()[g].params();
@@ -209,8 +233,8 @@ std::vector<std::vector<at::Tensor>> PipelineState::widen_groups(torch::optim::O
 
 std::string PipelineState::full_optimizer_state(torch::optim::Optimizer& optimizer, bool build, bool all,
                                                 const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& whole_field) {
-  // This stage's state, whole (every rank: the tensor-parallel gather is collective), by name.
-  const auto names = names_of(*module_);
+  // This stage's state, whole (every rank: the gathers are collective), by name.
+  const auto& names = trained_;
   c10::impl::GenericDict mine(c10::StringType::get(), c10::AnyType::get());
   std::map<const void*, std::map<std::string, at::Tensor>> whole;
   torch::optim::OptimizerParamState* model_state = nullptr;
@@ -236,7 +260,7 @@ std::string PipelineState::full_optimizer_state(torch::optim::Optimizer& optimiz
     for (const auto& e : unpickled(parts[r]).toGenericDict()) remote.emplace(e.key().toStringRef(), e.value().toGenericDict());
   }
   if (!remote.empty() && !model_state)
-    throw ember::RunError("ddp: pipeline stage " + std::to_string(mesh_.pipeline_rank()) +
+    throw ember::RunError("pipeline: stage " + std::to_string(mesh_.pipeline_rank()) +
                           " holds no optimizer state while other stages do: cannot write the whole optimizer state");
   // torch::save over the whole model's groups: own parameters with their whole fields, a stand-in
   // for each other stage's parameter with a copy of this stage's state object (same optimizer,
@@ -265,7 +289,7 @@ std::string PipelineState::full_optimizer_state(torch::optim::Optimizer& optimiz
         auto state = model_state->clone();
         ember::for_each_state_tensor(*state, [&](const char* field, at::Tensor& value) {
           if (!it->second.contains(field))
-            throw ember::RunError("ddp: pipeline stages disagree on the optimizer's state fields ('" + std::string(field) + "' of '" + name + "')");
+            throw ember::RunError("pipeline: the stages disagree on the optimizer's state fields ('" + std::string(field) + "' of '" + name + "')");
           value = it->second.at(field).toTensor();
         });
         optimizer.state()[stand_in.unsafeGetTensorImpl()] = std::move(state);
@@ -287,9 +311,7 @@ std::string PipelineState::full_optimizer_state(torch::optim::Optimizer& optimiz
 
 void PipelineState::load_full_optimizer_state(torch::optim::Optimizer& optimizer, const std::string& bytes,
                                               const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& to_part) {
-  std::optional<c10::Device> device;
-  for (const auto& p : module_->parameters())
-    if (!device) device = p.device();
+  const std::optional<c10::Device> device = device_;
   std::vector<at::Tensor> stand_ins;
   auto saved_groups = widen_groups(optimizer, &stand_ins);
   auto restore = [&] {
@@ -314,4 +336,4 @@ void PipelineState::load_full_optimizer_state(torch::optim::Optimizer& optimizer
     }
 }
 
-}  // namespace ember_ddp
+}  // namespace ember_dist
