@@ -3,7 +3,8 @@
 // the initial weights are single_device's and training ends where single_device ends; a rank's
 // host memory peak while the model is built and set up is half the model plus one layer (and the
 // whole model without deferral, so the measure sees it), and a quarter of it plus one layer on 2
-// pipeline stages x 2 shards (built once for the shapes first); a dtype-changing precision (64-true)
+// pipeline stages x 2 shards (built once for the shapes first), and half of it plus one layer on
+// ddp's 2 stages; a dtype-changing precision (64-true)
 // under offload; ranks whose model initialisation differs are stopped in one line, and train with
 // deferral off.
 #include <gtest/gtest.h>
@@ -174,6 +175,43 @@ TEST_F(DeferredInit, PipelineStagesKeepTheirShardOfTheirStagesOnly) {
   ASSERT_FALSE(model.empty()) << rd.err;
   const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kBigLayerElements * 4 / mb;
   const double bound = model_mb / 4 + layer_mb + 24.0;
+  for (double p : deferred) EXPECT_LE(p, bound) << "model " << model_mb << " MB, layer " << layer_mb << " MB\n" << rd.err;
+  for (double p : whole) EXPECT_GE(p, model_mb) << rw.err;
+}
+
+// ddp's stages (2 ranks, each a stage): the same shapes build, each rank keeping its stage's
+// parameters whole. single_device's initial weights, and a host peak of half the model plus one
+// layer (the whole model when built whole).
+TEST_F(DeferredInit, DdpStagesKeepTheirStagesOnly) {
+  const std::vector<std::string> mesh = {"--plugins", "ddp", "--set", "ddp.timeout=60.0", "--set", "trainer.devices=2",
+                                         "--set", "parallelism.pipeline_parallel=2", "--set", "parallelism.microbatches=2"};
+  TempDir single_init("deferred"), staged_init("deferred");
+  transformer_run(single_init, 0, {"--set", "optimizer.lr=1e-30"});
+  write_file(staged_init / "run.toml", transformer_mesh_toml(4));
+  std::vector<std::string> args = mesh;
+  for (const char* a : {"run.toml", "--set", "optimizer.lr=1e-30"}) args.push_back(a);
+  auto r = run_engine_ok(staged_init, args);
+  EXPECT_NE(r.err.find("deferred initialisation: the model was built once for its shapes"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(single_init), last_checkpoint(staged_init)), 1e-20);
+  expect_every_element_kept_once(r, 2);
+
+  auto peaks = [&](const TempDir& dir, std::vector<std::string> extra) {
+    write_file(dir / "run.toml", big_transformer_toml(16, 4));
+    std::vector<std::string> a = mesh;
+    a.push_back("run.toml");
+    a.insert(a.end(), extra.begin(), extra.end());
+    auto run = run_engine_ok(dir, a);
+    return std::make_pair(all_in_log(run.err, R"(model set-up: host memory peak \+([0-9.]+) MB)"), run);
+  };
+  TempDir deferred_dir("deferred"), whole_dir("deferred");
+  const auto [deferred, rd] = peaks(deferred_dir, {});
+  const auto [whole, rw] = peaks(whole_dir, {"--set", "ddp.deferred_init=false"});
+  ASSERT_EQ(deferred.size(), 2u) << rd.err;
+  ASSERT_EQ(whole.size(), 2u) << rw.err;
+  const auto model = all_in_log(rd.err, R"(this rank kept \d+ of their (\d+) elements)");
+  ASSERT_FALSE(model.empty()) << rd.err;
+  const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kBigLayerElements * 4 / mb;
+  const double bound = model_mb / 2 + layer_mb + 24.0;
   for (double p : deferred) EXPECT_LE(p, bound) << "model " << model_mb << " MB, layer " << layer_mb << " MB\n" << rd.err;
   for (double p : whole) EXPECT_GE(p, model_mb) << rw.err;
 }

@@ -18,6 +18,8 @@
 #include <torch/optim/optimizer.h>
 
 #include <ember/distributed/communicator.h>
+#include <ember/deferred_init.h>
+#include <ember/distributed/deferred_parts.h>
 #include <ember/distributed/device_mesh.h>
 #include <ember/distributed/pipeline_state.h>
 #include <ember/model.h>
@@ -46,18 +48,27 @@ constexpr EmberConfigKey kKeys[] = {
                      "PyTorch DDP's flag: a parameter that no rank used in a step keeps no gradient (so the optimizer and "
                      "weight decay leave it alone), at the cost of reading a small mask back each step; false: a parameter "
                      "without a gradient is an error naming it."),
+    ember::key::Bool("deferred_init", "true",
+                     "Under pipeline stages: take the model piece by piece as it is built (built once for its shapes first) and "
+                     "keep only this rank's stages, so no rank holds the whole model (ember/deferred_init.h). Every rank builds "
+                     "the same values from the seed (checked once at set-up) instead of taking rank 0's."),
     ember::key::Bool("broadcast_buffers", "true",
                      "Every rank takes rank 0's buffers (batch-norm statistics) before each forward in training mode, and once before "
                      "evaluating after one (PyTorch DDP's broadcast_buffers), so all ranks evaluate with the same statistics."),
 };
 
-class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, public ember::IPipelineParallel {
+class Ddp final : public ember::ReplicatingStrategy,
+                  public ember::IDeviceMesh,
+                  public ember::IPipelineParallel,
+                  public ember::IDeferredInit,
+                  public ember::IDeferredInitPlan {
  public:
   Ddp(ember::IHost& host, const ember::IConfig& cfg)
       : host_(host),
         comm_("ddp", host, cfg),
         bucket_cap_bytes_(static_cast<int64_t>(cfg.get_float("bucket_cap_mb") * 1024.0 * 1024.0)),
         find_unused_(cfg.get_bool("find_unused_parameters")),
+        deferred_init_(cfg.get_bool("deferred_init")),
         buffers_(cfg.get_bool("broadcast_buffers")),
         where_broadcast_buffers_(cfg.where("broadcast_buffers")) {
     if (bucket_cap_bytes_ < 1) bucket_cap_bytes_ = 1;
@@ -78,6 +89,8 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
 
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kDeviceMeshIid) == 0) return static_cast<ember::IDeviceMesh*>(this);
+    if (std::strcmp(iid, ember::kDeferredInitIid) == 0) return static_cast<ember::IDeferredInit*>(this);
+    if (std::strcmp(iid, ember::kDeferredInitPlanIid) == 0) return static_cast<ember::IDeferredInitPlan*>(this);
     if (std::strcmp(iid, ember::kPipelineParallelIid) == 0 && mesh_ && mesh_->pipeline_size() > 1)
       return static_cast<ember::IPipelineParallel*>(this);
     return ember::ReplicatingStrategy::query_interface(iid);
@@ -87,6 +100,24 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
   int64_t data_parallel_size() const override { return mesh_ ? mesh_->data_parallel_size() : 1; }
   int64_t tensor_parallel_rank() const override { return mesh_ ? mesh_->tensor_parallel_rank() : 0; }
   int64_t tensor_parallel_size() const override { return mesh_ ? mesh_->tensor_parallel_size() : 1; }
+
+  // ---- ember::IDeferredInit, IDeferredInitPlan: under pipeline stages a rank keeps its stages'
+  // parameters whole as the model is built (built once for its shapes first, to know which);
+  // elsewhere every rank holds the whole model anyway. Not under tensor parallelism (the plan
+  // splits whole parameters).
+  bool begin_deferred_init(c10::ScalarType dtype) override {
+    if (!deferred_init_ || !mesh_ || mesh_->pipeline_size() == 1 || mesh_->tensor_parallel_size() > 1) return false;
+    deferred_.begin(dtype, /*rank=*/0, /*world=*/1, /*in_place=*/true);
+    deferred_.begin_shapes_pass();
+    return true;
+  }
+  void parameters_initialised(torch::nn::Module& module) override { deferred_.take(module); }
+  bool wants_shapes_pass() override { return deferred_.active() && deferred_.in_shapes_pass(); }
+  void plan_from_shapes(ember::IModel& model) override {
+    if (!pipeline_) pipeline_ = std::make_unique<ember_dist::PipelineState>(*mesh_, ember::PipelineOptions{});  // an engine before SDK 2.6
+    pipeline_->cut_shapes(model);
+    deferred_.keep_what_remains_in(model);
+  }
 
   // ---- ember::IPipelineParallel (answered when the mesh has pipeline stages)
   void set_pipeline_options(const ember::PipelineOptions& options) override {
@@ -132,7 +163,8 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
 
   void setup_module(ember::IModel& model) override {
     auto& module = model.module();
-    place_module(module);
+    if (deferred_.active()) place_deferred(module);
+    else place_module(module);
     if (pipeline_size() > 1) {
       // An engine before SDK 2.6 never set the options: the defaults.
       if (!pipeline_) pipeline_ = std::make_unique<ember_dist::PipelineState>(*mesh_, ember::PipelineOptions{});
@@ -171,6 +203,30 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
   void place_module(torch::nn::Module& module) override {
     module.to(comm_.device());
     comm_.broadcast_module_from_zero(module);  // every rank starts from rank 0's weights and buffers
+  }
+
+  // Deferred initialisation: every rank built the same values (checked here) and kept its stages'
+  // parameters; what no piece handed over, and the buffers, come from rank 0 as usual. Before the
+  // cut, while every rank's module still names the same tensors.
+  void place_deferred(torch::nn::Module& module) {
+    std::vector<at::Tensor> params;
+    for (const auto& p : module.parameters()) params.push_back(p);
+    host_.log(ember::LogLevel::info, deferred_.check(params, comm_, "ddp"));
+    at::NoGradGuard no_grad;
+    for (auto& p : module.named_parameters()) {
+      at::Tensor t = p.value();
+      if (deferred_.holds(t)) {
+        t.set_data(t.to(comm_.device()));  // kept whole, in place, as it was built
+      } else if (!deferred_.taken(t)) {
+        t.set_data(t.to(comm_.device()));
+        comm_.broadcast_from_zero(t, "initial parameter '" + p.key() + "'");
+      }  // else another stage's, without storage: the cut drops it
+    }
+    for (auto& b : module.named_buffers()) {
+      b.value().set_data(b.value().to(comm_.device()));
+      comm_.broadcast_from_zero(b.value(), "initial buffer '" + b.key() + "'");
+    }
+    deferred_.clear();
   }
 
   void forward_begin(bool /*grad_enabled*/) override {
@@ -312,6 +368,8 @@ class Ddp final : public ember::ReplicatingStrategy, public ember::IDeviceMesh, 
   Communicator comm_;
   int64_t bucket_cap_bytes_;
   bool find_unused_;
+  bool deferred_init_;
+  ember_dist::DeferredParts deferred_;  // this rank's stages' parameters, taken as the model was built
   BufferBroadcast buffers_;
   std::string where_broadcast_buffers_;
   std::unique_ptr<DeviceMesh> mesh_;

@@ -7,6 +7,8 @@
 #include <c10/core/Event.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <ember/distributed/deferred_parts.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -57,19 +59,9 @@ inline at::Tensor unversioned_view(const at::Tensor& t) {
   return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options().requires_grad(false));
 }
 
-// Stage 3: gives the parameter's storage its memory back, or takes it away. The tensor object,
-// its shape and every view autograd saved of it stay valid (they share the StorageImpl).
-inline void allocate_storage(const at::Tensor& t) {
-  auto* s = t.storage().unsafeGetStorageImpl();
-  const size_t need = static_cast<size_t>(t.storage_offset() + t.numel()) * t.element_size();
-  if (s->nbytes() >= need && s->data_ptr().get() != nullptr) return;
-  s->set_data_ptr_noswap(s->allocator()->allocate(need));
-  s->set_nbytes(need);
-}
-inline void free_storage(const at::Tensor& t) {
-  auto* s = t.storage().unsafeGetStorageImpl();
-  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
-  s->set_nbytes(0);
-}
+// Stage 3 gives a parameter's storage its memory back, or takes it away (Ember::distributed's,
+// which deferred initialisation uses too).
+using ember_dist::allocate_storage;
+using ember_dist::free_storage;
 
 }  // namespace ember_shard

@@ -45,7 +45,7 @@
 #include <ember/support/tensor_parallel.h>
 #include <ember/tensor_parallel.h>
 
-#include "deferred_parts.h"
+#include <ember/distributed/deferred_parts.h>
 #include "gradient_reducer.h"
 #include "host_offload.h"
 #include <ember/support/optimizer_state_tensors.h>
@@ -111,13 +111,8 @@ class ZeroStrategy final : public ember::IStrategy,
   // parameters still in it are the ones the second build keeps parts of.
   void plan_from_shapes(ember::IModel& model) override {
     if (!pipeline_) pipeline_ = std::make_unique<PipelineState>(*mesh_, ember::PipelineOptions{});  // an engine before SDK 2.6
-    const auto mine = pipeline_->stages_of_this_rank(model);  // ConfigError for a model that cannot be cut
-    static_cast<ember::IPipelineModel*>(model.query_interface(ember::kPipelineModelIid))->keep_pipeline_stages(mine);
-    std::set<const void*> held;
-    for (const auto& p : model.module().parameters()) held.insert(p.unsafeGetTensorImpl());
-    std::vector<bool> keep;
-    for (const void* impl : deferred_.arrival_order()) keep.push_back(held.count(impl) != 0);
-    deferred_.keep_only(std::move(keep));
+    pipeline_->cut_shapes(model);  // ConfigError for a model that cannot be cut
+    deferred_.keep_what_remains_in(model);
   }
 
   // ---- processes and the step ----
@@ -569,7 +564,11 @@ void ZeroStrategy::setup_module(ember::IModel& model) {
   if (mesh_->tensor_parallel_size() > 1) split_tensor_parallel(model);
   table_.build(*module_, model, o_, pipeline_ ? &stages : nullptr);
   table_.lay_out(shard_group_.rank, shard_group_.size);
-  if (deferred_.active()) host_.log(ember::LogLevel::info, deferred_.check(table_.params, comm_, o_.name));
+  if (deferred_.active()) {
+    std::vector<at::Tensor> params;
+    for (const auto& p : table_.params) params.push_back(p.param);
+    host_.log(ember::LogLevel::info, deferred_.check(params, comm_, o_.name));
+  }
   if (o_.offload) offload_parameters();
   else place_parameters();
   deferred_.clear();  // the parts are the shards now
@@ -603,7 +602,7 @@ void ZeroStrategy::broadcast_initial_state() {
   at::NoGradGuard no_grad;
   int i = 0;
   for (auto& p : table_.params)
-    if (!deferred_.holds(p)) comm_.broadcast_from_zero(p.param, "initial parameter '" + p.name + "'");
+    if (!deferred_.holds(p.param)) comm_.broadcast_from_zero(p.param, "initial parameter '" + p.name + "'");
   for (auto& b : module_->buffers()) comm_.broadcast_from_zero(b, "initial buffer " + std::to_string(i++));
 }
 
@@ -612,7 +611,7 @@ void ZeroStrategy::broadcast_initial_state() {
 // model was built has no storage: it gets one on the device, freed again (stage 3 gathers it).
 void ZeroStrategy::place_parameters() {
   for (auto& p : table_.params)
-    if (deferred_.holds(p) && p.param.device() != comm_.device()) {
+    if (deferred_.holds(p.param) && p.param.device() != comm_.device()) {
       p.param.set_data(at::empty(p.shape, p.param.options().device(comm_.device())));
       free_storage(p.param);
     }
@@ -621,8 +620,8 @@ void ZeroStrategy::place_parameters() {
   if (!broadcast_done_) broadcast_initial_state();
   at::NoGradGuard no_grad;
   for (auto& p : table_.params) {
-    if (deferred_.holds(p)) {
-      p.shard = deferred_.hand_over(p).to(comm_.device());
+    if (deferred_.holds(p.param)) {
+      p.shard = deferred_.hand_over(p.param, p.name).to(comm_.device());
       continue;
     }
     at::Tensor part = ShardTable::my_part(p, p.param.detach(), shard_group_.rank);
@@ -651,13 +650,13 @@ void ZeroStrategy::offload_parameters() {
     at::Tensor whole = p.param.detach();
     // Every rank starts from rank 0's weights (through the device: NCCL); a part taken while the
     // model was built is already this rank's.
-    if (comm_.world() > 1 && !broadcast_done_ && !deferred_.holds(p)) {
+    if (comm_.world() > 1 && !broadcast_done_ && !deferred_.holds(p.param)) {
       whole = whole.to(device).clone();
       comm_.broadcast_from_zero(whole, "initial parameter '" + p.name + "'");
     }
     const auto mdt = master_dtype(p.param);
     p.shard = copies_.host_zeros(p.valid, mdt, "the master weights of '" + p.name + "'");
-    p.shard.copy_(deferred_.holds(p) ? deferred_.hand_over(p) : ShardTable::my_part(p, whole, shard_group_.rank));
+    p.shard.copy_(deferred_.holds(p.param) ? deferred_.hand_over(p.param, p.name) : ShardTable::my_part(p, whole, shard_group_.rank));
     p.host_grad = copies_.host_zeros(p.valid, mdt, "the gradient of '" + p.name + "'");
     const auto dtype = o_.compute_dtype.value_or(p.param.scalar_type());
     p.param.set_data(at::empty(p.shape, p.param.options().device(device).dtype(dtype)));

@@ -94,6 +94,12 @@ std::vector<ember::UnitRange> PipelineState::stages_of_this_rank(ember::IModel& 
   return mine;
 }
 
+void PipelineState::cut_shapes(ember::IModel& model) {
+  const auto mine = stages_of_this_rank(model);
+  model_->keep_pipeline_stages(mine);
+  model_ = nullptr;  // that model is destroyed next; cut() finds the real one
+}
+
 void PipelineState::cut(ember::IModel& model, const std::string& strategy, ember::IHost& host) {
   const auto ranges = plan(model);
   auto* units = static_cast<ember::IUnitModel*>(model.query_interface(ember::kUnitModelIid));

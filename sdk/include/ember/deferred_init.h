@@ -9,13 +9,14 @@
 //     ember::parameters_initialised(host, *blocks_.back());  // this rank keeps its part; the rest is freed
 //   }
 //
-// Without a strategy that defers (single_device, ddp, sharded stages 1-2, tensor parallelism) the
-// call does nothing and the model is built whole, as before. With one, the piece's floating-point
-// parameters keep their shape, dtype and identity but lose their storage until the strategy's
-// set-up: the model must not read or write their values after the call (shapes, names, dtypes and
-// requires_grad are fine; tying a parameter to another module is fine). Values are the ones a
-// single-device run with the same seed gets, because the pieces are built, and draw from the
-// generator, in the same order; the model's initial values must therefore depend on the seed only.
+// Without a strategy that defers (single_device, ddp without pipeline stages, sharded stages 1-2,
+// tensor parallelism) the call does nothing and the model is built whole, as before. With one, the
+// piece's floating-point parameters keep their shape, dtype and identity but lose their storage
+// until the strategy's set-up: the model must not read or write their values after the call
+// (shapes, names, dtypes and requires_grad are fine; tying a parameter to another module is
+// fine). Values are the ones a single-device run with the same seed gets, because the pieces are
+// built, and draw from the generator, in the same order; the model's initial values must
+// therefore depend on the seed only.
 // So a rank's host peak while the model is built is what it keeps plus the largest piece.
 #pragma once
 #include <c10/core/ScalarType.h>

@@ -44,6 +44,9 @@ class PipelineState {
   // ConfigErrors): a strategy that builds the model piece by piece decides what to keep from a
   // first, shapes-only build (ember/deferred_init.h's IDeferredInitPlan).
   std::vector<ember::UnitRange> stages_of_this_rank(ember::IModel& model);
+  // The shapes build of deferred initialisation, cut to this rank's stages (the model's
+  // keep_pipeline_stages): what remains in it is what the real build keeps.
+  void cut_shapes(ember::IModel& model);
   // This rank's stages (after cut).
   std::vector<ember::UnitRange> my_stages() const { return runner_->my_stages(); }
   ember::IPipelineModel& model() { return *model_; }

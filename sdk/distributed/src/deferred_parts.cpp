@@ -1,6 +1,7 @@
-#include "deferred_parts.h"
+#include "ember/distributed/deferred_parts.h"
 
 #include <ember/error.h>
+#include <ember/model.h>
 #include <ember/types.h>
 
 #include <ATen/ATen.h>
@@ -9,17 +10,21 @@
 #include <algorithm>
 
 
-namespace ember_shard {
+namespace ember_dist {
 
-void DeferredParts::begin(c10::ScalarType dtype, int64_t rank, int64_t world) {
+void DeferredParts::begin(c10::ScalarType dtype, int64_t rank, int64_t world, bool in_place) {
+  in_place_ = in_place && world == 1;
   dtype_ = dtype;
   rank_ = rank;
   world_ = world;
   active_ = true;
 }
 
-void DeferredParts::keep_only(std::vector<bool> keep) {
-  keep_ = std::move(keep);
+void DeferredParts::keep_what_remains_in(ember::IModel& cut) {
+  std::unordered_set<const void*> held;
+  for (const auto& p : cut.module().parameters()) held.insert(p.unsafeGetTensorImpl());
+  keep_.clear();
+  for (const void* impl : arrivals_) keep_.push_back(held.count(impl) != 0);
   shapes_pass_ = false;
   arrived_ = 0;
   seen_.clear();
@@ -44,8 +49,15 @@ void DeferredParts::take(torch::nn::Module& module) {
       fingerprints_.push_back(whole.sum(at::kDouble).item<double>());
       whole_elements_ += numel;
       if (keep_.empty() || (index < static_cast<int64_t>(keep_.size()) && keep_[static_cast<size_t>(index)])) {
-        parts_.emplace(impl, whole.reshape({-1}).narrow(0, std::min(rank_ * chunk, numel), valid).clone());
         kept_elements_ += valid;
+        if (in_place_) {
+          // Kept whole: the parameter keeps its storage (in `dtype_`), and no second copy is made
+          // while the piece is alive; hand_over copies it out.
+          if (!whole.is_same(t)) t.set_data(whole);
+          parts_.emplace(impl, at::Tensor());
+          continue;
+        }
+        parts_.emplace(impl, whole.reshape({-1}).narrow(0, std::min(rank_ * chunk, numel), valid).clone());
       }
     }
     // The parameter keeps its shape, dtype and identity; its storage goes until set-up (or for
@@ -55,15 +67,16 @@ void DeferredParts::take(torch::nn::Module& module) {
   }
 }
 
-at::Tensor DeferredParts::hand_over(const ShardedParam& p) {
-  auto it = parts_.find(p.param.unsafeGetTensorImpl());
-  if (it == parts_.end()) throw ember::RunError("deferred initialisation: no part was taken of parameter '" + p.name + "' (a strategy bug)");
+at::Tensor DeferredParts::hand_over(const at::Tensor& param, const std::string& name) {
+  auto it = parts_.find(param.unsafeGetTensorImpl());
+  if (it == parts_.end()) throw ember::RunError("deferred initialisation: no part was taken of parameter '" + name + "' (a strategy bug)");
+  if (!it->second.defined()) return param.detach().reshape({-1}).clone();  // kept whole, in place
   at::Tensor part = std::move(it->second);
   it->second = at::Tensor();  // still held: holds(p) stays true for the rest of the set-up
   return part;
 }
 
-std::string DeferredParts::check(const std::vector<ShardedParam>& params, ember_dist::Communicator& comm, const std::string& name) {
+std::string DeferredParts::check(const std::vector<at::Tensor>& params, Communicator& comm, const std::string& name) {
   if (!keep_.empty() && arrived_ != static_cast<int64_t>(keep_.size()))
     throw ember::RunError(name + ": deferred initialisation: the model handed over " + std::to_string(arrived_) +
                           " parameters in its second build and " + std::to_string(keep_.size()) +
@@ -97,4 +110,4 @@ std::string DeferredParts::check(const std::vector<ShardedParam>& params, ember_
          std::to_string(whole_elements_) + " elements";
 }
 
-}  // namespace ember_shard
+}  // namespace ember_dist
