@@ -51,7 +51,6 @@ class PipelineState {
   std::vector<ember::UnitRange> my_stages() const { return runner_->my_stages(); }
   ember::IPipelineModel& model() { return *model_; }
   PipelineRunner& runner() { return *runner_; }
-  bool runner_ready() const { return runner_ != nullptr; }
   // (p - 1) / (m + p - 1), or interleaved (p - 1) / (v m + p - 1).
   double theoretical_bubble() const;
   // "; pipeline: 16 training batches, 27.0% of their time waiting for other stages (the
