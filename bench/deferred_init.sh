@@ -2,7 +2,8 @@
 # Per-rank host memory at set-up with and without deferred initialisation (docs/parallelism.md):
 # a 16-layer transformer of width 512 (feed-forward 2048; 50.4 M parameters, 192 MB in float32,
 # 12.0 MB a layer) built and set up under sharded stage 3 and offload (offload_params) on 1, 2
-# and 4 CPU ranks (and 4 as 2 pipeline stages x 2 shards), and under single_device. Each rank logs "model set-up: host memory peak +X MB":
+# and 4 CPU ranks (and 4 as 2 pipeline stages x 2 shards, and as 2 shards x 2 tensor-parallel
+# ranks), under ddp's 2 pipeline stages, and under single_device. Each rank logs "model set-up: host memory peak +X MB":
 # its resident set's high-water mark from just before the model is built to the end of the
 # strategy's set-up, above what it held before. The table shows rank 0's, next to the model's
 # share per rank (model / N) and that share plus one layer.
@@ -11,7 +12,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 build=${EMBER_BUILD_DIR:-build}
-cmake --build "$build" --target engine ember_plugin_sharded ember_plugin_offload ember_plugin_transformer ember_plugin_synthetic >/dev/null
+cmake --build "$build" --target engine ember_plugin_sharded ember_plugin_offload ember_plugin_ddp ember_plugin_transformer ember_plugin_synthetic >/dev/null
 work=$(mktemp -d "$root/$build/bench-deferred-init.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 cat >"$work/run.toml" <<'TOML'
@@ -73,4 +74,17 @@ for strategy in sharded offload; do
   d=$(peak --plugins "$strategy" --set "$strategy.timeout=120.0" "${mesh[@]}" "${extra[@]}")
   w=$(peak --plugins "$strategy" --set "$strategy.timeout=120.0" "${mesh[@]}" --set "$strategy.deferred_init=false" "${extra[@]}")
   echo "| $strategy, 2 stages x 2 shards | 4 | $share | $plus | $d | $w | $(python3 -c "print(f'{$d / $w:.2f}')") |"
+  # 2 shards x 2 tensor-parallel ranks: each rank keeps its shard of its slice (the norms, biases
+  # and head, which every tensor-parallel rank holds whole, a little above a quarter).
+  mesh=(--set "trainer.devices=4" --set "parallelism.tensor_parallel=2")
+  d=$(peak --plugins "$strategy" --set "$strategy.timeout=120.0" "${mesh[@]}" "${extra[@]}")
+  w=$(peak --plugins "$strategy" --set "$strategy.timeout=120.0" "${mesh[@]}" --set "$strategy.deferred_init=false" "${extra[@]}")
+  echo "| $strategy, 2 shards x 2 tensor-parallel | 4 | $share | $plus | $d | $w | $(python3 -c "print(f'{$d / $w:.2f}')") |"
 done
+# ddp's 2 pipeline stages: each rank keeps its stage's parameters whole.
+share=$(python3 -c "print(f'{${model_mb} / 2:.1f}')")
+plus=$(python3 -c "print(f'{${model_mb} / 2 + ${layer_mb}:.1f}')")
+mesh=(--plugins ddp --set "ddp.timeout=120.0" --set "trainer.devices=2" --set "parallelism.pipeline_parallel=2")
+d=$(peak "${mesh[@]}")
+w=$(peak "${mesh[@]}" --set "ddp.deferred_init=false")
+echo "| ddp, 2 stages | 2 | $share | $plus | $d | $w | $(python3 -c "print(f'{$d / $w:.2f}')") |"

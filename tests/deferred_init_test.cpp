@@ -90,6 +90,20 @@ lr = 0.01
 }
 constexpr double kBigLayerElements = 3 * 512 * 512 + 3 * 512 + 512 * 512 + 512 + 2 * 512 * 2048 + 2048 + 512 + 4 * 512;
 
+// Under tensor parallelism the tensor-parallel ranks each hold a slice model ("this rank holds H
+// of their N elements" after the plan; H is the same on every rank): its shards, over the
+// data-parallel ranks, add up to H, so the ranks' kept elements add up to tp x H.
+void expect_every_slice_element_kept_once(const ProcessResult& r, size_t ranks, int tp) {
+  const auto kept = all_in_log(r.err, R"(this rank kept (\d+) of their \d+ elements)");
+  const auto held = all_in_log(r.err, R"(tensor-parallel plan split \d+ of \d+ parameters; this rank holds (\d+) of their)");
+  ASSERT_EQ(kept.size(), ranks) << r.err;
+  ASSERT_EQ(held.size(), ranks) << r.err;
+  double sum = 0;
+  for (double k : kept) sum += k;
+  EXPECT_EQ(sum, tp * held.front()) << r.err;
+  EXPECT_GT(held.front(), 0);
+}
+
 }  // namespace
 
 TEST_F(DeferredInit, ShardedRanksStartFromSingleDeviceWeightsAndTrainTheSame) {
@@ -148,8 +162,7 @@ TEST_F(DeferredInit, PipelineStagesKeepTheirShardOfTheirStagesOnly) {
   std::vector<std::string> args = {"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=60.0", "--set", "optimizer.lr=1e-30"};
   for (const auto& a : mesh) args.push_back(a);
   auto r = run_engine_ok(staged_init, args);
-  EXPECT_NE(r.err.find("deferred initialisation: the model was built once for its shapes; built again, each rank keeps its part of its "
-                       "pipeline stages"),
+  EXPECT_NE(r.err.find("deferred initialisation: the model was built once for its shapes; built again, each rank keeps only its part"),
             std::string::npos)
       << r.err;
   EXPECT_LE(max_weight_difference(last_checkpoint(single_init), last_checkpoint(staged_init)), 1e-20);
@@ -175,6 +188,49 @@ TEST_F(DeferredInit, PipelineStagesKeepTheirShardOfTheirStagesOnly) {
   ASSERT_FALSE(model.empty()) << rd.err;
   const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kBigLayerElements * 4 / mb;
   const double bound = model_mb / 4 + layer_mb + 24.0;
+  for (double p : deferred) EXPECT_LE(p, bound) << "model " << model_mb << " MB, layer " << layer_mb << " MB\n" << rd.err;
+  for (double p : whole) EXPECT_GE(p, model_mb) << rw.err;
+}
+
+// 2D: 2 shards x 2 tensor-parallel ranks. The plan, run on the shapes build, says which
+// parameters are split; each rank keeps its ZeRO chunk of its slice of those as the model is built.
+// single_device's initial weights; every element kept by one rank; a quarter of the model plus
+// one layer at set-up.
+TEST_F(DeferredInit, TensorParallelRanksKeepTheirShardOfTheirSlices) {
+  const std::vector<std::string> mesh = {"--plugins", "sharded", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=4",
+                                         "--set", "parallelism.tensor_parallel=2"};
+  TempDir single_init("deferred"), split_init("deferred");
+  transformer_run(single_init, 0, {"--set", "optimizer.lr=1e-30"});
+  write_file(split_init / "run.toml", transformer_mesh_toml(4));
+  std::vector<std::string> args = mesh;
+  for (const char* a : {"run.toml", "--set", "optimizer.lr=1e-30", "--set", "data.batch_size=6"}) args.push_back(a);
+  auto r = run_engine_ok(split_init, args);
+  EXPECT_NE(r.err.find("deferred initialisation: the model was built once for its shapes"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(single_init), last_checkpoint(split_init)), 1e-20);
+  expect_every_slice_element_kept_once(r, 4, 2);
+
+  auto peaks = [&](const TempDir& dir, std::vector<std::string> extra) {
+    write_file(dir / "run.toml", big_transformer_toml(16, 2));
+    std::vector<std::string> a = mesh;
+    a.push_back("run.toml");
+    a.insert(a.end(), extra.begin(), extra.end());
+    auto run = run_engine_ok(dir, a);
+    return std::make_pair(all_in_log(run.err, R"(model set-up: host memory peak \+([0-9.]+) MB)"), run);
+  };
+  TempDir deferred_dir("deferred"), whole_dir("deferred");
+  const auto [deferred, rd] = peaks(deferred_dir, {});
+  const auto [whole, rw] = peaks(whole_dir, {"--set", "sharded.deferred_init=false"});
+  ASSERT_EQ(deferred.size(), 4u) << rd.err;
+  ASSERT_EQ(whole.size(), 4u) << rw.err;
+  expect_every_slice_element_kept_once(rd, 4, 2);
+  const auto model = all_in_log(rd.err, R"(this rank kept \d+ of their (\d+) elements)");
+  const auto slice = all_in_log(rd.err, R"(this rank holds (\d+) of their \d+ elements)");
+  ASSERT_FALSE(model.empty()) << rd.err;
+  ASSERT_FALSE(slice.empty()) << rd.err;
+  // A rank keeps half its slice model (2 shards): about a quarter of the model, plus the norms,
+  // biases and head every tensor-parallel rank holds whole.
+  const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kBigLayerElements * 4 / mb;
+  const double bound = slice.front() * 4 / mb / 2 + layer_mb + 24.0;
   for (double p : deferred) EXPECT_LE(p, bound) << "model " << model_mb << " MB, layer " << layer_mb << " MB\n" << rd.err;
   for (double p : whole) EXPECT_GE(p, model_mb) << rw.err;
 }

@@ -119,7 +119,8 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
     if (deferred) host_.offer_deferred_init(runtime->strategy_object().query_interface(kDeferredInitIid));
     auto* plan = deferred ? static_cast<IDeferredInitPlan*>(runtime->strategy_object().query_interface(kDeferredInitPlanIid)) : nullptr;
     if (plan && plan->wants_shapes_pass()) {
-      // The strategy decides what this rank keeps from the whole model's shapes (pipeline stages):
+      // The strategy decides what this rank keeps from the whole model's shapes (pipeline stages,
+      // tensor-parallel slices):
       // a first build gives them, storage-less piece by piece; the second, from the same generator
       // state, keeps the values (ember/deferred_init.h).
       at::Generator generator = at::detail::getDefaultCPUGenerator();
@@ -135,7 +136,9 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
         std::lock_guard<std::mutex> lock(generator.mutex());
         generator.set_state(before);
       }
-      if (rank == 0) log::info("deferred initialisation: the model was built once for its shapes; built again, each rank keeps its part of its pipeline stages");
+      if (rank == 0)
+        log::info("deferred initialisation: the model was built once for its shapes; built again, each rank keeps only its part (of its "
+                  "pipeline stages, its tensor-parallel slices)");
     }
     make(plugins.model, plan_.model, cfg.section("model"));
   }

@@ -116,7 +116,7 @@ class Ddp final : public ember::ReplicatingStrategy,
   void plan_from_shapes(ember::IModel& model) override {
     if (!pipeline_) pipeline_ = std::make_unique<ember_dist::PipelineState>(*mesh_, ember::PipelineOptions{});  // an engine before SDK 2.6
     pipeline_->cut_shapes(model);
-    deferred_.keep_what_remains_in(model);
+    deferred_.end_shapes_pass(model);
   }
 
   // ---- ember::IPipelineParallel (answered when the mesh has pipeline stages)

@@ -18,9 +18,10 @@
 // The parts, one job each: shard_table (what this rank holds: parameters, shards, groups),
 // parameter_gather (whole parameters from the shards, prefetch and free), gradient_reducer
 // (gradients to shards while backward runs, offload's host landing), sharded_state_io (full and
-// per-rank checkpoints), deferred_parts (this rank's parts taken while the model is built); this
-// file ties them to the strategy contract (set-up, the step's
-// non-finite vote, clipping across shards, the closing statistics).
+// per-rank checkpoints); Ember::distributed's DeferredParts (this rank's parts taken while the
+// model is built) and PipelineState (the model cut into pipeline stages). This file ties them to
+// the strategy contract (set-up, the step's non-finite vote, clipping across shards, the closing
+// statistics).
 #include "zero_strategy.h"
 
 #include <ember/deferred_init.h>
@@ -96,23 +97,28 @@ class ZeroStrategy final : public ember::IStrategy,
 
   // ---- ember::IDeferredInit: the model built piece by piece (docs/parallelism.md) ----
   // Only where a rank holds part of each parameter afterwards: stage 3 keeps its shard on the
-  // device, offload its master on the host. Tensor parallelism first splits whole parameters.
-  // Pipeline stages: which pieces a rank keeps is known once the whole model's shapes are (the
-  // stage cut), so the model is built twice (IDeferredInitPlan below).
+  // device, offload its master on the host. Pipeline stages and tensor parallelism: which part of
+  // a piece a rank keeps is known once the whole model's shapes are (the stage cut, the plan's
+  // splits), so the model is built twice (IDeferredInitPlan below).
   bool begin_deferred_init(c10::ScalarType dtype) override {
-    if (!o_.deferred_init || (o_.stage < 3 && !o_.offload) || !mesh_ || mesh_->tensor_parallel_size() > 1) return false;
+    if (!o_.deferred_init || (o_.stage < 3 && !o_.offload) || !mesh_) return false;
     deferred_.begin(dtype, shard_group_.rank, shard_group_.size);
-    if (mesh_->pipeline_size() > 1) deferred_.begin_shapes_pass();
+    if (mesh_->pipeline_size() > 1 || mesh_->tensor_parallel_size() > 1) deferred_.begin_shapes_pass();
     return true;
   }
   void parameters_initialised(torch::nn::Module& module) override { deferred_.take(module); }
   bool wants_shapes_pass() override { return deferred_.active() && deferred_.in_shapes_pass(); }
-  // The stages this rank will hold, cut from the shapes build as setup_module cuts the model; the
-  // parameters still in it are the ones the second build keeps parts of.
+  // The shapes build parallelised as setup_module will parallelise the model: cut to this rank's
+  // stages (the parameters still in it are the ones the second build keeps parts of) and split
+  // by the tensor-parallel plan (its split parameters are kept as this rank's slice).
   void plan_from_shapes(ember::IModel& model) override {
-    if (!pipeline_) pipeline_ = std::make_unique<PipelineState>(*mesh_, ember::PipelineOptions{});  // an engine before SDK 2.6
-    pipeline_->cut_shapes(model);  // ConfigError for a model that cannot be cut
-    deferred_.keep_what_remains_in(model);
+    if (mesh_->pipeline_size() > 1) {
+      if (!pipeline_) pipeline_ = std::make_unique<PipelineState>(*mesh_, ember::PipelineOptions{});  // an engine before SDK 2.6
+      pipeline_->cut_shapes(model);  // ConfigError for a model that cannot be cut
+    }
+    std::vector<ember::TensorShard> slices;
+    if (mesh_->tensor_parallel_size() > 1) slices = tensor_parallel_plan(model).parallelize_tensors(mesh_->tensor_parallel());
+    deferred_.end_shapes_pass(model, slices, mesh_->tensor_parallel_rank(), mesh_->tensor_parallel_size());
   }
 
   // ---- processes and the step ----
@@ -414,6 +420,8 @@ class ZeroStrategy final : public ember::IStrategy,
     return v.front();
   }
   void split_tensor_parallel(ember::IModel& model);
+  // The model's plan, or ConfigError when it has none.
+  ember::ITensorParallelModel& tensor_parallel_plan(ember::IModel& model);
   void cut_pipeline_stages(ember::IModel& model);
   // Rank 0's whole model (parameters and buffers) to every rank, before it is cut or split.
   void broadcast_whole_model();
@@ -481,17 +489,25 @@ at::Tensor ZeroStrategy::pipeline_train_batch(const ember::Batch& batch, ember::
 // 2D: the model, whole and equal on every rank (rank 0's weights), keeps each rank's
 // tensor-parallel slices; ZeRO then shards those slices over the data-parallel ranks, and whole
 // checkpoints are made from (and cut into) slices around the shards' own gathering.
-void ZeroStrategy::split_tensor_parallel(ember::IModel& model) {
-  const int64_t tp = mesh_->tensor_parallel_size();
+ember::ITensorParallelModel& ZeroStrategy::tensor_parallel_plan(ember::IModel& model) {
   auto* plan = static_cast<ember::ITensorParallelModel*>(model.query_interface(ember::kTensorParallelModelIid));
   if (!plan)
-    throw ember::ConfigError("parallelism.tensor_parallel = " + std::to_string(tp) +
+    throw ember::ConfigError("parallelism.tensor_parallel = " + std::to_string(mesh_->tensor_parallel_size()) +
                              ": the model has no tensor-parallel plan (it does not implement ember::ITensorParallelModel); set "
                              "tensor_parallel = 1, or use a model that has one (transformer; docs/parallelism.md)");
+  return *plan;
+}
+
+void ZeroStrategy::split_tensor_parallel(ember::IModel& model) {
+  const int64_t tp = mesh_->tensor_parallel_size();
+  auto* plan = &tensor_parallel_plan(model);
   if (o_.sharded_checkpoints)
     throw ember::ConfigError(o_.where_state_dict_type + ": " + o_.name + ".state_dict_type = \"sharded\" does not combine with parallelism.tensor_parallel = " +
                              std::to_string(tp) + " yet: use \"full\" (whole checkpoints, which resume under any mesh)");
   broadcast_whole_model();
+  // Deferred initialisation: the pieces taken as the model was built have no storage (this rank
+  // kept its chunk of its slice of each); the plan's ember::keep_shard gives them the slices'
+  // shapes, still without storage, before the shards are laid out.
   auto& group = mesh_->tensor_parallel();
   const int64_t whole = parameter_elements(*module_);
   for (auto& s : plan->parallelize_tensors(group)) {

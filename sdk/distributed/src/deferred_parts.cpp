@@ -2,6 +2,7 @@
 
 #include <ember/error.h>
 #include <ember/model.h>
+#include <ember/support/tensor_parallel.h>
 #include <ember/types.h>
 
 #include <ATen/ATen.h>
@@ -20,11 +21,24 @@ void DeferredParts::begin(c10::ScalarType dtype, int64_t rank, int64_t world, bo
   active_ = true;
 }
 
-void DeferredParts::keep_what_remains_in(ember::IModel& cut) {
-  std::unordered_set<const void*> held;
-  for (const auto& p : cut.module().parameters()) held.insert(p.unsafeGetTensorImpl());
+void DeferredParts::end_shapes_pass(ember::IModel& shapes, const std::vector<ember::TensorShard>& slices, int64_t slice_rank,
+                                    int64_t slice_size) {
+  std::unordered_map<const void*, std::string> held;
+  for (const auto& p : shapes.module().named_parameters()) held.emplace(p.value().unsafeGetTensorImpl(), p.key());
+  std::unordered_map<std::string, const ember::TensorShard*> by_name;
+  for (const auto& s : slices)
+    if (s.dim != ember::kSummedGradient) by_name.emplace(s.name, &s);
   keep_.clear();
-  for (const void* impl : arrivals_) keep_.push_back(held.count(impl) != 0);
+  slices_.clear();
+  for (size_t i = 0; i < arrivals_.size(); ++i) {
+    auto it = held.find(arrivals_[i]);
+    keep_.push_back(it != held.end());
+    if (it == held.end()) continue;
+    auto s = by_name.find(it->second);
+    if (s != by_name.end()) slices_.emplace(static_cast<int64_t>(i), *s->second);
+  }
+  slice_rank_ = slice_rank;
+  slice_size_ = slice_size;
   shapes_pass_ = false;
   arrived_ = 0;
   seen_.clear();
@@ -41,14 +55,18 @@ void DeferredParts::take(torch::nn::Module& module) {
     if (shapes_pass_) {
       arrivals_.push_back(impl);
     } else {
-      const int64_t numel = t.numel(), chunk = (numel + world_ - 1) / world_;
-      const int64_t valid = std::clamp<int64_t>(numel - rank_ * chunk, 0, chunk);
       const at::Tensor whole = t.detach().to(dtype_);
       // Every rank must have built the same values: a fingerprint of each, compared at set-up
       // (another stage's too: every rank builds every piece).
       fingerprints_.push_back(whole.sum(at::kDouble).item<double>());
-      whole_elements_ += numel;
+      whole_elements_ += t.numel();
       if (keep_.empty() || (index < static_cast<int64_t>(keep_.size()) && keep_[static_cast<size_t>(index)])) {
+        // A tensor-parallel plan's split parameter: this rank's slice, then its chunk of that.
+        auto slice = slices_.find(index);
+        const at::Tensor mine =
+            slice == slices_.end() ? whole : ember::shard_of(whole, slice->second, slice_rank_, slice_size_).contiguous();
+        const int64_t numel = mine.numel(), chunk = (numel + world_ - 1) / world_;
+        const int64_t valid = std::clamp<int64_t>(numel - rank_ * chunk, 0, chunk);
         kept_elements_ += valid;
         if (in_place_) {
           // Kept whole: the parameter keeps its storage (in `dtype_`), and no second copy is made
@@ -57,7 +75,7 @@ void DeferredParts::take(torch::nn::Module& module) {
           parts_.emplace(impl, at::Tensor());
           continue;
         }
-        parts_.emplace(impl, whole.reshape({-1}).narrow(0, std::min(rank_ * chunk, numel), valid).clone());
+        parts_.emplace(impl, mine.reshape({-1}).narrow(0, std::min(rank_ * chunk, numel), valid).clone());
       }
     }
     // The parameter keeps its shape, dtype and identity; its storage goes until set-up (or for

@@ -9,8 +9,8 @@
 //     ember::parameters_initialised(host, *blocks_.back());  // this rank keeps its part; the rest is freed
 //   }
 //
-// Without a strategy that defers (single_device, ddp without pipeline stages, sharded stages 1-2,
-// tensor parallelism) the call does nothing and the model is built whole, as before. With one, the
+// Without a strategy that defers (single_device, ddp without pipeline stages or with tensor
+// parallelism, sharded stages 1-2) the call does nothing and the model is built whole, as before. With one, the
 // piece's floating-point parameters keep their shape, dtype and identity but lose their storage
 // until the strategy's set-up: the model must not read or write their values after the call
 // (shapes, names, dtypes and requires_grad are fine; tying a parameter to another module is
@@ -47,7 +47,8 @@ class IModel;
 
 // SDK 2.11: a strategy that knows what a rank keeps only once it has seen the whole model's shapes
 // (pipeline stages: the cut balances the units' parameter counts, and the model says which of its
-// other parameters, embeddings or head, go with which stage) answers this too
+// other parameters, embeddings or head, go with which stage; tensor parallelism: the plan says
+// which parameters it splits, ember::keep_shard slicing storage-less ones) answers this too
 // (IStrategy::query_interface). When wants_shapes_pass() says so after begin_deferred_init, the
 // engine builds the model twice: first for its shapes (every piece handed to
 // parameters_initialised loses its storage and nothing is kept), shown to plan_from_shapes and

@@ -20,6 +20,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include <ember/tensor_parallel.h>
+
 #include "ember/distributed/communicator.h"
 
 namespace torch::nn { class Module; }
@@ -50,12 +52,16 @@ class DeferredParts {
   void begin(c10::ScalarType dtype, int64_t rank, int64_t world, bool in_place = false);
   bool active() const { return active_; }
   // The shapes build (IDeferredInitPlan): take() frees each new parameter's storage and records
-  // the order they came in; nothing is kept.
+  // the order they came in; nothing is kept. (A tensor-parallel plan slices such parameters with
+  // ember::keep_shard, which keeps them without storage.)
   void begin_shapes_pass() { shapes_pass_ = true; }
   bool in_shapes_pass() const { return shapes_pass_; }
-  // After the shapes build, cut to this rank's stages (PipelineState::cut_shapes): the second
-  // build keeps parts of the parameters `cut` still holds, and frees the others (another stage's) whole.
-  void keep_what_remains_in(ember::IModel& cut);
+  // After the shapes build, parallelised as the real model will be: its parameters still in
+  // `shapes` are the ones the second build keeps parts of (another pipeline stage's are freed
+  // whole); `slices` (by name: a tensor-parallel plan's split parameters) are kept as this
+  // rank's slice, `slice_rank` of `slice_size`, before the chunk is cut.
+  void end_shapes_pass(ember::IModel& shapes, const std::vector<ember::TensorShard>& slices = {}, int64_t slice_rank = 0,
+                       int64_t slice_size = 1);
   // Whether the parameter was handed over while the model was built (kept or freed): set-up must
   // not read its values except through hand_over.
   bool taken(const at::Tensor& param) const { return seen_.count(param.unsafeGetTensorImpl()) != 0; }
@@ -82,6 +88,8 @@ class DeferredParts {
   bool shapes_pass_ = false, in_place_ = false;
   std::vector<const void*> arrivals_;  // the shapes build's parameters, in order
   std::vector<bool> keep_;             // by arrival index; empty: keep every one
+  std::unordered_map<int64_t, ember::TensorShard> slices_;  // by arrival index: kept as a tensor-parallel slice
+  int64_t slice_rank_ = 0, slice_size_ = 1;
   std::unordered_set<const void*> seen_;  // every parameter taken this build
   int64_t arrived_ = 0;
   std::vector<double> fingerprints_;                   // one per piece's parameter, in build order

@@ -248,9 +248,20 @@ inline at::Tensor whole_of(const std::vector<at::Tensor>& slices, const TensorSh
 }
 
 // Replaces a parameter's values by this rank's slice: the same Variable (registered name,
-// requires_grad) with a smaller shape.
+// requires_grad) with a smaller shape. A parameter without storage (deferred initialisation,
+// ember/deferred_init.h: the strategy kept its slice as the model was built) gets the slice's
+// shape and stays without storage.
 inline void keep_shard(at::Tensor& parameter, const TensorShard& shard, int64_t rank, int64_t size) {
   at::NoGradGuard no_grad;
+  if (parameter.numel() > 0 && parameter.storage().data_ptr().get() == nullptr) {
+    const auto shape = shard_of(at::empty(parameter.sizes(), parameter.options().device(at::kMeta)), shard, rank, size).sizes().vec();
+    at::Tensor slice = at::empty(shape, parameter.options());
+    auto* storage = slice.storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(at::DataPtr(nullptr, slice.device()));
+    storage->set_nbytes(0);
+    parameter.set_data(slice);
+    return;
+  }
   parameter.set_data(shard_of(parameter.detach(), shard, rank, size).clone());
 }
 
