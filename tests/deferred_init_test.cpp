@@ -9,6 +9,7 @@
 // deferral off.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <regex>
 #include <string>
 #include <vector>
@@ -104,6 +105,37 @@ void expect_every_slice_element_kept_once(const ProcessResult& r, size_t ranks, 
   EXPECT_GT(held.front(), 0);
 }
 
+// The 16-layer model's set-up peaks (big_transformer_toml) with `args` (engine arguments before
+// run.toml), deferred and built whole (`whole_switch` turns deferral off): on each of `ranks`
+// ranks the deferred peak is within the rank's share (`share_mb` of the deferred run and the
+// model's MB) + one layer + a fixed 24 MB, and built whole at least the whole model (so the
+// measure sees it). Returns both runs for further checks.
+std::pair<ProcessResult, ProcessResult> expect_setup_peaks(const std::vector<std::string>& args, const std::string& toml, size_t ranks,
+                                                           const std::string& whole_switch,
+                                                           const std::function<double(const ProcessResult&, double)>& share_mb) {
+  auto peaks = [&](const TempDir& dir, std::vector<std::string> extra) {
+    write_file(dir / "run.toml", toml);
+    std::vector<std::string> a = args;
+    a.push_back("run.toml");
+    a.insert(a.end(), extra.begin(), extra.end());
+    auto run = run_engine_ok(dir, a);
+    return std::make_pair(all_in_log(run.err, R"(model set-up: host memory peak \+([0-9.]+) MB)"), run);
+  };
+  TempDir deferred_dir("deferred"), whole_dir("deferred");
+  const auto [deferred, rd] = peaks(deferred_dir, {});
+  const auto [whole, rw] = peaks(whole_dir, {"--set", whole_switch});
+  EXPECT_EQ(deferred.size(), ranks) << rd.err;
+  EXPECT_EQ(whole.size(), ranks) << rw.err;
+  const auto model = all_in_log(rd.err, R"(this rank kept \d+ of their (\d+) elements)");
+  EXPECT_FALSE(model.empty()) << rd.err;
+  if (model.empty()) return {rd, rw};
+  const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kBigLayerElements * 4 / mb;
+  const double bound = share_mb(rd, model_mb) + layer_mb + 24.0;
+  for (double p : deferred) EXPECT_LE(p, bound) << "model " << model_mb << " MB, layer " << layer_mb << " MB\n" << rd.err;
+  for (double p : whole) EXPECT_GE(p, model_mb) << rw.err;
+  return {rd, rw};
+}
+
 }  // namespace
 
 TEST_F(DeferredInit, ShardedRanksStartFromSingleDeviceWeightsAndTrainTheSame) {
@@ -125,27 +157,10 @@ TEST_F(DeferredInit, ShardedRanksStartFromSingleDeviceWeightsAndTrainTheSame) {
 }
 
 TEST_F(DeferredInit, HostPeakAtSetupIsTheShardAndOneLayer) {
-  const std::string run = big_transformer_toml(8, 2);
-  auto peaks = [&](const TempDir& dir, std::vector<std::string> extra) {
-    write_file(dir / "run.toml", run);
-    std::vector<std::string> args = {"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=2"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    auto r = run_engine_ok(dir, args);
-    return std::make_pair(all_in_log(r.err, R"(model set-up: host memory peak \+([0-9.]+) MB)"), r);
-  };
-  TempDir deferred_dir("deferred"), whole_dir("deferred");
-  const auto [deferred, r] = peaks(deferred_dir, {});
-  const auto [whole, rw] = peaks(whole_dir, {"--set", "sharded.deferred_init=false"});
-  ASSERT_EQ(deferred.size(), 2u) << r.err;
-  ASSERT_EQ(whole.size(), 2u) << rw.err;
-  const auto model = all_in_log(r.err, R"(this rank kept \d+ of their (\d+) elements)");
-  ASSERT_FALSE(model.empty()) << r.err;
-  const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kBigLayerElements * 4 / mb;
   // Half the model, one layer being built, and a fixed allowance for what else the set-up takes.
-  const double bound = model_mb / 2 + layer_mb + 24.0;
-  for (double p : deferred) EXPECT_LE(p, bound) << "model " << model_mb << " MB, layer " << layer_mb << " MB\n" << r.err;
-  // Built whole, every rank holds the whole model at once: the measure sees it.
-  for (double p : whole) EXPECT_GE(p, model_mb) << rw.err;
+  const auto [r, rw] = expect_setup_peaks({"--plugins", "sharded", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=2"},
+                                          big_transformer_toml(8, 2), 2, "sharded.deferred_init=false",
+                                          [](const ProcessResult&, double model_mb) { return model_mb / 2; });
   EXPECT_EQ(rw.err.find("deferred initialisation:"), std::string::npos) << rw.err;
 }
 
@@ -169,27 +184,11 @@ TEST_F(DeferredInit, PipelineStagesKeepTheirShardOfTheirStagesOnly) {
   expect_every_element_kept_once(r, 4);
 
   // 16 layers of width 512 (202 MB), as above, on 2 stages x 2 shards.
-  const std::string big = big_transformer_toml(16, 2);
-  auto peaks = [&](const TempDir& dir, std::vector<std::string> extra) {
-    write_file(dir / "run.toml", big);
-    std::vector<std::string> a = {"--plugins", "sharded", "run.toml", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=4",
-                                  "--set", "parallelism.pipeline_parallel=2", "--set", "data.batch_size=2"};
-    a.insert(a.end(), extra.begin(), extra.end());
-    auto run = run_engine_ok(dir, a);
-    return std::make_pair(all_in_log(run.err, R"(model set-up: host memory peak \+([0-9.]+) MB)"), run);
-  };
-  TempDir deferred_dir("deferred"), whole_dir("deferred");
-  const auto [deferred, rd] = peaks(deferred_dir, {});
-  const auto [whole, rw] = peaks(whole_dir, {"--set", "sharded.deferred_init=false"});
-  ASSERT_EQ(deferred.size(), 4u) << rd.err;
-  ASSERT_EQ(whole.size(), 4u) << rw.err;
+  const auto [rd, rw] = expect_setup_peaks({"--plugins", "sharded", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=4", "--set",
+                                            "parallelism.pipeline_parallel=2", "--set", "data.batch_size=2"},
+                                           big_transformer_toml(16, 2), 4, "sharded.deferred_init=false",
+                                           [](const ProcessResult&, double model_mb) { return model_mb / 4; });
   expect_every_element_kept_once(rd, 4);
-  const auto model = all_in_log(rd.err, R"(this rank kept \d+ of their (\d+) elements)");
-  ASSERT_FALSE(model.empty()) << rd.err;
-  const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kBigLayerElements * 4 / mb;
-  const double bound = model_mb / 4 + layer_mb + 24.0;
-  for (double p : deferred) EXPECT_LE(p, bound) << "model " << model_mb << " MB, layer " << layer_mb << " MB\n" << rd.err;
-  for (double p : whole) EXPECT_GE(p, model_mb) << rw.err;
 }
 
 // 2D: 2 shards x 2 tensor-parallel ranks. The plan, run on the shapes build, says which
@@ -209,30 +208,15 @@ TEST_F(DeferredInit, TensorParallelRanksKeepTheirShardOfTheirSlices) {
   EXPECT_LE(max_weight_difference(last_checkpoint(single_init), last_checkpoint(split_init)), 1e-20);
   expect_every_slice_element_kept_once(r, 4, 2);
 
-  auto peaks = [&](const TempDir& dir, std::vector<std::string> extra) {
-    write_file(dir / "run.toml", big_transformer_toml(16, 2));
-    std::vector<std::string> a = mesh;
-    a.push_back("run.toml");
-    a.insert(a.end(), extra.begin(), extra.end());
-    auto run = run_engine_ok(dir, a);
-    return std::make_pair(all_in_log(run.err, R"(model set-up: host memory peak \+([0-9.]+) MB)"), run);
-  };
-  TempDir deferred_dir("deferred"), whole_dir("deferred");
-  const auto [deferred, rd] = peaks(deferred_dir, {});
-  const auto [whole, rw] = peaks(whole_dir, {"--set", "sharded.deferred_init=false"});
-  ASSERT_EQ(deferred.size(), 4u) << rd.err;
-  ASSERT_EQ(whole.size(), 4u) << rw.err;
-  expect_every_slice_element_kept_once(rd, 4, 2);
-  const auto model = all_in_log(rd.err, R"(this rank kept \d+ of their (\d+) elements)");
-  const auto slice = all_in_log(rd.err, R"(this rank holds (\d+) of their \d+ elements)");
-  ASSERT_FALSE(model.empty()) << rd.err;
-  ASSERT_FALSE(slice.empty()) << rd.err;
   // A rank keeps half its slice model (2 shards): about a quarter of the model, plus the norms,
   // biases and head every tensor-parallel rank holds whole.
-  const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kBigLayerElements * 4 / mb;
-  const double bound = slice.front() * 4 / mb / 2 + layer_mb + 24.0;
-  for (double p : deferred) EXPECT_LE(p, bound) << "model " << model_mb << " MB, layer " << layer_mb << " MB\n" << rd.err;
-  for (double p : whole) EXPECT_GE(p, model_mb) << rw.err;
+  const auto [rd, rw] = expect_setup_peaks(mesh, big_transformer_toml(16, 2), 4, "sharded.deferred_init=false",
+                                           [](const ProcessResult& run, double) {
+                                             const auto slice = all_in_log(run.err, R"(this rank holds (\d+) of their \d+ elements)");
+                                             EXPECT_FALSE(slice.empty()) << run.err;
+                                             return slice.empty() ? 0.0 : slice.front() * 4 / (1024.0 * 1024.0) / 2;
+                                           });
+  expect_every_slice_element_kept_once(rd, 4, 2);
 }
 
 // ddp's stages (2 ranks, each a stage): the same shapes build, each rank keeping its stage's
@@ -251,25 +235,8 @@ TEST_F(DeferredInit, DdpStagesKeepTheirStagesOnly) {
   EXPECT_LE(max_weight_difference(last_checkpoint(single_init), last_checkpoint(staged_init)), 1e-20);
   expect_every_element_kept_once(r, 2);
 
-  auto peaks = [&](const TempDir& dir, std::vector<std::string> extra) {
-    write_file(dir / "run.toml", big_transformer_toml(16, 4));
-    std::vector<std::string> a = mesh;
-    a.push_back("run.toml");
-    a.insert(a.end(), extra.begin(), extra.end());
-    auto run = run_engine_ok(dir, a);
-    return std::make_pair(all_in_log(run.err, R"(model set-up: host memory peak \+([0-9.]+) MB)"), run);
-  };
-  TempDir deferred_dir("deferred"), whole_dir("deferred");
-  const auto [deferred, rd] = peaks(deferred_dir, {});
-  const auto [whole, rw] = peaks(whole_dir, {"--set", "ddp.deferred_init=false"});
-  ASSERT_EQ(deferred.size(), 2u) << rd.err;
-  ASSERT_EQ(whole.size(), 2u) << rw.err;
-  const auto model = all_in_log(rd.err, R"(this rank kept \d+ of their (\d+) elements)");
-  ASSERT_FALSE(model.empty()) << rd.err;
-  const double mb = 1024.0 * 1024.0, model_mb = model.front() * 4 / mb, layer_mb = kBigLayerElements * 4 / mb;
-  const double bound = model_mb / 2 + layer_mb + 24.0;
-  for (double p : deferred) EXPECT_LE(p, bound) << "model " << model_mb << " MB, layer " << layer_mb << " MB\n" << rd.err;
-  for (double p : whole) EXPECT_GE(p, model_mb) << rw.err;
+  expect_setup_peaks(mesh, big_transformer_toml(16, 4), 2, "ddp.deferred_init=false",
+                     [](const ProcessResult&, double model_mb) { return model_mb / 2; });
 }
 
 TEST_F(DeferredInit, OffloadTakesThePiecesInThePrecisionsDtype) {
