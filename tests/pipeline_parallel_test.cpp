@@ -255,6 +255,34 @@ TEST_F(Pipeline, ShardedStagesCheckpointsResumeAcrossMeshes) {
   EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(reshaped, 1)), 1e-5);
 }
 
+// state_dict_type = "sharded" under a mesh: each rank writes its part of its stages' slices and
+// shards, nothing gathered, and the directory resumes under other meshes: 2 stages x 2
+// tensor-parallel ranks as 2 stages x 2 shards (slices matched by their place in the whole
+// tensors), as plain ZeRO over 2 ranks (the parts keep the optimizer's layout over the whole
+// model), and, made one file by `engine checkpoint consolidate`, under single_device; a plain ZeRO
+// directory resumes as 2 stages x 2 tensor-parallel ranks. Each ends where the uninterrupted run does.
+TEST_F(Pipeline, ShardedDirectoriesResumeAcrossMeshes) {
+  TempDir one("pipeline"), dirs("pipeline"), flat("pipeline");
+  single(one);
+  auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const std::vector<std::string> as_dir = {"--set", "sharded.state_dict_type=\"sharded\""};
+  staged(dirs, "sharded", 4, 2, 2, with(as_dir, {"--set", "trainer.max_epochs=1"}));
+  const auto saved = last_checkpoint(dirs);
+  ASSERT_TRUE(std::filesystem::is_directory(saved)) << saved;
+  for (int k = 0; k < 4; ++k) EXPECT_TRUE(std::filesystem::exists(saved / ("rank" + std::to_string(k) + ".ckpt"))) << k;
+  staged(dirs, "sharded", 4, 2, 1, {"--resume", saved.string()});
+  staged(dirs, "sharded", 2, 1, 1, {"--resume", saved.string()});
+  run_engine_ok(dirs, {"checkpoint", "consolidate", saved.string(), "whole.ckpt"});
+  single(dirs, {"--resume", (dirs / "whole.ckpt").string()});
+  for (int version : {1, 2, 3}) EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(dirs, version)), 1e-5) << version;
+  staged(flat, "sharded", 2, 1, 1, with(as_dir, {"--set", "trainer.max_epochs=1"}));
+  staged(flat, "sharded", 4, 2, 2, {"--resume", last_checkpoint(flat).string()});
+  EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(flat, 1)), 1e-5);
+}
+
 // The gpt language model cut at its blocks: GPT-2 with its tied embedding (the first stage looks
 // tokens up in it, the last multiplies by it: their gradients are summed over the two stages and
 // the copy counts once in the norm and the checkpoint), on 2 stages and on 2 stages x 2
@@ -357,10 +385,6 @@ TEST_F(Pipeline, BadPipelineIsOneLineAndNothingStarts) {
               "pipeline: a batch of 1 sample cannot feed interleaved_1f1b over 2 ranks, which needs a multiple of 2 micro-batches");
   expect_line({"--plugins", "single_device", "--set", "trainer.devices=2", "--set", "parallelism.pipeline_parallel=2"},
               "parallelism.pipeline_parallel = 2 needs a strategy with a device mesh, and strategy 'single_device' has none");
-  expect_line({"--plugins", "sharded", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=2", "--set", "parallelism.pipeline_parallel=2",
-               "--set", "sharded.state_dict_type=\"sharded\""},
-              "--set sharded.state_dict_type=\"sharded\": sharded.state_dict_type = \"sharded\" does not combine with "
-              "parallelism.pipeline_parallel = 2 yet: use \"full\"");
   expect_line({"--plugins", "ddp", "--set", "trainer.devices=4", "--set", "parallelism.pipeline_parallel=3"},
               "x pipeline_parallel (3) = 3 does not divide trainer.devices (4) x trainer.num_nodes (1) = 4 ranks");
   // A model that cannot be cut.

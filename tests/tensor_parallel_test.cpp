@@ -203,8 +203,9 @@ TEST_F(TensorParallel, SequenceParallelMatchesSingleDevice) {
       << r.err;
 }
 
-// A checkpoint holds whole tensors, whatever the mesh that wrote it: the second epoch under
-// another mesh ends where the uninterrupted single_device run does.
+// A checkpoint holds whole tensors, whatever the mesh that wrote it, and a sharded directory's
+// parts load onto any mesh: the second epoch under another mesh ends where the uninterrupted
+// single_device run does.
 TEST_F(TensorParallel, CheckpointsResumeAcrossMeshShapes) {
   TempDir one("tensor_parallel"), from_tp("tensor_parallel"), to_tp("tensor_parallel");
   single(one);
@@ -219,6 +220,16 @@ TEST_F(TensorParallel, CheckpointsResumeAcrossMeshShapes) {
   mesh(reshaped, 4, 2, {"--set", "trainer.max_epochs=1"}, "sharded");
   mesh(reshaped, 4, 1, {"--resume", last_checkpoint(reshaped).string()}, "sharded");
   EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(reshaped, 1)), 1e-5);
+  // The same as a sharded directory under ZeRO-3 (each rank's part of its slices, nothing
+  // gathered): 2 x 2 -> 4 x 1, and -> 1 x 4 (another tensor-parallel degree: the elements are
+  // matched by their place in the whole tensors).
+  TempDir dirs("tensor_parallel");
+  mesh(dirs, 4, 2, {"--set", "trainer.max_epochs=1", "--set", "sharded.stage=3", "--set", "sharded.state_dict_type=\"sharded\""}, "sharded");
+  const auto saved = last_checkpoint(dirs);
+  ASSERT_TRUE(std::filesystem::is_directory(saved)) << saved;
+  mesh(dirs, 4, 1, {"--resume", saved.string()}, "sharded");
+  mesh(dirs, 4, 4, {"--resume", saved.string()}, "sharded");
+  for (int version : {1, 2}) EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(dirs, version)), 1e-5) << version;
 }
 
 // The gpt language model's plan: GPT-2 (fused c_attn split in three blocks, Conv1D weights) under
@@ -323,10 +334,6 @@ TEST_F(TensorParallel, BadMeshIsOneLineAndNothingStarts) {
               "parallelism.sequence_parallel = true splits activations over the tensor-parallel ranks, and tensor_parallel = 1");
   expect_line({"--plugins", "single_device", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2"},
               "parallelism.tensor_parallel = 2 needs a strategy with a device mesh, and strategy 'single_device' has none");
-  expect_line({"--plugins", "sharded", "--set", "trainer.devices=2", "--set", "parallelism.tensor_parallel=2", "--set",
-               "sharded.state_dict_type=\"sharded\""},
-              "--set sharded.state_dict_type=\"sharded\": sharded.state_dict_type = \"sharded\" does not combine with "
-              "parallelism.tensor_parallel = 2 yet");
   expect_line({"--plugins", "ddp", "--set", "trainer.devices=2", "--set", "parallelism.sequence_parallel=true"},
               "--set parallelism.sequence_parallel=true: parallelism.sequence_parallel = true splits activations over the "
               "tensor-parallel ranks, and tensor_parallel = 1");

@@ -107,8 +107,11 @@ int consolidate_checkpoint(const RunRequest& base, const std::string& dir, const
   req.plugins = {strategy};
   req.resume = dir;
   req.consolidate_to = out;
+  // One rank holds the whole model, whatever mesh wrote the parts (they load onto any other).
   for (const char* s : {"trainer.devices=1", "trainer.num_nodes=1", "trainer.accelerator=\"cpu\"", "trainer.test_after_fit=false",
-                        "trainer.enable_progress_bar=false"})
+                        "trainer.enable_progress_bar=false", "parallelism.data_parallel_replicate=1", "parallelism.data_parallel_shard=-1",
+                        "parallelism.tensor_parallel=1", "parallelism.pipeline_parallel=1", "parallelism.sequence_parallel=false",
+                        "parallelism.schedule=\"1f1b\"", "parallelism.virtual_stages=1", "parallelism.stage_units=[]"})
     req.sets.emplace_back(s);
   req.sets.push_back("trainer.default_root_dir=\"" + (scratch / "runs").string() + "\"");
   req.sets.push_back(strategy + ".state_dict_type=\"full\"");

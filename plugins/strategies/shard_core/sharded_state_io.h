@@ -1,13 +1,16 @@
 // The model's and optimizer's state of a ZeRO run, saved and restored: whole (gathered onto rank
 // 0, exactly what a replicating strategy saves, so a checkpoint resumes under any strategy and
-// world size) or as one part per rank (nothing gathered; re-sharded onto any world size when it
-// is loaded). Every call is collective where it gathers. The loads leave the module's own
+// world size) or as one part per rank (nothing gathered; re-sharded onto any mesh when it is
+// loaded: other data-parallel, tensor-parallel and pipeline degrees). Every call is collective where it gathers. The loads leave the module's own
 // parameters to the caller (ZeroStrategy::parameters_changed).
 #pragma once
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <ember/tensor_parallel.h>
+
 #include <functional>
+#include <map>
 #include <string>
 
 #include "shard_table.h"
@@ -36,12 +39,24 @@ class ShardedStateIO {
 
   // Tensor parallelism (zero_strategy.cpp): the whole tensor of a parameter (or of its optimizer
   // state) from this rank's tensor-parallel slice, collective over the tensor-parallel ranks, and
-  // this rank's slice of a whole one. Unset: the shards' tensors are the model's whole ones.
+  // this rank's slice of a whole one; and how each sliced tensor is split (a sharded checkpoint
+  // part records it, so it loads under another tensor-parallel degree). Unset: the shards'
+  // tensors are the model's whole ones.
   using Reshape = std::function<at::Tensor(const std::string& name, const at::Tensor&)>;
-  void set_tensor_parallel(Reshape to_whole, Reshape to_slice) {
-    to_whole_ = std::move(to_whole);
-    to_slice_ = std::move(to_slice);
-  }
+  struct TensorParallelSlicing {
+    Reshape to_whole, to_slice;
+    std::map<std::string, ember::TensorShard> splits;
+    int64_t rank = 0, size = 1;
+  };
+  void set_tensor_parallel(TensorParallelSlicing slicing) { tp_ = std::move(slicing); }
+  // Pipeline parallelism: this rank's stage, and the optimizer's serialization over the whole
+  // model's groups (PipelineState's), so that a sharded part loads on any stage of any mesh.
+  struct PipelinePlace {
+    int64_t rank = 0;
+    std::function<std::string(torch::optim::Optimizer&)> save_optimizer;
+    std::function<void(torch::optim::Optimizer&, const std::string&)> load_optimizer;
+  };
+  void set_pipeline(PipelinePlace place) { pp_ = std::move(place); }
 
  private:
   // Whole value of one shard-shaped tensor (a parameter's shard, or an optimizer state field).
@@ -49,7 +64,8 @@ class ShardedStateIO {
 
   ShardTable& t_;
   ZeroContext c_;
-  Reshape to_whole_, to_slice_;
+  TensorParallelSlicing tp_;
+  PipelinePlace pp_;
 };
 
 }  // namespace ember_shard

@@ -157,9 +157,6 @@ class ZeroStrategy final : public ember::IStrategy,
       throw ember::ConfigError(options.where_pipeline_parallel + ": " + degree + " on " + comm_.device().str() +
                                ": pipeline stages exchange activations over Open MPI, on CPU ranks only so far (NCCL's paired "
                                "send/receive is not built); set trainer.accelerator = \"cpu\" or pipeline_parallel = 1");
-    if (o_.sharded_checkpoints)
-      throw ember::ConfigError(o_.where_state_dict_type + ": " + o_.name + ".state_dict_type = \"sharded\" does not combine with " + degree +
-                               " yet: use \"full\" (whole checkpoints, which resume under any mesh)");
     pipeline_ = std::make_unique<PipelineState>(*mesh_, options);
   }
   int64_t pipeline_rank() const override { return mesh_ ? mesh_->pipeline_rank() : 0; }
@@ -374,10 +371,6 @@ class ZeroStrategy final : public ember::IStrategy,
   bool sharded_checkpoints() const override { return o_.sharded_checkpoints; }
   c10::IValue sharded_state() override { return io_.sharded_state(*module_, *optimizer_); }
   void load_sharded_state(int64_t saved_world, const std::function<c10::IValue(int64_t)>& read_part) override {
-    if (!tensor_parallel_.empty())
-      throw ember::RunError(o_.name + ": a sharded checkpoint directory cannot be resumed with parallelism.tensor_parallel = " +
-                            std::to_string(mesh_->tensor_parallel_size()) +
-                            " yet: make one file of it (`engine checkpoint consolidate DIR OUT.ckpt`) and resume from that");
     io_.load_sharded_state(*module_, *optimizer_, saved_world, read_part);
     parameters_changed();
   }
@@ -501,9 +494,6 @@ ember::ITensorParallelModel& ZeroStrategy::tensor_parallel_plan(ember::IModel& m
 void ZeroStrategy::split_tensor_parallel(ember::IModel& model) {
   const int64_t tp = mesh_->tensor_parallel_size();
   auto* plan = &tensor_parallel_plan(model);
-  if (o_.sharded_checkpoints)
-    throw ember::ConfigError(o_.where_state_dict_type + ": " + o_.name + ".state_dict_type = \"sharded\" does not combine with parallelism.tensor_parallel = " +
-                             std::to_string(tp) + " yet: use \"full\" (whole checkpoints, which resume under any mesh)");
   broadcast_whole_model();
   // Deferred initialisation: the pieces taken as the model was built have no storage (this rank
   // kept its chunk of its slice of each); the plan's ember::keep_shard gives them the slices'
@@ -515,17 +505,21 @@ void ZeroStrategy::split_tensor_parallel(ember::IModel& model) {
     else tensor_parallel_.emplace(s.name, s);
   }
   host_.log(ember::LogLevel::info, describe_split(o_.name, tensor_parallel_.size(), summed_.size(), whole, *module_));
-  io_.set_tensor_parallel(
-      [this, &group](const std::string& name, const at::Tensor& slice) {
-        auto it = tensor_parallel_.find(name);
-        if (it == tensor_parallel_.end()) return slice;
-        return ember::whole_of(group.all_gather(slice).unbind(0), it->second);
-      },
-      [this, &group](const std::string& name, const at::Tensor& whole) {
-        auto it = tensor_parallel_.find(name);
-        if (it == tensor_parallel_.end()) return whole;
-        return ember::shard_of(whole, it->second, group.rank(), group.size()).contiguous();
-      });
+  ShardedStateIO::TensorParallelSlicing slicing;
+  slicing.to_whole = [this, &group](const std::string& name, const at::Tensor& slice) {
+    auto it = tensor_parallel_.find(name);
+    if (it == tensor_parallel_.end()) return slice;
+    return ember::whole_of(group.all_gather(slice).unbind(0), it->second);
+  };
+  slicing.to_slice = [this, &group](const std::string& name, const at::Tensor& whole) {
+    auto it = tensor_parallel_.find(name);
+    if (it == tensor_parallel_.end()) return whole;
+    return ember::shard_of(whole, it->second, group.rank(), group.size()).contiguous();
+  };
+  slicing.splits = tensor_parallel_;
+  slicing.rank = group.rank();
+  slicing.size = tp;
+  io_.set_tensor_parallel(std::move(slicing));
 }
 
 void ZeroStrategy::broadcast_whole_model() {
@@ -565,6 +559,13 @@ void ZeroStrategy::cut_pipeline_stages(ember::IModel& model) {
   if (!pipeline_) pipeline_ = std::make_unique<PipelineState>(*mesh_, ember::PipelineOptions{});  // an engine before SDK 2.6
   broadcast_whole_model();  // before the cut: afterwards each stage holds other tensors
   pipeline_->cut(model, o_.name, host_);
+  // A sharded checkpoint part keeps the optimizer's layout over the whole model, so it loads on
+  // any stage of any mesh.
+  io_.set_pipeline({mesh_->pipeline_rank(),
+                    [this](torch::optim::Optimizer& optimizer) { return pipeline_->optimizer_over_whole_model(optimizer); },
+                    [this](torch::optim::Optimizer& optimizer, const std::string& bytes) {
+                      pipeline_->load_full_optimizer_state(optimizer, bytes, [](const at::Tensor&, const at::Tensor& field) { return field; });
+                    }});
   if (buffers_.enabled() && !module_->buffers().empty())
     throw ember::ConfigError(o_.where_broadcast_buffers + ": " + o_.name + ".broadcast_buffers = true with pipeline stages: each stage "
                              "holds other buffers, so rank 0's cannot be broadcast; set broadcast_buffers = false");

@@ -268,51 +268,87 @@ std::string PipelineState::full_optimizer_state(torch::optim::Optimizer& optimiz
   if (!remote.empty() && !model_state)
     throw ember::RunError("pipeline: stage " + std::to_string(mesh_.pipeline_rank()) +
                           " holds no optimizer state while other stages do: cannot write the whole optimizer state");
-  // torch::save over the whole model's groups: own parameters with their whole fields, a stand-in
-  // for each other stage's parameter with a copy of this stage's state object (same optimizer,
-  // same step count) holding that parameter's fields.
-  std::vector<at::Tensor> stand_ins;
-  auto saved_groups = widen_groups(optimizer, &stand_ins);
+  // Own parameters with their whole fields; a stand-in for each other stage's parameter gets a copy
+  // of this stage's state object (same optimizer, same step count) holding that parameter's fields.
   std::vector<std::pair<at::Tensor*, at::Tensor>> swapped;
+  for (auto& [impl, fields] : whole) {
+    auto& state = *optimizer.state().at(const_cast<void*>(impl));
+    ember::for_each_state_tensor(state, [&](const char* field, at::Tensor& value) {
+      swapped.emplace_back(&value, value);
+      value = fields.at(field);
+    });
+  }
   std::string bytes;
   try {
-    for (auto& [impl, fields] : whole) {
-      auto& state = *optimizer.state().at(const_cast<void*>(impl));
-      ember::for_each_state_tensor(state, [&](const char* field, at::Tensor& value) {
-        swapped.emplace_back(&value, value);
-        value = fields.at(field);
+    bytes = save_over_whole_model(optimizer, [&](const std::string& name) -> std::unique_ptr<torch::optim::OptimizerParamState> {
+      auto it = remote.find(name);
+      if (it == remote.end()) return nullptr;
+      auto state = model_state->clone();
+      ember::for_each_state_tensor(*state, [&](const char* field, at::Tensor& value) {
+        if (!it->second.contains(field))
+          throw ember::RunError("pipeline: the stages disagree on the optimizer's state fields ('" + std::string(field) + "' of '" + name + "')");
+        value = it->second.at(field).toTensor();
       });
-    }
+      return state;
+    });
+  } catch (...) {
+    for (auto& [field, value] : swapped) *field = value;
+    throw;
+  }
+  for (auto& [field, value] : swapped) *field = value;
+  return bytes;
+}
+
+std::string PipelineState::save_over_whole_model(
+    torch::optim::Optimizer& optimizer,
+    const std::function<std::unique_ptr<torch::optim::OptimizerParamState>(const std::string& name)>& stand_in_state) {
+  std::vector<at::Tensor> stand_ins;
+  auto saved_groups = widen_groups(optimizer, &stand_ins);
+  auto restore = [&] {
+    for (const auto& s : stand_ins) optimizer.state().erase(s.unsafeGetTensorImpl());
+    for (size_t g = 0; g < saved_groups.size(); ++g) optimizer.param_groups()[g].params() = saved_groups[g];
+  };
+  try {
     std::set<std::string> own;
-    for (const auto& [impl, name] : names) own.insert(name);
+    for (const auto& [impl, name] : trained_) own.insert(name);
     size_t k = 0;
     for (const auto& g : groups_)
       for (const auto& name : g) {
         if (own.count(name)) continue;
         const at::Tensor& stand_in = stand_ins[k++];
-        auto it = remote.find(name);
-        if (it == remote.end()) continue;
-        auto state = model_state->clone();
-        ember::for_each_state_tensor(*state, [&](const char* field, at::Tensor& value) {
-          if (!it->second.contains(field))
-            throw ember::RunError("pipeline: the stages disagree on the optimizer's state fields ('" + std::string(field) + "' of '" + name + "')");
-          value = it->second.at(field).toTensor();
-        });
-        optimizer.state()[stand_in.unsafeGetTensorImpl()] = std::move(state);
+        if (auto state = stand_in_state(name)) optimizer.state()[stand_in.unsafeGetTensorImpl()] = std::move(state);
       }
     std::ostringstream out;
     torch::save(optimizer, out);
-    bytes = out.str();
+    restore();
+    return out.str();
   } catch (...) {
-    for (auto& [field, value] : swapped) *field = value;
-    for (const auto& s : stand_ins) optimizer.state().erase(s.unsafeGetTensorImpl());
-    for (size_t g = 0; g < saved_groups.size(); ++g) optimizer.param_groups()[g].params() = saved_groups[g];
+    restore();
     throw;
   }
-  for (auto& [field, value] : swapped) *field = value;
-  for (const auto& s : stand_ins) optimizer.state().erase(s.unsafeGetTensorImpl());
-  for (size_t g = 0; g < saved_groups.size(); ++g) optimizer.param_groups()[g].params() = saved_groups[g];
-  return bytes;
+}
+
+std::string PipelineState::optimizer_over_whole_model(torch::optim::Optimizer& optimizer) {
+  // Which parameters hold state on some stage (a frozen one never does).
+  c10::impl::GenericList mine(c10::StringType::get());
+  torch::optim::OptimizerParamState* model_state = nullptr;
+  for (auto& group : optimizer.param_groups())
+    for (auto& t : group.params()) {
+      auto it = optimizer.state().find(t.unsafeGetTensorImpl());
+      if (it == optimizer.state().end()) continue;
+      if (!model_state) model_state = it->second.get();
+      mine.push_back(trained_.at(t.unsafeGetTensorImpl()));
+    }
+  std::set<std::string> with_state;
+  for (const auto& bytes : mesh_.pipeline().all_gather_bytes(pickled(mine)))
+    for (const c10::IValue name : unpickled(bytes).toList()) with_state.insert(name.toStringRef());
+  return save_over_whole_model(optimizer, [&](const std::string& name) -> std::unique_ptr<torch::optim::OptimizerParamState> {
+    if (!with_state.count(name)) return nullptr;
+    if (!model_state)
+      throw ember::RunError("pipeline: stage " + std::to_string(mesh_.pipeline_rank()) +
+                            " holds no optimizer state while other stages do: cannot write the optimizer's layout");
+    return model_state->clone();
+  });
 }
 
 void PipelineState::load_full_optimizer_state(torch::optim::Optimizer& optimizer, const std::string& bytes,

@@ -27,7 +27,7 @@
 #include "ember/distributed/pipeline_runner.h"
 
 namespace torch::nn { class Module; }
-namespace torch::optim { class Optimizer; }
+namespace torch::optim { class Optimizer; class OptimizerParamState; }
 
 namespace ember_dist {
 
@@ -84,6 +84,12 @@ class PipelineState {
   // cuts this rank's part: a tensor-parallel slice, a ZeRO shard).
   void load_full_optimizer_state(torch::optim::Optimizer& optimizer, const std::string& bytes,
                                  const std::function<at::Tensor(const at::Tensor& param, const at::Tensor& field)>& to_part);
+  // The optimizer's serialization over the whole model's groups, as a sharded checkpoint part keeps
+  // it (the caller empties the per-element fields; each rank saves those apart): this stage's state
+  // objects, and for every other stage's parameter that has state there a copy of one of this
+  // stage's (the same optimizer at the same step), so a part loads on any stage of any mesh
+  // (load_full_optimizer_state with `to_part` returning the field). Collective over the pipeline group.
+  std::string optimizer_over_whole_model(torch::optim::Optimizer& optimizer);
 
  private:
   // Every stage's units, checked against the model (model_ and the checks of cut()).
@@ -94,6 +100,11 @@ class PipelineState {
   // Sets the optimizer's groups to the whole model's parameters (this rank's own, and a stand-in
   // for each other stage's) for torch::save / torch::load; restore() puts them back.
   std::vector<std::vector<at::Tensor>> widen_groups(torch::optim::Optimizer& optimizer, std::vector<at::Tensor>* stand_ins);
+  // torch::save over the whole model's groups; `stand_in_state(name)` gives another stage's
+  // parameter its state object (null: none). The optimizer is left as it was.
+  std::string save_over_whole_model(
+      torch::optim::Optimizer& optimizer,
+      const std::function<std::unique_ptr<torch::optim::OptimizerParamState>(const std::string& name)>& stand_in_state);
 
   DeviceMesh& mesh_;
   ember::PipelineOptions options_;
