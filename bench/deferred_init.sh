@@ -3,7 +3,7 @@
 # a 16-layer transformer of width 512 (feed-forward 2048; 50.4 M parameters, 192 MB in float32,
 # 12.0 MB a layer) built and set up under sharded stage 3 and offload (offload_params) on 1, 2
 # and 4 CPU ranks (and 4 as 2 pipeline stages x 2 shards, and as 2 shards x 2 tensor-parallel
-# ranks), under ddp's 2 pipeline stages, and under single_device. Each rank logs "model set-up: host memory peak +X MB":
+# ranks), under ddp's 2 pipeline stages and 2 tensor-parallel ranks, and under single_device. Each rank logs "model set-up: host memory peak +X MB":
 # its resident set's high-water mark from just before the model is built to the end of the
 # strategy's set-up, above what it held before. The table shows rank 0's, next to the model's
 # share per rank (model / N) and that share plus one layer.
@@ -88,3 +88,9 @@ mesh=(--plugins ddp --set "ddp.timeout=120.0" --set "trainer.devices=2" --set "p
 d=$(peak "${mesh[@]}")
 w=$(peak "${mesh[@]}" --set "ddp.deferred_init=false")
 echo "| ddp, 2 stages | 2 | $share | $plus | $d | $w | $(python3 -c "print(f'{$d / $w:.2f}')") |"
+# ddp's 2 tensor-parallel ranks: each rank keeps its slice of the split parameters and the norms,
+# biases and head whole (a little above half).
+mesh=(--plugins ddp --set "ddp.timeout=120.0" --set "trainer.devices=2" --set "parallelism.tensor_parallel=2")
+d=$(peak "${mesh[@]}")
+w=$(peak "${mesh[@]}" --set "ddp.deferred_init=false")
+echo "| ddp, 2 tensor-parallel | 2 | $share | $plus | $d | $w | $(python3 -c "print(f'{$d / $w:.2f}')") |"

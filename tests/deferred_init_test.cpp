@@ -4,7 +4,7 @@
 // host memory peak while the model is built and set up is half the model plus one layer (and the
 // whole model without deferral, so the measure sees it), and a quarter of it plus one layer on 2
 // pipeline stages x 2 shards (built once for the shapes first), and half of it plus one layer on
-// ddp's 2 stages; a dtype-changing precision (64-true)
+// ddp's 2 stages and on ddp's 2 tensor-parallel ranks; a dtype-changing precision (64-true)
 // under offload; ranks whose model initialisation differs are stopped in one line, and train with
 // deferral off.
 #include <gtest/gtest.h>
@@ -237,6 +237,32 @@ TEST_F(DeferredInit, DdpStagesKeepTheirStagesOnly) {
 
   expect_setup_peaks(mesh, big_transformer_toml(16, 4), 2, "ddp.deferred_init=false",
                      [](const ProcessResult&, double model_mb) { return model_mb / 2; });
+}
+
+// ddp over 2 tensor-parallel ranks: the plan, run on the shapes build, says which parameters are
+// split; each rank keeps its slice of those (and the others whole) as the model is built.
+// single_device's initial weights, every slice element kept by one rank, and a host peak of the
+// slice model plus one layer at set-up (the whole model when built whole).
+TEST_F(DeferredInit, DdpTensorParallelRanksKeepTheirSlicesOnly) {
+  const std::vector<std::string> mesh = {"--plugins", "ddp", "--set", "ddp.timeout=60.0", "--set", "trainer.devices=2",
+                                         "--set", "parallelism.tensor_parallel=2"};
+  TempDir single_init("deferred"), split_init("deferred");
+  transformer_run(single_init, 0, {"--set", "optimizer.lr=1e-30"});
+  write_file(split_init / "run.toml", transformer_mesh_toml(4));
+  std::vector<std::string> args = mesh;
+  for (const char* a : {"run.toml", "--set", "optimizer.lr=1e-30"}) args.push_back(a);
+  auto r = run_engine_ok(split_init, args);
+  EXPECT_NE(r.err.find("deferred initialisation: the model was built once for its shapes"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(single_init), last_checkpoint(split_init)), 1e-20);
+  expect_every_slice_element_kept_once(r, 2, 2);
+
+  const auto [rd, rw] = expect_setup_peaks(mesh, big_transformer_toml(16, 4), 2, "ddp.deferred_init=false",
+                                           [](const ProcessResult& run, double) {
+                                             const auto slice = all_in_log(run.err, R"(this rank holds (\d+) of their \d+ elements)");
+                                             EXPECT_FALSE(slice.empty()) << run.err;
+                                             return slice.empty() ? 0.0 : slice.front() * 4 / (1024.0 * 1024.0);
+                                           });
+  expect_every_slice_element_kept_once(rd, 2, 2);
 }
 
 TEST_F(DeferredInit, OffloadTakesThePiecesInThePrecisionsDtype) {

@@ -49,8 +49,9 @@ constexpr EmberConfigKey kKeys[] = {
                      "weight decay leave it alone), at the cost of reading a small mask back each step; false: a parameter "
                      "without a gradient is an error naming it."),
     ember::key::Bool("deferred_init", "true",
-                     "Under pipeline stages: take the model piece by piece as it is built (built once for its shapes first) and "
-                     "keep only this rank's stages, so no rank holds the whole model (ember/deferred_init.h). Every rank builds "
+                     "Under pipeline stages or tensor parallelism: take the model piece by piece as it is built (built once for "
+                     "its shapes first) and keep only this rank's stages and its slices of split parameters, so no rank holds the "
+                     "whole model (ember/deferred_init.h). Every rank builds "
                      "the same values from the seed (checked once at set-up) instead of taking rank 0's."),
     ember::key::Bool("broadcast_buffers", "true",
                      "Every rank takes rank 0's buffers (batch-norm statistics) before each forward in training mode, and once before "
@@ -101,22 +102,36 @@ class Ddp final : public ember::ReplicatingStrategy,
   int64_t tensor_parallel_rank() const override { return mesh_ ? mesh_->tensor_parallel_rank() : 0; }
   int64_t tensor_parallel_size() const override { return mesh_ ? mesh_->tensor_parallel_size() : 1; }
 
-  // ---- ember::IDeferredInit, IDeferredInitPlan: under pipeline stages a rank keeps its stages'
-  // parameters whole as the model is built (built once for its shapes first, to know which);
-  // elsewhere every rank holds the whole model anyway. Not under tensor parallelism (the plan
-  // splits whole parameters).
+  // ---- ember::IDeferredInit, IDeferredInitPlan: under pipeline stages or tensor parallelism a
+  // rank keeps its stages' parameters whole and its slices of the split ones as the model is
+  // built (built once for its shapes first, to know which); elsewhere every rank holds the whole
+  // model anyway.
   bool begin_deferred_init(c10::ScalarType dtype) override {
-    if (!deferred_init_ || !mesh_ || mesh_->pipeline_size() == 1 || mesh_->tensor_parallel_size() > 1) return false;
+    if (!deferred_init_ || !mesh_ || (mesh_->pipeline_size() == 1 && mesh_->tensor_parallel_size() == 1)) return false;
     deferred_.begin(dtype, /*rank=*/0, /*world=*/1, /*in_place=*/true);
     deferred_.begin_shapes_pass();
     return true;
   }
   void parameters_initialised(torch::nn::Module& module) override { deferred_.take(module); }
   bool wants_shapes_pass() override { return deferred_.active() && deferred_.in_shapes_pass(); }
+  // The shapes build parallelised as setup_module will parallelise the model: cut to this rank's
+  // stages, split by the plan.
   void plan_from_shapes(ember::IModel& model) override {
-    if (!pipeline_) pipeline_ = std::make_unique<ember_dist::PipelineState>(*mesh_, ember::PipelineOptions{});  // an engine before SDK 2.6
-    pipeline_->cut_shapes(model);
-    deferred_.end_shapes_pass(model);
+    if (mesh_->pipeline_size() > 1) {
+      if (!pipeline_) pipeline_ = std::make_unique<ember_dist::PipelineState>(*mesh_, ember::PipelineOptions{});  // an engine before SDK 2.6
+      pipeline_->cut_shapes(model);
+    }
+    std::vector<ember::TensorShard> slices;
+    if (mesh_->tensor_parallel_size() > 1) slices = tensor_parallel_plan(model).parallelize_tensors(mesh_->tensor_parallel());
+    deferred_.end_shapes_pass(model, slices, mesh_->tensor_parallel_rank(), mesh_->tensor_parallel_size());
+  }
+  ember::ITensorParallelModel& tensor_parallel_plan(ember::IModel& model) {
+    auto* plan = static_cast<ember::ITensorParallelModel*>(model.query_interface(ember::kTensorParallelModelIid));
+    if (!plan)
+      throw ember::ConfigError("parallelism.tensor_parallel = " + std::to_string(tensor_parallel_size()) +
+                               ": the model has no tensor-parallel plan (it does not implement ember::ITensorParallelModel); set "
+                               "tensor_parallel = 1, or use a model that has one (transformer; docs/parallelism.md)");
+    return *plan;
   }
 
   // ---- ember::IPipelineParallel (answered when the mesh has pipeline stages)
@@ -174,17 +189,15 @@ class Ddp final : public ember::ReplicatingStrategy,
                                  "other buffers, so rank 0's cannot be broadcast; set broadcast_buffers = false");
     }
     if (tensor_parallel_size() > 1) {
-      auto* plan = static_cast<ember::ITensorParallelModel*>(model.query_interface(ember::kTensorParallelModelIid));
-      if (!plan)
-        throw ember::ConfigError("parallelism.tensor_parallel = " + std::to_string(tensor_parallel_size()) +
-                                 ": the model has no tensor-parallel plan (it does not implement ember::ITensorParallelModel); set "
-                                 "tensor_parallel = 1, or use a model that has one (transformer; docs/parallelism.md)");
-      // Every rank holds rank 0's whole weights now; each keeps its slices.
+      auto& plan = tensor_parallel_plan(model);
+      // Every rank holds rank 0's whole weights now (or, deferred, the slices it kept as the model
+      // was built, without storage until handed over below); each keeps its slices.
       const int64_t whole = ember_dist::parameter_elements(module);
       tensor_parallel_ = std::make_unique<TensorParallelState>(mesh_->tensor_parallel(), module,
-                                                               plan->parallelize_tensors(mesh_->tensor_parallel()));
+                                                               plan.parallelize_tensors(mesh_->tensor_parallel()));
       host_.log(ember::LogLevel::info, ember_dist::describe_split("ddp", tensor_parallel_->sliced(), tensor_parallel_->summed(), whole, module));
     }
+    if (deferred_.active()) hand_over_slices(module);
     state_.set_module(module);
     // Gradients meet over the data-parallel ranks; tensor-parallel ranks already agree on the
     // replicated ones and hold different slices of the rest.
@@ -216,7 +229,8 @@ class Ddp final : public ember::ReplicatingStrategy,
     for (auto& p : module.named_parameters()) {
       at::Tensor t = p.value();
       if (deferred_.holds(t)) {
-        t.set_data(t.to(comm_.device()));  // kept whole, in place, as it was built
+        if (has_storage(t)) t.set_data(t.to(comm_.device()));  // kept whole, in place, as it was built
+        // else a tensor-parallel slice, kept apart: handed over once the plan has run
       } else if (!deferred_.taken(t)) {
         t.set_data(t.to(comm_.device()));
         comm_.broadcast_from_zero(t, "initial parameter '" + p.key() + "'");
@@ -226,8 +240,23 @@ class Ddp final : public ember::ReplicatingStrategy,
       b.value().set_data(b.value().to(comm_.device()));
       comm_.broadcast_from_zero(b.value(), "initial buffer '" + b.key() + "'");
     }
+  }
+  // The slices kept as the model was built go into their parameters, which the plan gave the
+  // slices' shapes (without storage); then nothing is kept any more.
+  void hand_over_slices(torch::nn::Module& module) {
+    at::NoGradGuard no_grad;
+    for (auto& p : module.named_parameters()) {
+      at::Tensor t = p.value();
+      if (!deferred_.holds(t) || has_storage(t)) continue;
+      at::Tensor slice = deferred_.hand_over(t, p.key());
+      if (slice.numel() != t.numel())
+        throw ember::RunError("ddp: deferred initialisation kept " + std::to_string(slice.numel()) + " elements of '" + p.key() +
+                              "', whose slice has " + std::to_string(t.numel()) + " (a strategy bug)");
+      t.set_data(slice.view(t.sizes()).to(comm_.device()));
+    }
     deferred_.clear();
   }
+  static bool has_storage(const at::Tensor& t) { return t.numel() == 0 || t.storage().data_ptr().get() != nullptr; }
 
   void forward_begin(bool /*grad_enabled*/) override {
     if (!pipeline_) buffers_.before_forward(state_.module(), comm_);

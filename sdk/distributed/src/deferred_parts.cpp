@@ -68,9 +68,10 @@ void DeferredParts::take(torch::nn::Module& module) {
         const int64_t numel = mine.numel(), chunk = (numel + world_ - 1) / world_;
         const int64_t valid = std::clamp<int64_t>(numel - rank_ * chunk, 0, chunk);
         kept_elements_ += valid;
-        if (in_place_) {
+        if (in_place_ && slice == slices_.end()) {
           // Kept whole: the parameter keeps its storage (in `dtype_`), and no second copy is made
-          // while the piece is alive; hand_over copies it out.
+          // while the piece is alive; hand_over copies it out. (A slice is kept apart, as below:
+          // the parameter takes the slice's shape only when the plan runs at set-up.)
           if (!whole.is_same(t)) t.set_data(whole);
           parts_.emplace(impl, at::Tensor());
           continue;

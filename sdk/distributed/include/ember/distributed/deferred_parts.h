@@ -1,6 +1,6 @@
 // Deferred initialisation (ember/deferred_init.h, docs/parallelism.md), for the strategies that
 // take the model piece by piece (sharded and offload: this rank's ZeRO chunk of each parameter;
-// ddp under pipeline stages: its stages' parameters whole): while the model is built, this rank's
+// ddp under pipeline stages or tensor parallelism: its stages' parameters whole, its slices of split ones): while the model is built, this rank's
 // chunk (FSDP2's layout: ceil(numel / world) elements, the last ranks' padded) of each
 // floating-point parameter, in the precision's dtype; the parameter keeps its shape, dtype and
 // identity but no storage. At set-up each chunk is handed over once (the whole value with one
@@ -48,7 +48,9 @@ class DeferredParts {
  public:
   // From now on take() keeps rank `rank` of `world`'s chunks, converted to `dtype`. `in_place`
   // (world 1): a kept parameter keeps its own storage (no copy while the model is built), and
-  // hand_over copies it out; for a strategy that reads it before it frees any parameter (ddp).
+  // hand_over copies it out; for a strategy that reads it before it frees any parameter (ddp). A
+  // tensor-parallel slice (end_shapes_pass) is kept apart even so, its parameter left without
+  // storage until the plan gives it the slice's shape.
   void begin(c10::ScalarType dtype, int64_t rank, int64_t world, bool in_place = false);
   bool active() const { return active_; }
   // The shapes build (IDeferredInitPlan): take() frees each new parameter's storage and records
