@@ -254,6 +254,55 @@ TEST(Fabric, SaveLoadRoundTripContinuesIdentically) {
   }
 }
 
+// save_async: the state of the call is copied before it returns and written while the program
+// trains on (the weights change under it), so loading it continues exactly as loading the
+// synchronous save of the same moment does; a write that fails (its folder is a file) is
+// reported by finish_saves, and the Fabric saves again afterwards.
+TEST(Fabric, SaveAsyncWritesTheStateOfTheCallAndReportsAFailedWrite) {
+  TempDir tmp("fabric_save_async");
+  const Data d = make_data(128);
+  ember::Fabric f({.accelerator = "cpu"});
+  auto net = make_net(13);
+  f.setup(net, adam());
+  fabric_steps(f, *net, d, 4);
+  ember::FabricState state;
+  state.global_step = 4;
+  state.values["note"] = std::string("in the background");
+  f.save((tmp / "sync.ckpt").string(), state);
+  f.save_async((tmp / "async.ckpt").string(), state);
+  fabric_steps(f, *net, d, 3, 4);  // trains on while the write goes on
+  f.finish_saves();
+  ASSERT_TRUE(std::filesystem::is_regular_file(tmp / "async.ckpt"));
+  const auto went_on = weights(*net);
+
+  std::vector<std::vector<at::Tensor>> resumed;
+  for (const char* name : {"sync.ckpt", "async.ckpt"}) {
+    ember::Fabric g({.accelerator = "cpu"});
+    auto copy = make_net(99);
+    g.setup(copy, adam());
+    const auto loaded = g.load((tmp / name).string());
+    EXPECT_EQ(loaded.global_step, 4) << name;
+    EXPECT_EQ(loaded.values.at("note").toStringRef(), "in the background") << name;
+    fabric_steps(g, *copy, d, 3, 4);
+    resumed.push_back(weights(*copy));
+  }
+  EXPECT_EQ(max_difference(resumed[0], resumed[1]), 0.0);
+  EXPECT_EQ(max_difference(resumed[1], went_on), 0.0);
+
+  ember::test::write_file(tmp / "a_file", "not a folder");
+  f.save_async((tmp / "a_file" / "x.ckpt").string(), state);
+  try {
+    f.finish_saves();
+    FAIL() << "a failed background write was not reported";
+  } catch (const ember::RunError& e) {
+    EXPECT_NE(std::string(e.what()).find("x.ckpt"), std::string::npos) << e.what();
+  }
+  f.save_async((tmp / "after.ckpt").string(), state);
+  f.finish_saves();
+  f.finish_saves();  // nothing pending: nothing to do
+  EXPECT_TRUE(std::filesystem::is_regular_file(tmp / "after.ckpt"));
+}
+
 TEST(Fabric, EngineResumesAFabricCheckpoint) {
   TempDir tmp("fabric_engine_resume");
   const Data d = make_data(64);
@@ -453,7 +502,7 @@ TEST(Fabric, TwoCpuRanksBroadcastAndClipAcrossShards) {
 // Under a strategy whose checkpoints are sharded, Fabric::save goes through the same runtime as the
 // engine's loop: a directory of one part per rank plus meta.ckpt, nothing gathered on rank 0; and
 // Fabric::load reads it back, so steps taken from the loaded state equal the steps taken after it
-// was saved (Adam moments included). 2 CPU ranks: this binary started again by the launcher.
+// was saved (Adam moments included); save_async's directory, written in the background, too. 2 CPU ranks: this binary started again by the launcher.
 TEST(Fabric, TwoCpuRanksSaveAndLoadShardedCheckpoints) {
   EMBER_SKIP_WITHOUT_MPI();
   const char* rank_dir = std::getenv("EMBER_FABRIC_TEST_DIR");
@@ -494,17 +543,24 @@ TEST(Fabric, TwoCpuRanksSaveAndLoadShardedCheckpoints) {
     EXPECT_TRUE(std::filesystem::is_regular_file(dir / "state.ckpt" / "meta.ckpt"));
     EXPECT_TRUE(std::filesystem::is_regular_file(dir / "state.ckpt" / "rank0.ckpt"));
     EXPECT_TRUE(std::filesystem::is_regular_file(dir / "state.ckpt" / "rank1.ckpt"));
+    // The same moment in the background: each rank writes its part while the steps go on, and
+    // the load below finishes (commits) it first.
+    const std::string async_path = (dir / "async.ckpt").string();
+    fab.save_async(async_path, state);
     steps(2, 3);
     const auto went_on = fab.full_model_state(/*rank0_only=*/false);
-    const auto loaded = fab.load(path);
-    EXPECT_TRUE(loaded.model);
-    EXPECT_TRUE(loaded.optimizer);
-    EXPECT_EQ(loaded.global_step, 2);
-    EXPECT_EQ(loaded.values.at("note").toStringRef(), "sharded");
-    steps(2, 3);
-    const auto again = fab.full_model_state(/*rank0_only=*/false);
-    ASSERT_EQ(went_on.size(), again.size());
-    for (const auto& e : went_on) EXPECT_TRUE(e.value().equal(again.at(e.key()))) << e.key() << " on rank " << r;
+    for (const auto& from : {path, async_path}) {
+      const auto loaded = fab.load(from);
+      EXPECT_TRUE(loaded.model);
+      EXPECT_TRUE(loaded.optimizer);
+      EXPECT_EQ(loaded.global_step, 2);
+      EXPECT_EQ(loaded.values.at("note").toStringRef(), "sharded");
+      steps(2, 3);
+      const auto again = fab.full_model_state(/*rank0_only=*/false);
+      ASSERT_EQ(went_on.size(), again.size());
+      for (const auto& e : went_on) EXPECT_TRUE(e.value().equal(again.at(e.key()))) << e.key() << " on rank " << r << " from " << from;
+    }
+    EXPECT_TRUE(std::filesystem::is_regular_file(dir / "async.ckpt" / "rank1.ckpt"));
   });
   if (!rank_dir) {
     ::unsetenv("EMBER_FABRIC_TEST_DIR");

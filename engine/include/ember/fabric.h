@@ -230,6 +230,18 @@ class EMBER_API Fabric {
   // Writes `state` (and the set-up model and optimizer, gathered by the strategy) to `path` in the
   // engine's checkpoint format, atomically; only rank 0 writes, every rank must call it.
   void save(const std::string& path, const FabricState& state = {});
+  // save() in the background (docs/checkpoint.md, "Asynchronous checkpoints"): the state is
+  // gathered and copied to host memory here, then a thread of this rank writes it (rank 0 the
+  // file, or every rank its part of a sharded directory) while the program goes on. At most one
+  // write is in flight: the next save, save_async or load first finishes it. Committed atomically
+  // as save() is; finish_saves() waits for it and reports a failed write on every rank. Collective.
+  void save_async(const std::string& path, const FabricState& state = {});
+  // Blocks until the background save is written and committed on every rank; throws RunError on
+  // every rank when it failed (the previous checkpoint at that path stays whole). Collective;
+  // nothing when none is pending. launch() calls it when the program's function returns; a
+  // Fabric that goes away with a save pending (without launch) finishes this rank's write but
+  // commits no sharded directory.
+  void finish_saves();
   // Restores the model, optimizer and the plugins' state from `path` (a file written by save() or
   // by the engine) into what setup() made, and returns the rest. Every rank reads the file.
   FabricState load(const std::string& path);

@@ -202,6 +202,7 @@ int Fabric::launch(const std::function<void(Fabric&)>& fn) {
     int code = 0;
     if (!impl_->launch_ranks(&code)) return code;
     fn(*this);
+    finish_saves();  // a background save still pending is committed (or its failure reported) here
     return 0;
   } catch (const ConfigError& e) {
     return fail(e.what(), 2);

@@ -18,15 +18,12 @@ c10::Dict<std::string, at::Tensor> Fabric::full_model_state(bool rank0_only) {
   return impl_->runtime->state().full_model_state(rank0_only);
 }
 
-void Fabric::save(const std::string& path, const FabricState& state) {
-  auto& d = *impl_;
-  d.ensure_launched();
-  if ((state.model || state.optimizer) && !d.runtime->is_setup())
-    throw RunError("ember::Fabric::save: call setup(module, optimizer factory) first, or save with model = optimizer = false");
-  auto& rt = *d.runtime;
-  // Built on rank 0 only: everything but the model's and the optimizer's state.
-  auto meta = [&] {
-    auto ck = engine::checkpoint_header(state.epoch, state.global_step, !state.optimizer, d.plan.config.to_toml());
+// Everything a Fabric checkpoint holds but the model's and the optimizer's state, built on rank 0
+// (while save or save_async runs: it reads `state` and the plugins then).
+engine::Runtime::CheckpointMeta Fabric::Impl::checkpoint_meta(const FabricState& state) {
+  return [this, &state] {
+    auto& rt = *runtime;
+    auto ck = engine::checkpoint_header(state.epoch, state.global_step, !state.optimizer, plan.config.to_toml());
     c10::Dict<std::string, std::string> versions;
     versions.insert(rt.strategy().name, rt.strategy().version);
     if (rt.has_precision()) versions.insert(rt.precision().name, rt.precision().version);
@@ -46,10 +43,34 @@ void Fabric::save(const std::string& path, const FabricState& state) {
     ck.insert("fabric", values);
     return ck;
   };
+}
+
+void Fabric::Impl::require_model_for(const FabricState& state, const char* call) {
+  ensure_launched();
+  if ((state.model || state.optimizer) && !runtime->is_setup())
+    throw RunError(std::string("ember::Fabric::") + call + ": call setup(module, optimizer factory) first, or save with model = optimizer = false");
+}
+
+void Fabric::save(const std::string& path, const FabricState& state) {
+  auto& d = *impl_;
+  d.require_model_for(state, "save");
   // Collective, through the same runtime as the engine's loop: a file gathered on rank 0, or a
   // directory of one part per rank under a strategy whose checkpoints are sharded (the model and
   // the optimizer saved); rank 0's failure ends every rank.
-  rt.save_checkpoint(path, state.model, state.optimizer, meta);
+  d.runtime->save_checkpoint(path, state.model, state.optimizer, d.checkpoint_meta(state));
+}
+
+void Fabric::save_async(const std::string& path, const FabricState& state) {
+  auto& d = *impl_;
+  d.require_model_for(state, "save_async");
+  // The runtime's background save, which the engine's checkpoint callback uses too; it is settled
+  // by the next save, save_async or load, by finish_saves, or when launch's function returns.
+  d.runtime->save_checkpoint_async({path}, state.model, state.optimizer, d.checkpoint_meta(state), nullptr);
+}
+
+void Fabric::finish_saves() {
+  impl_->ensure_launched();
+  impl_->runtime->finish_background_save();
 }
 
 FabricState Fabric::load(const std::string& path) {

@@ -64,6 +64,11 @@ class __attribute__((visibility("hidden"))) Fabric::Impl {  // not exported from
   void ensure_launched();
   void require_setup(const char* call) const;
   void finish(const std::string& status);
+  // save / save_async (fabric_checkpoint.cpp): launched, and set up when the state holds the
+  // model or the optimizer; and what the checkpoint holds besides those, built on rank 0 while
+  // the call runs.
+  void require_model_for(const FabricState& state, const char* call);
+  engine::Runtime::CheckpointMeta checkpoint_meta(const FabricState& state);
 
   FabricOptions options;
   engine::Plan plan;
