@@ -7,6 +7,8 @@
 
 #include <ATen/ATen.h>
 
+#include <stdexcept>
+
 #include <ember/support/tensor_parallel.h>
 
 #include "checkpoint_support.h"
@@ -70,6 +72,51 @@ TEST(TensorShards, SliceFusedBlocksAndJoinThemBack) {
     EXPECT_NE(std::string(e.what()).find("'qkv' of shape [12, 2] cannot be split 3 ways along dimension 0 in 3 blocks"), std::string::npos)
         << e.what();
   }
+}
+
+// One rank of a group, in process: what SplitRegionRandomness reads of a group (its rank and
+// size); no collective runs.
+struct RankOfGroup final : ember::ITensorParallelGroup {
+  int64_t r = 0, n = 1;
+  RankOfGroup(int64_t rank, int64_t size) : r(rank), n(size) {}
+  int64_t rank() const override { return r; }
+  int64_t size() const override { return n; }
+  void all_reduce_sum(at::Tensor&) override { throw std::logic_error("no collective in process"); }
+  at::Tensor all_gather(const at::Tensor&) override { throw std::logic_error("no collective in process"); }
+  at::Tensor reduce_scatter_sum(const at::Tensor&) override { throw std::logic_error("no collective in process"); }
+  bool sequence_parallel() const override { return false; }
+};
+
+// Megatron's second generator, in process: dropout in a split region draws other masks on the
+// two ranks of a group (their heads' masks independent, as one device's would be), while the
+// default generator goes on in step on both (replicated activations keep equal masks); the same
+// seed draws the same masks (a resumed run does); a group of one is plain dropout, and a region
+// that draws nothing leaves the generator alone.
+TEST(TensorShards, SplitRegionDropoutDrawsEachRanksOwnMasks) {
+  auto draw = [](int64_t rank, int64_t size) {
+    at::manual_seed(1234);
+    RankOfGroup g(rank, size);
+    const at::Tensor x = at::ones({64, 64});
+    at::Tensor masked = ember::in_split_region(&g, x.device(), true, [&] { return at::dropout(x, 0.5, true); });
+    return std::make_pair(masked, at::rand({8}));  // and the default generator after the region
+  };
+  const auto [m0, after0] = draw(0, 2);
+  const auto [m1, after1] = draw(1, 2);
+  EXPECT_FALSE(at::equal(m0, m1));
+  EXPECT_TRUE(at::equal(after0, after1));
+  EXPECT_TRUE(at::equal(draw(0, 2).first, m0));
+  EXPECT_NEAR(m0.ne(0).to(at::kFloat).mean().item<float>(), 0.5, 0.05);
+  EXPECT_NEAR(m1.ne(0).to(at::kFloat).mean().item<float>(), 0.5, 0.05);
+  at::manual_seed(1234);
+  const at::Tensor plain = at::dropout(at::ones({64, 64}), 0.5, true);
+  EXPECT_TRUE(at::equal(draw(0, 1).first, plain));
+  EXPECT_FALSE(at::equal(m0, plain));
+  at::manual_seed(1234);
+  RankOfGroup g(0, 2);
+  ember::in_split_region(&g, c10::Device(c10::kCPU), false, [] { return at::ones({1}); });
+  const at::Tensor untouched = at::rand({8});
+  at::manual_seed(1234);
+  EXPECT_TRUE(at::equal(untouched, at::rand({8})));
 }
 
 TEST_F(TensorParallel, TwoAndFourRanksMatchSingleDevice) {
@@ -201,6 +248,42 @@ TEST_F(TensorParallel, SequenceParallelMatchesSingleDevice) {
   EXPECT_NE(r.err.find("a sequence of 5 positions cannot be split over tensor_parallel = 2 ranks (parallelism.sequence_parallel)"),
             std::string::npos)
       << r.err;
+}
+
+// Dropout under tensor parallelism (0.2 in attention, the hidden columns and the residuals; with
+// sequence parallelism too; the transformer, then GPT-2): the split regions draw each rank's masks from the default generators
+// the checkpoint keeps, so the second epoch resumed from the first's checkpoint ends with exactly
+// the weights of the uninterrupted run; and the dropout does act (the weights differ from a run
+// without it).
+TEST_F(TensorParallel, DropoutInSplitRegionsResumesExactly) {
+  for (bool sp : {false, true}) {
+    TempDir whole("tensor_parallel"), resumed("tensor_parallel"), without("tensor_parallel");
+    std::vector<std::string> drop = {"--set", "model.dropout=0.2", "--set", std::string("parallelism.sequence_parallel=") + (sp ? "true" : "false")};
+    mesh(whole, 2, 2, drop);
+    auto first = drop;
+    first.insert(first.end(), {"--set", "trainer.max_epochs=1"});
+    mesh(resumed, 2, 2, first);
+    auto second = drop;
+    second.insert(second.end(), {"--resume", last_checkpoint(resumed).string()});
+    mesh(resumed, 2, 2, second);
+    EXPECT_EQ(max_weight_difference(last_checkpoint(whole), last_checkpoint(resumed, 1)), 0.0) << "sequence_parallel " << sp;
+    mesh(without, 2, 2, {"--set", std::string("parallelism.sequence_parallel=") + (sp ? "true" : "false")});
+    EXPECT_GT(max_weight_difference(last_checkpoint(whole), last_checkpoint(without)), 1e-4) << "sequence_parallel " << sp;
+  }
+  // GPT-2 (attention dropout inside scaled_dot_product_attention, residual and embedding dropout
+  // on this rank's positions under sequence parallelism), resumed after 6 of its 12 steps.
+  TempDir whole("tensor_parallel"), resumed("tensor_parallel");
+  auto gpt = [](const TempDir& dir, std::vector<std::string> extra) {
+    write_gpt_mesh_run(dir, "gpt2", 2, "vocab_size = 48\ndropout = 0.2\n");
+    std::vector<std::string> args = {"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=60.0", "--set", "trainer.devices=2",
+                                     "--set", "parallelism.tensor_parallel=2", "--set", "parallelism.sequence_parallel=true"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_engine_ok(dir, args);
+  };
+  gpt(whole, {});
+  gpt(resumed, {"--set", "trainer.max_steps=6"});
+  gpt(resumed, {"--resume", last_checkpoint(resumed).string()});
+  EXPECT_EQ(max_weight_difference(last_checkpoint(whole), last_checkpoint(resumed, 1)), 0.0) << "gpt2";
 }
 
 // A checkpoint holds whole tensors, whatever the mesh that wrote it, and a sharded directory's

@@ -211,7 +211,10 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, at::Tensor* k_cache, at::
   else if (t > 1)
     mask = at::ones({t, past + t}, x.options().dtype(at::kBool)).tril(past);
   const double p = is_training() ? shape_.dropout : 0.0;
-  const at::Tensor y = at::scaled_dot_product_attention(q, k, v, mask, p, causal).transpose(1, 2).reshape({n, t, h * d});
+  // Under tensor parallelism the attention dropout draws this rank's heads' own masks.
+  const at::Tensor y = ember::in_split_region(tp_, x.device(), p > 0.0, [&] {
+                         return at::scaled_dot_product_attention(q, k, v, mask, p, causal);
+                       }).transpose(1, 2).reshape({n, t, h * d});
   if (tp_) {  // row-parallel output projection: the ranks' partial sums (an adapter's too), then the whole bias once
     if (shape_.flavour == Flavour::llama)
       return ember::leave_tensor_parallel(adapters_->apply(prefix_ + "o_proj", y, at::linear(y, o_->weight)), 1, *tp_);
@@ -265,9 +268,14 @@ BlockImpl::BlockImpl(const GptShape& shape, const std::shared_ptr<const Adapters
 
 at::Tensor BlockImpl::forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache, int64_t past, const at::Tensor& cos,
                               const at::Tensor& sin) {
-  const at::Tensor h = x + maybe_dropout(attn_(norm1_(x), k_cache, v_cache, past, cos, sin), dropout_, is_training());
-  auto mlp = [norm = norm2_.ptr(), mlp = mlp_.ptr(), p = dropout_, training = is_training()](const at::Tensor& in) {
-    return maybe_dropout(mlp->forward(norm->forward(in)), p, training);
+  // Under sequence parallelism the residual branches hold this rank's positions: their dropout
+  // draws the rank's own masks.
+  const bool draws = dropout_ > 0.0 && is_training();
+  const at::Tensor attended = attn_(norm1_(x), k_cache, v_cache, past, cos, sin);
+  const at::Tensor h = x + ember::in_split_region(by_sequence_, x.device(), draws, [&] { return maybe_dropout(attended, dropout_, draws); });
+  auto mlp = [norm = norm2_.ptr(), mlp = mlp_.ptr(), p = dropout_, draws, group = by_sequence_](const at::Tensor& in) {
+    const at::Tensor out = mlp->forward(norm->forward(in));
+    return ember::in_split_region(group, in.device(), draws, [&] { return maybe_dropout(out, p, draws); });
   };
   // Selective checkpointing: the MLP's activations (two [N, T, ff_width] tensors, the largest of
   // a block) are recomputed in backward; attention's are kept (recomputing it costs the most).
@@ -369,7 +377,8 @@ at::Tensor GptNet::embed(const at::Tensor& ids, int64_t past) {
     at::Tensor where = positions_(at::arange(past, past + t, ids.options().dtype(at::kLong)));
     x = x + (by_sequence ? ember::scatter_to_sequence_parallel(where, 0, *by_sequence) : where);
   }
-  return maybe_dropout(x, shape_.dropout, is_training());
+  return ember::in_split_region(by_sequence, x.device(), shape_.dropout > 0.0 && is_training(),
+                                [&] { return maybe_dropout(x, shape_.dropout, is_training()); });
 }
 
 at::Tensor GptNet::run_blocks(at::Tensor x, int64_t begin, int64_t end, int64_t past, int64_t length, GenerationCache* cache) {

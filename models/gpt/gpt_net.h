@@ -145,11 +145,13 @@ class BlockImpl : public torch::nn::Module {
   void parallelize(ember::ITensorParallelGroup& group) {
     attn_->parallelize(group);
     mlp_->parallelize(group);
+    if (group.sequence_parallel()) by_sequence_ = &group;
   }
 
  private:
   bool recompute_mlp_ = false;
   double dropout_;
+  ember::ITensorParallelGroup* by_sequence_ = nullptr;  // sequence parallelism: the residuals hold this rank's positions
   Norm norm1_{nullptr}, norm2_{nullptr};
   Attention attn_{nullptr};
   Mlp mlp_{nullptr};

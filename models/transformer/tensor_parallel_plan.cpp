@@ -46,10 +46,15 @@ at::Tensor encoder_layer_forward(torch::nn::TransformerEncoderLayerImpl& layer, 
   at::Tensor q = per_head(qkv[0] * (1.0 / std::sqrt(static_cast<double>(head_dim))));
   at::Tensor k = per_head(qkv[1]), v = per_head(qkv[2]);
   at::Tensor weights = at::softmax(at::bmm(q, k.transpose(1, 2)), -1);
-  weights = F::dropout(weights, F::DropoutFuncOptions().p(attn.options.dropout()).training(training));
+  // Dropout in a split region (this rank's heads, its hidden columns, under sequence parallelism
+  // its positions) draws the rank's own masks; on replicated activations, the group's common ones.
+  const double p = layer.options.dropout(), attn_p = attn.options.dropout();
+  const bool sp = group.sequence_parallel();
+  weights = ember::in_split_region(&group, weights.device(), training && attn_p > 0.0,
+                                   [&] { return F::dropout(weights, F::DropoutFuncOptions().p(attn_p).training(training)); });
   at::Tensor heads_out = at::bmm(weights, v).transpose(0, 1).contiguous().view({S, N, local_heads * head_dim});
   at::Tensor attended = ember::leave_tensor_parallel(at::linear(heads_out, attn.out_proj->weight), 0, group) + attn.out_proj->bias;
-  at::Tensor h = layer.norm1(src + layer.dropout1(attended));
+  at::Tensor h = layer.norm1(src + ember::in_split_region(&group, src.device(), sp && training && p > 0.0, [&] { return layer.dropout1(attended); }));
 
   // Feed-forward on this rank's slice of the hidden width.
   at::Tensor hidden = at::linear(ember::enter_tensor_parallel(h, 0, group), layer.linear1->weight, layer.linear1->bias);
@@ -57,8 +62,9 @@ at::Tensor encoder_layer_forward(torch::nn::TransformerEncoderLayerImpl& layer, 
   if (std::holds_alternative<torch::enumtype::kReLU>(activation)) hidden = at::relu(hidden);
   else if (std::holds_alternative<torch::enumtype::kGELU>(activation)) hidden = at::gelu(hidden);
   else hidden = std::get<std::function<at::Tensor(const at::Tensor&)>>(activation)(hidden);
-  at::Tensor out = ember::leave_tensor_parallel(at::linear(layer.dropout(hidden), layer.linear2->weight), 0, group) + layer.linear2->bias;
-  return layer.norm2(h + layer.dropout2(out));
+  hidden = ember::in_split_region(&group, hidden.device(), training && p > 0.0, [&] { return layer.dropout(hidden); });
+  at::Tensor out = ember::leave_tensor_parallel(at::linear(hidden, layer.linear2->weight), 0, group) + layer.linear2->bias;
+  return layer.norm2(h + ember::in_split_region(&group, h.device(), sp && training && p > 0.0, [&] { return layer.dropout2(out); }));
 }
 
 }  // namespace ember_transformer

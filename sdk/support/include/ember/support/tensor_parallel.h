@@ -1,6 +1,7 @@
 // What a model's tensor-parallel plan is built from (ember/tensor_parallel.h): Megatron-LM's
 // differentiable collectives (with and without sequence parallelism), the vocabulary-parallel
-// embedding and cross-entropy, and the slicing of a whole tensor into a rank's shard and back.
+// embedding and cross-entropy, the randomness of dropout in split regions (its second
+// generator), and the slicing of a whole tensor into a rank's shard and back.
 //
 //   column-parallel linear:  y_r = copy_to_tensor_parallel(x) W_r^T + b_r    (W split on dim 0)
 //   row-parallel linear:     y   = reduce_from_tensor_parallel(x_r W_r^T) + b (W split on dim 1)
@@ -10,10 +11,13 @@
 // Header-only.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -217,6 +221,55 @@ inline at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tens
 inline at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, ITensorParallelGroup& group) {
   if (group.size() == 1) return at::cross_entropy_loss(logits, targets);
   return tensor_parallel_detail::VocabParallelCrossEntropy::apply(logits, targets, tensor_parallel_detail::group_handle(group));
+}
+
+// ---- Megatron's second generator (its RNG tracker's fork) ----
+// Dropout in a split region, where each rank of the group holds other values (its heads, a
+// column-parallel layer's outputs, a sequence-parallel rank's positions), must draw masks that are
+// independent over the ranks, as one device's would be; dropout on replicated activations must
+// draw the same mask on every rank of the group (else their copies drift apart), which the
+// default generators do: every rank seeds them alike and draws alike. While a
+// SplitRegionRandomness lives, `device`'s default generator is seeded from one draw of the
+// default CPU generator (the same draw on every rank, so the generators stay in step) mixed with
+// the rank; when it ends, the generator goes on from where that draw left it. Everything derives
+// from the default generators, which checkpoints keep, so a resumed run draws the same masks.
+// Nothing happens on a group of one.
+class SplitRegionRandomness {
+ public:
+  SplitRegionRandomness(ITensorParallelGroup& group, c10::Device device) {
+    if (group.size() == 1) return;
+    at::Generator cpu = at::detail::getDefaultCPUGenerator();
+    uint64_t seed = 0;
+    {
+      std::lock_guard<std::mutex> lock(cpu.mutex());
+      seed = at::check_generator<at::CPUGeneratorImpl>(cpu)->random64();
+    }
+    generator_ = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator_.mutex());
+    saved_ = generator_.get_state();
+    // splitmix64's increment spreads the ranks' seeds apart.
+    generator_.set_current_seed(seed ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(group.rank() + 1)));
+  }
+  ~SplitRegionRandomness() {
+    if (!saved_.defined()) return;
+    std::lock_guard<std::mutex> lock(generator_.mutex());
+    generator_.set_state(saved_);
+  }
+  SplitRegionRandomness(const SplitRegionRandomness&) = delete;
+  SplitRegionRandomness& operator=(const SplitRegionRandomness&) = delete;
+
+ private:
+  at::Generator generator_;
+  at::Tensor saved_;
+};
+
+// fn() in a split region (SplitRegionRandomness) when it draws anything (`draws`: training with a
+// dropout probability above 0; not drawing leaves the generators untouched), else fn() as it is.
+template <class Fn>
+at::Tensor in_split_region(ITensorParallelGroup* group, c10::Device device, bool draws, Fn&& fn) {
+  if (!group || !draws || group->size() == 1) return fn();
+  SplitRegionRandomness fork(*group, device);
+  return fn();
 }
 
 // Throws ember::ConfigError unless `whole` splits as `shard` says over `size` ranks.
