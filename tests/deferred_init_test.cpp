@@ -136,6 +136,34 @@ std::pair<ProcessResult, ProcessResult> expect_setup_peaks(const std::vector<std
   return {rd, rw};
 }
 
+// Deferred initialisation over 2 tensor-parallel ranks (`mesh`: engine arguments before run.toml,
+// `ranks` in all, `shards` data-parallel ranks sharding each slice, 1 for ddp): the plan, run on
+// the shapes build, says which parameters are split, and each rank keeps its part of its slice of
+// those as the model is built. single_device's initial weights (the runs train at a learning rate
+// of 1e-30); every slice element kept by one rank; a host peak at set-up within the rank's part
+// of its slice model (which holds the norms, biases and head whole) plus one layer, and the whole
+// model when built whole. `small` and `big_batch`: the batch arguments of the two models' runs.
+void expect_tensor_parallel_deferral(const std::vector<std::string>& mesh, size_t ranks, int shards, const std::string& whole_switch,
+                                     const std::vector<std::string>& small, int big_batch) {
+  TempDir single_init("deferred"), split_init("deferred");
+  transformer_run(single_init, 0, {"--set", "optimizer.lr=1e-30"});
+  write_file(split_init / "run.toml", transformer_mesh_toml(4));
+  std::vector<std::string> args = mesh;
+  for (const char* a : {"run.toml", "--set", "optimizer.lr=1e-30"}) args.push_back(a);
+  args.insert(args.end(), small.begin(), small.end());
+  auto r = run_engine_ok(split_init, args);
+  EXPECT_NE(r.err.find("deferred initialisation: the model was built once for its shapes"), std::string::npos) << r.err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(single_init), last_checkpoint(split_init)), 1e-20);
+  expect_every_slice_element_kept_once(r, ranks, 2);
+  const auto [rd, rw] = expect_setup_peaks(mesh, big_transformer_toml(16, big_batch), ranks, whole_switch,
+                                           [shards](const ProcessResult& run, double) {
+                                             const auto slice = all_in_log(run.err, R"(this rank holds (\d+) of their \d+ elements)");
+                                             EXPECT_FALSE(slice.empty()) << run.err;
+                                             return slice.empty() ? 0.0 : slice.front() * 4 / (1024.0 * 1024.0) / shards;
+                                           });
+  expect_every_slice_element_kept_once(rd, ranks, 2);
+}
+
 }  // namespace
 
 TEST_F(DeferredInit, ShardedRanksStartFromSingleDeviceWeightsAndTrainTheSame) {
@@ -196,27 +224,10 @@ TEST_F(DeferredInit, PipelineStagesKeepTheirShardOfTheirStagesOnly) {
 // single_device's initial weights; every element kept by one rank; a quarter of the model plus
 // one layer at set-up.
 TEST_F(DeferredInit, TensorParallelRanksKeepTheirShardOfTheirSlices) {
-  const std::vector<std::string> mesh = {"--plugins", "sharded", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=4",
-                                         "--set", "parallelism.tensor_parallel=2"};
-  TempDir single_init("deferred"), split_init("deferred");
-  transformer_run(single_init, 0, {"--set", "optimizer.lr=1e-30"});
-  write_file(split_init / "run.toml", transformer_mesh_toml(4));
-  std::vector<std::string> args = mesh;
-  for (const char* a : {"run.toml", "--set", "optimizer.lr=1e-30", "--set", "data.batch_size=6"}) args.push_back(a);
-  auto r = run_engine_ok(split_init, args);
-  EXPECT_NE(r.err.find("deferred initialisation: the model was built once for its shapes"), std::string::npos) << r.err;
-  EXPECT_LE(max_weight_difference(last_checkpoint(single_init), last_checkpoint(split_init)), 1e-20);
-  expect_every_slice_element_kept_once(r, 4, 2);
-
-  // A rank keeps half its slice model (2 shards): about a quarter of the model, plus the norms,
-  // biases and head every tensor-parallel rank holds whole.
-  const auto [rd, rw] = expect_setup_peaks(mesh, big_transformer_toml(16, 2), 4, "sharded.deferred_init=false",
-                                           [](const ProcessResult& run, double) {
-                                             const auto slice = all_in_log(run.err, R"(this rank holds (\d+) of their \d+ elements)");
-                                             EXPECT_FALSE(slice.empty()) << run.err;
-                                             return slice.empty() ? 0.0 : slice.front() * 4 / (1024.0 * 1024.0) / 2;
-                                           });
-  expect_every_slice_element_kept_once(rd, 4, 2);
+  // A rank keeps half its slice model (2 shards): about a quarter of the model.
+  expect_tensor_parallel_deferral({"--plugins", "sharded", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=4", "--set",
+                                   "parallelism.tensor_parallel=2"},
+                                  4, 2, "sharded.deferred_init=false", {"--set", "data.batch_size=6"}, 2);
 }
 
 // ddp's stages (2 ranks, each a stage): the same shapes build, each rank keeping its stage's
@@ -244,25 +255,9 @@ TEST_F(DeferredInit, DdpStagesKeepTheirStagesOnly) {
 // single_device's initial weights, every slice element kept by one rank, and a host peak of the
 // slice model plus one layer at set-up (the whole model when built whole).
 TEST_F(DeferredInit, DdpTensorParallelRanksKeepTheirSlicesOnly) {
-  const std::vector<std::string> mesh = {"--plugins", "ddp", "--set", "ddp.timeout=60.0", "--set", "trainer.devices=2",
-                                         "--set", "parallelism.tensor_parallel=2"};
-  TempDir single_init("deferred"), split_init("deferred");
-  transformer_run(single_init, 0, {"--set", "optimizer.lr=1e-30"});
-  write_file(split_init / "run.toml", transformer_mesh_toml(4));
-  std::vector<std::string> args = mesh;
-  for (const char* a : {"run.toml", "--set", "optimizer.lr=1e-30"}) args.push_back(a);
-  auto r = run_engine_ok(split_init, args);
-  EXPECT_NE(r.err.find("deferred initialisation: the model was built once for its shapes"), std::string::npos) << r.err;
-  EXPECT_LE(max_weight_difference(last_checkpoint(single_init), last_checkpoint(split_init)), 1e-20);
-  expect_every_slice_element_kept_once(r, 2, 2);
-
-  const auto [rd, rw] = expect_setup_peaks(mesh, big_transformer_toml(16, 4), 2, "ddp.deferred_init=false",
-                                           [](const ProcessResult& run, double) {
-                                             const auto slice = all_in_log(run.err, R"(this rank holds (\d+) of their \d+ elements)");
-                                             EXPECT_FALSE(slice.empty()) << run.err;
-                                             return slice.empty() ? 0.0 : slice.front() * 4 / (1024.0 * 1024.0);
-                                           });
-  expect_every_slice_element_kept_once(rd, 2, 2);
+  expect_tensor_parallel_deferral({"--plugins", "ddp", "--set", "ddp.timeout=60.0", "--set", "trainer.devices=2", "--set",
+                                   "parallelism.tensor_parallel=2"},
+                                  2, 1, "ddp.deferred_init=false", {}, 4);
 }
 
 TEST_F(DeferredInit, OffloadTakesThePiecesInThePrecisionsDtype) {

@@ -26,6 +26,21 @@ std::string pickled(const c10::IValue& value) {
 }
 c10::IValue unpickled(const std::string& bytes) { return torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())); }
 
+// While it lives the optimizer's groups are widened to the whole model's (widen_groups); then its
+// own groups come back and the stand-ins' state goes.
+struct WidenedGroups {
+  torch::optim::Optimizer& optimizer;
+  std::vector<std::vector<at::Tensor>> own;
+  std::vector<at::Tensor> stand_ins;
+  explicit WidenedGroups(torch::optim::Optimizer& o) : optimizer(o) {}
+  WidenedGroups(const WidenedGroups&) = delete;
+  WidenedGroups& operator=(const WidenedGroups&) = delete;
+  ~WidenedGroups() {
+    for (const auto& s : stand_ins) optimizer.state().erase(s.unsafeGetTensorImpl());
+    for (size_t g = 0; g < own.size(); ++g) optimizer.param_groups()[g].params() = own[g];
+  }
+};
+
 }  // namespace
 
 PipelineState::PipelineState(ember_dist::DeviceMesh& mesh, const ember::PipelineOptions& options) : mesh_(mesh), options_(options) {
@@ -302,30 +317,20 @@ std::string PipelineState::full_optimizer_state(torch::optim::Optimizer& optimiz
 std::string PipelineState::save_over_whole_model(
     torch::optim::Optimizer& optimizer,
     const std::function<std::unique_ptr<torch::optim::OptimizerParamState>(const std::string& name)>& stand_in_state) {
-  std::vector<at::Tensor> stand_ins;
-  auto saved_groups = widen_groups(optimizer, &stand_ins);
-  auto restore = [&] {
-    for (const auto& s : stand_ins) optimizer.state().erase(s.unsafeGetTensorImpl());
-    for (size_t g = 0; g < saved_groups.size(); ++g) optimizer.param_groups()[g].params() = saved_groups[g];
-  };
-  try {
-    std::set<std::string> own;
-    for (const auto& [impl, name] : trained_) own.insert(name);
-    size_t k = 0;
-    for (const auto& g : groups_)
-      for (const auto& name : g) {
-        if (own.count(name)) continue;
-        const at::Tensor& stand_in = stand_ins[k++];
-        if (auto state = stand_in_state(name)) optimizer.state()[stand_in.unsafeGetTensorImpl()] = std::move(state);
-      }
-    std::ostringstream out;
-    torch::save(optimizer, out);
-    restore();
-    return out.str();
-  } catch (...) {
-    restore();
-    throw;
-  }
+  WidenedGroups widened(optimizer);
+  widened.own = widen_groups(optimizer, &widened.stand_ins);
+  std::set<std::string> own;
+  for (const auto& [impl, name] : trained_) own.insert(name);
+  size_t k = 0;
+  for (const auto& g : groups_)
+    for (const auto& name : g) {
+      if (own.count(name)) continue;
+      const at::Tensor& stand_in = widened.stand_ins[k++];
+      if (auto state = stand_in_state(name)) optimizer.state()[stand_in.unsafeGetTensorImpl()] = std::move(state);
+    }
+  std::ostringstream out;
+  torch::save(optimizer, out);
+  return out.str();
 }
 
 std::string PipelineState::optimizer_over_whole_model(torch::optim::Optimizer& optimizer) {
@@ -353,22 +358,13 @@ std::string PipelineState::optimizer_over_whole_model(torch::optim::Optimizer& o
 
 void PipelineState::load_full_optimizer_state(torch::optim::Optimizer& optimizer, const std::string& bytes,
                                               const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& to_part) {
-  const std::optional<c10::Device> device = device_;
-  std::vector<at::Tensor> stand_ins;
-  auto saved_groups = widen_groups(optimizer, &stand_ins);
-  auto restore = [&] {
-    for (const auto& s : stand_ins) optimizer.state().erase(s.unsafeGetTensorImpl());
-    for (size_t g = 0; g < saved_groups.size(); ++g) optimizer.param_groups()[g].params() = saved_groups[g];
-  };
-  try {
+  {
+    WidenedGroups widened(optimizer);
+    widened.own = widen_groups(optimizer, &widened.stand_ins);
     std::istringstream in(bytes);
     optimizer.state().clear();
-    torch::load(optimizer, in, device);
-  } catch (...) {
-    restore();
-    throw;
+    torch::load(optimizer, in, device_);
   }
-  restore();
   at::NoGradGuard no_grad;
   for (auto& group : optimizer.param_groups())
     for (auto& t : group.params()) {

@@ -98,7 +98,7 @@ class PipelineState {
   // coordinates 0).
   bool in_rank0_group() const { return mesh_.data_parallel_rank() == 0 && mesh_.tensor_parallel_rank() == 0; }
   // Sets the optimizer's groups to the whole model's parameters (this rank's own, and a stand-in
-  // for each other stage's) for torch::save / torch::load; restore() puts them back.
+  // for each other stage's) for torch::save / torch::load; the caller puts them back (pipeline_state.cpp's WidenedGroups).
   std::vector<std::vector<at::Tensor>> widen_groups(torch::optim::Optimizer& optimizer, std::vector<at::Tensor>* stand_ins);
   // torch::save over the whole model's groups; `stand_in_state(name)` gives another stage's
   // parameter its state object (null: none). The optimizer is left as it was.
