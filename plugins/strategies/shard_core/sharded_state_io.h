@@ -37,7 +37,7 @@ class ShardedStateIO {
   void load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
                           const std::function<c10::IValue(int64_t)>& read_part);
 
-  // Tensor parallelism (zero_strategy.cpp): the whole tensor of a parameter (or of its optimizer
+  // Tensor parallelism (zero_setup.cpp): the whole tensor of a parameter (or of its optimizer
   // state) from this rank's tensor-parallel slice, collective over the tensor-parallel ranks, and
   // this rank's slice of a whole one; and how each sliced tensor is split (a sharded checkpoint
   // part records it, so it loads under another tensor-parallel degree). Unset: the shards'

@@ -1,4 +1,4 @@
-// What every part of the ZeRO strategy shares (zero_strategy.cpp ties them together): the plugin's
+// What every part of the ZeRO strategy shares (zero_strategy_impl.h ties them together): the plugin's
 // options, the communicator, the host copies of offloading, the host-memory budget and the
 // counters its closing line reports.
 #pragma once
