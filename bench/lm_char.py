@@ -6,7 +6,7 @@ windows, 20 disjoint validation batches), optimizer (AdamW 1e-3, betas (0.9, 0.9
 0.1 on every parameter, as Ember's [optimizer] applies it), schedule (100 warmup steps from 1% of
 the rate, then cosine to 1e-4), clipping (1.0) and evaluation cadence (every 250 steps).
 
-  lm_char.py pytorch|lightning CORPUS_DIR STEPS THREADS OUT_JSON
+  lm_char.py pytorch|lightning CORPUS_DIR STEPS THREADS OUT_JSON [SEED=0]
 
 OUT_JSON: {"variant", "wall_s", "train_tokens", "evals": [[step, val_loss, elapsed_s], ...]}
 """
@@ -90,8 +90,8 @@ def val_batches(val):
     return [windows(val, starts[i * BATCH : (i + 1) * BATCH]) for i in range(EVAL_BATCHES)]
 
 
-def run_pytorch(vocab, train, val, steps):
-    torch.manual_seed(0)
+def run_pytorch(vocab, train, val, steps, seed):
+    torch.manual_seed(seed)
     model = Gpt(vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.1)
     evals, vb = [], val_batches(val)
@@ -114,7 +114,7 @@ def run_pytorch(vocab, train, val, steps):
     return evals, time.perf_counter() - start
 
 
-def run_lightning(vocab, train, val, steps):
+def run_lightning(vocab, train, val, steps, seed):
     import lightning as L
     from torch.utils.data import DataLoader, Dataset
 
@@ -156,7 +156,7 @@ def run_lightning(vocab, train, val, steps):
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, steps) / LR)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     module = Module()
     trainer = L.Trainer(max_steps=steps, val_check_interval=EVAL_EVERY, limit_val_batches=EVAL_BATCHES, check_val_every_n_epoch=None,
                         num_sanity_val_steps=0, gradient_clip_val=1.0, enable_progress_bar=False, enable_model_summary=False,
@@ -170,7 +170,8 @@ def run_lightning(vocab, train, val, steps):
 
 if __name__ == "__main__":
     variant, corpus, steps, threads, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    seed = int(sys.argv[6]) if len(sys.argv) > 6 else 0
     torch.set_num_threads(threads)
     vocab, train, val = load(corpus)
-    evals, wall = (run_pytorch if variant == "pytorch" else run_lightning)(vocab, train, val, steps)
-    json.dump({"variant": variant, "wall_s": wall, "train_tokens": steps * BATCH * BLOCK, "evals": evals}, open(out, "w"))
+    evals, wall = (run_pytorch if variant == "pytorch" else run_lightning)(vocab, train, val, steps, seed)
+    json.dump({"variant": variant, "seed": seed, "wall_s": wall, "train_tokens": steps * BATCH * BLOCK, "evals": evals}, open(out, "w"))

@@ -12,6 +12,7 @@
 
 #include <ember/error.h>
 
+#include <ember/support/activations.h>
 #include <ember/support/safetensors.h>
 
 namespace ember_text {
@@ -46,7 +47,7 @@ Activation parse_activation(const json& j, const std::string& path, const char* 
 at::Tensor activate(const at::Tensor& x, Activation a) {
   switch (a) {
     case Activation::gelu: return at::gelu(x);
-    case Activation::gelu_tanh: return at::gelu(x, "tanh");
+    case Activation::gelu_tanh: return ember::gelu_tanh(x);
     case Activation::relu: return at::relu(x);
   }
   return x;
