@@ -26,6 +26,7 @@
 #include <ember/pipeline.h>
 #include <ember/tensor_parallel.h>
 #include <ember/support/grad_util.h>
+#include <ember/support/tensor_parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -122,16 +123,8 @@ class Ddp final : public ember::ReplicatingStrategy,
       pipeline_->cut_shapes(model);
     }
     std::vector<ember::TensorShard> slices;
-    if (mesh_->tensor_parallel_size() > 1) slices = tensor_parallel_plan(model).parallelize_tensors(mesh_->tensor_parallel());
+    if (mesh_->tensor_parallel_size() > 1) slices = ember::tensor_parallel_plan_of(model, mesh_->tensor_parallel_size()).parallelize_tensors(mesh_->tensor_parallel());
     deferred_.end_shapes_pass(model, slices, mesh_->tensor_parallel_rank(), mesh_->tensor_parallel_size());
-  }
-  ember::ITensorParallelModel& tensor_parallel_plan(ember::IModel& model) {
-    auto* plan = static_cast<ember::ITensorParallelModel*>(model.query_interface(ember::kTensorParallelModelIid));
-    if (!plan)
-      throw ember::ConfigError("parallelism.tensor_parallel = " + std::to_string(tensor_parallel_size()) +
-                               ": the model has no tensor-parallel plan (it does not implement ember::ITensorParallelModel); set "
-                               "tensor_parallel = 1, or use a model that has one (transformer; docs/parallelism.md)");
-    return *plan;
   }
 
   // ---- ember::IPipelineParallel (answered when the mesh has pipeline stages)
@@ -189,7 +182,7 @@ class Ddp final : public ember::ReplicatingStrategy,
                                  "other buffers, so rank 0's cannot be broadcast; set broadcast_buffers = false");
     }
     if (tensor_parallel_size() > 1) {
-      auto& plan = tensor_parallel_plan(model);
+      auto& plan = ember::tensor_parallel_plan_of(model, tensor_parallel_size());
       // Every rank holds rank 0's whole weights now (or, deferred, the slices it kept as the model
       // was built, without storage until handed over below); each keeps its slices.
       const int64_t whole = ember_dist::parameter_elements(module);

@@ -34,7 +34,7 @@ void ZeroStrategy::plan_from_shapes(ember::IModel& model) {
     pipeline_->cut_shapes(model);  // ConfigError for a model that cannot be cut
   }
   std::vector<ember::TensorShard> slices;
-  if (mesh_->tensor_parallel_size() > 1) slices = tensor_parallel_plan(model).parallelize_tensors(mesh_->tensor_parallel());
+  if (mesh_->tensor_parallel_size() > 1) slices = ember::tensor_parallel_plan_of(model, mesh_->tensor_parallel_size()).parallelize_tensors(mesh_->tensor_parallel());
   deferred_.end_shapes_pass(model, slices, mesh_->tensor_parallel_rank(), mesh_->tensor_parallel_size());
 }
 
@@ -73,18 +73,9 @@ void ZeroStrategy::set_pipeline_options(const ember::PipelineOptions& options) {
 // 2D: the model, whole and equal on every rank (rank 0's weights), keeps each rank's
 // tensor-parallel slices; ZeRO then shards those slices over the data-parallel ranks, and whole
 // checkpoints are made from (and cut into) slices around the shards' own gathering.
-ember::ITensorParallelModel& ZeroStrategy::tensor_parallel_plan(ember::IModel& model) {
-  auto* plan = static_cast<ember::ITensorParallelModel*>(model.query_interface(ember::kTensorParallelModelIid));
-  if (!plan)
-    throw ember::ConfigError("parallelism.tensor_parallel = " + std::to_string(mesh_->tensor_parallel_size()) +
-                             ": the model has no tensor-parallel plan (it does not implement ember::ITensorParallelModel); set "
-                             "tensor_parallel = 1, or use a model that has one (transformer; docs/parallelism.md)");
-  return *plan;
-}
-
 void ZeroStrategy::split_tensor_parallel(ember::IModel& model) {
   const int64_t tp = mesh_->tensor_parallel_size();
-  auto* plan = &tensor_parallel_plan(model);
+  auto* plan = &ember::tensor_parallel_plan_of(model, tp);
   broadcast_whole_model();
   // Deferred initialisation: the pieces taken as the model was built have no storage (this rank
   // kept its chunk of its slice of each); the plan's ember::keep_shard gives them the slices'

@@ -200,7 +200,6 @@ class ZeroStrategy final : public ember::IStrategy,
   at::Tensor sum_over(const at::Tensor& value, c10d::Backend& backend, const std::string& what);
   void split_tensor_parallel(ember::IModel& model);
   // The model's plan, or ConfigError when it has none.
-  ember::ITensorParallelModel& tensor_parallel_plan(ember::IModel& model);
   void cut_pipeline_stages(ember::IModel& model);
   // Rank 0's whole model (parameters and buffers) to every rank, before it is cut or split.
   void broadcast_whole_model();

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "ember/error.h"
+#include "ember/model.h"
 #include "ember/tensor_parallel.h"
 
 namespace ember {
@@ -316,6 +317,17 @@ inline void keep_shard(at::Tensor& parameter, const TensorShard& shard, int64_t 
     return;
   }
   parameter.set_data(shard_of(parameter.detach(), shard, rank, size).clone());
+}
+
+// The model's tensor-parallel plan, for a strategy whose mesh has tensor_parallel > 1; a model
+// without one is one line that says what to change.
+inline ITensorParallelModel& tensor_parallel_plan_of(IModel& model, int64_t tensor_parallel) {
+  auto* plan = static_cast<ITensorParallelModel*>(model.query_interface(kTensorParallelModelIid));
+  if (!plan)
+    throw ConfigError("parallelism.tensor_parallel = " + std::to_string(tensor_parallel) +
+                      ": the model has no tensor-parallel plan (it does not implement ember::ITensorParallelModel); set "
+                      "tensor_parallel = 1, or use a model that has one (transformer, gpt; docs/parallelism.md)");
+  return *plan;
 }
 
 }  // namespace ember
