@@ -288,7 +288,7 @@ TEST_F(Sharded, BestShardedCheckpointIsTestedAndResumed) {
 }
 
 // state_dict_type = "sharded": a directory of one part per rank, nothing gathered. Saved by 2
-// ranks, it resumes on 3 and on 1 exactly; `engine checkpoint consolidate` makes the single file
+// ranks, it resumes on 3 (each rank reading only the parts that hold its shards) and on 1 exactly; `engine checkpoint consolidate` makes the single file
 // that single_device resumes from; single_device refuses the directory with one line saying so.
 TEST_F(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
   TempDir single("sharded"), dir("sharded");
@@ -311,6 +311,8 @@ TEST_F(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
     write_run(r, kAdam);
     auto out = sharded(r, 2, ranks, {"--resume", (keep / "two_ranks.ckpt").string()}, kAdam);
     EXPECT_NE(out.err.find("resumed from"), std::string::npos) << out.err;
+    // The first part lists every part's layout: on 3 ranks, rank 0's shards lie in part 0 alone.
+    EXPECT_NE(out.err.find(ranks == 3 ? "read 1 of the 2 parts" : "read 2 of the 2 parts"), std::string::npos) << out.err;
     EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(r)), 1e-5) << ranks << " ranks";
   }
   // single_device cannot read parts: it says what to do.

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/StringUtil.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/serialize.h>
 
 #include <ember/support/tensor_parallel.h>
@@ -140,8 +141,74 @@ void ShardedStateIO::load_full_optimizer_state(torch::optim::Optimizer& optimize
 // optimizer's own serialization with those fields emptied (groups, options and step counts, over
 // the whole model's groups under pipeline parallelism); and, in the parts of each stage's first
 // shard and tensor-parallel rank, that stage's buffers, whole.
+namespace {
+
+using Dict = c10::impl::GenericDict;
+
+// What a part holds, without its values: the part's keys, each parameter's entry without "data",
+// the buffers' names. Loading decides from it whether a part is worth reading.
+Dict layout_of(const Dict& part) {
+  Dict layout(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& item : part) {
+    const std::string& key = item.key().toStringRef();
+    if (key == "params") {
+      Dict params(c10::StringType::get(), c10::AnyType::get());
+      for (const auto& p : item.value().toGenericDict()) {
+        Dict entry(c10::StringType::get(), c10::AnyType::get());
+        for (const auto& e : p.value().toGenericDict())
+          if (e.key().toStringRef() != "data") entry.insert(e.key(), e.value());
+        params.insert(p.key(), entry);
+      }
+      layout.insert("params", params);
+    } else if (key == "buffers") {
+      c10::List<std::string> names;
+      for (const auto& b : item.value().toGenericDict()) names.push_back(b.key().toStringRef());
+      layout.insert("buffers", names);
+    } else if (item.value().isInt()) {
+      layout.insert(item.key(), item.value());
+    }
+  }
+  return layout;
+}
+
+}  // namespace
+
+// Every rank's layout_of(part), in world rank order (the order of the directory's part files),
+// gathered over the world: the lengths, then the pickled layouts as the rows of one byte tensor,
+// each rank filling its own row of zeros, summed.
+std::vector<c10::IValue> ShardedStateIO::gather_layouts(const c10::IValue& layout) {
+  const std::vector<char> bytes = torch::jit::pickle_save(layout);
+  const int64_t world = c_.comm.world(), me = c_.comm.rank();
+  at::Tensor lengths = at::zeros({world}, at::kLong);
+  lengths[me] = static_cast<int64_t>(bytes.size());
+  lengths = c_.comm.reduce(lengths, ember::ReduceOp::sum);
+  at::Tensor rows = at::zeros({world, lengths.max().item<int64_t>()}, at::kByte);
+  std::memcpy(rows[me].data_ptr(), bytes.data(), bytes.size());
+  rows = c_.comm.reduce(rows, ember::ReduceOp::sum);
+  std::vector<c10::IValue> layouts;
+  for (int64_t r = 0; r < world; ++r) {
+    const auto* data = static_cast<const char*>(rows[r].data_ptr());
+    layouts.push_back(torch::jit::pickle_load(std::vector<char>(data, data + lengths[r].item<int64_t>())));
+  }
+  return layouts;
+}
+
 c10::IValue ShardedStateIO::sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer) {
-  using Dict = c10::impl::GenericDict;
+  Dict part = part_of_this_rank(module, optimizer);
+  // The first part (world rank 0's, read first by every load) carries every part's layout, so a
+  // loading rank reads only the parts that hold something it needs.
+  if (c_.comm.world() > 1) {
+    const auto layouts = gather_layouts(layout_of(part));
+    if (c_.comm.rank() == 0) {
+      c10::impl::GenericList list(c10::AnyType::get());
+      for (const auto& l : layouts) list.push_back(l);
+      part.insert("layout", list);
+    }
+  }
+  return part;
+}
+
+c10::impl::GenericDict ShardedStateIO::part_of_this_rank(torch::nn::Module& module, torch::optim::Optimizer& optimizer) {
   Dict part(c10::StringType::get(), c10::AnyType::get());
   part.insert("world_size", static_cast<int64_t>(c_.world()));
   part.insert("rank", static_cast<int64_t>(c_.comm.rank()));
@@ -251,8 +318,8 @@ at::Tensor whole_indices(const Slice& s, const std::vector<int64_t>& whole_shape
 // is copied; across tensor-parallel degrees the elements are matched by their flat index in the
 // whole tensor. Parts are read one at a time, so any saved mesh loads onto any other with at most
 // one part in memory besides this rank's shards.
-void ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
-                                        const std::function<c10::IValue(int64_t)>& read_part) {
+int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
+                                           const std::function<c10::IValue(int64_t)>& read_part) {
   if (saved_world < 1) throw ember::RunError("the sharded checkpoint says it was written by " + std::to_string(saved_world) + " ranks");
   auto first = read_part(0).toGenericDict();
   // Groups, options and step counts from rank 0's serialization (over the whole model's groups
@@ -305,13 +372,76 @@ void ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::optim:
 
   at::NoGradGuard no_grad;
   const int64_t rank = c_.rank();  // this rank's place among the shards (of its replica)
+  // Where a saved entry's elements lie against what this rank needs: a range of both layouts
+  // (alike), or, across tensor-parallel degrees, possibly some (matched element by element below).
+  struct Placement {
+    bool any = false, alike = false;
+    Slice saved;
+    std::vector<int64_t> shape;
+    int64_t begin = 0, end = 0, count = 0, lo = 0, hi = 0;
+  };
+  auto place = [&](const Need& n, const Dict& entry, int64_t part_tp_rank, int64_t part_tp_size, int64_t k) {
+    const auto& p = *n.p;
+    Placement pl;
+    if (entry.contains("split_dim"))
+      pl.saved = {true, {p.name, entry.at("split_dim").toInt(), int_or(entry, "split_blocks", 1)}, part_tp_rank, part_tp_size};
+    else if (part_tp_rank != 0)
+      return pl;  // a whole tensor every tensor-parallel rank holds: rank 0's copy is read
+    pl.shape = entry.at("shape").toIntVector();
+    const auto whole_shape = entry.contains("whole_shape") ? entry.at("whole_shape").toIntVector() : pl.shape;
+    if (whole_shape != n.whole_shape)
+      throw ember::RunError("'" + p.name + "' has shape " + c10::str(c10::IntArrayRef(whole_shape)) + " but the model's is " +
+                            c10::str(c10::IntArrayRef(n.whole_shape)) + " (was it saved from a model with other settings?)");
+    pl.alike = pl.saved.same_as(n.slice);
+    if (pl.alike && pl.saved.split && pl.saved.rank != n.slice.rank) return pl;  // another tensor-parallel rank's slice
+    int64_t numel = 1;
+    for (auto d : pl.shape) numel *= d;
+    const int64_t chunk = entry.at("chunk").toInt(), index = int_or(entry, "index", k);
+    pl.begin = index * chunk;
+    pl.end = std::min(numel, pl.begin + chunk);
+    pl.count = std::max<int64_t>(0, pl.end - pl.begin);
+    if (pl.alike) {
+      pl.lo = std::max(pl.begin, rank * p.chunk);
+      pl.hi = std::min(pl.end, rank * p.chunk + p.valid);
+      pl.any = pl.lo < pl.hi;
+    } else {
+      pl.any = pl.count > 0 && p.valid > 0;
+    }
+    return pl;
+  };
+  // From the first part's list of layouts: whether part k holds anything this rank still needs.
+  std::vector<c10::IValue> layouts;
+  if (first.contains("layout")) {
+    const auto list = first.at("layout").toList();
+    if (static_cast<int64_t>(list.size()) == saved_world)
+      for (const auto& l : list) layouts.push_back(l);
+  }
+  auto worth_reading = [&](const Dict& layout, int64_t k) {
+    if (layout.contains("copy_of")) return false;
+    if (!layout.contains("params")) return true;  // reading it says what is wrong
+    const int64_t part_tp_rank = int_or(layout, "tensor_parallel_rank", 0), part_tp_size = int_or(layout, "tensor_parallel_size", 1);
+    for (const auto& item : layout.at("params").toGenericDict()) {
+      auto found = by_name.find(item.key().toStringRef());
+      if (found != by_name.end() && place(needs[found->second], item.value().toGenericDict(), part_tp_rank, part_tp_size, k).any)
+        return true;
+    }
+    if (layout.contains("buffers"))
+      for (const auto& name : layout.at("buffers").toListRef()) {
+        auto it = buffer_found.find(name.toStringRef());
+        if (it != buffer_found.end() && !it->second) return true;
+      }
+    return false;
+  };
+  int64_t parts_read = 0;
   for (int64_t k = 0; k < saved_world; ++k) {
+    if (k > 0 && !layouts.empty() && !worth_reading(layouts[k].toGenericDict(), k)) continue;
     auto part = k == 0 ? first : read_part(k).toGenericDict();
+    ++parts_read;
     if (part.contains("copy_of")) continue;  // a later replica's: the first replica's parts hold its tensors
     if (!part.contains("params"))
       throw ember::RunError("part " + std::to_string(k) + " holds no tensors and names no copy (a damaged checkpoint?)");
     const std::string of_part = "part " + std::to_string(k);
-    const int64_t part_tp_rank = int_or(part, "tensor_parallel_rank", 0);
+    const int64_t part_tp_rank = int_or(part, "tensor_parallel_rank", 0), part_tp_size = int_or(part, "tensor_parallel_size", 1);
     auto sp = part.at("params").toGenericDict();
     auto sf = part.at("optimizer_fields").toGenericDict();
     for (const auto& item : sp) {
@@ -320,38 +450,17 @@ void ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::optim:
       auto& n = needs[found->second];
       auto& p = *n.p;
       auto entry = item.value().toGenericDict();
-      Slice saved;
-      if (entry.contains("split_dim"))
-        saved = {true, {p.name, entry.at("split_dim").toInt(), int_or(entry, "split_blocks", 1)}, part_tp_rank,
-                 int_or(part, "tensor_parallel_size", 1)};
-      else if (part_tp_rank != 0)
-        continue;  // a whole tensor every tensor-parallel rank holds: rank 0's copy is read
-      const auto shape = entry.at("shape").toIntVector();
-      const auto whole_shape = entry.contains("whole_shape") ? entry.at("whole_shape").toIntVector() : shape;
-      if (whole_shape != n.whole_shape)
-        throw ember::RunError("'" + p.name + "' has shape " + c10::str(c10::IntArrayRef(whole_shape)) + " but the model's is " +
-                              c10::str(c10::IntArrayRef(n.whole_shape)) + " (was it saved from a model with other settings?)");
-      const bool alike = saved.same_as(n.slice);
-      if (alike && saved.split && saved.rank != n.slice.rank) continue;  // another tensor-parallel rank's slice
-      int64_t numel = 1;
-      for (auto d : shape) numel *= d;
-      const int64_t chunk = entry.at("chunk").toInt(), index = int_or(entry, "index", k);
-      const int64_t begin = index * chunk, end = std::min(numel, begin + chunk), count = std::max<int64_t>(0, end - begin);
+      const Placement pl = place(n, entry, part_tp_rank, part_tp_size, k);
+      if (!pl.any) continue;
       // Where the part's elements go in this rank's shard: a range, or (across degrees) a list.
-      int64_t lo = 0, hi = 0;
       at::Tensor dst_index, src_index;
-      if (alike) {
-        lo = std::max(begin, rank * p.chunk);
-        hi = std::min(end, rank * p.chunk + p.valid);
-        if (lo >= hi) continue;
-      } else {
-        if (count == 0 || p.valid == 0) continue;
+      if (!pl.alike) {
         if (!n.sorted.defined()) {
           auto sorted = whole_indices(n.slice, n.whole_shape).narrow(0, rank * p.chunk, p.valid).sort();
           n.sorted = std::get<0>(sorted);
           n.order = std::get<1>(sorted);
         }
-        const at::Tensor have = whole_indices(saved, whole_shape).narrow(0, begin, count);
+        const at::Tensor have = whole_indices(pl.saved, n.whole_shape).narrow(0, pl.begin, pl.count);
         const at::Tensor slot = at::searchsorted(n.sorted, have).clamp_max(p.valid - 1);
         const at::Tensor match = n.sorted.index_select(0, slot).eq(have);
         src_index = match.nonzero().reshape({-1});
@@ -359,18 +468,18 @@ void ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::optim:
         dst_index = n.order.index_select(0, slot.index_select(0, src_index));
       }
       auto copy = [&](const at::Tensor& dst, const at::Tensor& src, const std::string& what) {
-        if (src.numel() != count)
+        if (src.numel() != pl.count)
           throw ember::RunError(of_part + " holds " + std::to_string(src.numel()) + " elements of " + what + ", expected " +
-                                std::to_string(count) + " (a damaged checkpoint?)");
-        if (alike) {
-          dst.narrow(0, lo - rank * p.chunk, hi - lo).copy_(src.narrow(0, lo - begin, hi - lo));
+                                std::to_string(pl.count) + " (a damaged checkpoint?)");
+        if (pl.alike) {
+          dst.narrow(0, pl.lo - rank * p.chunk, pl.hi - pl.lo).copy_(src.narrow(0, pl.lo - pl.begin, pl.hi - pl.lo));
         } else {
           const at::Tensor values = src.index_select(0, src_index).to(dst.options());
           dst.index_copy_(0, dst_index.to(dst.device()), values);
         }
       };
       copy(p.shard.detach(), entry.at("data").toTensor(), "'" + p.name + "'");
-      if (alike) n.filled.narrow(0, lo - rank * p.chunk, hi - lo).fill_(true);
+      if (pl.alike) n.filled.narrow(0, pl.lo - rank * p.chunk, pl.hi - pl.lo).fill_(true);
       else n.filled.index_fill_(0, dst_index, true);
       if (!n.fields.empty()) {
         if (!sf.contains(p.name)) throw ember::RunError(of_part + " has no optimizer state for '" + p.name + "'");
@@ -401,6 +510,7 @@ void ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::optim:
   }
   for (const auto& [name, found] : buffer_found)
     if (!found) throw ember::RunError("lacks buffer '" + name + "' (was it saved from another model?)");
+  return parts_read;
 }
 
 }  // namespace ember_shard

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "shard_table.h"
 #include "zero_context.h"
@@ -33,9 +34,13 @@ class ShardedStateIO {
   // build the whole optimizer state from (ember/distributed/pipeline_state.h).
   at::Tensor whole_field(const at::Tensor& trained, const at::Tensor& field);
   at::Tensor part_of_field(const at::Tensor& trained, const at::Tensor& whole);
+  // This rank's part of a sharded checkpoint directory (collective over the world: world rank 0's
+  // part also lists every part's layout).
   c10::IValue sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer);
-  void load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
-                          const std::function<c10::IValue(int64_t)>& read_part);
+  // Reads the parts this rank needs (all of them when the first part lists no layouts: directories
+  // written before parts recorded them) and returns how many it read.
+  int64_t load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
+                             const std::function<c10::IValue(int64_t)>& read_part);
 
   // Tensor parallelism (zero_setup.cpp): the whole tensor of a parameter (or of its optimizer
   // state) from this rank's tensor-parallel slice, collective over the tensor-parallel ranks, and
@@ -59,6 +64,8 @@ class ShardedStateIO {
   void set_pipeline(PipelinePlace place) { pp_ = std::move(place); }
 
  private:
+  c10::impl::GenericDict part_of_this_rank(torch::nn::Module& module, torch::optim::Optimizer& optimizer);
+  std::vector<c10::IValue> gather_layouts(const c10::IValue& layout);
   // Whole value of one shard-shaped tensor (a parameter's shard, or an optimizer state field).
   at::Tensor gather_whole(const ShardedParam& p, const at::Tensor& part);
 

@@ -180,7 +180,9 @@ class ZeroStrategy final : public ember::IStrategy,
   bool sharded_checkpoints() const override { return o_.sharded_checkpoints; }
   c10::IValue sharded_state() override { return io_.sharded_state(*module_, *optimizer_); }
   void load_sharded_state(int64_t saved_world, const std::function<c10::IValue(int64_t)>& read_part) override {
-    io_.load_sharded_state(*module_, *optimizer_, saved_world, read_part);
+    const int64_t read = io_.load_sharded_state(*module_, *optimizer_, saved_world, read_part);
+    host_.log(ember::LogLevel::info, o_.name + ": read " + std::to_string(read) + " of the " + std::to_string(saved_world) +
+                                         " parts of the sharded checkpoint (the others hold nothing this rank needs)");
     parameters_changed();
   }
 
