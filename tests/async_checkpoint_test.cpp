@@ -49,7 +49,8 @@ std::vector<std::string> with(std::vector<std::string> a, const std::vector<std:
 }  // namespace
 
 // Top-k by val_loss (files leave the top 2 and are deleted) and last.ckpt every 2 steps: the
-// asynchronous run leaves exactly the files of the synchronous one, with the same weights and
+// asynchronous run (single_device: the live tensors copied once) leaves exactly the files of the
+// synchronous one, with the same weights and
 // bookkeeping, no temporary file behind; a run stopped at step 8 and resumed from its
 // asynchronous last.ckpt ends with the weights of the uninterrupted run.
 TEST(AsyncCheckpoint, SameFilesAndWeightsAsSynchronousSavesAndResumesExactly) {
@@ -57,7 +58,10 @@ TEST(AsyncCheckpoint, SameFilesAndWeightsAsSynchronousSavesAndResumesExactly) {
   for (const auto* d : {&sync_dir, &async_dir, &split}) write_file(*d / "run.toml", cnn_run(16, /*monitor=*/true));
   const std::vector<std::string> run = {"run.toml", "--set", "trainer.max_steps=15"};
   run_engine_ok(sync_dir, run);
-  run_engine_ok(async_dir, with(run, kAsync));
+  const auto async_run = run_engine_ok(async_dir, with(with(run, kAsync), {"--verbose"}));
+  // single_device hands over its live tensors (IDeviceModelState): each is copied once.
+  EXPECT_NE(async_run.err.find("copied for a background write in"), std::string::npos) << async_run.err;
+  EXPECT_NE(async_run.err.find("(from the model's own tensors)"), std::string::npos) << async_run.err;
   const fs::path sync_ckpts = sync_dir / "runs/run/version_0/checkpoints", async_ckpts = async_dir / "runs/run/version_0/checkpoints";
   const auto names = files_in(sync_ckpts);
   EXPECT_EQ(names.size(), 3u) << "2 top-k files and last.ckpt";

@@ -368,6 +368,7 @@ void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool 
     if (any_rank(error != nullptr) && !error) throw RunError(who + " could not take its part of " + what + " (its log says why); stopping with it");
     if (error) std::rethrow_exception(error);
   };
+  IDeviceModelState* live = nullptr;
   if (pending->sharded) {
     c10::IValue part, doc;
     try {
@@ -382,9 +383,12 @@ void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool 
       for (const auto& path : paths) write_sharded_part(path, r, part, doc);
     });
   } else {
-    // The gathers are collective; rank 0 alone copies and writes.
+    // The gathers are collective; rank 0 alone copies and writes. A strategy whose rank 0 holds the
+    // whole model hands over its live tensors, which host_snapshot copies once (from a GPU into
+    // pinned memory) instead of copying full_model_state's host copy again.
+    live = rank() == 0 ? static_cast<IDeviceModelState*>(strategy_.object->query_interface(kDeviceModelStateIid)) : nullptr;
     c10::Dict<std::string, at::Tensor> model_state;
-    if (with_model) model_state = strategy_.object->full_model_state(/*rank0_only=*/true);
+    if (with_model) model_state = live != nullptr ? live->device_model_state() : strategy_.object->full_model_state(/*rank0_only=*/true);
     const std::string optimizer_state = with_optimizer ? strategy_.object->full_optimizer_state(/*rank0_only=*/true) : std::string();
     if (rank() == 0) {
       try {
@@ -403,7 +407,8 @@ void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool 
   pending_save_ = std::move(pending);
   // What the training waited for (the gathers and the copy); the write goes on behind it.
   log::debug("checkpoint " + paths.front() + ": the state was copied for a background write in " +
-             std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count()) + " ms");
+             std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count()) + " ms" +
+             (live != nullptr ? " (from the model's own tensors)" : ""));
 }
 
 double Runtime::background_save_vote() {

@@ -95,6 +95,9 @@ class Ddp final : public ember::ReplicatingStrategy,
     if (std::strcmp(iid, ember::kDeferredInitPlanIid) == 0) return static_cast<ember::IDeferredInitPlan*>(this);
     if (std::strcmp(iid, ember::kPipelineParallelIid) == 0 && mesh_ && mesh_->pipeline_size() > 1)
       return static_cast<ember::IPipelineParallel*>(this);
+    // Rank 0's module is the whole model unless a tensor- or pipeline-parallel mesh cut it.
+    if (std::strcmp(iid, ember::kDeviceModelStateIid) == 0)
+      return tensor_parallel_ || pipeline_ ? nullptr : static_cast<ember::IDeviceModelState*>(this);
     return ember::ReplicatingStrategy::query_interface(iid);
   }
   // ---- ember::IDeviceMesh (before launch: one rank)

@@ -54,10 +54,10 @@ c10::Dict<std::string, at::Tensor> TensorParallelState::full_model_state(bool bu
   for (const auto& p : module_.named_parameters()) {
     auto it = by_name_.find(p.key());
     at::Tensor value = it == by_name_.end() ? p.value().detach() : whole(p.value(), it->second);  // every rank gathers
-    if (build) out.insert(p.key(), value.to(at::kCPU).clone());
+    if (build) out.insert(p.key(), ember::detached_host_copy(value));
   }
   if (build)
-    for (const auto& b : module_.named_buffers()) out.insert(b.key(), b.value().detach().to(at::kCPU).clone());
+    for (const auto& b : module_.named_buffers()) out.insert(b.key(), ember::detached_host_copy(b.value()));
   return out;
 }
 

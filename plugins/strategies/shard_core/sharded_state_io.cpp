@@ -1,6 +1,7 @@
 #include "sharded_state_io.h"
 
 #include <ember/error.h>
+#include <ember/support/grad_util.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/StringUtil.h>
@@ -39,10 +40,10 @@ c10::Dict<std::string, at::Tensor> ShardedStateIO::full_model_state(torch::nn::M
   for (auto& p : t_.params) {
     at::Tensor whole = gather_whole(p, p.shard);
     if (tp_.to_whole) whole = tp_.to_whole(p.name, whole);
-    if (build) out.insert(p.name, whole.to(at::kCPU).clone());
+    if (build) out.insert(p.name, ember::detached_host_copy(whole));
   }
   if (build)
-    for (const auto& b : module.named_buffers()) out.insert(b.key(), b.value().detach().to(at::kCPU).clone());
+    for (const auto& b : module.named_buffers()) out.insert(b.key(), ember::detached_host_copy(b.value()));
   return out;
 }
 
@@ -238,14 +239,14 @@ c10::impl::GenericDict ShardedStateIO::part_of_this_rank(torch::nn::Module& modu
       e.insert("split_dim", it->second.dim);
       e.insert("split_blocks", it->second.blocks);
     }
-    e.insert("data", p.shard.detach().to(at::kCPU).clone());
+    e.insert("data", ember::detached_host_copy(p.shard));
     params.insert(p.name, e);
   }
   part.insert("params", params);
   Dict buffers(c10::StringType::get(), c10::AnyType::get());
   for (const auto& b : module.named_buffers()) {
     at::Tensor whole = tp_.to_whole ? tp_.to_whole(b.key(), b.value().detach()) : b.value().detach();
-    if (c_.rank() == 0 && tp_.rank == 0) buffers.insert(b.key(), whole.to(at::kCPU).clone());
+    if (c_.rank() == 0 && tp_.rank == 0) buffers.insert(b.key(), ember::detached_host_copy(whole));
   }
   part.insert("buffers", buffers);
   Dict fields(c10::StringType::get(), c10::AnyType::get());
@@ -257,7 +258,7 @@ c10::impl::GenericDict ShardedStateIO::part_of_this_rank(torch::nn::Module& modu
       const auto& p = t_.param_of(t);
       Dict mine(c10::StringType::get(), c10::AnyType::get());
       for_each_state_tensor(*it->second, [&](const char* name, at::Tensor& field) {
-        mine.insert(name, field.detach().to(at::kCPU).clone());
+        mine.insert(name, ember::detached_host_copy(field));
         saved.emplace_back(&field, field);
         field = at::empty({0}, field.options());
       });

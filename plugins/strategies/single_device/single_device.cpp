@@ -58,9 +58,11 @@ class SingleDevice final : public ember::ReplicatingStrategy {
     return true;
   }
 
-  // One process, no gradient hooks, no collectives: a step can be captured as a CUDA graph.
+  // One process, no gradient hooks, no collectives: a step can be captured as a CUDA graph, and
+  // the module holds the whole model where it trains (asynchronous saves copy it from there).
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kCapturableStepIid) == 0) return this;
+    if (std::strcmp(iid, ember::kDeviceModelStateIid) == 0) return static_cast<ember::IDeviceModelState*>(this);
     return ReplicatingStrategy::query_interface(iid);
   }
 

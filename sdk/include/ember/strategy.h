@@ -168,6 +168,24 @@ class EMBER_SDK_API IStrategy : public IPluginObject {
 // dereferenced (return `this`).
 inline constexpr const char* kShardedCheckpointsIid = "ember.capability.ShardedCheckpoints/1";
 
+// Optional interface (IStrategy::query_interface(kDeviceModelStateIid), since SDK 2.14): a
+// strategy whose rank 0 holds every parameter and buffer of the model whole in its module (no
+// shards, no tensor- or pipeline-parallel parts: single_device, ddp without a mesh) hands them over
+// where they live. An asynchronous save then copies each tensor once, from the GPU straight into
+// pinned host memory (on the CPU: one clone), instead of taking full_model_state's host copy and
+// copying that again for the writer thread. No collective: the engine calls it on rank 0 only, in
+// place of full_model_state(rank0_only = true), which then must need no collective either.
+class IDeviceModelState {
+ public:
+  // Every parameter and buffer under its name (as full_model_state names them), detached, on its
+  // device, in its dtype. They alias the live model: the caller copies them before training goes on.
+  virtual c10::Dict<std::string, at::Tensor> device_model_state() = 0;
+
+ protected:
+  ~IDeviceModelState() = default;
+};
+inline constexpr const char* kDeviceModelStateIid = "ember.IDeviceModelState/1";
+
 // Capability: IStrategy::query_interface(kCapturableStepIid) != nullptr says that this
 // strategy's backward and optimizer step, on the process count it runs with, do no host work and
 // no collective between forward and the optimizer step (no gradient hooks that leave the device,

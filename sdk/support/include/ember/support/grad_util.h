@@ -1,4 +1,5 @@
-// Gradient helpers for strategies and precision handlers. Header-only, no device-to-host sync.
+// Gradient helpers for strategies and precision handlers (no device-to-host sync), and the host
+// copy strategies' full_model_state returns. Header-only.
 #pragma once
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
@@ -8,6 +9,13 @@
 #include "ember/types.h"
 
 namespace ember {
+
+// A host copy of `t` that shares no memory with it: a device tensor's copy to the CPU is one
+// already (no second clone), a CPU tensor is cloned. What full_model_state implementations return.
+inline at::Tensor detached_host_copy(const at::Tensor& t) {
+  const at::Tensor d = t.detach();
+  return d.device().is_cpu() ? d.clone() : d.to(at::kCPU);
+}
 
 // Every parameter of the optimizer that has a gradient.
 inline std::vector<at::Tensor> grads_of(torch::optim::Optimizer& optimizer) {

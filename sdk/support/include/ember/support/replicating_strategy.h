@@ -49,8 +49,15 @@ class ReplicatedModelState {
   c10::Dict<std::string, at::Tensor> full_model_state(bool build) const {
     c10::Dict<std::string, at::Tensor> out;
     if (!build) return out;
-    for (const auto& p : module_->named_parameters()) out.insert(p.key(), p.value().detach().to(at::kCPU).clone());
-    for (const auto& b : module_->named_buffers()) out.insert(b.key(), b.value().detach().to(at::kCPU).clone());
+    for (const auto& p : module_->named_parameters()) out.insert(p.key(), detached_host_copy(p.value()));
+    for (const auto& b : module_->named_buffers()) out.insert(b.key(), detached_host_copy(b.value()));
+    return out;
+  }
+  // The live tensors, detached, where they are (IDeviceModelState).
+  c10::Dict<std::string, at::Tensor> device_model_state() const {
+    c10::Dict<std::string, at::Tensor> out;
+    for (const auto& p : module_->named_parameters()) out.insert(p.key(), p.value().detach());
+    for (const auto& b : module_->named_buffers()) out.insert(b.key(), b.value().detach());
     return out;
   }
 
@@ -111,8 +118,11 @@ namespace ember {
 // Requires: the derived strategy implements launch, root_device, rank, world_size, local_rank,
 // place_module, batch_to_device, backward, optimizer_step, reduce, barrier, broadcast_flag,
 // teardown, and broadcast when it runs more than one process.
-class ReplicatingStrategy : public IStrategy {
+// It implements IDeviceModelState; a strategy answers kDeviceModelStateIid with it when its rank 0
+// holds the whole model (single_device always, ddp without tensor or pipeline parallelism).
+class ReplicatingStrategy : public IStrategy, public IDeviceModelState {
  public:
+  c10::Dict<std::string, at::Tensor> device_model_state() override { return state_.device_model_state(); }
   void setup_module(IModel& model) override {
     place_module(model.module());
     state_.set_module(model.module());
