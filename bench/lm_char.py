@@ -17,50 +17,15 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
+
+import gpt_reference
 
 BLOCK, BATCH, LAYERS, HEADS, WIDTH = 64, 12, 4, 4, 128
 LR, MIN_LR, WARMUP, EVAL_EVERY, EVAL_BATCHES = 1e-3, 1e-4, 100, 250, 20
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(WIDTH, bias=False)
-        self.c_attn = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
-        self.attn_proj = nn.Linear(WIDTH, WIDTH, bias=False)
-        self.ln_2 = nn.LayerNorm(WIDTH, bias=False)
-        self.c_fc = nn.Linear(WIDTH, 4 * WIDTH, bias=False)
-        self.mlp_proj = nn.Linear(4 * WIDTH, WIDTH, bias=False)
-
-    def forward(self, x):
-        n, t, c = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(WIDTH, dim=2)
-        q, k, v = (z.view(n, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(n, t, c)
-        x = x + self.attn_proj(y)
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
-
-
-class Gpt(nn.Module):
-    def __init__(self, vocab):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, WIDTH)
-        self.wpe = nn.Embedding(BLOCK, WIDTH)
-        self.h = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(WIDTH, bias=False)
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * LAYERS) if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, 0.0, std)
-
-    def forward(self, ids, targets):
-        x = self.wte(ids) + self.wpe(torch.arange(ids.size(1)))
-        for block in self.h:
-            x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+def Gpt(vocab):
+    return gpt_reference.Gpt(vocab, BLOCK, LAYERS, HEADS, WIDTH)
 
 
 def load(corpus):

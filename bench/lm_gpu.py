@@ -14,15 +14,14 @@ of the bench itself). OUT_JSON: {"variant", "tokens_per_s", "step_s",
 "loss", "peak_mb"}.
 """
 import json
-import math
 import os
 import sys
 import time
 
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
+
+import gpt_reference
 
 VOCAB, CONTEXT, LAYERS, HEADS, WIDTH, BATCH = 50304, 1024, 12, 12, 768, 16
 SMOKE = os.environ.get("LM_GPU_SMOKE") == "1"   # a check of the bench itself on a CPU: tiny shapes
@@ -30,43 +29,8 @@ if SMOKE:
     CONTEXT, LAYERS, HEADS, WIDTH, BATCH = 64, 1, 2, 64, 2
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(WIDTH, bias=False)
-        self.c_attn = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
-        self.attn_proj = nn.Linear(WIDTH, WIDTH, bias=False)
-        self.ln_2 = nn.LayerNorm(WIDTH, bias=False)
-        self.c_fc = nn.Linear(WIDTH, 4 * WIDTH, bias=False)
-        self.mlp_proj = nn.Linear(4 * WIDTH, WIDTH, bias=False)
-
-    def forward(self, x):
-        n, t, c = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(WIDTH, dim=2)
-        q, k, v = (z.view(n, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(n, t, c)
-        x = x + self.attn_proj(y)
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
-
-
-class Gpt(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, WIDTH)
-        self.wpe = nn.Embedding(CONTEXT, WIDTH)
-        self.h = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(WIDTH, bias=False)
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * LAYERS) if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, 0.0, std)
-
-    def forward(self, ids, targets):
-        x = self.wte(ids) + self.wpe(torch.arange(ids.size(1), device=ids.device))
-        for block in self.h:
-            x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+def Gpt():
+    return gpt_reference.Gpt(VOCAB, CONTEXT, LAYERS, HEADS, WIDTH)
 
 
 def main():
