@@ -175,7 +175,7 @@ inline constexpr const char* kShardedCheckpointsIid = "ember.capability.ShardedC
 // pinned host memory (on the CPU: one clone), instead of taking full_model_state's host copy and
 // copying that again for the writer thread. No collective: the engine calls it on rank 0 only, in
 // place of full_model_state(rank0_only = true), which then must need no collective either.
-class IDeviceModelState {
+class EMBER_SDK_API IDeviceModelState {
  public:
   // Every parameter and buffer under its name (as full_model_state names them), detached, on its
   // device, in its dtype. They alias the live model: the caller copies them before training goes on.
