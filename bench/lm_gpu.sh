@@ -3,7 +3,8 @@
 # 50,304, bf16-mixed, fused AdamW, micro-batches of 16 x 1,024 tokens), nanoGPT's recipe with
 # model.bias = false as nanoGPT trains it, side by side in one run:
 #   - Ember: `engine --plugins throughput,csv,device_stats configs/gpt2_124m_gpu.toml`, with
-#     trainer.activation_checkpointing none, selective and full,
+#     trainer.activation_checkpointing none, selective and full, and with model.chunked_loss = true
+#     (the output layer and cross-entropy a slice of tokens at a time, never the whole logits),
 #   - the same model and step in plain PyTorch (bench/lm_gpu.py), eager and with torch.compile
 #     (nanoGPT's default).
 #   - Ember with trainer.cuda_graph (no accumulation: an optimizer step after each micro-batch).
@@ -18,6 +19,8 @@
 # cuda_peak_allocated_mb; PyTorch: max_memory_allocated over the timed steps).
 #   bash bench/lm_gpu.sh [steps=10] [accumulate=8] [warmup=5]
 # LM_GPU_SMOKE=1: tiny shapes on the CPU, to check the bench itself where there is no GPU.
+# LM_GPU_VARIANTS: which rows to run (default all: "chunked selective full full_chunked graph eager compile"; Ember's
+# plain row always runs, it makes the token file); ratios are against torch.compile when it ran.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -51,19 +54,26 @@ ember ember-none none "$accumulate" || { tail -5 "$work/ember-none.log"; exit 1;
 # text_lm names its token folder: "token file DIR" when cached, "tokenized into DIR" when it made it.
 tokens=$(grep -oE '(token file|tokenized into) [^;]*' "$work/ember-none.log" | head -1 | sed -E 's/^(token file|tokenized into) //' || true)/tokens.u16
 [ -f "$tokens" ] || { echo "lm_gpu.sh: no token file named in the first Ember run's log ($work/ember-none.log)"; exit 1; }
-ember ember-selective selective "$accumulate" || { tail -5 "$work/ember-selective.log"; exit 1; }
-ember ember-full full "$accumulate" || { tail -5 "$work/ember-full.log"; exit 1; }
+variants=" ${LM_GPU_VARIANTS:-chunked selective full full_chunked graph eager compile} "
+runs() { [[ "$variants" == *" $1 "* ]]; }
+if runs chunked; then ember ember-chunked none "$accumulate" --set model.chunked_loss=true || { tail -5 "$work/ember-chunked.log"; exit 1; }; fi
+if runs selective; then ember ember-selective selective "$accumulate" || { tail -5 "$work/ember-selective.log"; exit 1; }; fi
+if runs full; then ember ember-full full "$accumulate" || { tail -5 "$work/ember-full.log"; exit 1; }; fi
+if runs full_chunked; then
+  ember ember-full-chunked full "$accumulate" --set model.chunked_loss=true || { tail -5 "$work/ember-full-chunked.log"; exit 1; }
+fi
 # trainer.cuda_graph (forward and backward replayed as one graph) takes no gradient accumulation:
 # the same micro-batches, an optimizer step after each.
-if [ "${LM_GPU_SMOKE:-}" != 1 ]; then
+if [ "${LM_GPU_SMOKE:-}" != 1 ] && runs graph; then
   ember ember-graph none 1 --set trainer.cuda_graph=true || echo "(Ember with trainer.cuda_graph failed: $(grep -m1 error "$work/ember-graph.log"))"
 fi
 for v in eager compile; do
+  runs "$v" || continue
   "$python" -W ignore bench/lm_gpu.py "$v" "$tokens" "$accumulate" "$steps" "$warmup" "$work/pytorch-$v.json" >"$work/pytorch-$v.log" 2>&1 ||
     { tail -20 "$work/pytorch-$v.log"; exit 1; }
 done
 "$python" - "$work" "$steps" "$accumulate" <<'PY'
-import csv, glob, json, re, sys
+import csv, glob, json, os, re, sys
 work, steps, accumulate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 flops_per_token = 6 * (12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072) + 50304 * 768) + 12 * 12 * 1024 * 768
 log = open(f"{work}/ember-none.log").read()
@@ -74,7 +84,9 @@ if device == "throughput.peak_tflops":
 # Model state in float32 (weights, gradients, AdamW's two moments): what the activations come on top of.
 state_mb = 4 * 4 * (12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072 + 2 * 768) + 50304 * 768 + 1024 * 768 + 768) / 2**20
 rows = []
-for name, label in (("ember-none", "Ember"), ("ember-selective", "Ember, selective checkpointing"), ("ember-full", "Ember, full checkpointing"),
+for name, label in (("ember-none", "Ember"), ("ember-chunked", "Ember, model.chunked_loss = true"),
+                    ("ember-selective", "Ember, selective checkpointing"), ("ember-full", "Ember, full checkpointing"),
+                    ("ember-full-chunked", "Ember, full checkpointing and model.chunked_loss = true"),
                     ("ember-graph", "Ember, trainer.cuda_graph, optimizer step every micro-batch")):
     found = glob.glob(f"{work}/{name}/**/metrics.csv", recursive=True)
     if not found: continue
@@ -85,12 +97,14 @@ for name, label in (("ember-none", "Ember"), ("ember-selective", "Ember, selecti
     loss = [float(r["train_loss_step"]) for r in rs if r.get("train_loss_step")][-1]
     rows.append((label, tps, loss, mem))
 for v, label in (("eager", "PyTorch eager"), ("compile", "PyTorch + torch.compile (nanoGPT)")):
+    if not os.path.exists(f"{work}/pytorch-{v}.json"): continue
     r = json.load(open(f"{work}/pytorch-{v}.json"))
     rows.append((label, r["tokens_per_s"], r["loss"], r["peak_mb"]))
-ref = rows[-1][1]
+ref_label = "PyTorch + torch.compile (nanoGPT)" if any(r[0].startswith("PyTorch + torch.compile") for r in rows) else "Ember"
+ref = next(r[1] for r in rows if r[0] == ref_label)
 print(f"{device}; {steps} timed steps of {accumulate} x 16 x 1,024 tokens after the warm-up; peak {peak / 1e12:.1f} TFLOP/s (bf16, dense)")
 print()
-print("| variant | tokens/s | vs torch.compile | MFU | last train loss | peak allocated MB | activations MB (peak - 16 B/param state) |")
+print(f"| variant | tokens/s | vs {'torch.compile' if ref_label != 'Ember' else 'Ember'} | MFU | last train loss | peak allocated MB | activations MB (peak - 16 B/param state) |")
 print("|---|---|---|---|---|---|---|")
 for label, tps, loss, mem in rows:
     print(f"| {label} | {tps:,.0f} | {tps / ref:.2f}x | {tps * flops_per_token / peak:.3f} | {loss:.3f} | {mem:,.0f} | {mem - state_mb:,.0f} |")

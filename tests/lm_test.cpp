@@ -431,6 +431,49 @@ TEST(LanguageModel, ActivationCheckpointingTrainsTheSameWeightsUnderEveryStrateg
       << cnn.err;
 }
 
+// model.chunked_loss = true (ember::linear_cross_entropy, the output layer's gradients made in the
+// loss's forward) trains the weights the whole-logits path (the default) trains, to float32
+// rounding. Train metrics need the logits: with the chunked loss the run stops at its first batch,
+// naming the key, and without it computes them.
+TEST(LanguageModel, ChunkedLossTrainsTheSameWeightsAndTrainMetricsNeedTheLogits) {
+  TempDir dir("lm_chunked_loss");
+  write_lm_run(dir);
+  const std::vector<std::string> common = {"run.toml", "--set", "trainer.max_steps=6", "--set", "trainer.accelerator=\"cpu\"", "--set",
+                                           "data.shuffle=false", "--set", "trainer.val_check_interval=6"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto args = common;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  // SGD: Adam's normalised steps would magnify float32 rounding of near-zero gradients.
+  run_engine_ok(dir, with({"--set", "trainer.name=\"chunked\"", "--set", "optimizer.name=\"sgd\"", "--set", "optimizer.lr=0.5", "--set",
+                           "model.chunked_loss=true"}),
+                600);
+  run_engine_ok(dir, with({"--set", "trainer.name=\"whole\"", "--set", "optimizer.name=\"sgd\"", "--set", "optimizer.lr=0.5"}), 600);
+  const auto diff = max_weight_difference(dir / "runs/chunked/version_0/checkpoints/last.ckpt", dir / "runs/whole/version_0/checkpoints/last.ckpt");
+  EXPECT_LE(diff.value, 1e-6);
+  // The bound means something: half the learning rate lands far outside it.
+  run_engine_ok(dir, with({"--set", "trainer.name=\"half_lr\"", "--set", "optimizer.name=\"sgd\"", "--set", "optimizer.lr=0.25", "--set",
+                           "model.chunked_loss=true"}),
+                600);
+  EXPECT_GT(max_weight_difference(dir / "runs/chunked/version_0/checkpoints/last.ckpt", dir / "runs/half_lr/version_0/checkpoints/last.ckpt").value, 1e-3);
+
+  write_file(dir / "metrics.toml", lm_toml(dir) + "[metrics]\nnames = [\"perplexity\"]\nsplits = [\"train\", \"val\"]\non_step = true\n");
+  auto refused = run_engine({"metrics.toml", "--set", "trainer.max_steps=400", "--set", "trainer.name=\"refused\"", "--set", "model.chunked_loss=true"},
+                            dir.path());
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.err.find("the model handed no predictions on the train split"), std::string::npos) << refused.err;
+  EXPECT_NE(refused.err.find("model.chunked_loss = false"), std::string::npos) << refused.err;
+  // At the first batch, before any checkpoint (every_n_train_steps = 10), not at the epoch's end.
+  EXPECT_FALSE(fs::exists(dir / "runs/refused/version_0/checkpoints/last.ckpt"));
+  run_engine_ok(dir, {"metrics.toml", "--set", "trainer.max_steps=6", "--set", "trainer.name=\"metrics\""}, 600);
+  bool train_ppl = false;
+  for (const auto& row : read_csv(dir / "runs/metrics/version_0/metrics.csv"))
+    for (const auto& [name, value] : row)
+      if (name.rfind("train_perplexity", 0) == 0 && !value.empty()) train_ppl = true;
+  EXPECT_TRUE(train_ppl);
+}
+
 #ifdef EMBER_TEST_PYTHON
 // tokenizer = "sentencepiece": a BPE tokenizer trained on the corpus once (cached with the token
 // file) gives the ids Python's sentencepiece gives with the same model, text decodes back exactly

@@ -287,7 +287,8 @@ TEST_F(Pipeline, ShardedDirectoriesResumeAcrossMeshes) {
 // tokens up in it, the last multiplies by it: their gradients are summed over the two stages and
 // the copy counts once in the norm and the checkpoint), on 2 stages and on 2 stages x 2
 // tensor-parallel ranks (a vocabulary-parallel tied embedding), and Llama (untied, grouped-query
-// attention) on 2 stages x 2 tensor-parallel ranks, each within 1e-5 of single_device.
+// attention) on 2 stages x 2 tensor-parallel ranks, each within 1e-5 of single_device; GPT-2 also
+// with model.chunked_loss.
 TEST_F(Pipeline, GptCutAtItsBlocksMatchesSingleDevice) {
   struct Case {
     std::string flavour, extra;
@@ -296,8 +297,12 @@ TEST_F(Pipeline, GptCutAtItsBlocksMatchesSingleDevice) {
   };
   // The last: GPT-2's tied embedding under ZeRO-3, 2 stages x 2 shards (the copies' whole
   // gradients summed over the stages before they are reduce-scattered).
+  // model.chunked_loss: the last stage's loss through ember::linear_cross_entropy (second case);
+  // under vocabulary parallelism the vocabulary-parallel cross-entropy instead, which must then
+  // equal single_device's chunked loss (third case).
   const std::vector<Case> cases = {{"gpt2", "vocab_size = 48\n", 2, 1, "1f1b"},
-                                   {"gpt2", "vocab_size = 48\n", 4, 2, "gpipe"},
+                                   {"gpt2", "vocab_size = 48\nchunked_loss = true\n", 2, 1, "1f1b"},
+                                   {"gpt2", "vocab_size = 48\nchunked_loss = true\n", 4, 2, "gpipe"},
                                    {"llama", "vocab_size = 48\nkv_heads = 2\ntied = false\n", 4, 2, "1f1b"},
                                    {"gpt2", "vocab_size = 48\n", 4, 1, "1f1b", "sharded"}};
   for (const auto& c : cases) {

@@ -348,7 +348,11 @@ std::pair<at::Tensor, at::Tensor> GptNet::rope(int64_t past, int64_t length, con
   return {emb.cos().to(like.scalar_type()), emb.sin().to(like.scalar_type())};
 }
 
-at::Tensor GptNet::forward(const at::Tensor& ids, GenerationCache* cache) {
+at::Tensor GptNet::forward(const at::Tensor& ids, GenerationCache* cache) { return head(run_whole(ids, cache)); }
+
+at::Tensor GptNet::forward_hidden(const at::Tensor& ids) { return final_hidden(run_whole(ids, nullptr)); }
+
+at::Tensor GptNet::run_whole(const at::Tensor& ids, GenerationCache* cache) {
   if (!whole_)
     throw ember::RunError("gpt: this rank holds pipeline stages, not the whole network: logits and generation need pipeline_parallel = 1");
   const int64_t t = ids.size(1);
@@ -360,7 +364,7 @@ at::Tensor GptNet::forward(const at::Tensor& ids, GenerationCache* cache) {
     throw ember::RunError(c10::str("gpt: the generation cache holds ", cache->capacity, " positions, ", past + t, " asked"));
   at::Tensor x = run_blocks(embed(ids, past), 0, static_cast<int64_t>(blocks_.size()), past, t, cache);
   if (cache != nullptr) cache->length += t;
-  return head(x);
+  return x;
 }
 
 at::Tensor GptNet::embed(const at::Tensor& ids, int64_t past) {
@@ -402,13 +406,18 @@ at::Tensor GptNet::run_blocks(at::Tensor x, int64_t begin, int64_t end, int64_t 
 }
 
 at::Tensor GptNet::head(at::Tensor x) {
-  ember::ITensorParallelGroup* by_sequence = tp_ && tp_->sequence_parallel() ? tp_ : nullptr;
-  x = final_norm_(x);
   if (vocab_parallel_)  // column-parallel over the vocabulary: this rank's logits
-    return at::linear(ember::enter_tensor_parallel(x, 1, *tp_), shape_.tied ? embed_->weight : lm_head_->weight);
-  if (by_sequence) x = ember::gather_from_sequence_parallel(x, 1, *by_sequence, /*into_split_layer=*/false);
-  return shape_.tied ? at::linear(x, embed_->weight) : lm_head_(x);
+    return at::linear(ember::enter_tensor_parallel(final_norm_(x), 1, *tp_), output_weight());
+  return at::linear(final_hidden(x), output_weight());
 }
+
+at::Tensor GptNet::final_hidden(at::Tensor x) {
+  x = final_norm_(x);
+  if (tp_ && tp_->sequence_parallel()) x = ember::gather_from_sequence_parallel(x, 1, *tp_, /*into_split_layer=*/false);
+  return x;
+}
+
+const at::Tensor& GptNet::output_weight() const { return shape_.tied ? embed_->weight : lm_head_->weight; }
 
 std::string GptNet::embedding_name() const {
   return shape_.flavour == Flavour::llama ? "model.embed_tokens.weight" : "transformer.wte.weight";

@@ -172,12 +172,20 @@ class GptNet : public torch::nn::Module {
   // ids [N, T] int64 -> logits [N, T, vocab]. With a cache: the positions follow the cached ones
   // and this call's keys and values are appended.
   at::Tensor forward(const at::Tensor& ids, GenerationCache* cache = nullptr);
+  // forward without the output layer: the final norm's output [N, T, width] (see final_hidden).
+  at::Tensor forward_hidden(const at::Tensor& ids);
   // forward's three parts, which pipeline stages run apart (ember/pipeline.h): the embeddings
   // (ids [N, T] -> activations, this rank's positions under sequence parallelism), blocks [begin,
   // end) of a sequence of `length` tokens after `past` cached ones, and the final norm and output.
   at::Tensor embed(const at::Tensor& ids, int64_t past);
   at::Tensor run_blocks(at::Tensor x, int64_t begin, int64_t end, int64_t past, int64_t length, GenerationCache* cache);
   at::Tensor head(at::Tensor x);
+  // head() in two halves, for a loss that multiplies by the output layer itself
+  // (ember::linear_cross_entropy): the final norm (whole positions again under sequence
+  // parallelism), and the output layer's weight [vocab, width] (the embedding when tied). Not under
+  // vocabulary parallelism, where each rank holds some of the rows.
+  at::Tensor final_hidden(at::Tensor x);
+  const at::Tensor& output_weight() const;
   // Pipeline stages: keeps the blocks of `stages`, the embeddings when block 0 is among them, the
   // final norm and output when the last block is (and, tied, the embedding the output multiplies
   // by); the rest leave the module and their storage is freed.
@@ -216,6 +224,8 @@ class GptNet : public torch::nn::Module {
   int64_t matmul_parameters() const;
 
  private:
+  // The embeddings and every block, after the checks forward and forward_hidden share.
+  at::Tensor run_whole(const at::Tensor& ids, GenerationCache* cache);
   std::pair<at::Tensor, at::Tensor> rope(int64_t past, int64_t length, const at::Tensor& like);
   GptShape shape_;
   std::shared_ptr<torch::nn::Module> body_;  // "transformer" (gpt2) or "model" (llama)

@@ -135,6 +135,15 @@ std::vector<std::pair<std::string, double>> ConfiguredMetrics::take_step_values(
   return out;
 }
 
+void ConfiguredMetrics::throw_no_predictions(Split split) const {
+  throw RunError(where_ + ": [metrics] names " + joined(names_) + ", but the model handed no predictions on the " + kSplitNames[static_cast<int>(split)] +
+                 " split: its steps must call ctx.update_metrics(scores, targets) (the built-in models do; gpt in training only without vocabulary parallelism and with model.chunked_loss = false)");
+}
+
+void ConfiguredMetrics::require_predictions(Split split) const {
+  if (active(split) && !splits_metrics_[static_cast<size_t>(split)].updated) throw_no_predictions(split);
+}
+
 ConfiguredMetrics::EpochValues ConfiguredMetrics::finish(Split split, const MetricRanks& ranks, bool ran_batches) {
   EpochValues out;
   if (!active(split)) return out;
@@ -152,8 +161,7 @@ ConfiguredMetrics::EpochValues ConfiguredMetrics::finish(Split split, const Metr
   m.updated = false;
   if (seen[2].item<int64_t>() == 0) {
     if (!ran_batches) return out;
-    throw RunError(where_ + ": [metrics] names " + joined(names_) + ", but the model handed no predictions on the " + kSplitNames[static_cast<int>(split)] +
-                   " split: its steps must call ctx.update_metrics(scores, targets) (the built-in models do; gpt under vocabulary parallelism only in evaluation)");
+    throw_no_predictions(split);
   }
   const int64_t source = ranks.world_size - seen[2].item<int64_t>();
   const bool needs = spec_.num_classes == 0 && std::any_of(names_.begin(), names_.end(), needs_classes);

@@ -56,6 +56,9 @@ class ConfiguredMetrics {
     at::Tensor confusion_matrix;  // [C, C] on the CPU (rows: targets), or undefined
   };
   EpochValues finish(Split split, const MetricRanks& ranks, bool ran_batches);
+  // After a split's first batch: throws finish's error at once when the split computes metrics and
+  // that batch handed no predictions (rather than after a whole epoch).
+  void require_predictions(Split split) const;
   // Drops what `split` gathered (a sanity check's batches).
   void discard(Split split);
 
@@ -67,6 +70,7 @@ class ConfiguredMetrics {
     int64_t classes = 0;   // what the metrics were made for
   };
   void make(SplitMetrics& m, int64_t num_classes) const;
+  [[noreturn]] void throw_no_predictions(Split split) const;
   int64_t classes_of(const at::Tensor& preds) const;
 
   std::vector<std::string> names_;

@@ -101,6 +101,11 @@ at::Tensor StepRunner::micro_batch(const Batch& batch, int64_t batch_idx, bool f
     auto region = runtime_.forward(/*grad_enabled=*/true);
     loss = model_.object->training_step(batch, ctx);
   }
+  // Train metrics the model does not feed fail at the first batch, not after an epoch.
+  if (!train_predictions_checked_ && !quiet_ && !recording_logs_ && batch.size > 0) {
+    train_predictions_checked_ = true;
+    configured_metrics_.require_predictions(Split::train);
+  }
   if (!loss.defined() || loss.numel() != 1)
     throw RunError("model '" + model_.name + "': training_step must return a scalar loss");
   if (!loss.requires_grad())

@@ -109,6 +109,7 @@ class StepRunner {
   };
   std::unique_ptr<StepGraph> graph_;
   bool recording_logs_ = false;
+  bool train_predictions_checked_ = false;  // the first training batch fed the train metrics
   std::vector<RecordedLog> graph_logs_;
   struct RecordedPredictions {
     at::Tensor preds, target;  // the graph's own tensors: each replay refreshes them
