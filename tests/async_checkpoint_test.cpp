@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/background_write.h"
 #include "checkpoint/checkpoint_io.h"
 #include "checkpoint_support.h"
 #include "support.h"
@@ -161,7 +162,9 @@ TEST(AsyncCheckpoint, ShardedRanksWriteTheirPartsInTheBackground) {
                                             "--set", "sharded.state_dict_type=\"sharded\"", "--set", "trainer.devices=2", "--set",
                                             "trainer.accelerator=\"cpu\"", "--set", "data.batch_size=16"};
   run_engine_ok(full, with(sharded, {"--set", "trainer.max_steps=15"}));
-  run_engine_ok(split, with(with(sharded, {"--set", "trainer.max_steps=8"}), kAsync));
+  auto first = run_engine_ok(split, with(with(with(sharded, {"--set", "trainer.max_steps=8"}), kAsync), {"--verbose"}));
+  // The parts sharded_state copied to the host go to the writer as they are (no second copy).
+  EXPECT_NE(first.err.find(" KiB of the part as the strategy copied it, not copied again)"), std::string::npos) << first.err;
   const fs::path saved = last_checkpoint(split);
   ASSERT_TRUE(fs::is_directory(saved)) << saved;
   for (const char* f : {"meta.ckpt", "rank0.ckpt", "rank1.ckpt"}) EXPECT_TRUE(fs::is_regular_file(saved / f)) << f;
@@ -169,4 +172,53 @@ TEST(AsyncCheckpoint, ShardedRanksWriteTheirPartsInTheBackground) {
   auto resumed = run_engine_ok(split, with(with(sharded, {"--set", "trainer.max_steps=15", "--resume", "last"}), kAsync));
   EXPECT_NE(resumed.err.find("resumed from"), std::string::npos) << resumed.err;
   EXPECT_EQ(max_weight_difference(last_checkpoint(full), last_checkpoint(split)), 0.0);
+}
+
+// take_host_snapshot takes a host tensor only where nothing else could change it afterwards: the
+// tensor, its storage and every dictionary on the way held by the handed-over value alone. All the
+// rest is copied, as host_snapshot copies everything.
+TEST(AsyncCheckpoint, TakeHostSnapshotTakesOnlyWhatNothingElseHolds) {
+  using Dict = c10::impl::GenericDict;
+  auto dict = [] { return Dict(c10::StringType::get(), c10::AnyType::get()); };
+  const at::Tensor kept_outside = at::ones({4});
+  const at::Tensor base = at::ones({8});
+  float blob[4] = {1, 2, 3, 4};
+  Dict held_dict = dict();
+  held_dict.insert("t", at::ones({4}));
+  const void* sole = nullptr;
+  const void* inner_sole = nullptr;
+  // As a strategy's sharded_state returns it: the dictionaries built inside, returned as an IValue.
+  auto make_part = [&]() -> c10::IValue {
+    Dict part = dict(), inner = dict();
+    inner.insert("sole", at::full({16}, 2.0));
+    part.insert("inner", inner);
+    part.insert("sole", at::full({32}, 3.0));
+    part.insert("shared", kept_outside);                           // also referenced here
+    part.insert("view", base.slice(0, 0, 4));                      // its storage is base's too
+    part.insert("blob", at::from_blob(blob, {4}, at::kFloat));     // memory the storage does not own
+    part.insert("held_dict", held_dict);                           // the dictionary is held here
+    part.insert("list", c10::List<at::Tensor>({at::ones({2})}));  // lists are always copied
+    sole = part.at("sole").toTensor().data_ptr();
+    inner_sole = inner.at("sole").toTensor().data_ptr();
+    return part;
+  };
+  int64_t taken = 0;
+  const auto out = ember::engine::take_host_snapshot(make_part(), &taken).toGenericDict();
+  EXPECT_EQ(out.at("sole").toTensor().data_ptr(), sole);
+  EXPECT_EQ(out.at("inner").toGenericDict().at("sole").toTensor().data_ptr(), inner_sole);
+  EXPECT_EQ(taken, (32 + 16) * 4);
+  EXPECT_NE(out.at("shared").toTensor().data_ptr(), kept_outside.data_ptr());
+  EXPECT_NE(out.at("view").toTensor().data_ptr(), base.data_ptr());
+  EXPECT_NE(out.at("blob").toTensor().data_ptr(), static_cast<void*>(blob));
+  EXPECT_NE(out.at("held_dict").toGenericDict().at("t").toTensor().data_ptr(), held_dict.at("t").toTensor().data_ptr());
+  EXPECT_TRUE(at::equal(out.at("blob").toTensor(), at::tensor({1.0f, 2.0f, 3.0f, 4.0f})));
+  EXPECT_TRUE(at::equal(out.at("view").toTensor(), at::ones({4})));
+  EXPECT_EQ(out.at("list").toTensorList().size(), 1u);
+  // A value the caller still holds elsewhere is copied whole.
+  Dict still_held = dict();
+  still_held.insert("t", at::ones({4}));
+  taken = 0;
+  const auto copied = ember::engine::take_host_snapshot(c10::IValue(still_held), &taken).toGenericDict();
+  EXPECT_EQ(taken, 0);
+  EXPECT_NE(copied.at("t").toTensor().data_ptr(), still_held.at("t").toTensor().data_ptr());
 }

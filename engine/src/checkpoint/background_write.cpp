@@ -48,6 +48,35 @@ c10::IValue host_snapshot(const c10::IValue& v) {
   return v;  // numbers, strings, None: immutable
 }
 
+namespace {
+// `v` is reached from the handed-over value through dictionaries that only their parent holds.
+// A tensor then is the only handle on its TensorImpl (its IValue holds the one reference) and the
+// only TensorImpl on its storage: no other code can write to it. Lists and tuples are copied
+// (their elements are not reached by reference).
+c10::IValue take(const c10::IValue& v, int64_t* taken_bytes) {
+  if (v.use_count() != 1) return host_snapshot(v);
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    // (No allocator: memory the storage does not own, from_blob's, which its owner may change.)
+    if (!t.defined() || !t.device().is_cpu() || !t.has_storage() || t.storage().use_count() != 1 || t.storage().allocator() == nullptr)
+      return host_snapshot(v);
+    *taken_bytes += static_cast<int64_t>(t.storage().nbytes());
+    return v;
+  }
+  if (!v.isGenericDict()) return host_snapshot(v);
+  const auto in = v.toGenericDict();
+  c10::impl::GenericDict out(in.keyType(), in.valueType());
+  out.reserve(in.size());
+  for (const auto& e : in) out.insert(host_snapshot(e.key()), take(e.value(), taken_bytes));
+  return out;
+}
+}  // namespace
+
+c10::IValue take_host_snapshot(c10::IValue&& value, int64_t* taken_bytes) {
+  const c10::IValue owned = std::move(value);
+  return take(owned, taken_bytes);
+}
+
 c10::Dict<std::string, at::Tensor> host_snapshot(const c10::Dict<std::string, at::Tensor>& tensors) {
   c10::Dict<std::string, at::Tensor> out;
   out.reserve(tensors.size());

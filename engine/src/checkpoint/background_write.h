@@ -20,6 +20,12 @@ namespace ember::engine {
 c10::IValue host_snapshot(const c10::IValue& value);
 c10::Dict<std::string, at::Tensor> host_snapshot(const c10::Dict<std::string, at::Tensor>& tensors);
 
+// host_snapshot of a value the caller hands over (a strategy's sharded_state, which already copies
+// its shards to the host): a host tensor that nothing but `value` references, in dictionaries only
+// `value` references, storage and all, is taken as it is instead of copied again, since nothing
+// else can change it. Adds the bytes taken to *taken_bytes.
+c10::IValue take_host_snapshot(c10::IValue&& value, int64_t* taken_bytes);
+
 // One write at a time on a thread of its own.
 class BackgroundWrite {
  public:

@@ -369,10 +369,11 @@ void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool 
     if (error) std::rethrow_exception(error);
   };
   IDeviceModelState* live = nullptr;
+  int64_t taken_bytes = 0;  // of the strategy's own host copies, handed to the writer without another
   if (pending->sharded) {
     c10::IValue part, doc;
     try {
-      part = host_snapshot(strategy_.object->sharded_state());
+      part = take_host_snapshot(strategy_.object->sharded_state(), &taken_bytes);
       if (rank() == 0) doc = host_snapshot(c10::IValue(sharded_meta(meta)));
     } catch (...) {
       error = std::current_exception();
@@ -408,7 +409,8 @@ void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool 
   // What the training waited for (the gathers and the copy); the write goes on behind it.
   log::debug("checkpoint " + paths.front() + ": the state was copied for a background write in " +
              std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count()) + " ms" +
-             (live != nullptr ? " (from the model's own tensors)" : ""));
+             (live != nullptr ? " (from the model's own tensors)" : "") +
+             (taken_bytes > 0 ? " (" + std::to_string((taken_bytes + 1023) / 1024) + " KiB of the part as the strategy copied it, not copied again)" : ""));
 }
 
 double Runtime::background_save_vote() {
