@@ -11,11 +11,12 @@
 // Here, while grad mode is on, the forward also computes the gradients (Liger-Kernel's fused
 // linear cross-entropy, written with ATen's own kernels): per slice of rows, the logits, a float32
 // log-softmax (the loss), its exponential written back over the logits (the softmax, in the compute
-// dtype) minus the one-hot targets, and the input's gradient; then one product for the weight's
-// gradient. What stays for backward is those two gradients; backward only scales them by the
-// upstream gradient over the number of counted targets. It holds the [tokens, vocabulary] softmax in
-// the compute dtype (bf16: half of LibTorch's logits alone) until the weight's gradient is made,
-// plus one float32 slice; with no gradient wanted only the slice.
+// dtype) minus the one-hot targets; then one product each for the input's and the weight's
+// gradients (a frozen weight: the input's slice by slice). What stays for backward is those two
+// gradients; backward only scales them by the upstream gradient over the number of counted
+// targets. It holds the [tokens, vocabulary] softmax in the compute dtype (bf16: half of LibTorch's
+// logits alone) until the gradients are made, plus one float32 slice; with no gradient wanted only
+// the slice.
 //
 // Differences from the two-function path: the gradients are computed even if backward never runs
 // (a loss under grad mode that is then dropped pays for them), backward cannot build a graph (no
