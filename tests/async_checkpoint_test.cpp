@@ -174,6 +174,23 @@ TEST(AsyncCheckpoint, ShardedRanksWriteTheirPartsInTheBackground) {
   EXPECT_EQ(max_weight_difference(last_checkpoint(full), last_checkpoint(split)), 0.0);
 }
 
+// sharded with the default whole-model checkpoint: the whole model full_model_state gathered onto
+// rank 0's host goes to the writer as it is (no second copy), and the file holds the weights of
+// the synchronous save.
+TEST(AsyncCheckpoint, ShardedWholeModelGoesToTheWriterWithoutASecondCopy) {
+  EMBER_SKIP_WITHOUT_MPI();
+  TempDir sync_dir("async_ckpt"), async_dir("async_ckpt");
+  for (const auto* d : {&sync_dir, &async_dir}) write_file(*d / "run.toml", cnn_run(16, /*monitor=*/false));
+  const std::vector<std::string> sharded = {"run.toml", "--plugins", "sharded", "--set", "sharded.timeout=30.0", "--set", "sharded.stage=3",
+                                            "--set", "trainer.devices=2", "--set", "trainer.accelerator=\"cpu\"", "--set", "data.batch_size=16",
+                                            "--set", "trainer.max_steps=6"};
+  run_engine_ok(sync_dir, sharded);
+  auto async_run = run_engine_ok(async_dir, with(with(sharded, kAsync), {"--verbose"}));
+  EXPECT_NE(async_run.err.find(" KiB of the model as the strategy copied it, not copied again)"), std::string::npos) << async_run.err;
+  ASSERT_TRUE(fs::is_regular_file(last_checkpoint(async_dir))) << last_checkpoint(async_dir);
+  expect_identical_weights(last_checkpoint(sync_dir), last_checkpoint(async_dir));
+}
+
 // take_host_snapshot takes a host tensor only where nothing else could change it afterwards: the
 // tensor, its storage and every dictionary on the way held by the handed-over value alone. All the
 // rest is copied, as host_snapshot copies everything.

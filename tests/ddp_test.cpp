@@ -158,6 +158,23 @@ TEST_F(Ddp, KilledRankEndsTheJobWithinTheTimeout) {
   EXPECT_LT(seconds, 10.0 + 25.0) << r.err;
 }
 
+// A peer that never starts: rank 0 of a torchrun-style group of 2 stops within its timeout with
+// one line that says which step of the MPI join it waited in (the only clue when a join hangs).
+TEST_F(Ddp, MissingPeerIsNamedWithTheJoinStepWithinTheTimeout) {
+  TempDir dir("ddp");
+  write_file(dir / "run.toml", kRun);
+  const std::map<std::string, std::string> env = {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "2"},
+                                                  {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())},
+                                                  {"TORCHELASTIC_RESTART_COUNT", "0"}, {"OMP_NUM_THREADS", "1"}};
+  const auto start = std::chrono::steady_clock::now();
+  auto r = run_engine({"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=5.0", "--set", "trainer.devices=2"}, dir.path(), env, 120);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("ddp: rank 0: joining the MPI group of 2 ranks did not finish within 5 s, stuck in MPI_Comm_accept for rank 1"), std::string::npos) << r.err;
+  EXPECT_LT(seconds, 5.0 + 25.0) << r.err;
+}
+
 TEST_F(Ddp, HungRankEndsTheJobWithinTheTimeout) {
   TempDir dir("ddp");
   write_file(dir / "run.toml", kRun);

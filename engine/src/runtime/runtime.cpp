@@ -386,7 +386,8 @@ void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool 
   } else {
     // The gathers are collective; rank 0 alone copies and writes. A strategy whose rank 0 holds the
     // whole model hands over its live tensors, which host_snapshot copies once (from a GPU into
-    // pinned memory) instead of copying full_model_state's host copy again.
+    // pinned memory); full_model_state's host copies (sharded, tensor parallel) go to the writer as
+    // they are (take_host_snapshot).
     live = rank() == 0 ? static_cast<IDeviceModelState*>(strategy_.object->query_interface(kDeviceModelStateIid)) : nullptr;
     c10::Dict<std::string, at::Tensor> model_state;
     if (with_model) model_state = live != nullptr ? live->device_model_state() : strategy_.object->full_model_state(/*rank0_only=*/true);
@@ -394,7 +395,11 @@ void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool 
     if (rank() == 0) {
       try {
         auto ck = host_snapshot(c10::IValue(meta())).toGenericDict();
-        if (with_model) ck.insert("state_dict", host_snapshot(saved_model_state(model_state, ck)));
+        if (with_model) {
+          c10::IValue state(saved_model_state(model_state, ck));
+          model_state = c10::Dict<std::string, at::Tensor>();  // `state` alone holds the gathered copies now
+          ck.insert("state_dict", live != nullptr ? host_snapshot(state) : take_host_snapshot(std::move(state), &taken_bytes));
+        }
         if (with_optimizer) ck.insert("optimizer", bytes_tensor(optimizer_state));
         writer_->start([paths, ck = std::move(ck)] {
           for (const auto& path : paths) save_checkpoint_file(path, ck);
@@ -410,7 +415,9 @@ void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool 
   log::debug("checkpoint " + paths.front() + ": the state was copied for a background write in " +
              std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count()) + " ms" +
              (live != nullptr ? " (from the model's own tensors)" : "") +
-             (taken_bytes > 0 ? " (" + std::to_string((taken_bytes + 1023) / 1024) + " KiB of the part as the strategy copied it, not copied again)" : ""));
+             (taken_bytes > 0 ? " (" + std::to_string((taken_bytes + 1023) / 1024) + " KiB of the " + (pending_save_->sharded ? "part" : "model") +
+                                    " as the strategy copied it, not copied again)"
+                              : ""));
 }
 
 double Runtime::background_save_vote() {

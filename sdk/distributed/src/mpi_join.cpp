@@ -35,15 +35,16 @@ std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; 
 std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 
 // Exits the process with a clear line if `done` is not set within the timeout: the MPI calls of
-// the rendezvous (accept, connect) have no timeout of their own.
+// the rendezvous (accept, connect) have no timeout of their own. The line names the step the rank
+// was stuck in (at()), so a hang says which side to look at.
 class Deadline {
  public:
   Deadline(std::chrono::milliseconds timeout, std::string what) : what_(std::move(what)) {
     thread_ = std::thread([this, timeout] {
       std::unique_lock lock(mutex_);
       if (!cv_.wait_for(lock, timeout, [&] { return done_; })) {
-        std::fprintf(stderr, "%s did not finish within %.0f s (a rank did not start, died, or cannot reach the others)\n",
-                     what_.c_str(), std::chrono::duration<double>(timeout).count());
+        std::fprintf(stderr, "%s did not finish within %.0f s, stuck %s (a rank did not start, died, or cannot reach the others)\n",
+                     what_.c_str(), std::chrono::duration<double>(timeout).count(), stage_.c_str());
         std::fflush(stderr);
         std::_Exit(kPeerFailureExit);
       }
@@ -57,9 +58,14 @@ class Deadline {
     cv_.notify_all();
     thread_.join();
   }
+  void at(std::string stage) {
+    std::lock_guard lock(mutex_);
+    stage_ = std::move(stage);
+  }
 
  private:
   std::string what_;
+  std::string stage_ = "before it began";
   std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;
@@ -146,19 +152,25 @@ MPI_Comm join_mpi(const RankInfo& info, c10d::Store* store, std::chrono::millise
   // rank waiting in a collective spins and takes the core a peer needs (8x slower on 2 cores).
   set_default_env("OMPI_MCA_mpi_yield_when_idle", "1");
   Deadline deadline(timeout, strategy_name() + ": rank " + std::to_string(info.rank) + ": joining the MPI group of " + std::to_string(info.world) + " ranks");
-  std::string uri;
-  if (info.rank == 0) {
-    uri = start_ompi_server(server, timeout);
-    store->set("ompi_server", bytes(uri));
-  } else {
-    uri = text(store->get("ompi_server"));
-  }
-  setenv("OMPI_MCA_pmix_server_uri", uri.c_str(), 1);
-  init_mpi();
+  // Rank 0 starts the server, its own MPI and its port before it tells the others where the server
+  // is: the others' MPI starts never race rank 0's against a server that is still coming up.
   char port[MPI_MAX_PORT_NAME] = {0};
   if (info.rank == 0) {
+    deadline.at("starting ompi-server");
+    const std::string uri = start_ompi_server(server, timeout);
+    setenv("OMPI_MCA_pmix_server_uri", uri.c_str(), 1);
+    deadline.at("in MPI_Init_thread (through ompi-server " + uri + ")");
+    init_mpi();
+    deadline.at("in MPI_Open_port");
     check_mpi(MPI_Open_port(MPI_INFO_NULL, port), "MPI_Open_port");
     store->set("port", bytes(port));
+    store->set("ompi_server", bytes(uri));
+  } else {
+    deadline.at("waiting for rank 0 to start ompi-server and publish its address");
+    const std::string uri = text(store->get("ompi_server"));
+    setenv("OMPI_MCA_pmix_server_uri", uri.c_str(), 1);
+    deadline.at("in MPI_Init_thread (through ompi-server " + uri + ")");
+    init_mpi();
   }
   MPI_Comm comm = MPI_COMM_SELF;
   for (int k = 1; k < info.world; ++k) {
@@ -166,14 +178,18 @@ MPI_Comm join_mpi(const RankInfo& info, c10d::Store* store, std::chrono::millise
     if (info.rank < k) {
       // Rank k connects only when it is its turn, so ranks join in order and keep their number.
       if (info.rank == 0) store->set("turn/" + std::to_string(k), bytes("1"));
+      deadline.at("in MPI_Comm_accept for rank " + std::to_string(k));
       check_mpi(MPI_Comm_accept(port, MPI_INFO_NULL, 0, comm, &inter), "MPI_Comm_accept");
     } else if (info.rank == k) {
+      deadline.at("waiting for its turn to connect (the ranks before it joined and rank 0 said so)");
       store->wait({"turn/" + std::to_string(k)});
       const std::string name = text(store->get("port"));
+      deadline.at("in MPI_Comm_connect to rank 0's port");
       check_mpi(MPI_Comm_connect(name.c_str(), MPI_INFO_NULL, 0, MPI_COMM_SELF, &inter), "MPI_Comm_connect");
     } else {
       continue;
     }
+    deadline.at("in MPI_Intercomm_merge with rank " + std::to_string(k));
     check_mpi(MPI_Intercomm_merge(inter, info.rank == k ? 1 : 0, &merged), "MPI_Intercomm_merge");
     MPI_Comm_free(&inter);
     if (comm != MPI_COMM_SELF) MPI_Comm_free(&comm);
