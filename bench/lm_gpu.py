@@ -11,7 +11,9 @@ accumulation. `compile` wraps the model in torch.compile as nanoGPT does.
 Times STEPS optimizer steps after WARMUP_STEPS (compilation and cuDNN/cuBLAS autotuning happen
 there), synchronising before each clock read (LM_GPU_SMOKE=1: tiny shapes on the CPU, a check
 of the bench itself). OUT_JSON: {"variant", "tokens_per_s", "step_s",
-"loss", "peak_mb"}.
+"loss", "peak_mb"}. LM_GPU_PROFILE=TRACE_JSON: after the timed steps, one more optimizer step
+under torch.profiler (CPU and CUDA activities), its Chrome trace written to TRACE_JSON for
+bench/kernel_breakdown.py.
 """
 import json
 import os
@@ -76,6 +78,14 @@ def main():
     sync()
     wall = time.perf_counter() - start
     tokens = steps * accumulate * BATCH * CONTEXT
+    trace = os.environ.get("LM_GPU_PROFILE")
+    if trace:
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            with torch.profiler.record_function("ProfilerStep#0"):
+                step()
+            sync()
+        prof.export_chrome_trace(trace)
     json.dump({"variant": variant, "tokens_per_s": tokens / wall, "step_s": wall / steps, "loss": float(loss),
                "peak_mb": torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else 0.0}, open(out, "w"))
 

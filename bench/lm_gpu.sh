@@ -8,6 +8,9 @@
 #   - the same model and step in plain PyTorch (bench/lm_gpu.py), eager and with torch.compile
 #     (nanoGPT's default).
 #   - Ember with trainer.cuda_graph (no accumulation: an optimizer step after each micro-batch).
+#   - profile: one optimizer step of Ember (torch_profiler plugin, after two warm-up steps) and of
+#     each PyTorch variant that ran (one step after its timed ones) recorded, and their GPU time
+#     per kind of kernel side by side (bench/kernel_breakdown.py): where the gap comes from.
 # Each trains warm-up optimizer steps (not timed: compilation, autotuning, lazy loading of CUDA
 # kernels; Ember: STEPS of them, PyTorch: WARMUP) and then STEPS timed steps of ACCUMULATE
 # micro-batches, on the same token file (the Austen corpus, SentencePiece 8,192, built by the first
@@ -19,7 +22,7 @@
 # cuda_peak_allocated_mb; PyTorch: max_memory_allocated over the timed steps).
 #   bash bench/lm_gpu.sh [steps=10] [accumulate=8] [warmup=5]
 # LM_GPU_SMOKE=1: tiny shapes on the CPU, to check the bench itself where there is no GPU.
-# LM_GPU_VARIANTS: which rows to run (default all: "chunked selective full full_chunked graph eager compile"; Ember's
+# LM_GPU_VARIANTS: which rows to run (default all: "chunked selective full full_chunked graph eager compile profile"; Ember's
 # plain row always runs, it makes the token file); ratios are against torch.compile when it ran.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,7 +32,7 @@ build=$(cd "${EMBER_BUILD_DIR:-build}" && pwd)
 torch_prefix=${EMBER_TORCH_PREFIX:-$(bash scripts/setup.sh | tail -n 1)}
 # (EMBER_BENCH_NO_BUILD=1: the build is done, as under CTest, whose lm_gpu_bench_smoke runs this.)
 [ "${EMBER_BENCH_NO_BUILD:-}" = 1 ] || cmake --build "$build" --target engine ember_plugin_gpt ember_plugin_text_lm ember_plugin_cosine ember_plugin_single_device \
-  ember_plugin_bf16 ember_plugin_csv ember_plugin_checkpoint ember_plugin_throughput ember_plugin_device_stats >/dev/null
+  ember_plugin_bf16 ember_plugin_csv ember_plugin_checkpoint ember_plugin_throughput ember_plugin_device_stats ember_plugin_torch_profiler >/dev/null
 python=$(cd "$torch_prefix/../../../../../.." && pwd)/bin/python
 [ -x "$python" ] || python=python3
 smoke=()
@@ -54,7 +57,7 @@ ember ember-none none "$accumulate" || { tail -5 "$work/ember-none.log"; exit 1;
 # text_lm names its token folder: "token file DIR" when cached, "tokenized into DIR" when it made it.
 tokens=$(grep -oE '(token file|tokenized into) [^;]*' "$work/ember-none.log" | head -1 | sed -E 's/^(token file|tokenized into) //' || true)/tokens.u16
 [ -f "$tokens" ] || { echo "lm_gpu.sh: no token file named in the first Ember run's log ($work/ember-none.log)"; exit 1; }
-variants=" ${LM_GPU_VARIANTS:-chunked selective full full_chunked graph eager compile} "
+variants=" ${LM_GPU_VARIANTS:-chunked selective full full_chunked graph eager compile profile} "
 runs() { [[ "$variants" == *" $1 "* ]]; }
 if runs chunked; then ember ember-chunked none "$accumulate" --set model.chunked_loss=true || { tail -5 "$work/ember-chunked.log"; exit 1; }; fi
 if runs selective; then ember ember-selective selective "$accumulate" || { tail -5 "$work/ember-selective.log"; exit 1; }; fi
@@ -67,8 +70,15 @@ fi
 if [ "${LM_GPU_SMOKE:-}" != 1 ] && runs graph; then
   ember ember-graph none 1 --set trainer.cuda_graph=true || echo "(Ember with trainer.cuda_graph failed: $(grep -m1 error "$work/ember-graph.log"))"
 fi
+if runs profile; then
+  # Batches [2 x accumulate, 3 x accumulate) of 4 optimizer steps: the third step, whole.
+  ember ember-profile none "$accumulate" --plugins torch_profiler --set trainer.max_steps=4 --set torch_profiler.repeat=1 \
+    --set torch_profiler.wait=$((2 * accumulate - 1)) --set torch_profiler.warmup=1 --set torch_profiler.active="$accumulate" \
+    --set torch_profiler.print=false || { tail -5 "$work/ember-profile.log"; exit 1; }
+fi
 for v in eager compile; do
   runs "$v" || continue
+  runs profile && export LM_GPU_PROFILE="$work/pytorch-$v.trace.json"
   "$python" -W ignore bench/lm_gpu.py "$v" "$tokens" "$accumulate" "$steps" "$warmup" "$work/pytorch-$v.json" >"$work/pytorch-$v.log" 2>&1 ||
     { tail -20 "$work/pytorch-$v.log"; exit 1; }
 done
@@ -109,3 +119,9 @@ print("|---|---|---|---|---|---|---|")
 for label, tps, loss, mem in rows:
     print(f"| {label} | {tps:,.0f} | {tps / ref:.2f}x | {tps * flops_per_token / peak:.3f} | {loss:.3f} | {mem:,.0f} | {mem - state_mb:,.0f} |")
 PY
+if runs profile; then
+  traces=("Ember=$(find "$work/ember-profile" -name 'trace-rank0.json' | head -1)")
+  for v in eager compile; do [ -f "$work/pytorch-$v.trace.json" ] && traces+=("PyTorch $v=$work/pytorch-$v.trace.json"); done
+  echo
+  "$python" bench/kernel_breakdown.py "${traces[@]}"
+fi

@@ -26,6 +26,7 @@
 #include <ember/plugin.h>
 #include <ember/trainer.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -245,6 +246,9 @@ class TorchProfiler final : public ember::Callback {
   }
 
   void finish(ember::ITrainer& t) {
+    // The recorded batches' kernels may still be running: wait for them, as torch.profiler does on
+    // stop, or the trace ends with the last kernels missing.
+    if (cuda_) torch::cuda::synchronize();
     auto result = prof::disableProfiler();
     state_ = (repeat_ > 0 && cycle_ + 1 >= repeat_) ? State::done : State::idle;
     const fs::path dir = fs::path(t.run_dir()) / "torch_profiler";
