@@ -301,13 +301,22 @@ struct Slice {
   }
 };
 
-// The whole tensor's flat index of every element of the slice, in the slice's flat order.
-at::Tensor whole_indices(const Slice& s, const std::vector<int64_t>& whole_shape) {
-  int64_t n = 1;
-  for (auto d : whole_shape) n *= d;
-  at::Tensor all = at::arange(n, at::kLong);
-  if (!s.split) return all;
-  return ember::shard_of(all.view(whole_shape), s.shard, s.rank, s.size).reshape({-1});
+// The whole tensor's flat index of the slice's elements [begin, begin + count) (in the slice's flat
+// order), computed for those elements only: a whole-size index of a large embedding would take
+// 8 bytes per element of the whole tensor on every rank. The slice is ember::shard_of's: along
+// `dim`, each of `blocks` equal blocks cut into `size` equal pieces, the rank's piece of each block.
+at::Tensor whole_indices(const Slice& s, const std::vector<int64_t>& whole_shape, int64_t begin, int64_t count) {
+  at::Tensor i = at::arange(begin, begin + count, at::kLong);
+  if (!s.split) return i;
+  const auto d = static_cast<size_t>(s.shard.dim);
+  int64_t inner = 1;
+  for (size_t k = d + 1; k < whole_shape.size(); ++k) inner *= whole_shape[k];
+  const int64_t rows = whole_shape[d], block = rows / s.shard.blocks, piece = block / s.size;
+  const int64_t slice_rows = piece * s.shard.blocks;
+  const at::Tensor outer = i.div(slice_rows * inner, "floor"), within = i.remainder(slice_rows * inner);
+  const at::Tensor row = within.div(inner, "floor"), col = within.remainder(inner);
+  const at::Tensor whole_row = row.div(piece, "floor") * block + s.rank * piece + row.remainder(piece);
+  return outer * (rows * inner) + whole_row * inner + col;
 }
 
 }  // namespace
@@ -457,11 +466,11 @@ int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::opt
       at::Tensor dst_index, src_index;
       if (!pl.alike) {
         if (!n.sorted.defined()) {
-          auto sorted = whole_indices(n.slice, n.whole_shape).narrow(0, rank * p.chunk, p.valid).sort();
+          auto sorted = whole_indices(n.slice, n.whole_shape, rank * p.chunk, p.valid).sort();
           n.sorted = std::get<0>(sorted);
           n.order = std::get<1>(sorted);
         }
-        const at::Tensor have = whole_indices(pl.saved, n.whole_shape).narrow(0, pl.begin, pl.count);
+        const at::Tensor have = whole_indices(pl.saved, n.whole_shape, pl.begin, pl.count);
         const at::Tensor slot = at::searchsorted(n.sorted, have).clamp_max(p.valid - 1);
         const at::Tensor match = n.sorted.index_select(0, slot).eq(have);
         src_index = match.nonzero().reshape({-1});
