@@ -5,6 +5,8 @@
 #   - Ember: `engine --plugins throughput,csv,device_stats configs/gpt2_124m_gpu.toml`, with
 #     trainer.activation_checkpointing none, selective and full, and with model.chunked_loss = true
 #     (the output layer and cross-entropy a slice of tokens at a time, never the whole logits),
+#     and with model.fused_cross_entropy = true (Ember's two-pass cross-entropy kernels on the
+#     whole logits: `fused`),
 #   - the same model and step in plain PyTorch (bench/lm_gpu.py), eager and with torch.compile
 #     (nanoGPT's default).
 #   - Ember with trainer.cuda_graph (no accumulation: an optimizer step after each micro-batch).
@@ -22,7 +24,7 @@
 # cuda_peak_allocated_mb; PyTorch: max_memory_allocated over the timed steps).
 #   bash bench/lm_gpu.sh [steps=10] [accumulate=8] [warmup=5]
 # LM_GPU_SMOKE=1: tiny shapes on the CPU, to check the bench itself where there is no GPU.
-# LM_GPU_VARIANTS: which rows to run (default all: "chunked selective full full_chunked graph eager compile profile"; Ember's
+# LM_GPU_VARIANTS: which rows to run (default all: "fused chunked selective full full_chunked graph eager compile profile"; Ember's
 # plain row always runs, it makes the token file); ratios are against torch.compile when it ran.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -57,8 +59,9 @@ ember ember-none none "$accumulate" || { tail -5 "$work/ember-none.log"; exit 1;
 # text_lm names its token folder: "token file DIR" when cached, "tokenized into DIR" when it made it.
 tokens=$(grep -oE '(token file|tokenized into) [^;]*' "$work/ember-none.log" | head -1 | sed -E 's/^(token file|tokenized into) //' || true)/tokens.u16
 [ -f "$tokens" ] || { echo "lm_gpu.sh: no token file named in the first Ember run's log ($work/ember-none.log)"; exit 1; }
-variants=" ${LM_GPU_VARIANTS:-chunked selective full full_chunked graph eager compile profile} "
+variants=" ${LM_GPU_VARIANTS:-fused chunked selective full full_chunked graph eager compile profile} "
 runs() { [[ "$variants" == *" $1 "* ]]; }
+if runs fused; then ember ember-fused none "$accumulate" --set model.fused_cross_entropy=true || { tail -5 "$work/ember-fused.log"; exit 1; }; fi
 if runs chunked; then ember ember-chunked none "$accumulate" --set model.chunked_loss=true || { tail -5 "$work/ember-chunked.log"; exit 1; }; fi
 if runs selective; then ember ember-selective selective "$accumulate" || { tail -5 "$work/ember-selective.log"; exit 1; }; fi
 if runs full; then ember ember-full full "$accumulate" || { tail -5 "$work/ember-full.log"; exit 1; }; fi
@@ -94,7 +97,8 @@ if device == "throughput.peak_tflops":
 # Model state in float32 (weights, gradients, AdamW's two moments): what the activations come on top of.
 state_mb = 4 * 4 * (12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072 + 2 * 768) + 50304 * 768 + 1024 * 768 + 768) / 2**20
 rows = []
-for name, label in (("ember-none", "Ember"), ("ember-chunked", "Ember, model.chunked_loss = true"),
+for name, label in (("ember-none", "Ember"), ("ember-fused", "Ember, model.fused_cross_entropy = true"),
+                    ("ember-chunked", "Ember, model.chunked_loss = true"),
                     ("ember-selective", "Ember, selective checkpointing"), ("ember-full", "Ember, full checkpointing"),
                     ("ember-full-chunked", "Ember, full checkpointing and model.chunked_loss = true"),
                     ("ember-graph", "Ember, trainer.cuda_graph, optimizer step every micro-batch")):

@@ -10,11 +10,14 @@
 # what finished:
 #   build   configure and build (EMBER_BUILD_TESTS=OFF unless the suite is asked for: 143 objects
 #           instead of 221)
+#   kernels the unit tests of Ember's own CUDA kernels (KERNEL_TESTS, a CTest regex; default
+#           "CrossEntropy": Ember::losses' cross-entropy against its CPU loops); builds the tests
 #   paths   tests/gpu_paths.sh: every single-GPU strategy and precision end to end
 #   suite   the whole CTest suite on the GPU (the `gpu_paths` test included; needs the tests built)
 #   bench   the GPU benches in GPU_BENCHES (default "optimizers speedrun"; also lm_gpu,
 #           async_checkpoint, offload_search, offload_host, offload_step, observability), each under
-#           BENCH_TIMEOUT seconds (300) or the time left
+#           BENCH_TIMEOUT seconds (300) or the time left; cross_entropy is Ember's CUDA cross-entropy
+#           kernels against LibTorch's
 #   all     build suite bench
 # `data` (on the development machine, after scripts/setup.sh and a build) fills .devdata/ (git-ignored;
 # carry it with .devdeps): the Austen corpus and its SentencePiece token file (EMBER_CACHE there, so
@@ -28,7 +31,11 @@
 # The call that ran there:
 #   GPU_DEADLINE=$(( $(date +%s) + 505 )) GPU_BENCHES="lm_gpu async_checkpoint" PATHS_TIMEOUT=170 \
 #     bash scripts/gpu_check.sh build paths bench          (carry: .devdeps .devdata)
-#   bash scripts/gpu_check.sh [build|paths|suite|bench|all|debs|data]...
+# The next call (Ember's CUDA cross-entropy kernels, written 2026-11-28 and not yet run on a GPU,
+# then the profile and the fused row of the GPT-2 bench):
+#   GPU_DEADLINE=$(( $(date +%s) + 550 )) GPU_BENCHES="cross_entropy lm_gpu" PATHS_TIMEOUT=150 \
+#     LM_GPU_VARIANTS="fused chunked eager compile profile" bash scripts/gpu_check.sh build kernels paths bench
+#   bash scripts/gpu_check.sh [build|kernels|paths|suite|bench|all|debs|data]...
 set -uo pipefail
 if [ "${1:-}" = debs ]; then
   # (not dataset-fashion-mnist: 31 MB; `data` carries a subset of it instead.)
@@ -77,7 +84,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 export LD_LIBRARY_PATH=/tmp/devroot/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if wants build || [ ! -x build-gpu/engine/engine ]; then
   start=$(date +%s)
-  tests=OFF; wants suite && tests=ON
+  tests=OFF; { wants suite || wants kernels; } && tests=ON
   # zlib1g-dev's libz.so points at /lib/x86_64-linux-gnu/libz.so.1.2.13, which that machine lacks:
   # name the carried shared library directly (the static libz.a cannot link into a plugin).
   CMAKE_ARGS="-DEMBER_BUILD_TESTS=$tests -DEMBER_MPI=AUTO -DEMBER_CAIRO=AUTO -DEMBER_PROTOBUF=AUTO -DEMBER_TCMALLOC=AUTO -DZLIB_LIBRARY=/tmp/devroot/lib/x86_64-linux-gnu/libz.so.1 ${CMAKE_ARGS:-}" \
@@ -106,6 +113,12 @@ fi
 if [ -d .devdata/fashion-mnist ] && [ ! -e /usr/share/datasets/fashion-mnist ]; then
   mkdir -p /usr/share/datasets && cp -r .devdata/fashion-mnist /usr/share/datasets/
 fi
+if wants kernels; then
+  start=$(date +%s)
+  (cd build-gpu && timeout "$(limit_of 180)" ctest -R "${KERNEL_TESTS:-CrossEntropy}" --timeout 120 --output-on-failure > "$OUT/kernels.log" 2>&1)
+  echo "kernels: exit $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
+  grep -E "tests passed|tests failed|Passed|Failed|Skipped|Not Run" "$OUT/kernels.log" | tee -a "$OUT/summary.txt"
+fi
 if wants paths; then
   start=$(date +%s)
   timeout "$(limit_of "${PATHS_TIMEOUT:-300}")" bash tests/gpu_paths.sh "$root/build-gpu/engine/engine" /tmp/gpu-paths > "$OUT/gpu_paths.log" 2>&1
@@ -133,6 +146,7 @@ if wants bench; then
                   > "$OUT/bench-$b.md" 2>&1 ;;
       observability) EMBER_BUILD_DIR=build-gpu timeout "$limit" bash bench/observability.sh 1 200 > "$OUT/bench-observability.md" 2>&1 ;;
       lm_gpu) EMBER_BUILD_DIR=build-gpu timeout "$limit" bash bench/lm_gpu.sh ${LM_GPU_ARGS:-10 4 3} > "$OUT/bench-lm_gpu.md" 2>&1 ;;
+      cross_entropy) EMBER_BUILD_DIR=build-gpu timeout "$limit" bash bench/cross_entropy.sh 16 5 cuda > "$OUT/bench-cross_entropy.md" 2>&1 ;;
       async_checkpoint) EMBER_BUILD_DIR=build-gpu timeout "$limit" bash bench/async_checkpoint.sh 1 cuda > "$OUT/bench-async_checkpoint.md" 2>&1 ;;
       *) EMBER_BUILD_DIR=build-gpu timeout "$limit" bash "bench/$b.sh" > "$OUT/bench-$b.md" 2>&1 ;;
     esac

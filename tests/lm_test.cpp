@@ -432,10 +432,11 @@ TEST(LanguageModel, ActivationCheckpointingTrainsTheSameWeightsUnderEveryStrateg
 }
 
 // model.chunked_loss = true (ember::linear_cross_entropy, the output layer's gradients made in the
-// loss's forward) trains the weights the whole-logits path (the default) trains, to float32
+// loss's forward) and model.fused_cross_entropy = true (ember::cross_entropy's two passes on the
+// whole logits) train the weights LibTorch's cross-entropy (the default) trains, to float32
 // rounding. Train metrics need the logits: with the chunked loss the run stops at its first batch,
 // naming the key, and without it computes them.
-TEST(LanguageModel, ChunkedLossTrainsTheSameWeightsAndTrainMetricsNeedTheLogits) {
+TEST(LanguageModel, ChunkedAndFusedLossesTrainTheSameWeightsAndTrainMetricsNeedTheLogits) {
   TempDir dir("lm_chunked_loss");
   write_lm_run(dir);
   const std::vector<std::string> common = {"run.toml", "--set", "trainer.max_steps=6", "--set", "trainer.accelerator=\"cpu\"", "--set",
@@ -450,8 +451,12 @@ TEST(LanguageModel, ChunkedLossTrainsTheSameWeightsAndTrainMetricsNeedTheLogits)
                            "model.chunked_loss=true"}),
                 600);
   run_engine_ok(dir, with({"--set", "trainer.name=\"whole\"", "--set", "optimizer.name=\"sgd\"", "--set", "optimizer.lr=0.5"}), 600);
+  run_engine_ok(dir, with({"--set", "trainer.name=\"fused\"", "--set", "optimizer.name=\"sgd\"", "--set", "optimizer.lr=0.5", "--set",
+                           "model.fused_cross_entropy=true"}),
+                600);
   const auto diff = max_weight_difference(dir / "runs/chunked/version_0/checkpoints/last.ckpt", dir / "runs/whole/version_0/checkpoints/last.ckpt");
   EXPECT_LE(diff.value, 1e-6);
+  EXPECT_LE(max_weight_difference(dir / "runs/fused/version_0/checkpoints/last.ckpt", dir / "runs/whole/version_0/checkpoints/last.ckpt").value, 1e-6);
   // The bound means something: half the learning rate lands far outside it.
   run_engine_ok(dir, with({"--set", "trainer.name=\"half_lr\"", "--set", "optimizer.name=\"sgd\"", "--set", "optimizer.lr=0.25", "--set",
                            "model.chunked_loss=true"}),

@@ -28,6 +28,7 @@
 
 #include "gpt_net.h"
 
+#include <ember/support/cross_entropy.h>
 #include <ember/support/linear_cross_entropy.h>
 #include <ember/support/tensor_parallel.h>
 
@@ -52,6 +53,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Float("dropout", "0.0", "Dropout on embeddings, attention and residual branches, in [0, 1).").at_least(0.0).below(1.0),
     ember::key::Float("norm_eps", "1e-5", "Epsilon of LayerNorm (gpt2) or RMSNorm (llama).").above(0.0),
     ember::key::Float("rope_theta", "10000.0", "llama: the base of the rotary position frequencies.").above(0.0),
+    ember::key::Bool("fused_cross_entropy", "false", "The loss's softmax and cross-entropy run as Ember's two fused passes over the logits in their own dtype (Ember::losses' cross_entropy: one read forward, one read and write backward) instead of LibTorch's float32 copy, log-softmax and one-hot gradient. Same loss and gradients to float32 rounding; its CUDA kernels have not yet been timed on a GPU (bench/lm_gpu.sh)."),
     ember::key::Bool("chunked_loss", "false", "Training computes the output layer and the cross-entropy together, a slice of tokens at a time, with their gradients: the whole [tokens, vocabulary] logits are never kept (GPT-2 on an H200: 37% less peak memory, 3.5% fewer tokens/s). Its training steps hand no logits to the [metrics] table, so train metrics need it false."),
     ember::key::Float("init_std", "0.02", "Standard deviation of the initial weights (residual projections: divided by sqrt(2 x layers)).").above(0.0),
 };
@@ -131,6 +133,7 @@ class Gpt final : public ember::IModel,
         origin += c10::str(" (", unused.size(), " tensor(s) of the file unused, e.g. ", unused.front(), ")");
     }
     chunked_loss_ = cfg.get_bool("chunked_loss");
+    fused_cross_entropy_ = cfg.get_bool("fused_cross_entropy");
     net_->declare_units(units_);
     host.log(ember::LogLevel::info, c10::str("gpt: ", shape.describe(), "; ", origin));
   }
@@ -261,7 +264,9 @@ class Gpt final : public ember::IModel,
   at::Tensor loss_and_log(const at::Tensor& logits, const ember::Batch& batch, ember::IStepContext& ctx, const std::string& split) {
     const at::Tensor rows = logits.reshape({-1, logits.size(-1)}), targets = batch[1].reshape({-1}).to(at::kLong);
     auto* vocab_group = net_->vocab_parallel_group();  // tensor parallelism: this rank's vocabulary columns
-    const at::Tensor loss = vocab_group ? ember::vocab_parallel_cross_entropy(rows, targets, *vocab_group) : at::cross_entropy_loss(rows, targets);
+    const at::Tensor loss = vocab_group           ? ember::vocab_parallel_cross_entropy(rows, targets, *vocab_group)
+                            : fused_cross_entropy_ ? ember::cross_entropy(rows, targets)
+                                                   : at::cross_entropy_loss(rows, targets);
     log_loss(loss, ctx, split);
     // Logits and next tokens for the run's [metrics] table (perplexity, top-k accuracy...). Under
     // vocabulary parallelism only evaluation hands them over (whole rows need an all-gather,
@@ -285,6 +290,7 @@ class Gpt final : public ember::IModel,
   std::string section_;
   std::shared_ptr<ember_gpt::GptNet> net_;
   bool chunked_loss_ = false;
+  bool fused_cross_entropy_ = false;
   ember_gpt::GenerationCache cache_;
 };
 

@@ -1,6 +1,8 @@
 // Ember::losses: see <ember/support/linear_cross_entropy.h>.
 #include <ember/support/linear_cross_entropy.h>
 
+#include "cross_entropy_rows.h"
+
 #include <ember/error.h>
 
 #include <ATen/ATen.h>
@@ -41,9 +43,7 @@ Pass run(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& ta
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const at::Tensor x = input.to(compute), w = weight.to(compute);
   const int64_t n = x.size(0), v = w.size(0);
-  const at::Tensor t = targets.to(x.device(), at::kLong);
-  const at::Tensor keep = t.ne(ignore_index);
-  const at::Tensor safe_t = at::where(keep, t, at::zeros({}, t.options())).unsqueeze(1);  // [N, 1]
+  const at::Tensor t = targets.to(x.device(), at::kLong).contiguous();
   const at::ScalarType acc = compute == at::kDouble ? at::kDouble : at::kFloat;
   const bool grads = want_input || want_weight;
   const int64_t rows = chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, kChunkLogits / std::max<int64_t>(v, 1));
@@ -52,19 +52,17 @@ Pass run(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& ta
   at::Tensor softmax = want_weight ? at::empty({n, v}, x.options()) : at::Tensor();  // minus one-hot, every row
   if (want_input) out.grad_input = at::empty_like(x);
   at::Tensor loss_sum = at::zeros({}, x.options().dtype(acc));
-  const at::Tensor minus_one = keep.to(compute).neg_().unsqueeze(1);  // [N, 1]: -1 counted, 0 ignored
   for (int64_t r0 = 0; r0 < n; r0 += rows) {
     const int64_t r1 = std::min(n, r0 + rows);
     at::Tensor logits = softmax.defined() ? softmax.slice(0, r0, r1) : at::empty({r1 - r0, v}, x.options());
     at::mm_out(logits, x.slice(0, r0, r1), w.t());
-    // With a dtype, LibTorch's CUDA kernel reads bf16 / float16 and writes float32 in one pass.
-    const at::Tensor log_probs = at::log_softmax(logits, 1, acc);
-    const at::Tensor target_rows = safe_t.slice(0, r0, r1);
-    loss_sum.sub_(log_probs.gather(1, target_rows).squeeze(1).masked_fill(keep.slice(0, r0, r1).logical_not(), 0).sum());
+    // One read of the slice: each row's maximum, log-sum-exp and loss, in float32 (cross_entropy_rows.h).
+    const at::Tensor target_rows = t.slice(0, r0, r1);
+    const cross_entropy_rows::RowStats stats = cross_entropy_rows::rows_forward(logits, target_rows, ignore_index);
+    loss_sum.add_(stats.loss.sum());
     if (!grads) continue;
-    // d(summed loss)/d(logits) = softmax - one-hot, written over the logits.
-    at::exp_out(logits, log_probs);
-    logits.scatter_add_(1, target_rows, minus_one.slice(0, r0, r1));
+    // d(summed loss)/d(logits) = softmax - one-hot (0 on ignored rows), written over the logits.
+    cross_entropy_rows::rows_gradient(logits, target_rows, ignore_index, stats, at::Tensor(), logits);
     // Without the whole softmax (a frozen weight), the input's gradient slice by slice.
     if (want_input && !want_weight) {
       at::Tensor rows_grad = out.grad_input.slice(0, r0, r1);
@@ -73,11 +71,10 @@ Pass run(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& ta
   }
   // With it, one product each: a slice's [rows, vocabulary] x [vocabulary, width] has too few output
   // tiles to fill a large GPU (measured on an H200: 4% slower per GPT-2 step than the unfused loss).
+  // Ignored rows are 0 in the softmax, so they add nothing to either.
   if (want_input && want_weight) at::mm_out(out.grad_input, softmax, w);
-  // Ignored rows kept their softmax above; their input rows are zeroed here, so they add nothing.
-  const at::Tensor row_kept = keep.unsqueeze(1).to(compute);
-  if (want_input) out.grad_input.mul_(row_kept);
-  if (want_weight) out.grad_weight = at::mm(softmax.t(), x * row_kept);
+  if (want_weight) out.grad_weight = at::mm(softmax.t(), x);
+  const at::Tensor keep = t.ne(ignore_index);
   out.count = keep.sum();
   out.loss = loss_sum / out.count;
   return out;

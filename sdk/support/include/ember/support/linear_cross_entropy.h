@@ -9,9 +9,10 @@
 // log-softmax and, in backward, a float32 one-hot gradient and its softmax: ~8 GB for 16 x 1,024
 // tokens, more than all twelve blocks' activations, and the same number of passes over memory.
 // Here, while grad mode is on, the forward also computes the gradients (Liger-Kernel's fused
-// linear cross-entropy, written with ATen's own kernels): per slice of rows, the logits, a float32
-// log-softmax (the loss), its exponential written back over the logits (the softmax, in the compute
-// dtype) minus the one-hot targets; then one product each for the input's and the weight's
+// linear cross-entropy): per slice of rows, the logits (ATen's matrix product), then the two passes
+// of <ember/support/cross_entropy.h> (Ember's CPU loops and CUDA kernels): one read for each row's
+// log-sum-exp and loss, one read and write that leaves the softmax minus the one-hot targets over
+// the logits, in the compute dtype; then one product each for the input's and the weight's
 // gradients (a frozen weight: the input's slice by slice). What stays for backward is those two
 // gradients; backward only scales them by the upstream gradient over the number of counted
 // targets. It holds the [tokens, vocabulary] softmax in the compute dtype (bf16: half of LibTorch's
