@@ -175,6 +175,27 @@ TEST_F(Ddp, MissingPeerIsNamedWithTheJoinStepWithinTheTimeout) {
   EXPECT_LT(seconds, 5.0 + 25.0) << r.err;
 }
 
+// A join that stalls (rank 1 of the first start waits on purpose, as a stalled Open MPI rendezvous
+// would) is not a failed run: nothing was trained, so the launcher starts the ranks again once, not
+// counted against trainer.max_restarts (0 here), and the job trains to the end.
+TEST_F(Ddp, StalledJoinStartsTheRanksAgainOnce) {
+  TempDir dir("ddp");
+  write_file(dir / "run.toml", kRun);
+  const fs::path marker = dir / "stalled-once";
+  const auto start = std::chrono::steady_clock::now();
+  auto r = run_engine({"--plugins", "ddp", "run.toml", "--set", "ddp.timeout=5.0", "--set", "trainer.devices=2"}, dir.path(),
+                      {{"EMBER_TEST_STALL_MPI_JOIN_ONCE", marker.string()}}, 120);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(marker)) << "the first start's rank 1 stalled";
+  EXPECT_NE(r.err.find("ddp: rank 1: joining the MPI group of 2 ranks did not finish within 5 s, stuck stalled on purpose"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("did not form their MPI group within the timeout"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("restart 1 of"), std::string::npos) << "not a restart of trainer.max_restarts\n" << r.err;
+  EXPECT_TRUE(fs::exists(dir / "runs/run/version_0/checkpoints/last.ckpt")) << r.err;
+  EXPECT_LT(seconds, 5.0 + 60.0) << r.err;
+}
+
 TEST_F(Ddp, HungRankEndsTheJobWithinTheTimeout) {
   TempDir dir("ddp");
   write_file(dir / "run.toml", kRun);

@@ -64,6 +64,33 @@ class Sharded : public ::testing::Test {
 };
 using DistributedBuffers = Sharded;
 
+// An MLP with one batch-norm layer (the test plugin bn_mlp), trained by SGD.
+const char* kBatchNormRun = R"(
+[trainer]
+# CPU ranks (Open MPI) compared with single_device on the same device, also where a GPU is present.
+accelerator = "cpu"
+max_epochs = 2
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+[model]
+name = "bn_mlp"
+input_size = 16
+hidden = 8
+num_classes = 4
+[data]
+name = "synthetic"
+shape = [16]
+num_classes = 4
+num_train = 64
+num_val = 16
+num_test = 0
+batch_size = 8
+[optimizer]
+name = "sgd"
+lr = 0.1
+)";
+
 }  // namespace
 
 TEST_P(ShardedStages, MatchSingleDeviceWithTheGlobalBatch) {
@@ -193,36 +220,11 @@ TEST_F(Sharded, BadSettingsAreOneClearLine) {
 // rank 0's statistics; without it each rank's statistics drift with its own batches, which this
 // probe sees (so the check can fail).
 TEST_F(DistributedBuffers, BatchNormStatisticsAgreeAcrossRanks) {
-  const char* kBn = R"(
-[trainer]
-# CPU ranks (Open MPI) compared with single_device on the same device, also where a GPU is present.
-accelerator = "cpu"
-max_epochs = 2
-num_sanity_val_steps = 0
-enable_progress_bar = false
-enable_model_summary = false
-[model]
-name = "bn_mlp"
-input_size = 16
-hidden = 8
-num_classes = 4
-[data]
-name = "synthetic"
-shape = [16]
-num_classes = 4
-num_train = 64
-num_val = 16
-num_test = 0
-batch_size = 8
-[optimizer]
-name = "sgd"
-lr = 0.1
-)";
   std::regex line(R"(buffer_probe: rank (\d) epoch (\d+) buffers (\S+))");
   for (const std::string strategy : {"ddp", "sharded"})
     for (const bool broadcast : {true, false}) {
       TempDir dir("buffers");
-      write_file(dir / "run.toml", kBn);
+      write_file(dir / "run.toml", kBatchNormRun);
       auto r = run_engine({"--plugin-path", test_plugin_dir("good").string(), "--plugins", strategy + ",buffer_probe", "run.toml",
                            "--set", "trainer.devices=2", "--set", strategy + ".timeout=30.0", "--set",
                            strategy + ".broadcast_buffers=" + (broadcast ? "true" : "false")},
@@ -330,6 +332,48 @@ TEST_F(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
   write_run(from_whole, kAdam);
   run_engine_ok(from_whole, {"run.toml", "--resume", (keep / "whole.ckpt").string()});
   EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(from_whole)), 1e-5);
+}
+
+// Resumed on the mesh that saved it, each rank reads its own part and no other (the part holds its
+// shards, their optimizer state, the optimizer's groups and its buffers), and the run continues
+// exactly: with broadcast_buffers = false each rank's batch-norm statistics are its own, so rank
+// 1 resuming with rank 0's (what the first part alone held before every part carried its buffers)
+// would evaluate with other statistics than the uninterrupted run.
+TEST_F(Sharded, ShardedDirectoryOnItsOwnMeshIsReadOncePartPerRank) {
+  auto run = [&](const TempDir& dir, std::vector<std::string> extra) {
+    write_file(dir / "run.toml", kBatchNormRun);
+    std::vector<std::string> args = {"--plugin-path", test_plugin_dir("good").string(), "--plugins", "sharded,buffer_probe", "run.toml",
+                                     "--set", "trainer.devices=2", "--set", "sharded.timeout=30.0", "--set", "sharded.stage=3",
+                                     "--set", "sharded.broadcast_buffers=false", "--set", "sharded.state_dict_type=\"sharded\"",
+                                     "--set", "optimizer.name=\"adam\"", "--set", "optimizer.lr=0.01"};  // (with per-element state)
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto r = run_engine(args, dir.path(), {}, 180);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return r.err;
+  };
+  // rank -> the buffer sum its second epoch evaluated with
+  auto second_epoch = [](const std::string& err) {
+    std::map<std::string, std::string> by_rank;
+    std::regex line(R"(buffer_probe: rank (\d) epoch 1 buffers (\S+))");
+    for (std::sregex_iterator it(err.begin(), err.end(), line), end; it != end; ++it) by_rank[(*it)[1]] = (*it)[2];
+    return by_rank;
+  };
+  TempDir whole("sharded"), halves("sharded");
+  const auto uninterrupted = second_epoch(run(whole, {}));
+  run(halves, {"--set", "trainer.max_epochs=1"});
+  ASSERT_TRUE(fs::is_directory(last_checkpoint(halves))) << last_checkpoint(halves);
+  const std::string resumed_err = run(halves, {"--resume", "last"});
+  EXPECT_NE(resumed_err.find("resumed from"), std::string::npos) << resumed_err;
+  std::regex read_line(R"(read (\d+) of the 2 parts of the sharded checkpoint)");
+  int lines = 0;
+  for (std::sregex_iterator it(resumed_err.begin(), resumed_err.end(), read_line), end; it != end; ++it, ++lines)
+    EXPECT_EQ((*it)[1], "1") << resumed_err;
+  EXPECT_EQ(lines, 2) << "one line per rank\n" << resumed_err;
+  const auto resumed = second_epoch(resumed_err);
+  ASSERT_EQ(uninterrupted.size(), 2u);
+  EXPECT_NE(uninterrupted.at("0"), uninterrupted.at("1")) << "each rank keeps its own statistics";
+  EXPECT_EQ(resumed, uninterrupted) << resumed_err;
+  EXPECT_LE(max_weight_difference(last_checkpoint(whole), last_checkpoint(halves)), 1e-6);
 }
 
 // A rank killed while a sharded checkpoint is being saved leaves the previous one whole: the job

@@ -243,10 +243,12 @@ c10::impl::GenericDict ShardedStateIO::part_of_this_rank(torch::nn::Module& modu
     params.insert(p.name, e);
   }
   part.insert("params", params);
+  // Every part holds its rank's buffers (small beside the shards): a rank resumed on the same mesh
+  // then reads its own part and no other.
   Dict buffers(c10::StringType::get(), c10::AnyType::get());
   for (const auto& b : module.named_buffers()) {
     at::Tensor whole = tp_.to_whole ? tp_.to_whole(b.key(), b.value().detach()) : b.value().detach();
-    if (c_.rank() == 0 && tp_.rank == 0) buffers.insert(b.key(), ember::detached_host_copy(whole));
+    buffers.insert(b.key(), ember::detached_host_copy(whole));
   }
   part.insert("buffers", buffers);
   Dict fields(c10::StringType::get(), c10::AnyType::get());
@@ -327,15 +329,25 @@ at::Tensor whole_indices(const Slice& s, const std::vector<int64_t>& whole_shape
 // tensors are laid out alike (both whole, or slices of the same split) the overlap of the ranges
 // is copied; across tensor-parallel degrees the elements are matched by their flat index in the
 // whole tensor. Parts are read one at a time, so any saved mesh loads onto any other with at most
-// one part in memory besides this rank's shards.
+// one part in memory besides this rank's shards. The first part read is the one this world rank
+// wrote: resumed on the mesh that saved it, that part holds everything the rank needs and is the
+// only one read. Otherwise the first part (world rank 0's) follows, whose list of every part's
+// layout says which others hold something still missing.
 int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
                                            const std::function<c10::IValue(int64_t)>& read_part) {
   if (saved_world < 1) throw ember::RunError("the sharded checkpoint says it was written by " + std::to_string(saved_world) + " ranks");
-  auto first = read_part(0).toGenericDict();
-  // Groups, options and step counts from rank 0's serialization (over the whole model's groups
-  // when it ran pipeline stages); per-element fields refilled below.
+  const int64_t me = c_.comm.rank();
+  int64_t start = me < saved_world ? me : 0;
+  Dict head = read_part(start).toGenericDict();
+  if (start != 0 && !head.contains("optimizer")) {  // a later replica's copy: it holds no state
+    start = 0;
+    head = read_part(0).toGenericDict();
+  }
+  // Groups, options and step counts from the serialization of the part read first (every rank
+  // writes the same groups: its shards of every parameter, or the whole model's groups when it ran
+  // pipeline stages); per-element fields refilled below.
   {
-    at::Tensor blob = first.at("optimizer").toTensor().contiguous();
+    at::Tensor blob = head.at("optimizer").toTensor().contiguous();
     const std::string bytes(static_cast<const char*>(blob.data_ptr()), static_cast<size_t>(blob.numel()));
     optimizer.state().clear();
     if (pp_.load_optimizer) {
@@ -420,20 +432,18 @@ int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::opt
     return pl;
   };
   // From the first part's list of layouts: whether part k holds anything this rank still needs.
-  std::vector<c10::IValue> layouts;
-  if (first.contains("layout")) {
-    const auto list = first.at("layout").toList();
-    if (static_cast<int64_t>(list.size()) == saved_world)
-      for (const auto& l : list) layouts.push_back(l);
-  }
   auto worth_reading = [&](const Dict& layout, int64_t k) {
     if (layout.contains("copy_of")) return false;
     if (!layout.contains("params")) return true;  // reading it says what is wrong
     const int64_t part_tp_rank = int_or(layout, "tensor_parallel_rank", 0), part_tp_size = int_or(layout, "tensor_parallel_size", 1);
     for (const auto& item : layout.at("params").toGenericDict()) {
       auto found = by_name.find(item.key().toStringRef());
-      if (found != by_name.end() && place(needs[found->second], item.value().toGenericDict(), part_tp_rank, part_tp_size, k).any)
-        return true;
+      if (found == by_name.end()) continue;
+      const Need& n = needs[found->second];
+      const Placement pl = place(n, item.value().toGenericDict(), part_tp_rank, part_tp_size, k);
+      if (!pl.any) continue;
+      if (!pl.alike) return true;  // (which elements it holds is known once it is read)
+      if (!n.filled.narrow(0, pl.lo - rank * n.p->chunk, pl.hi - pl.lo).all().item<bool>()) return true;
     }
     if (layout.contains("buffers"))
       for (const auto& name : layout.at("buffers").toListRef()) {
@@ -443,11 +453,10 @@ int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::opt
     return false;
   };
   int64_t parts_read = 0;
-  for (int64_t k = 0; k < saved_world; ++k) {
-    if (k > 0 && !layouts.empty() && !worth_reading(layouts[k].toGenericDict(), k)) continue;
-    auto part = k == 0 ? first : read_part(k).toGenericDict();
+  // Copies what part k holds of this rank's shards, optimizer state and buffers.
+  auto take = [&](const Dict& part, int64_t k) {
     ++parts_read;
-    if (part.contains("copy_of")) continue;  // a later replica's: the first replica's parts hold its tensors
+    if (part.contains("copy_of")) return;  // a later replica's: the first replica's parts hold its tensors
     if (!part.contains("params"))
       throw ember::RunError("part " + std::to_string(k) + " holds no tensors and names no copy (a damaged checkpoint?)");
     const std::string of_part = "part " + std::to_string(k);
@@ -510,6 +519,35 @@ int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::opt
         module.named_buffers()[it->first].detach().copy_(value);
         it->second = true;
       }
+  };
+  auto complete = [&] {
+    for (const auto& n : needs)
+      if (!n.filled.all().item<bool>()) return false;
+    for (const auto& [name, found] : buffer_found)
+      if (!found) return false;
+    return true;
+  };
+  take(head, start);
+  if (!complete()) {
+    std::vector<bool> done(static_cast<size_t>(saved_world), false);
+    done[static_cast<size_t>(start)] = true;
+    if (start != 0) {
+      head = read_part(0).toGenericDict();
+      take(head, 0);
+      done[0] = true;
+    }
+    std::vector<c10::IValue> layouts;
+    if (head.contains("layout")) {
+      const auto list = head.at("layout").toList();
+      if (static_cast<int64_t>(list.size()) == saved_world)
+        for (const auto& l : list) layouts.push_back(l);
+    }
+    head = Dict(c10::StringType::get(), c10::AnyType::get());  // (one part in memory at a time)
+    for (int64_t k = 0; k < saved_world && !complete(); ++k) {
+      if (done[static_cast<size_t>(k)]) continue;
+      if (!layouts.empty() && !worth_reading(layouts[static_cast<size_t>(k)].toGenericDict(), k)) continue;
+      take(read_part(k).toGenericDict(), k);
+    }
   }
   for (const auto& n : needs) {
     const int64_t got = n.filled.sum().item<int64_t>();

@@ -37,8 +37,9 @@ class ShardedStateIO {
   // This rank's part of a sharded checkpoint directory (collective over the world: world rank 0's
   // part also lists every part's layout).
   c10::IValue sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer);
-  // Reads the parts this rank needs (all of them when the first part lists no layouts: directories
-  // written before parts recorded them) and returns how many it read.
+  // Reads the parts this rank needs, its own first (on the mesh that saved them, the only one), and
+  // returns how many it read (until nothing is missing when the first part lists no layouts:
+  // directories written before parts recorded them).
   int64_t load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
                              const std::function<c10::IValue(int64_t)>& read_part);
 

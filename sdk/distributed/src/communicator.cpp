@@ -123,6 +123,7 @@ bool Communicator::launch_local(const ember::LaunchRequest& request, int* exit_c
                              std::to_string(request.num_nodes) +
                              " restarts as a whole under torchrun --max-restarts or a SLURM requeue (both resume by themselves): set "
                              "max_restarts = 0 here");
+  bool joined_again = false;
   for (int attempt = 0;; ++attempt) {
     l.restart_count = attempt;
     l.master_port = master_port_ != 0 ? master_port_ : free_port();  // a fresh store for every attempt
@@ -132,6 +133,14 @@ bool Communicator::launch_local(const ember::LaunchRequest& request, int* exit_c
                                          (attempt > 0 ? ", restart " + std::to_string(attempt) + " of " + std::to_string(restarts) : ""));
     bool interrupted = false;
     *exit_code = run_local_ranks(l, &interrupted);
+    if (*exit_code == ember_dist::kJoinStalledExit && !interrupted && !joined_again) {
+      // Nothing was trained: the same attempt once more, not counted against max_restarts.
+      joined_again = true;
+      host_.log(ember::LogLevel::warn, name_ + " launcher: the ranks did not form their MPI group within the timeout (nothing was "
+                                           "trained; Open MPI's rendezvous through ompi-server stalls on rare occasions): starting them again, once");
+      --attempt;
+      continue;
+    }
     // A configuration error (exit 2) fails the same way every time; a signal is a stop, not a failure.
     if (*exit_code == 0 || *exit_code == 2 || interrupted || attempt >= restarts) break;
     host_.log(ember::LogLevel::warn, name_ + " launcher: restarting the job (" + std::to_string(attempt + 1) + " of trainer.max_restarts = " +

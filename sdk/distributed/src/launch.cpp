@@ -70,6 +70,7 @@ std::string describe_status(int status) {
   }
   const int code = WEXITSTATUS(status);
   if (code == kPeerFailureExit) return "gave up waiting for another rank (exit code " + std::to_string(code) + ")";
+  if (code == kJoinStalledExit) return "gave up joining the MPI group (exit code " + std::to_string(code) + ")";
   return "exited with code " + std::to_string(code);
 }
 
@@ -200,6 +201,14 @@ int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
   // notice and end on their own before they are killed.
   std::optional<std::string> failure;
   int exit_code = 0;
+  // Whether the group never formed: some rank's join stalled, and every other rank ended by
+  // itself with success or a peer's failure (1: the store died with rank 0; never a crash).
+  bool join_stalled = false, other_failure = false;
+  auto gave_up = [](int s) { return WIFEXITED(s) && (WEXITSTATUS(s) == kPeerFailureExit || WEXITSTATUS(s) == kJoinStalledExit); };
+  auto note = [&](int s) {
+    if (WIFEXITED(s) && WEXITSTATUS(s) == kJoinStalledExit) join_stalled = true;
+    else if (!(WIFEXITED(s) && (WEXITSTATUS(s) <= 1 || WEXITSTATUS(s) == kPeerFailureExit))) other_failure = true;
+  };
   std::chrono::steady_clock::time_point kill_at{};
   bool killed = false;
   auto alive = [&] {
@@ -220,9 +229,10 @@ int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
       if (r != c.pid) continue;
       c.running = false;
       c.status = status;
+      if (!killed) note(status);
       const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
       if (ok || failure) continue;
-      if (WIFEXITED(status) && WEXITSTATUS(status) == kPeerFailureExit) {
+      if (gave_up(status)) {
         // This rank timed out waiting for the others: the culprits are the ranks still running
         // (hung); give them a moment to fail on their own first.
         std::this_thread::sleep_for(std::chrono::milliseconds(500));
@@ -233,7 +243,8 @@ int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
           if (waitpid(o.pid, &s, WNOHANG) == o.pid) {
             o.running = false;
             o.status = s;
-            if (!(WIFEXITED(s) && (WEXITSTATUS(s) == 0 || WEXITSTATUS(s) == kPeerFailureExit)) && !failure) {
+            note(s);
+            if (!(WIFEXITED(s) && (WEXITSTATUS(s) == 0 || gave_up(s))) && !failure) {
               failure = "rank " + std::to_string(o.rank) + " (pid " + std::to_string(o.pid) + ") " + describe_status(s);
               exit_code = WIFSIGNALED(s) ? 128 + WTERMSIG(s) : WEXITSTATUS(s);
             }
@@ -243,9 +254,10 @@ int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
         }
         if (!failure) {
           failure = hung.empty() ? "rank " + std::to_string(c.rank) + " " + describe_status(status)
-                                 : "rank(s) " + hung + " hang: rank " + std::to_string(c.rank) +
-                                       " waited for them in a collective for the whole timeout";
-          exit_code = kPeerFailureExit;
+                                 : "rank(s) " + hung + " hang: rank " + std::to_string(c.rank) + " waited for them " +
+                                       (WEXITSTATUS(status) == kJoinStalledExit ? "in its MPI join" : "in a collective") +
+                                       " for the whole timeout";
+          exit_code = WEXITSTATUS(status);
         }
       } else {
         failure = "rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") " + describe_status(status);
@@ -261,7 +273,7 @@ int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
       for (auto& c : children)
         if (c.running) kill(c.pid, SIGKILL);
     }
-    if (failure && !killed && exit_code == kPeerFailureExit) kill_at = std::chrono::steady_clock::now();
+    if (failure && !killed && (exit_code == kPeerFailureExit || exit_code == kJoinStalledExit)) kill_at = std::chrono::steady_clock::now();
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   std::signal(SIGINT, SIG_DFL);
@@ -269,6 +281,7 @@ int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
   if (failure) {
     std::fprintf(stderr, "%s launcher: the job failed: %s\n", strategy_name().c_str(), failure->c_str());
     std::fflush(stderr);
+    if (join_stalled && !other_failure) return kJoinStalledExit;
     return exit_code != 0 ? exit_code : 1;
   }
   // A clean exit of every rank, or all stopped by a forwarded signal with the same status.

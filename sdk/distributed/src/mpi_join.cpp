@@ -4,6 +4,7 @@
 #include "ember/distributed/launch.h"
 #include "mpi_backend.h"
 
+#include <fcntl.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -46,7 +47,7 @@ class Deadline {
         std::fprintf(stderr, "%s did not finish within %.0f s, stuck %s (a rank did not start, died, or cannot reach the others)\n",
                      what_.c_str(), std::chrono::duration<double>(timeout).count(), stage_.c_str());
         std::fflush(stderr);
-        std::_Exit(kPeerFailureExit);
+        std::_Exit(kJoinStalledExit);
       }
     });
   }
@@ -166,6 +167,16 @@ MPI_Comm join_mpi(const RankInfo& info, c10d::Store* store, std::chrono::millise
     store->set("port", bytes(port));
     store->set("ompi_server", bytes(uri));
   } else {
+    // Fault injection for the tests (tests/ddp_test.cpp): rank 1 stalls in its join when it is the
+    // first to create the file this names, as a stalled Open MPI rendezvous would.
+    if (const char* marker = std::getenv("EMBER_TEST_STALL_MPI_JOIN_ONCE"); marker && *marker && info.rank == 1) {
+      const int fd = ::open(marker, O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
+      if (fd >= 0) {
+        ::close(fd);
+        deadline.at("stalled on purpose (EMBER_TEST_STALL_MPI_JOIN_ONCE)");
+        for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+      }
+    }
     deadline.at("waiting for rank 0 to start ompi-server and publish its address");
     const std::string uri = text(store->get("ompi_server"));
     setenv("OMPI_MCA_pmix_server_uri", uri.c_str(), 1);

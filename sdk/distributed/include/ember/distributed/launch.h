@@ -13,6 +13,11 @@ namespace ember_dist {
 
 // Exit status of a rank that gave up because a peer failed (died, hung, or broke the link).
 constexpr int kPeerFailureExit = 3;
+// Exit status of a rank whose MPI join (join_mpi) did not finish within the timeout. No rank gets
+// past the join before all do, so the group never formed and nothing was trained: the local
+// launcher starts the ranks once more (Open MPI's rendezvous of separately started processes
+// through ompi-server stalls on rare occasions).
+constexpr int kJoinStalledExit = 4;
 
 // "exited with code 1", "was killed by signal 9 (Killed)", ... for a waitpid() status.
 std::string describe_status(int status);
