@@ -18,7 +18,9 @@ Alike on both sides:
     auto, leaves the padding out of its per-token work where BertModel computes it: --ember-unpad
     false makes Ember compute it too);
   - optimizer: AdamW(lr, weight_decay, betas 0.9/0.999, eps 1e-8) over all parameters in one group
-    (Ember's [optimizer] gives every parameter the same weight decay, biases and LayerNorms too);
+    (as configs/fine_foods_minilm.toml sets it: every parameter the same weight decay, biases and
+    LayerNorms too; Ember's `optimizer.no_weight_decay = ["bias", "LayerNorm.weight"]` would
+    leave those out as Hugging Face's Trainer does, not measured here);
     PyTorch's default AdamW implementation (foreach) against Ember's default (ATen's fused kernel);
   - schedule: linear warmup from warmup_start_factor over `warmup` steps, then cosine to 0 over the
     run's optimizer steps (the `cosine` plugin's formula), stepped after every optimizer step;

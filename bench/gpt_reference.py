@@ -1,7 +1,8 @@
 """The GPT the plain-PyTorch sides of bench/lm_char.py and bench/lm_gpu.py train: nanoGPT's GPT-2
 layout as Ember's `gpt` model builds it (pre-norm blocks, LayerNorm without bias, causal
 scaled_dot_product_attention, GELU (tanh) MLP, tied embeddings, no biases), with its initialisation
-rule (normal 0.02; residual projections 0.02 / sqrt(2 x layers))."""
+rule (normal 0.02; residual projections 0.02 / sqrt(2 x layers)), and nanoGPT's optimizer groups
+(weight decay on the parameters of 2 or more dimensions only, as `optimizer.no_weight_decay_1d`)."""
 import math
 
 import torch
@@ -48,3 +49,10 @@ class Gpt(nn.Module):
         logits = F.linear(self.ln_f(x), self.wte.weight)
         # (float32 for the loss, as autocast gives cross_entropy; a no-op in float32 runs)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+def decay_groups(model, weight_decay):
+    """nanoGPT's configure_optimizers groups: matrices and embeddings decay, 1-d parameters do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

@@ -3,7 +3,8 @@ Lightning, for bench/lm_char.sh: the same model (nanoGPT's GPT-2 layout: pre-nor
 without bias, GELU (tanh) MLP, tied embeddings, no biases), the same initialisation rule, data
 (characters of the corpus in code point order, the last 10% for validation, random training
 windows, 20 disjoint validation batches), optimizer (AdamW 1e-3, betas (0.9, 0.99), weight decay
-0.1 on every parameter, as Ember's [optimizer] applies it), schedule (100 warmup steps from 1% of
+0.1 on the matrices and embeddings, none on the LayerNorm scales: nanoGPT's groups, as the config's
+`no_weight_decay_1d`), schedule (100 warmup steps from 1% of
 the rate, then cosine to 1e-4), clipping (1.0) and evaluation cadence (every 250 steps).
 
   lm_char.py pytorch|lightning CORPUS_DIR STEPS THREADS OUT_JSON [SEED=0]
@@ -58,7 +59,7 @@ def val_batches(val):
 def run_pytorch(vocab, train, val, steps, seed):
     torch.manual_seed(seed)
     model = Gpt(vocab)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.1)
+    opt = torch.optim.AdamW(gpt_reference.decay_groups(model, 0.1), lr=LR, betas=(0.9, 0.99))
     evals, vb = [], val_batches(val)
     start = time.perf_counter()
     for step in range(steps):
@@ -117,7 +118,7 @@ def run_lightning(vocab, train, val, steps, seed):
             self.val_sum, self.val_n = 0.0, 0
 
         def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.1)
+            opt = torch.optim.AdamW(gpt_reference.decay_groups(self, 0.1), lr=LR, betas=(0.9, 0.99))
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, steps) / LR)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -2,7 +2,8 @@
 bench/lm_gpu.sh: the same shape (12 x 12 x 768, context 1,024, vocabulary 50,304), pre-norm blocks,
 GELU (tanh) MLP, tied embeddings, no biases (nanoGPT's bias = False; the bench runs Ember with
 model.bias = false too), causal scaled_dot_product_attention (flash), bf16 autocast, fused AdamW
-(6e-4, betas (0.9, 0.95), weight decay 0.1), clipping at 1.0, micro-batches of 16 x 1,024 random
+(6e-4, betas (0.9, 0.95), weight decay 0.1 on the matrices and embeddings only: nanoGPT's groups,
+as the config's `no_weight_decay_1d`), clipping at 1.0, micro-batches of 16 x 1,024 random
 windows of the same token file Ember trains on (pinned, copied without a sync), gradient
 accumulation. `compile` wraps the model in torch.compile as nanoGPT does.
 
@@ -44,7 +45,7 @@ def main():
     train = torch.from_numpy(data[: int(len(data) * 0.9)].astype(np.int64))
     dev = torch.device("cpu" if SMOKE else "cuda")
     model = Gpt().to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=not SMOKE)
+    opt = torch.optim.AdamW(gpt_reference.decay_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=not SMOKE)
     step_model = torch.compile(model) if variant == "compile" else model
 
     def batch():

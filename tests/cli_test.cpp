@@ -35,6 +35,17 @@ TEST(Cli, PluginsListShowsEveryBuiltPlugin) {
     EXPECT_NE(r.out.find(name), std::string::npos) << name << "\n" << r.out;
 }
 
+// --help names every command, and its defaults read as written (0.8, not 0.80000000000000004).
+TEST(Cli, HelpNamesEveryCommandWithReadableDefaults) {
+  TempDir dir("cli");
+  auto r = run_engine({"--help"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* text : {"engine validate|test|predict", "engine generate", "engine config", "engine plugins list", "engine checkpoint consolidate",
+                           "engine export", "engine plot", "engine data pack", "--temperature arg (=0.8)", "--top-p arg (=1)"})
+    EXPECT_NE(r.out.find(text), std::string::npos) << text << "\n" << r.out;
+  EXPECT_EQ(r.out.find("00000000"), std::string::npos) << r.out;
+}
+
 TEST(Cli, PluginsListKeepsColumnsApartForLongNames) {
   TempDir dir("cli");
   auto r = run_engine({"plugins", "list"}, dir.path());

@@ -72,6 +72,8 @@ constexpr EmberConfigKey kOptimizerKeys[] = {
     String("name", "\"adam\"", "Optimizer: sgd, adam, adamw, rmsprop or adagrad (unless the model builds its own).").choices("sgd|adam|adamw|rmsprop|adagrad"),
     Float("lr", "0.001", "Learning rate.").above(0),
     Float("weight_decay", nullptr, "L2 penalty (decoupled for adamw); unset = the optimizer's default (0, or 0.01 for adamw).").at_least(0),
+    StringList("no_weight_decay", "[]", "Parameters that take no weight decay: those whose name ends with an entry at a '.' (\"bias\", \"ln_f.weight\") or matches an entry as a regular expression (\".*norm.*\"), e.g. Hugging Face's [\"bias\", \"LayerNorm.weight\"]. They form a second parameter group with weight_decay = 0; every entry must match a trained parameter."),
+    Bool("no_weight_decay_1d", "false", "Parameters with fewer than 2 dimensions (biases, LayerNorm and RMSNorm scales) take no weight decay, as nanoGPT and timm do; matrices, convolution kernels and embeddings keep optimizer.weight_decay. A second parameter group with weight_decay = 0 (with no_weight_decay, the same group)."),
     Float("momentum", nullptr, "Momentum (sgd, rmsprop); unset = 0.").at_least(0),
     Float("dampening", nullptr, "Dampening of momentum (sgd); unset = 0.").at_least(0),
     Bool("nesterov", nullptr, "Nesterov momentum (sgd); unset = false."),
@@ -199,7 +201,26 @@ void refuse_eps_float16_cannot_hold(const Section& s, const std::string& name, c
 
 }  // namespace
 
-std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const std::vector<at::Tensor>& params) {
+namespace {
+
+// One parameter group over `params`, or two: `params` with the options as set, then `*no_decay`
+// with weight_decay = 0.
+template <class Optim, class Options>
+std::shared_ptr<torch::optim::Optimizer> with_groups(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>* no_decay,
+                                                     const Options& options) {
+  if (no_decay == nullptr) return std::make_shared<Optim>(params, options);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(params, std::make_unique<Options>(options));
+  auto undecayed = std::make_unique<Options>(options);
+  undecayed->weight_decay(0.0);
+  groups.emplace_back(*no_decay, std::move(undecayed));
+  return std::make_shared<Optim>(std::move(groups), options);
+}
+
+}  // namespace
+
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const std::vector<at::Tensor>& params,
+                                                        const std::vector<at::Tensor>* no_decay) {
   const std::string name = s.get_string("name");
   static const std::map<std::string, std::set<std::string>> uses = {
       {"sgd", {"weight_decay", "momentum", "dampening", "nesterov"}},
@@ -208,12 +229,14 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const 
       {"rmsprop", {"weight_decay", "momentum", "eps", "alpha", "centered"}},
       {"adagrad", {"weight_decay", "eps", "lr_decay"}}};
   for (const auto& k : s.schema().keys) {
-    if (k.key == "name" || k.key == "lr" || k.key == "fused" || !s.has(k.key)) continue;
+    if (k.key == "name" || k.key == "lr" || k.key == "fused" || k.key == "no_weight_decay" || k.key == "no_weight_decay_1d" || !s.has(k.key))
+      continue;
     if (!uses.at(name).count(k.key))
       throw UsageError(s.where(k.key) + ": optimizer." + k.key + " does not apply to " + name +
                        " (remove it, or choose an optimizer that uses it)");
   }
   refuse_eps_float16_cannot_hold(s, name, params);
+  if (no_decay != nullptr) refuse_eps_float16_cannot_hold(s, name, *no_decay);
   const double lr = s.get_float("lr");
   const bool fused = s.get_bool("fused");
   auto betas = [&] {
@@ -229,8 +252,8 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const 
     if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
     if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0))
       throw UsageError(s.where("nesterov") + ": optimizer.nesterov needs momentum > 0 and dampening = 0");
-    if (fused) return std::make_shared<ember::optim::FusedSGD>(params, o);
-    return std::make_shared<torch::optim::SGD>(params, o);
+    if (fused) return with_groups<ember::optim::FusedSGD>(params, no_decay, o);
+    return with_groups<torch::optim::SGD>(params, no_decay, o);
   }
   if (name == "adam" || name == "adamw") {
     auto fill = [&](auto o) {
@@ -241,11 +264,11 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const 
       return o;
     };
     if (name == "adam") {
-      if (fused) return std::make_shared<ember::optim::FusedAdam>(params, fill(torch::optim::AdamOptions(lr)));
-      return std::make_shared<torch::optim::Adam>(params, fill(torch::optim::AdamOptions(lr)));
+      if (fused) return with_groups<ember::optim::FusedAdam>(params, no_decay, fill(torch::optim::AdamOptions(lr)));
+      return with_groups<torch::optim::Adam>(params, no_decay, fill(torch::optim::AdamOptions(lr)));
     }
-    if (fused) return std::make_shared<ember::optim::FusedAdamW>(params, fill(torch::optim::AdamWOptions(lr)));
-    return std::make_shared<torch::optim::AdamW>(params, fill(torch::optim::AdamWOptions(lr)));
+    if (fused) return with_groups<ember::optim::FusedAdamW>(params, no_decay, fill(torch::optim::AdamWOptions(lr)));
+    return with_groups<torch::optim::AdamW>(params, no_decay, fill(torch::optim::AdamWOptions(lr)));
   }
   if (name == "rmsprop") {
     torch::optim::RMSpropOptions o(lr);
@@ -254,13 +277,13 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const 
     if (s.has("alpha")) o.alpha(s.get_float("alpha"));
     if (s.has("centered")) o.centered(s.get_bool("centered"));
     if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
-    return std::make_shared<torch::optim::RMSprop>(params, o);
+    return with_groups<torch::optim::RMSprop>(params, no_decay, o);
   }
   torch::optim::AdagradOptions o(lr);
   if (s.has("eps")) o.eps(s.get_float("eps"));
   if (s.has("lr_decay")) o.lr_decay(s.get_float("lr_decay"));
   if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
-  return std::make_shared<torch::optim::Adagrad>(params, o);
+  return with_groups<torch::optim::Adagrad>(params, no_decay, o);
 }
 
 }  // namespace ember::engine

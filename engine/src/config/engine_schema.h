@@ -25,8 +25,11 @@ std::vector<KeySchema> data_base_keys();
 // input unchanged when it is already a plugin name.
 std::string precision_plugin_for(const std::string& precision);
 
-// Builds the optimizer of the [optimizer] section over `params`. Throws UsageError when a key is
+// Builds the optimizer of the [optimizer] section over `params` in one parameter group, or, with
+// `no_decay`, in two: `params` with the section's options, then `*no_decay` with weight_decay = 0
+// (either may be empty where a rank trains part of the model). Throws UsageError when a key is
 // set that the chosen optimizer does not use.
-std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& section, const std::vector<at::Tensor>& params);
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& section, const std::vector<at::Tensor>& params,
+                                                        const std::vector<at::Tensor>* no_decay = nullptr);
 
 }  // namespace ember::engine

@@ -87,6 +87,7 @@ void TrainingLoop::setup() {
   check_vocabularies(model, plugins_.model.name, *plugins_.data.object, plugins_.data.name);
   apply_activation_checkpointing(model);
   OptimizerFactory factory(model, plugins_.model.name, config_.section("optimizer"));
+  if (rank() == 0 && !factory.weight_decay_summary().empty()) log::info(factory.weight_decay_summary());
   rt.setup(model, factory);
   place_data(d);
   if (settings_.cuda_graph) setup_cuda_graph();

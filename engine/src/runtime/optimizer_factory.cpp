@@ -1,6 +1,9 @@
 #include "runtime/optimizer_factory.h"
 
 #include <ember/error.h>
+#include <ember/support/name_patterns.h>
+
+#include <c10/util/StringUtil.h>
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -12,6 +15,62 @@
 
 namespace ember::engine {
 
+namespace {
+
+std::string decayed_weight(const Section& s) {
+  if (s.has("weight_decay")) return c10::str(s.get_float("weight_decay"));
+  return s.get_string("name") == "adamw" ? "0.01 (adamw's default)" : "0";
+}
+
+}  // namespace
+
+OptimizerFactory::OptimizerFactory(IModel& model, std::string model_name, const Section& optimizer_section)
+    : model_(model), model_name_(std::move(model_name)), section_(optimizer_section) {
+  const std::vector<std::string> entries = section_.get_string_list("no_weight_decay");
+  const bool by_dimensions = section_.get_bool("no_weight_decay_1d");
+  if (entries.empty() && !by_dimensions) return;
+  const std::string key = entries.empty() ? "no_weight_decay_1d" : "no_weight_decay";
+  const std::string where = section_.where(key) + ": optimizer." + key;
+  where_ = section_.where(key);
+  const bool default_decay = section_.get_string("name") == "adamw";
+  if (section_.has("weight_decay") ? section_.get_float("weight_decay") == 0.0 : !default_decay)
+    throw UsageError(where + " sets which parameters take no weight decay, but optimizer.weight_decay is " + decayed_weight(section_) +
+                     ": set optimizer.weight_decay for the others (e.g. 0.1), or remove optimizer." + key);
+  const NamePatterns patterns(entries);
+  std::vector<bool> matched(entries.size(), false);
+  std::vector<std::string> names;
+  int64_t decayed_elements = 0, undecayed_elements = 0;
+  for (const auto& p : model_.module().named_parameters()) {
+    if (!p.value().requires_grad()) continue;  // frozen (lora): not trained, not in the optimizer
+    names.push_back(p.key());
+    bool out = by_dimensions && p.value().dim() < 2;
+    for (size_t i = 0; i < entries.size(); ++i)
+      if (patterns.matches(p.key(), i)) out = matched[i] = true;
+    if (out) no_decay_.insert(p.key());
+    (out ? undecayed_elements : decayed_elements) += p.value().numel();
+  }
+  auto examples = [&] {
+    std::string e;
+    for (size_t i = 0; i < names.size() && i < 4; ++i) e += (i ? "', '" : "'") + names[i];
+    return e.empty() ? std::string("none") : e + "'" + (names.size() > 4 ? ", ..." : "");
+  };
+  for (size_t i = 0; i < entries.size(); ++i)
+    if (!matched[i])
+      throw UsageError(section_.where("no_weight_decay") + ": optimizer.no_weight_decay entry \"" + entries[i] + "\" matches none of model '" +
+                       model_name_ + "''s " + std::to_string(names.size()) + " trained parameters (" + examples() +
+                       "): give the end of a name after a '.', or a regular expression matching whole names");
+  if (no_decay_.empty())
+    throw UsageError(where + ": model '" + model_name_ + "' trains no parameter with fewer than 2 dimensions (" + examples() +
+                     "), so every one keeps its weight decay: remove optimizer.no_weight_decay_1d");
+  if (no_decay_.size() == names.size())
+    throw UsageError(where + " leaves every one of model '" + model_name_ + "''s " + std::to_string(names.size()) +
+                     " trained parameters without weight decay: set optimizer.weight_decay = 0 instead");
+  split_ = true;
+  summary_ = "optimizer: weight decay " + decayed_weight(section_) + " on " + std::to_string(names.size() - no_decay_.size()) +
+             " parameters (" + std::to_string(decayed_elements) + " elements), none on " + std::to_string(no_decay_.size()) + " (" +
+             std::to_string(undecayed_elements) + " elements, e.g. '" + *no_decay_.begin() + "')";
+}
+
 std::shared_ptr<torch::optim::Optimizer> OptimizerFactory::build(const std::vector<NamedTensor>& params) {
   std::unordered_map<std::string, at::Tensor> by_name;
   for (const auto& p : params)
@@ -19,11 +78,15 @@ std::shared_ptr<torch::optim::Optimizer> OptimizerFactory::build(const std::vect
       throw RunError("the strategy named parameter '" + p.name + "' twice when building the optimizer (a strategy bug)");
   auto optimizer = model_.configure_optimizers();
   if (!optimizer) {
-    std::vector<at::Tensor> tensors;
-    tensors.reserve(params.size());
-    for (const auto& p : params) tensors.push_back(p.tensor);
-    return make_optimizer(section_, tensors);
+    std::vector<at::Tensor> decayed, undecayed;
+    decayed.reserve(params.size());
+    for (const auto& p : params) (no_decay_.count(p.name) ? undecayed : decayed).push_back(p.tensor);
+    return make_optimizer(section_, decayed, split_ ? &undecayed : nullptr);
   }
+  if (split_)
+    throw UsageError(where_ + ": model '" + model_name_ +
+                     "' builds its own optimizer (configure_optimizers), whose parameter groups set the weight decay: remove "
+                     "optimizer.no_weight_decay and no_weight_decay_1d");
   if (!optimizer->state().empty())
     throw RunError("model '" + model_name_ + "': configure_optimizers returned an optimizer that already has state; build it fresh");
   // The model's optimizer was built over its module's parameters: find each one's name.

@@ -5,6 +5,7 @@
 #include <ember/strategy.h>
 
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -15,18 +16,30 @@ namespace ember::engine {
 class OptimizerFactory final : public IOptimizerFactory {
  public:
   // `optimizer_section` is the [optimizer] table, used when the model builds no optimizer itself.
-  OptimizerFactory(IModel& model, std::string model_name, const Section& optimizer_section)
-      : model_(model), model_name_(std::move(model_name)), section_(optimizer_section) {}
+  // Built before the strategy sets the model up, while the module is whole: optimizer.no_weight_decay
+  // and no_weight_decay_1d are resolved here, over every trained parameter (names and dimensions),
+  // so that each rank later sorts its shards, slices or stages by name alone.
+  OptimizerFactory(IModel& model, std::string model_name, const Section& optimizer_section);
 
-  // [optimizer]: one param group over `params`. The model's configure_optimizers: its optimizer
-  // (built over the module's own parameters) with every parameter replaced by the tensor given
-  // for its name, so param groups and their options stay as the model made them.
+  // [optimizer]: one param group over `params`, or two when some parameters take no weight decay
+  // (both on every rank, even where one is empty, so every rank's optimizer has the same groups).
+  // The model's configure_optimizers: its optimizer (built over the module's own parameters) with
+  // every parameter replaced by the tensor given for its name, so param groups and their options
+  // stay as the model made them.
   std::shared_ptr<torch::optim::Optimizer> build(const std::vector<NamedTensor>& params) override;
+
+  // "weight decay 0.1 on 18 parameters (...); none on 9 (...)" when some parameters take none,
+  // else empty: the run logs it once.
+  const std::string& weight_decay_summary() const { return summary_; }
 
  private:
   IModel& model_;
   std::string model_name_;
   const Section& section_;
+  bool split_ = false;                 // two groups: decayed, then not
+  std::set<std::string> no_decay_;     // parameter names of the second group
+  std::string summary_;
+  std::string where_;                  // the key's place in the config
 };
 
 }  // namespace ember::engine

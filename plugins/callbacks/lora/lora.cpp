@@ -10,7 +10,6 @@
 #include <cmath>
 #include <cstring>
 #include <map>
-#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -28,6 +27,7 @@
 #include <ember/model_adapters.h>
 #include <ember/plugin.h>
 #include <ember/support/callback_base.h>
+#include <ember/support/name_patterns.h>
 
 namespace {
 
@@ -54,19 +54,6 @@ class LoraBranch final : public ember::ILinearAdapter {
   double scale_, dropout_;
   torch::nn::Module& layer_;
 };
-
-bool targets(const std::string& name, const std::vector<std::string>& patterns) {
-  for (const auto& p : patterns) {
-    if (name.size() >= p.size() && name.compare(name.size() - p.size(), p.size(), p) == 0 &&
-        (name.size() == p.size() || name[name.size() - p.size() - 1] == '.'))
-      return true;
-    try {
-      if (std::regex_match(name, std::regex(p))) return true;
-    } catch (const std::regex_error&) {
-    }
-  }
-  return false;
-}
 
 class Lora final : public ember::Callback, public ember::IModelTransform, public ember::IFrozenParameters, public ember::IAdapterExport {
  public:
@@ -100,7 +87,7 @@ class Lora final : public ember::Callback, public ember::IModelTransform, public
     const auto layers = linears->linear_layers();
     std::vector<ember::LinearLayer> chosen;
     for (const auto& l : layers)
-      if (targets(l.name, patterns_)) chosen.push_back(l);
+      if (patterns_.matches(l.name)) chosen.push_back(l);
     if (chosen.empty())
       throw ember::ConfigError(c10::str("[", section_, "] target_modules (", where_, ") matches none of model '", model_name, "''s ", layers.size(),
                                         " linear layers (e.g. ", layers.empty() ? std::string("none") : layers.front().name, ")"));
@@ -198,7 +185,7 @@ class Lora final : public ember::Callback, public ember::IModelTransform, public
   int64_t rank_;
   double alpha_, dropout_;
   bool save_frozen_;
-  std::vector<std::string> patterns_;
+  ember::NamePatterns patterns_;
   std::string where_, section_;
   std::map<std::string, ember::LinearLayer> layers_;
   bool causal_lm_ = false;

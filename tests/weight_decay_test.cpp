@@ -1,0 +1,255 @@
+// optimizer.no_weight_decay and no_weight_decay_1d: the parameters they name form a second group
+// with weight_decay = 0, for every optimizer, fused or not, on a rank holding either group alone;
+// the same weights as single_device under sharded (a directory checkpoint resumed), tensor and
+// pipeline parallelism; and bad settings are one line with their place and the fix.
+#include <gtest/gtest.h>
+
+#include <ember/error.h>
+#include <ember/model.h>
+#include <ember/support/name_patterns.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/optim/optimizer.h>
+
+#include <set>
+
+#include "checkpoint_support.h"
+#include "config/engine_schema.h"
+#include "config/run_config.h"
+#include "mesh_support.h"
+#include "runtime/optimizer_factory.h"
+#include "support.h"
+
+using namespace ember::test;
+using ember::engine::OptimizerFactory;
+using ember::engine::RawConfig;
+using ember::engine::ResolvedConfig;
+using ember::engine::UsageError;
+namespace fs = std::filesystem;
+
+namespace {
+
+// wte (10 x 4), fc (4 x 4 and its bias), ln (LayerNorm: weight and bias, 1-d).
+struct Net : torch::nn::Module {
+  Net() {
+    register_module("wte", torch::nn::Embedding(10, 4));
+    register_module("fc", torch::nn::Linear(4, 4));
+    register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({4})));
+  }
+};
+
+class NetModel final : public ember::IModel {
+ public:
+  explicit NetModel(bool own_optimizer = false) : net_(std::make_shared<Net>()), own_optimizer_(own_optimizer) {}
+  torch::nn::Module& module() override { return *net_; }
+  at::Tensor training_step(const ember::Batch&, ember::IStepContext&) override { return {}; }
+  void validation_step(const ember::Batch&, ember::IStepContext&) override {}
+  void test_step(const ember::Batch&, ember::IStepContext&) override {}
+  std::shared_ptr<torch::optim::Optimizer> configure_optimizers() override {
+    if (!own_optimizer_) return nullptr;
+    return ember::engine::make_optimizer(section_for_own(), net_->parameters());
+  }
+  std::vector<ember::NamedTensor> named() {
+    std::vector<ember::NamedTensor> out;
+    for (const auto& p : net_->named_parameters()) out.push_back({p.key(), p.value()});
+    return out;
+  }
+
+ private:
+  static const ember::engine::Section& section_for_own() {
+    static const auto rc = ResolvedConfig::resolve(RawConfig::parse("[optimizer]\nname = \"sgd\"\n", "own.toml"),
+                                                   {ember::engine::optimizer_schema()}, {});
+    return rc.section("optimizer");
+  }
+  std::shared_ptr<Net> net_;
+  bool own_optimizer_;
+};
+
+ResolvedConfig optimizer_config(const std::string& optimizer_table) {
+  return ResolvedConfig::resolve(RawConfig::parse("[optimizer]\n" + optimizer_table, "run.toml"), {ember::engine::optimizer_schema()}, {});
+}
+
+std::set<std::string> group_names(torch::optim::Optimizer& o, size_t g, NetModel& model) {
+  std::set<std::string> names;
+  for (const auto& t : o.param_groups().at(g).params())
+    for (const auto& p : model.module().named_parameters())
+      if (p.value().is_same(t)) names.insert(p.key());
+  return names;
+}
+
+std::string factory_error(const std::string& optimizer_table, bool own_optimizer = false, bool freeze_fc = false) {
+  const auto rc = optimizer_config(optimizer_table);
+  NetModel model(own_optimizer);
+  if (freeze_fc)
+    for (auto& p : model.module().named_children()["fc"]->parameters()) p.set_requires_grad(false);
+  try {
+    OptimizerFactory factory(model, "net", rc.section("optimizer"));
+    factory.build(model.named());
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+}  // namespace
+
+TEST(NamePatterns, SuffixAtADotOrAWholeRegularExpression) {
+  const ember::NamePatterns p({"bias", "mlp.c_fc", "h\\.[0-1]\\..*weight", "[unclosed"});
+  EXPECT_TRUE(p.matches("h.0.attn.c_attn.bias"));
+  EXPECT_TRUE(p.matches("bias"));
+  EXPECT_FALSE(p.matches("h.0.unbias")) << "a suffix counts at a '.' only";
+  EXPECT_TRUE(p.matches("h.3.mlp.c_fc"));
+  EXPECT_FALSE(p.matches("h.3.mlp.c_fc.weight")) << "the name's end, not a part in the middle";
+  EXPECT_TRUE(p.matches("h.1.ln_1.weight"));
+  EXPECT_FALSE(p.matches("h.2.ln_1.weight"));
+  EXPECT_TRUE(p.matches("x.[unclosed")) << "an invalid expression still matches as a suffix";
+  EXPECT_FALSE(p.matches("h.0.ln_1.weight_"));
+}
+
+// The groups: the 2-d parameters with the weight decay, the 1-d ones (or those named) without.
+TEST(WeightDecay, ExcludedParametersFormASecondGroupWithoutDecay) {
+  struct Case {
+    std::string table;
+    std::set<std::string> undecayed;
+  };
+  const std::vector<Case> cases = {
+      {"no_weight_decay_1d = true\n", {"fc.bias", "ln.weight", "ln.bias"}},
+      {"no_weight_decay = [\"bias\"]\n", {"fc.bias", "ln.bias"}},
+      {"no_weight_decay = [\"ln\\\\..*\", \"wte.weight\"]\n", {"ln.weight", "ln.bias", "wte.weight"}},
+      {"no_weight_decay = [\"wte.weight\"]\nno_weight_decay_1d = true\n", {"fc.bias", "ln.weight", "ln.bias", "wte.weight"}},
+  };
+  for (const auto& c : cases) {
+    const auto rc = optimizer_config("name = \"adamw\"\nweight_decay = 0.5\n" + c.table);
+    NetModel model;
+    OptimizerFactory factory(model, "net", rc.section("optimizer"));
+    auto o = factory.build(model.named());
+    ASSERT_EQ(o->param_groups().size(), 2u) << c.table;
+    EXPECT_EQ(group_names(*o, 1, model), c.undecayed) << c.table;
+    std::set<std::string> all;
+    for (const auto& p : model.module().named_parameters()) all.insert(p.key());
+    std::set<std::string> decayed;
+    for (const auto& n : all)
+      if (!c.undecayed.count(n)) decayed.insert(n);
+    EXPECT_EQ(group_names(*o, 0, model), decayed) << c.table;
+    EXPECT_DOUBLE_EQ(static_cast<torch::optim::AdamWOptions&>(o->param_groups()[0].options()).weight_decay(), 0.5);
+    EXPECT_DOUBLE_EQ(static_cast<torch::optim::AdamWOptions&>(o->param_groups()[1].options()).weight_decay(), 0.0);
+    EXPECT_NE(factory.weight_decay_summary().find("none on " + std::to_string(c.undecayed.size())), std::string::npos)
+        << factory.weight_decay_summary();
+  }
+  // Unset: one group, as before.
+  const auto rc = optimizer_config("name = \"adamw\"\nweight_decay = 0.5\n");
+  NetModel model;
+  OptimizerFactory factory(model, "net", rc.section("optimizer"));
+  EXPECT_EQ(factory.build(model.named())->param_groups().size(), 1u);
+  EXPECT_TRUE(factory.weight_decay_summary().empty());
+}
+
+// A step with zero gradients moves a parameter only through its weight decay: the undecayed
+// group stays exactly where it is and the decayed one moves, for each optimizer, fused or not; a
+// rank that holds one group's tensors alone (a shard, a stage) still gets both groups.
+TEST(WeightDecay, ZeroGradientStepLeavesTheUndecayedGroupWhereItIs) {
+  for (const std::string name : {"sgd", "adam", "adamw", "rmsprop", "adagrad"})
+    for (const bool fused : {true, false})
+      for (const bool only_undecayed : {false, true}) {
+        const auto rc = optimizer_config("name = \"" + name + "\"\nlr = 0.1\nweight_decay = 0.5\nno_weight_decay_1d = true\nfused = " +
+                                         (fused ? "true" : "false") + "\n");
+        const std::string what = name + (fused ? " fused" : " plain") + (only_undecayed ? ", 1-d tensors alone" : "");
+        NetModel model;
+        OptimizerFactory factory(model, "net", rc.section("optimizer"));
+        auto params = model.named();
+        if (only_undecayed) std::erase_if(params, [](const ember::NamedTensor& p) { return p.tensor.dim() >= 2; });
+        auto o = factory.build(params);
+        ASSERT_EQ(o->param_groups().size(), 2u) << what;
+        EXPECT_EQ(o->param_groups()[0].params().empty(), only_undecayed) << what;
+        std::map<std::string, at::Tensor> before;
+        for (const auto& p : params) {
+          before[p.name] = p.tensor.detach().clone();
+          p.tensor.mutable_grad() = at::zeros_like(p.tensor);
+        }
+        o->step();
+        for (const auto& p : params) {
+          if (p.tensor.dim() < 2)
+            EXPECT_TRUE(at::equal(p.tensor, before[p.name])) << what << ": " << p.name << " took weight decay";
+          else
+            EXPECT_GT((p.tensor - before[p.name]).abs().max().item<double>(), 1e-4) << what << ": " << p.name << " took none";
+        }
+      }
+}
+
+TEST(WeightDecay, BadSettingsAreOneLineWithTheirPlace) {
+  const std::string adamw = "name = \"adamw\"\nweight_decay = 0.1\n";
+  std::string e = factory_error(adamw + "no_weight_decay = [\"bias\", \"ln_f.weight\"]\n");
+  EXPECT_NE(e.find("run.toml:4:"), std::string::npos) << e;
+  EXPECT_NE(e.find("entry \"ln_f.weight\" matches none of model 'net''s 5 trained parameters ('wte.weight', 'fc.weight', 'fc.bias', "
+                   "'ln.weight', ...)"),
+            std::string::npos)
+      << e;
+  e = factory_error(adamw + "no_weight_decay = [\".*\"]\n");
+  EXPECT_NE(e.find("leaves every one of model 'net''s 5 trained parameters without weight decay: set optimizer.weight_decay = 0 instead"),
+            std::string::npos)
+      << e;
+  // Frozen parameters are not trained: a name among them alone matches nothing.
+  e = factory_error(adamw + "no_weight_decay = [\"fc.bias\"]\n", false, true);
+  EXPECT_NE(e.find("matches none of model 'net''s 3 trained parameters"), std::string::npos) << e;
+  e = factory_error("name = \"sgd\"\nno_weight_decay_1d = true\n");
+  EXPECT_NE(e.find("run.toml:3:"), std::string::npos) << e;
+  EXPECT_NE(e.find("but optimizer.weight_decay is 0: set optimizer.weight_decay"), std::string::npos) << e;
+  e = factory_error(adamw + "no_weight_decay_1d = true\n", true);
+  EXPECT_NE(e.find("builds its own optimizer (configure_optimizers)"), std::string::npos) << e;
+  // adamw's default weight decay (0.01) counts.
+  EXPECT_EQ(factory_error("name = \"adamw\"\nno_weight_decay_1d = true\n"), "no error");
+}
+
+namespace {
+
+const std::string kRun = transformer_mesh_toml(2);
+
+ProcessResult train(const TempDir& dir, std::vector<std::string> extra) {
+  write_file(dir / "run.toml", kRun);
+  std::vector<std::string> args = {"run.toml", "--set", "optimizer.weight_decay=0.5"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return run_engine_ok(dir, args, 300);
+}
+
+std::vector<std::string> ranks(const std::string& strategy, std::vector<std::string> extra) {
+  std::vector<std::string> a = {"--set", "optimizer.no_weight_decay_1d=true", "--plugins", strategy, "--set", strategy + ".timeout=60.0",
+                                "--set", "trainer.devices=2"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+class WeightDecayRanks : public ::testing::Test {
+ protected:
+  void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
+};
+
+}  // namespace
+
+// The two groups on 2 CPU ranks: each rank sorts its shards (sharded stage 3, resumed from a
+// directory of parts), slices (tensor parallel) or stage (pipeline) by name and ends with
+// single_device's weights; without the key the weights differ (the key is in effect).
+TEST_F(WeightDecayRanks, ShardsSlicesAndStagesMatchSingleDevice) {
+  TempDir single("weight_decay"), plain("weight_decay");
+  auto r = train(single, {"--set", "optimizer.no_weight_decay_1d=true"});
+  EXPECT_NE(r.err.find("optimizer: weight decay 0.5 on "), std::string::npos) << r.err;
+  train(plain, {});
+  EXPECT_GT(max_weight_difference(last_checkpoint(single), last_checkpoint(plain)).value, 1e-4) << "the key changed nothing";
+
+  TempDir sharded("weight_decay");
+  auto first = train(sharded, ranks("sharded", {"--set", "sharded.stage=3", "--set", "sharded.state_dict_type=\"sharded\"", "--set",
+                                                "trainer.max_epochs=1", "--set", "data.batch_size=6"}));
+  const fs::path saved = last_checkpoint(sharded);
+  ASSERT_TRUE(fs::is_directory(saved)) << saved;
+  TempDir resumed("weight_decay");
+  train(resumed, ranks("sharded", {"--set", "sharded.stage=3", "--set", "data.batch_size=6", "--resume", saved.string()}));
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(resumed)), 1e-5) << "sharded stage 3, resumed";
+
+  TempDir tensor("weight_decay"), stages("weight_decay");
+  train(tensor, ranks("ddp", {"--set", "parallelism.tensor_parallel=2"}));
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(tensor)), 1e-5) << "tensor parallel";
+  train(stages, ranks("ddp", {"--set", "parallelism.pipeline_parallel=2"}));
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(stages)), 1e-5) << "pipeline parallel";
+}
