@@ -125,6 +125,8 @@ TEST(Cli, BadInputExitsTwoWithOneLine) {
       {{"run.toml", "--resume", "nope.ckpt"}, "no such checkpoint file"},
       {{"run.toml", "--set", "trainer.devices=2"}, "single_device runs one process on one device"},
       {{"run.toml", "--bogus"}, "unrecognised option '--bogus'"},
+      {{"--set", "trainer.max_epochs", "3", "run.toml"}, "--set trainer.max_epochs: expected section.key=value (--set trainer.max_epochs=3, one word"},
+      {{"run.toml", "other.toml"}, "expected one config file, got 2 arguments: 'run.toml' 'other.toml'"},
       {{"run.toml", "--plugins", "fp32", "--set", "trainer.precision=\"64-true\""}, "conflicts with the precision plugin 'fp32'"},
       {{"run.toml", "--set", "trainer.limit_train_batches=1.5"}, "a float is a fraction and must be <= 1.0"},
       {{"run.toml", "--set", "data.group_by_length=true"},
