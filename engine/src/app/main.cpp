@@ -211,13 +211,13 @@ int run(int argc, char** argv) {
   if (vm.count("ckpt")) throw UsageError("--ckpt is for `engine validate|test|predict`; to continue training from a checkpoint use --resume");
   if (args.size() != 1) {
     // `--set trainer.max_epochs 3` leaves "3" behind as an argument: name the --set that lost its value.
+    // (No argument at all was answered with the usage above.)
     for (const auto& set : req.sets)
-      if (set.find('=') == std::string::npos && !args.empty())
+      if (set.find('=') == std::string::npos)
         throw UsageError("--set " + set + ": expected section.key=value (--set " + set + "=" + args.front() + ", one word, no spaces)");
     std::string given;
     for (const auto& a : args) given += " '" + a + "'";
-    throw UsageError(args.empty() ? std::string("no config file: give one (engine [options] run.toml; engine --help lists the commands)")
-                                  : "expected one config file, got " + std::to_string(args.size()) + " arguments:" + given);
+    throw UsageError("expected one config file, got " + std::to_string(args.size()) + " arguments:" + given);
   }
   req.config_path = args[0];
   // A job its agent restarted (torchrun's elastic agent, SLURM's requeue) resumes by itself from
