@@ -1,5 +1,7 @@
 #include "support.h"
 
+#include <atomic>
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -36,7 +38,9 @@ int free_port() {
 
 Running start_process(const std::vector<std::string>& argv, const fs::path& cwd,
                       const std::map<std::string, std::string>& env) {
-  fs::path out_file = cwd / ".stdout.txt", err_file = cwd / ".stderr.txt";
+  static std::atomic<int> started{0};
+  const std::string n = std::to_string(started++);
+  const fs::path out_file = cwd / (".stdout." + n + ".txt"), err_file = cwd / (".stderr." + n + ".txt");
   pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
@@ -54,7 +58,7 @@ Running start_process(const std::vector<std::string>& argv, const fs::path& cwd,
     _exit(127);
   }
   setpgid(pid, pid);
-  return Running{pid, cwd};
+  return Running{pid, cwd, out_file, err_file};
 }
 
 ProcessResult wait_process(const Running& running, int timeout_s) {
@@ -74,11 +78,10 @@ ProcessResult wait_process(const Running& running, int timeout_s) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   r.exit_code = (!r.timed_out && WIFEXITED(status)) ? WEXITSTATUS(status) : -1;
-  fs::path out_file = running.cwd / ".stdout.txt", err_file = running.cwd / ".stderr.txt";
-  r.out = read_file(out_file);
-  r.err = read_file(err_file);
-  fs::remove(out_file);
-  fs::remove(err_file);
+  r.out = read_file(running.out_file);
+  r.err = read_file(running.err_file);
+  fs::remove(running.out_file);
+  fs::remove(running.err_file);
   return r;
 }
 

@@ -30,6 +30,9 @@ ProcessResult run_process(const std::vector<std::string>& argv, const std::files
 struct Running {
   int pid = -1;
   std::filesystem::path cwd;
+  // The process's own output files: processes started in one folder (the ranks of a job) never
+  // write into each other's.
+  std::filesystem::path out_file, err_file;
 };
 Running start_process(const std::vector<std::string>& argv, const std::filesystem::path& cwd,
                       const std::map<std::string, std::string>& env = {});
