@@ -17,10 +17,9 @@ Alike on both sides:
     -> dropout(0.1) -> linear, i.e. models/bert with pooling = "mean" (which by default, unpad =
     auto, leaves the padding out of its per-token work where BertModel computes it: --ember-unpad
     false makes Ember compute it too);
-  - optimizer: AdamW(lr, weight_decay, betas 0.9/0.999, eps 1e-8) over all parameters in one group
-    (as configs/fine_foods_minilm.toml sets it: every parameter the same weight decay, biases and
-    LayerNorms too; Ember's `optimizer.no_weight_decay = ["bias", "LayerNorm.weight"]` would
-    leave those out as Hugging Face's Trainer does, not measured here);
+  - optimizer: AdamW(lr, weight_decay, betas 0.9/0.999, eps 1e-8) in two groups, Hugging Face
+    Trainer's: biases and LayerNorm weights without weight decay, the rest with it (the config's
+    `optimizer.no_weight_decay = ["bias", "LayerNorm.weight"]`; 40 tensors decay, 63 do not);
     PyTorch's default AdamW implementation (foreach) against Ember's default (ATen's fused kernel);
   - schedule: linear warmup from warmup_start_factor over `warmup` steps, then cosine to 0 over the
     run's optimizer steps (the `cosine` plugin's formula), stepped after every optimizer step;
@@ -199,7 +198,14 @@ def lightning_side(spec):
             self._step(batch, "test")
 
         def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
+            # Hugging Face Trainer's groups, as the config's optimizer.no_weight_decay sets them.
+            named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+            undecayed = [p for n, p in named if n.endswith(".bias") or n.endswith("LayerNorm.weight")]
+            decayed = [p for n, p in named if not (n.endswith(".bias") or n.endswith("LayerNorm.weight"))]
+            if (len(decayed), len(undecayed)) != (40, 63):
+                raise SystemExit(f"finetune: {len(decayed)} decayed / {len(undecayed)} undecayed tensors, Ember has 40 / 63")
+            opt = torch.optim.AdamW([{"params": decayed, "weight_decay": spec["weight_decay"]},
+                                     {"params": undecayed, "weight_decay": 0.0}], lr=spec["lr"])
             sched = torch.optim.lr_scheduler.LambdaLR(
                 opt, lambda t: lr_factor(t, spec["warmup"], steps, spec["warmup_start_factor"]))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

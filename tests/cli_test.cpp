@@ -107,6 +107,25 @@ TEST(Cli, ConfigPrintsResolvedTomlThatFeedsBack) {
   EXPECT_EQ(first.out, second.out);
 }
 
+// Every config the repository ships resolves as written (its plugins load, every key is known, every
+// value has its type) and its resolved form feeds back unchanged: a renamed key or a plugin a
+// config forgot to load fails here, not on the user's first run.
+TEST(Cli, EveryShippedConfigResolvesAsWritten) {
+  TempDir dir("cli");
+  std::vector<std::filesystem::path> configs;
+  for (const auto& e : std::filesystem::directory_iterator(source_dir() / "configs"))
+    if (e.path().extension() == ".toml") configs.push_back(e.path());
+  ASSERT_GE(configs.size(), 10u) << "configs/ lost its configs";
+  for (const auto& config : configs) {
+    auto first = run_engine({"config", config.string()}, dir.path());
+    ASSERT_EQ(first.exit_code, 0) << config << ": " << first.err;
+    write_file(dir / "resolved.toml", first.out);
+    auto second = run_engine({"config", "resolved.toml"}, dir.path());
+    ASSERT_EQ(second.exit_code, 0) << config << " resolved: " << second.err;
+    EXPECT_EQ(first.out, second.out) << config;
+  }
+}
+
 TEST(Cli, BadInputExitsTwoWithOneLine) {
   TempDir dir("cli");
   write_file(dir / "run.toml", kQuick);

@@ -30,8 +30,8 @@ OptimizerFactory::OptimizerFactory(IModel& model, std::string model_name, const 
   const bool by_dimensions = section_.get_bool("no_weight_decay_1d");
   if (entries.empty() && !by_dimensions) return;
   const std::string key = entries.empty() ? "no_weight_decay_1d" : "no_weight_decay";
-  const std::string where = section_.where(key) + ": optimizer." + key;
   where_ = section_.where(key);
+  const std::string where = where_ + ": optimizer." + key;
   const bool default_decay = section_.get_string("name") == "adamw";
   if (section_.has("weight_decay") ? section_.get_float("weight_decay") == 0.0 : !default_decay)
     throw UsageError(where + " sets which parameters take no weight decay, but optimizer.weight_decay is " + decayed_weight(section_) +
