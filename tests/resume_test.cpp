@@ -244,6 +244,36 @@ TEST(Resume, LastWithoutAnyCheckpointStartsFromScratch) {
   EXPECT_EQ(run_engine({"run.toml", "--resume", "best"}, empty.path()).exit_code, 2);
 }
 
+// A command that fails before it writes anything leaves no empty version folder behind: the next
+// run is version_0, not version_2. A run that wrote its config keeps its folder.
+TEST(Resume, FailedCommandsLeaveNoEmptyRunFolder) {
+  TempDir dir("resume");
+  write_file(dir / "run.toml", kSmall);
+  for (const char* stage : {"validate", "test"}) {
+    auto r = run_engine({stage, "--ckpt", "best", "run.toml"}, dir.path());
+    ASSERT_NE(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.err.find("no 'best' checkpoint"), std::string::npos) << r.err;
+  }
+  auto g = run_engine({"generate", "--prompt", "a", "run.toml"}, dir.path());
+  ASSERT_NE(g.exit_code, 0) << g.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "runs/run/version_0")) << "a failed command left an empty run folder";
+  auto trained = run_engine({"run.toml", "--set", "trainer.max_epochs=1"}, dir.path());
+  ASSERT_EQ(trained.exit_code, 0) << trained.err;
+  EXPECT_TRUE(std::filesystem::exists(dir / "runs/run/version_0/config.toml"));
+  // A training run that fails after writing its config keeps its folder, to be looked at. Testing
+  // "best" after a fit that saved none is an error, never version_0's best tested as this run's.
+  auto failed = run_engine({"run.toml", "--set", "trainer.max_epochs=0", "--set", "trainer.test_after_fit=true", "--set",
+                            "trainer.test_ckpt=\"best\""}, dir.path());
+  ASSERT_NE(failed.exit_code, 0) << failed.err;
+  EXPECT_NE(failed.err.find("this run saved no 'best' checkpoint in runs/run/version_1"), std::string::npos) << failed.err;
+  EXPECT_EQ(failed.err.find("version_0"), std::string::npos) << failed.err;
+  EXPECT_TRUE(std::filesystem::exists(dir / "runs/run/version_1/config.toml")) << failed.err;
+  // `engine test --ckpt best` (no fit) still finds the newest earlier run's.
+  auto tested = run_engine({"test", "--ckpt", "best", "run.toml"}, dir.path());
+  ASSERT_EQ(tested.exit_code, 0) << tested.err;
+  EXPECT_NE(tested.err.find("version_0/checkpoints"), std::string::npos) << tested.err;
+}
+
 TEST(Resume, LastNeverResolvesToAWeightsOnlyOrForeignFile) {
   // Weights-only checkpoints cannot be resumed: `last` skips them and starts from scratch.
   TempDir weights("resume");

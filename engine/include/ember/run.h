@@ -80,7 +80,8 @@ class EMBER_API Run {
 
   FitResult fit();
   // One validation / test pass. `checkpoint`: "" = the weights the run has now, "best"/"last" =
-  // the checkpoint callback's (this run's, else the newest earlier run's), or a file.
+  // the checkpoint callback's (after fit(), this run's only: an error when it saved none; without
+  // fit(), the newest earlier run's), or a file.
   MetricList validate(const std::string& checkpoint = "");
   MetricList test(const std::string& checkpoint = "");
   // Lightning's trainer.predict: writes <run_dir>/predictions.csv for data.predict_split (one row

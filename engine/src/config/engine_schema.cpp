@@ -55,7 +55,7 @@ constexpr EmberConfigKey kTrainerKeys[] = {
     Bool("enable_progress_bar", "true", "Show progress (in place on a terminal, periodic lines otherwise)."),
     Bool("enable_model_summary", "true", "Add the default model_summary callback (layer table at fit start) when none is named."),
     Bool("test_after_fit", "false", "Run the test split after fit, on the checkpoint named by test_ckpt."),
-    String("test_ckpt", "\"best\"", "Weights to test after fit: best or last checkpoint, or the weights in memory (current).").choices("best|last|current"),
+    String("test_ckpt", "\"best\"", "Weights to test after fit: this run's best or last checkpoint (an error when it saved none), or the weights in memory (current).").choices("best|last|current"),
     StringList("stop_signals", "[\"SIGINT\", \"SIGTERM\", \"SIGUSR1\"]", "Signals that stop training after the current optimizer step, save last.ckpt and exit with 128+signal (SIGUSR1: Slurm's warning before the time limit, sbatch --signal=B:USR1@120). Any of SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT, SIGXCPU."),
     Bool("slurm_requeue", "true", "In a Slurm batch job stopped by SIGUSR1 (sbatch --signal=USR1@120), rank 0 runs `scontrol requeue` once last.ckpt is saved, so the job starts again and resumes (Lightning's auto_requeue). False leaves requeueing to the job script."),
     Int("num_threads", "0", "CPU threads for LibTorch's intra-op parallelism; 0 = OMP_NUM_THREADS when set, else the CPUs this process may use (sched_getaffinity), shared by the node's CPU processes.").at_least(0),

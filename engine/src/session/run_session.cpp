@@ -258,6 +258,14 @@ auto RunSession::guarded(F&& f) -> decltype(f()) {
     loop_->notify_exception();
     finished_ = true;
     loop_->finalize("failed");
+    // A command that failed before writing anything (engine validate --ckpt best before any
+    // training, a model that cannot generate) leaves no empty version_<n> behind to shift the
+    // next run's number; fs::remove takes a folder only when it is empty.
+    if (loop_->is_global_zero()) {
+      std::error_code ec;
+      if (fs::is_empty(folder_.dir, ec) && fs::remove(folder_.dir, ec))
+        log::info("removed the empty run folder " + folder_.dir.string());
+    }
     throw;
   }
 }
@@ -289,6 +297,7 @@ FitOutcome RunSession::fit() {
     start_logging();
     if (request_.stop_signal_handlers) install_stop_signal_handlers(parse_stop_signals(plan_.config.section("trainer")));
     loop_->fit();
+    fitted_ = true;
     if ((out.stop_signal = loop_->agreed_stop_signal())) {
       finished_ = true;
       loop_->finalize("interrupted");
@@ -307,8 +316,14 @@ void RunSession::restore_weights(const std::string& checkpoint, const char* purp
   if (checkpoint.empty()) return;
   std::string path = checkpoint;
   if (checkpoint == "best" || checkpoint == "last") {
-    // This run's own checkpoint first (after fit), else the newest earlier run's.
+    // This run's own checkpoint first; a run that did not fit takes the newest earlier run's. After
+    // fit, only this run's: another run's weights, tested as this one's, would be a wrong result.
     path = loop_->locate_checkpoint(checkpoint);
+    if (path.empty() && fitted_)
+      throw RunError("this run saved no '" + checkpoint + "' checkpoint in " + folder_.dir.string() + " (it ended at step " +
+                     std::to_string(loop_->global_step()) +
+                     "; the checkpoint callback saves when its monitor is logged): evaluate the weights as they are "
+                     "(trainer.test_ckpt = \"current\") or give a checkpoint file");
     if (path.empty()) path = find_checkpoint_in_runs(runs_base(), run_version(), checkpoint, loop_->callbacks()).string();
     if (path.empty())
       throw RunError("no '" + checkpoint + "' checkpoint in " + folder_.dir.string() + " or an earlier run under " +

@@ -79,6 +79,7 @@ class RunSession {
   std::unique_ptr<TrainingLoop> loop_;
   int launcher_exit_code_ = 0;
   bool loggers_started_ = false, finished_ = false;
+  bool fitted_ = false;  // fit() trained: "best"/"last" then mean this run's checkpoints only
   std::unique_ptr<HostMemoryPeak> setup_memory_;  // from just before the model is built to the end of set-up
 };
 
