@@ -1,6 +1,7 @@
 // The command line: discovery, plugin listing and info, config printing, and the exit codes and
 // one-line errors of bad input.
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <sstream>
 
@@ -137,7 +138,8 @@ TEST(Cli, BadInputExitsTwoWithOneLine) {
       {{"run.toml", "--set", "model.name=mpl"}, "unknown plugin 'mpl' (did you mean 'mlp'?)"},
       {{"run.toml", "--plugins", "chekpoint"}, "did you mean 'checkpoint'"},
       {{"run.toml", "--set", "optimizer.lr=0"}, "optimizer.lr: must be > 0"},
-      {{"missing.toml"}, "missing.toml"},
+      {{"missing.toml"}, "missing.toml: no such config file"},
+      {{"."}, ". is a folder, not a config file: give a run's .toml file"},
       {{"run.toml", "--set", "model.name=synthetic"}, "is a data plugin, not a model plugin"},
       {{"run.toml", "--set", "trainer.precision=17"}, "unknown plugin '17'; searched"},
       {{"run.toml", "--set", "trainer.precision=\"half\""}, "trainer.precision takes 64-true, 32-true, 16-mixed"},
@@ -183,6 +185,24 @@ TEST(Cli, Float16AdamNeedsAnEpsFloat16CanHold) {
   EXPECT_NE(ok.out.find("test_loss"), std::string::npos) << ok.out;
   // fp32 parameters (16-mixed keeps them) take Adam's default.
   EXPECT_EQ(run_engine({"run.toml", "--set", "trainer.precision=\"16-mixed\"", "--set", "trainer.accelerator=\"cpu\""}, dir.path()).exit_code, 0);
+}
+
+// trainer.accelerator = "gpu" is Lightning's name for cuda: the same run as "cuda" (on this machine:
+// trained on cuda:0, or the same one-line refusal where no CUDA device is visible), never "did you
+// mean 'cpu'?".
+TEST(Cli, GpuIsLightningsNameForCuda) {
+  TempDir dir("cli_gpu");
+  write_file(dir / "run.toml", kQuick);
+  auto cuda = run_engine({"run.toml", "--set", "trainer.accelerator=\"cuda\""}, dir.path());
+  auto gpu = run_engine({"run.toml", "--set", "trainer.accelerator=\"gpu\""}, dir.path());
+  EXPECT_EQ(gpu.exit_code, cuda.exit_code) << gpu.err;
+  if (torch::cuda::is_available()) {
+    EXPECT_NE(gpu.err.find("training on cuda:0"), std::string::npos) << gpu.err;
+  } else {
+    const std::string refusal = "cuda:0 was asked for but no CUDA device is visible";
+    EXPECT_NE(cuda.err.find(refusal), std::string::npos) << cuda.err;
+    EXPECT_NE(gpu.err.find(refusal), std::string::npos) << gpu.err;
+  }
 }
 
 // trainer.cuda_graph: what cannot be captured is refused at start-up in one line, with where the

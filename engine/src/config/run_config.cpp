@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <sstream>
 
 namespace ember::engine {
@@ -254,6 +255,12 @@ RawConfig parse_raw(const std::string& path, Parse parse) {
 }  // namespace
 
 RawConfig RawConfig::load(const std::string& path) {
+  // TOML++ says "File could not be opened for reading" for a missing file, and reads a folder as
+  // an empty config (then "[model] name is required"): say what is wrong with the path.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw usage_error(path + " is a folder, not a config file: give a run's .toml file (configs/ holds examples)");
+  if (!std::filesystem::exists(path, ec)) throw usage_error(path + ": no such config file (configs/ holds examples)");
   return parse_raw(path, [&] { return toml::parse_file(path); });
 }
 

@@ -29,6 +29,7 @@ LaunchRequest Runtime::launch_request(const IConfig& trainer, const IConfig& par
   request.devices = trainer.get_int("devices");
   request.num_nodes = trainer.get_int("num_nodes");
   request.accelerator = trainer.get_string("accelerator");
+  if (request.accelerator == "gpu") request.accelerator = "cuda";  // Lightning's name for it; strategies see cuda
   request.max_restarts = trainer.get_int("max_restarts");
   request.data_parallel_replicate = parallelism.get_int("data_parallel_replicate");
   request.tensor_parallel = parallelism.get_int("tensor_parallel");
