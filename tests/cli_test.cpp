@@ -143,6 +143,7 @@ TEST(Cli, BadInputExitsTwoWithOneLine) {
       {{"run.toml", "--set", "model.name=synthetic"}, "is a data plugin, not a model plugin"},
       {{"run.toml", "--set", "trainer.precision=17"}, "unknown plugin '17'; searched"},
       {{"run.toml", "--set", "trainer.precision=\"half\""}, "trainer.precision takes 64-true, 32-true, 16-mixed"},
+      {{"run.toml", "--set", "trainer.precision=\"bf16-mixd\""}, "unknown plugin 'bf16-mixd' (did you mean 'bf16-mixed'?)"},
       {{"run.toml", "--resume", "nope.ckpt"}, "no such checkpoint file"},
       {{"run.toml", "--set", "trainer.devices=2"}, "single_device runs one process on one device"},
       {{"run.toml", "--bogus"}, "unrecognised option '--bogus'"},

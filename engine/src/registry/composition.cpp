@@ -114,7 +114,11 @@ Plan make_plan(const RunRequest& req) {
                        " is required: name the " + kind + " plugin to use (`engine plugins list` shows them)");
     const PluginInfo* info = nullptr;
     try {
-      info = &reg.load(name);
+      // A precision is suggested among the precision names, not among every plugin ("did you
+      // mean 'transformer'?" for "transformer-engine").
+      static const std::vector<std::string> precision_names = {"64-true", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true",
+                                                               "64", "32", "16", "bf16", "auto"};
+      info = &reg.load(name, kind_id == EMBER_KIND_PRECISION ? precision_names : std::vector<std::string>{});
     } catch (const UsageError& e) {
       std::string hint;
       if (kind_id == EMBER_KIND_PRECISION)

@@ -245,7 +245,7 @@ std::optional<fs::path> PluginRegistry::find_file(const std::string& name) const
   return it->second;
 }
 
-const PluginInfo& PluginRegistry::load(const std::string& name) {
+const PluginInfo& PluginRegistry::load(const std::string& name, const std::vector<std::string>& suggestions) {
   if (auto it = loaded_.find(name); it != loaded_.end()) return *it->second;
   auto file = find_file(name);
   if (!file) {
@@ -256,7 +256,7 @@ const PluginInfo& PluginRegistry::load(const std::string& name) {
       if (!searched.empty()) searched += ':';
       searched += p.string();
     }
-    throw UsageError("unknown plugin '" + name + "'" + did_you_mean(name, available()) +
+    throw UsageError("unknown plugin '" + name + "'" + did_you_mean(name, suggestions.empty() ? available() : suggestions) +
                      "; searched " + (searched.empty() ? "nothing" : searched) +
                      " (`engine plugins list` shows what is installed; add folders with --plugin-path or EMBER_PLUGIN_PATH)");
   }

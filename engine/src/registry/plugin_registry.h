@@ -49,8 +49,9 @@ class PluginRegistry {
   std::optional<std::filesystem::path> find_file(const std::string& name) const;
 
   // Loads and checks a plugin named by the user. Throws UsageError (unknown name, with a
-  // suggestion) or PluginError (refused: one line naming file, field, both values and the fix).
-  const PluginInfo& load(const std::string& name);
+  // suggestion among `suggestions`, else among every plugin found) or PluginError (refused: one
+  // line naming file, field, both values and the fix).
+  const PluginInfo& load(const std::string& name, const std::vector<std::string>& suggestions = {});
   // Loads every plugin found; refused ones are reported through `warn` and skipped.
   std::vector<const PluginInfo*> load_all(const std::function<void(const std::string&)>& warn);
 
