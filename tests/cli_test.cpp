@@ -141,7 +141,7 @@ TEST(Cli, BadInputExitsTwoWithOneLine) {
       {{"missing.toml"}, "missing.toml: no such config file"},
       {{"."}, ". is a folder, not a config file: give a run's .toml file"},
       {{"run.toml", "--set", "model.name=synthetic"}, "is a data plugin, not a model plugin"},
-      {{"run.toml", "--set", "trainer.precision=17"}, "unknown plugin '17'; searched"},
+      {{"run.toml", "--set", "trainer.precision=17"}, "unknown plugin '17' (did you mean '16'?); searched"},
       {{"run.toml", "--set", "trainer.precision=\"half\""}, "trainer.precision takes 64-true, 32-true, 16-mixed"},
       {{"run.toml", "--set", "trainer.precision=\"bf16-mixd\""}, "unknown plugin 'bf16-mixd' (did you mean 'bf16-mixed'?)"},
       {{"run.toml", "--resume", "nope.ckpt"}, "no such checkpoint file"},
