@@ -145,7 +145,9 @@ TEST(Cli, BadInputExitsTwoWithOneLine) {
       {{"run.toml", "--set", "trainer.precision=\"half\""}, "trainer.precision takes 64-true, 32-true, 16-mixed"},
       {{"run.toml", "--set", "trainer.precision=\"bf16-mixd\""}, "unknown plugin 'bf16-mixd' (did you mean 'bf16-mixed'?)"},
       {{"run.toml", "--resume", "nope.ckpt"}, "no such checkpoint file"},
-      {{"run.toml", "--set", "trainer.devices=2"}, "single_device runs one process on one device"},
+      {{"run.toml", "--set", "trainer.devices=2", "--set", "trainer.strategy=\"single_device\""}, "single_device runs one process on one device"},
+      {{"run.toml", "--set", "trainer.strategy=\"fsdp\""}, "Lightning's fsdp is Ember's sharded strategy: trainer.strategy = \"sharded\""},
+      {{"run.toml", "--set", "trainer.strategy=\"deepspeed_stage_2\""}, "trainer.strategy = \"sharded\" with sharded.stage = 2"},
       {{"run.toml", "--bogus"}, "unrecognised option '--bogus'"},
       {{"--set", "trainer.max_epochs", "3", "run.toml"}, "--set trainer.max_epochs: expected section.key=value (--set trainer.max_epochs=3, one word"},
       {{"run.toml", "other.toml"}, "expected one config file, got 2 arguments: 'run.toml' 'other.toml'"},
@@ -186,6 +188,31 @@ TEST(Cli, Float16AdamNeedsAnEpsFloat16CanHold) {
   EXPECT_NE(ok.out.find("test_loss"), std::string::npos) << ok.out;
   // fp32 parameters (16-mixed keeps them) take Adam's default.
   EXPECT_EQ(run_engine({"run.toml", "--set", "trainer.precision=\"16-mixed\"", "--set", "trainer.accelerator=\"cpu\""}, dir.path()).exit_code, 0);
+}
+
+// trainer.strategy = "auto" (the default, Lightning's): single_device on one device, ddp on more
+// ranks or in an elastic job; a strategy named in plugins wins over "auto".
+TEST(Cli, StrategyAutoPicksSingleDeviceOrDdp) {
+  TempDir dir("cli_auto_strategy");
+  write_file(dir / "run.toml", kQuick);
+  auto strategy_of = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), "config");
+    args.push_back("run.toml");
+    auto r = run_engine(args, dir.path());
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    const auto at = r.out.find("\nstrategy = '");
+    return at == std::string::npos ? std::string("none") : r.out.substr(at + 13, r.out.find('\'', at + 13) - at - 13);
+  };
+  EXPECT_EQ(strategy_of({}), "single_device");
+  EXPECT_EQ(strategy_of({"--set", "trainer.strategy=\"auto\""}), "single_device");
+  EXPECT_EQ(strategy_of({"--set", "trainer.devices=2"}), "ddp");
+  EXPECT_EQ(strategy_of({"--set", "trainer.devices=2", "--set", "trainer.num_nodes=2"}), "ddp");
+  EXPECT_EQ(strategy_of({"--set", "trainer.num_nodes=0"}), "ddp");
+  EXPECT_EQ(strategy_of({"--set", "trainer.strategy=\"auto\"", "--plugins", "sharded"}), "sharded");
+  // The 2 ranks train (CPU, loopback) and sync their gradients.
+  auto r = run_engine({"run.toml", "--set", "trainer.devices=2", "--set", "trainer.accelerator=\"cpu\""}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("ddp: starting 2 local ranks"), std::string::npos) << r.err;
 }
 
 // trainer.accelerator = "gpu" is Lightning's name for cuda: the same run as "cuda" (on this machine:

@@ -45,7 +45,7 @@ constexpr EmberConfigKey kTrainerKeys[] = {
     Int("devices", "1", "Devices (processes for ddp) per node.").at_least(1),
     Int("num_nodes", "1", "Machines taking part in the run; 0 = as many as the launcher starts (an elastic job: torchrun --nnodes=MIN:MAX, its world may change from one restart to the next).").at_least(0),
     Int("max_restarts", "0", "When a rank of a job the engine launched itself (trainer.devices = N, one node) fails, start the whole group again up to this many times; each restart resumes from the last checkpoint (torchrun's --max-restarts for Ember's own launcher; configuration errors are not retried, nor a job stopped by a signal).").at_least(0),
-    String("strategy", "\"single_device\"", "Strategy plugin: single_device, or another installed strategy."),
+    String("strategy", "\"auto\"", "Strategy plugin: auto (Lightning's: single_device for one device, ddp for more ranks), single_device, ddp, sharded, offload, or another installed strategy."),
     String("precision", "\"32-true\"", "Precision: 64-true, 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true (or 64, 32, 16, bf16), auto (the fastest the device runs well, printed at start-up), or a precision plugin name."),
     String("default_root_dir", "\"runs\"", "Folder under which runs are written: <default_root_dir>/<name>/version_<n>."),
     String("name", nullptr, "Experiment name; unset = the config file's name without extension."),

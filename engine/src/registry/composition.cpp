@@ -46,6 +46,32 @@ std::optional<bool> peek_bool(const RawConfig& raw, std::string_view section, st
   return std::nullopt;
 }
 
+std::optional<int64_t> peek_int(const RawConfig& raw, std::string_view section, std::string_view key) {
+  for (auto it = raw.overrides.rbegin(); it != raw.overrides.rend(); ++it)
+    if (it->section == section && it->key == key && it->value->is_integer()) return it->value->as_integer()->get();
+  if (auto* tbl = raw.file.get_as<toml::table>(section))
+    if (auto* v = tbl->get_as<int64_t>(key)) return v->get();
+  return std::nullopt;
+}
+
+// Lightning's strategy names that Ember spells otherwise: the one-line fix to add to "unknown plugin".
+std::string lightning_strategy_hint(const std::string& name) {
+  if (name == "fsdp" || name.starts_with("fsdp_"))
+    return "; Lightning's fsdp is Ember's sharded strategy: trainer.strategy = \"sharded\" (sharded.stage = 3, the default, "
+           "shards parameters, gradients and optimizer state as FSDP's FULL_SHARD does)";
+  if (name.starts_with("deepspeed")) {
+    if (name.ends_with("_offload") || name.ends_with("_offload_nvme"))
+      return "; Lightning's " + name + " is Ember's offload strategy: trainer.strategy = \"offload\" (docs/strategy.md)";
+    const char stage = name.size() > 16 && name.starts_with("deepspeed_stage_") ? name[16] : '3';
+    return "; Lightning's " + name + " is Ember's sharded strategy (ZeRO): trainer.strategy = \"sharded\" with sharded.stage = " +
+           std::string(1, stage);
+  }
+  if (name.starts_with("ddp_"))
+    return "; Ember's ddp starts its own processes and takes its options in [ddp] (find_unused_parameters, ...): "
+           "trainer.strategy = \"ddp\"";
+  return "";
+}
+
 std::string set_where(const RawConfig& raw, std::string_view section, std::string_view key) {
   for (auto it = raw.overrides.rbegin(); it != raw.overrides.rend(); ++it)
     if (it->section == section && it->key == key) return "--set " + it->text;
@@ -124,6 +150,7 @@ Plan make_plan(const RunRequest& req) {
       if (kind_id == EMBER_KIND_PRECISION)
         hint = "; trainer.precision takes 64-true, 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, the aliases 64, 32, "
                "16, bf16, auto, or a precision plugin's name";
+      if (kind_id == EMBER_KIND_STRATEGY) hint = lightning_strategy_hint(name);
       throw UsageError((where.empty() ? std::string("default ") + section + "." + key : where) + ": " + e.what() + hint);
     }
     if (info->descriptor->kind != kind_id)
@@ -132,6 +159,13 @@ Plan make_plan(const RunRequest& req) {
     return info;
   };
   auto strategy_cfg = plan.raw.peek_string("trainer", "strategy");
+  if (strategy_cfg && *strategy_cfg == "auto" && !strategies.empty()) strategy_cfg.reset();  // the plugin named in plugins
+  if ((!strategy_cfg || *strategy_cfg == "auto") && strategies.empty()) {
+    // Lightning's strategy "auto" (the default): one process on one device, ddp for more ranks or
+    // an elastic job (num_nodes = 0, whose size the launcher decides).
+    const int64_t devices = peek_int(plan.raw, "trainer", "devices").value_or(1), nodes = peek_int(plan.raw, "trainer", "num_nodes").value_or(1);
+    strategy_cfg = defaults::auto_strategy(nodes == 0 ? 2 : devices * nodes);
+  }
   auto precision_cfg = plan.raw.peek_string("trainer", "precision");
   if (precision_cfg && *precision_cfg == "auto") {
     const auto choice = choose_auto_precision(
@@ -223,7 +257,8 @@ Plan make_plan(const RunRequest& req) {
   // The resolved config names the strategy and precision actually chosen, so that feeding it
   // back (without --plugins) runs the same plugins.
   const auto& t = plan.config.section("trainer");
-  if (t.get_string("strategy") != plan.strategy->name) plan.config.set("trainer", "strategy", plan.strategy->name, "--plugins");
+  if (t.get_string("strategy") != plan.strategy->name)
+    plan.config.set("trainer", "strategy", plan.strategy->name, strategies.empty() ? "auto" : "--plugins");
   if (precision_plugin_for(t.get_string("precision")) != plan.precision->name)
     plan.config.set("trainer", "precision", plan.precision->name, plan.auto_precision_note.empty() ? "--plugins" : "auto");
   if (max_time) plan.config.set("timer", "duration", *max_time, set_where(plan.raw, "trainer", "max_time"));

@@ -8,8 +8,8 @@
 
 namespace ember::engine::defaults {
 
-inline constexpr const char* kStrategy = "single_device";        // trainer.strategy unset
-inline constexpr const char* kMultiRankStrategy = "ddp";         // "auto" with more than one rank (Fabric)
+inline constexpr const char* kStrategy = "single_device";        // trainer.strategy "auto" (the default) with one rank
+inline constexpr const char* kMultiRankStrategy = "ddp";         // "auto" with more than one rank
 inline constexpr const char* kPrecision = "fp32";                // trainer.precision unset
 inline constexpr const char* kLogger = "csv";                    // trainer.logger = true and no logger named
 inline constexpr const char* kCheckpointCallback = "checkpoint";  // trainer.enable_checkpointing = true
