@@ -191,7 +191,8 @@ TEST(Cli, Float16AdamNeedsAnEpsFloat16CanHold) {
 }
 
 // trainer.strategy = "auto" (the default, Lightning's): single_device on one device, ddp on more
-// ranks or in an elastic job; a strategy named in plugins wins over "auto".
+// ranks or in an elastic job; a strategy named in plugins wins over "auto". trainer.devices =
+// "auto" counts the visible GPUs.
 TEST(Cli, StrategyAutoPicksSingleDeviceOrDdp) {
   TempDir dir("cli_auto_strategy");
   write_file(dir / "run.toml", kQuick);
@@ -209,6 +210,18 @@ TEST(Cli, StrategyAutoPicksSingleDeviceOrDdp) {
   EXPECT_EQ(strategy_of({"--set", "trainer.devices=2", "--set", "trainer.num_nodes=2"}), "ddp");
   EXPECT_EQ(strategy_of({"--set", "trainer.num_nodes=0"}), "ddp");
   EXPECT_EQ(strategy_of({"--set", "trainer.strategy=\"auto\"", "--plugins", "sharded"}), "sharded");
+  // devices = "auto" / -1 (Lightning's): every visible GPU, 1 on a CPU; the resolved config says how many.
+  const int64_t visible = torch::cuda::is_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 1;
+  for (const char* all : {"trainer.devices=\"auto\"", "trainer.devices=-1"}) {
+    auto r = run_engine({"config", "--set", all, "run.toml"}, dir.path());
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.out.find("\ndevices = " + std::to_string(visible) + "\n"), std::string::npos) << all << "\n" << r.out;
+    EXPECT_EQ(strategy_of({"--set", all}), visible > 1 ? "ddp" : "single_device") << all;
+    auto cpu = run_engine({"config", "--set", all, "--set", "trainer.accelerator=\"cpu\"", "run.toml"}, dir.path());
+    EXPECT_NE(cpu.out.find("\ndevices = 1\n"), std::string::npos) << all << " on the cpu\n" << cpu.out;
+  }
+  auto zero = run_engine({"config", "--set", "trainer.devices=0", "run.toml"}, dir.path());
+  EXPECT_EQ(zero.exit_code, 2) << zero.err;
   // The 2 ranks train (CPU, loopback) and sync their gradients.
   auto r = run_engine({"run.toml", "--set", "trainer.devices=2", "--set", "trainer.accelerator=\"cpu\""}, dir.path());
   ASSERT_EQ(r.exit_code, 0) << r.err;

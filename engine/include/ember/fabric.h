@@ -47,9 +47,9 @@ class MetricCollection;
 namespace ember {
 
 struct FabricOptions {
-  std::string accelerator = "auto";   // auto | cpu | cuda
-  // A strategy plugin's name (single_device, ddp, dp, sharded, offload, ...); "auto": ddp when
-  // devices x num_nodes > 1, else single_device.
+  std::string accelerator = "auto";   // auto | cpu | cuda (gpu: Lightning's name for cuda)
+  // A strategy plugin's name (single_device, ddp, sharded, offload, ...); "auto": ddp when
+  // devices x num_nodes > 1, else single_device (the engine's trainer.strategy = "auto").
   std::string strategy = "auto";
   // Lightning's strings (64-true, 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, the aliases
   // 64/32/16/bf16, auto) or a precision plugin's name.

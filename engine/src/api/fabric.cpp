@@ -19,7 +19,6 @@
 #include <iterator>
 
 #include "common/log.h"
-#include "registry/defaults.h"
 #include "runtime/accelerator.h"
 #include "session/run_folder.h"
 #include "config/run_request.h"
@@ -92,10 +91,9 @@ engine::Plan plan_for(const FabricOptions& o) {
   if (o.tensor_parallel > 1 && !o.parallelize)
     throw ConfigError("FabricOptions.tensor_parallel = " + std::to_string(o.tensor_parallel) +
                       " needs FabricOptions.parallelize, the program's plan that splits the module (docs/parallelism.md)");
-  std::string strategy = o.strategy;
-  if (strategy == "auto") strategy = engine::defaults::auto_strategy(o.devices * o.num_nodes);
+  // "auto" is resolved by make_plan, as for the engine's runs.
   req.sets = {"trainer.accelerator=" + toml_string(o.accelerator),
-              "trainer.strategy=" + toml_string(strategy),
+              "trainer.strategy=" + toml_string(o.strategy),
               "trainer.precision=" + toml_string(o.precision),
               "trainer.devices=" + std::to_string(o.devices),
               "trainer.num_nodes=" + std::to_string(o.num_nodes),

@@ -322,6 +322,20 @@ void RawConfig::bool_as_integer(const std::string& section, const std::string& k
       o.value = std::make_shared<toml::value<int64_t>>(o.value->as_boolean()->get() ? 1 : 0);
 }
 
+void RawConfig::rewrite_as_integer(const std::string& section, const std::string& key,
+                                   const std::function<std::optional<int64_t>(const toml::node&)>& to) {
+  if (auto* tbl = file.get_as<toml::table>(section))
+    if (auto* n = tbl->get(key))
+      if (const auto value = to(*n)) {
+        const auto source = n->source();
+        tbl->insert_or_assign(key, toml::value<int64_t>(*value));
+        if (auto* m = tbl->get(key)) const_cast<toml::source_region&>(m->source()) = source;
+      }
+  for (auto& o : overrides)
+    if (o.section == section && o.key == key)
+      if (const auto value = to(*o.value)) o.value = std::make_shared<toml::value<int64_t>>(*value);
+}
+
 std::vector<std::string> RawConfig::plugin_list() const {
   std::vector<std::string> out;
   const toml::node* n = file.get("plugins");

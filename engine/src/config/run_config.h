@@ -6,6 +6,7 @@
 #include <ember/error.h>
 #include <ember/library.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -64,6 +65,10 @@ struct RawConfig {
   // Rewrites a boolean value of section.key as 1 / 0, for integer keys that take Lightning's
   // boolean shorthand (fast_dev_run = true).
   void bool_as_integer(const std::string& section, const std::string& key);
+  // Replaces a value of section.key (file and overrides) by the integer `to` returns for it, where
+  // it returns one (devices = "auto" -> the visible GPUs); file positions are kept.
+  void rewrite_as_integer(const std::string& section, const std::string& key,
+                          const std::function<std::optional<int64_t>(const toml::node&)>& to);
 };
 
 // One validated section; implements the SDK's IConfig for the plugin that owns it.

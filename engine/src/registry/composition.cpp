@@ -93,6 +93,11 @@ Plan make_plan(const RunRequest& req) {
   for (const auto& s : req.sets) plan.raw.add_override(s);
   plan.raw.integer_as_string("trainer", "precision");  // Lightning's precision = 16 / 32 / 64
   plan.raw.bool_as_integer("trainer", "fast_dev_run");  // Lightning's fast_dev_run = true (1 batch)
+  // Lightning's devices = "auto" / -1: every visible device of the accelerator (1 on a CPU).
+  plan.raw.rewrite_as_integer("trainer", "devices", [&](const toml::node& n) -> std::optional<int64_t> {
+    if (!(n.is_string() && n.as_string()->get() == "auto") && !(n.is_integer() && n.as_integer()->get() == -1)) return std::nullopt;
+    return visible_devices(plan.raw.peek_string("trainer", "accelerator").value_or("auto"));
+  });
   plan.registry = std::make_unique<PluginRegistry>(PluginRegistry::default_search_paths(req.plugin_paths));
   auto& reg = *plan.registry;
 

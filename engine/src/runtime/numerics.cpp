@@ -12,6 +12,7 @@
 #include <string>
 
 #include "config/run_config.h"
+#include "runtime/accelerator.h"
 
 namespace ember::engine {
 
@@ -74,6 +75,13 @@ PrecisionChoice choose_auto_precision(const DeviceForPrecision& d) {
     return {"bf16-mixed", std::string("the CPU has ") + (d.cpu.amx_bf16 ? "AMX-BF16" : "AVX512-BF16") +
                               " (native bfloat16 matrix math)"};
   return {"32-true", "the CPU has no AVX512-BF16/AMX, where bf16-mixed runs several times slower than 32-true"};
+}
+
+int64_t visible_devices(const std::string& accelerator) {
+  if (accelerator == "cpu") return 1;
+  for (const auto* a : all_accelerators())
+    if (a->device_type() != c10::DeviceType::CPU && a->is_available() && a->device_count() > 0) return a->device_count();
+  return 1;
 }
 
 DeviceForPrecision detect_device_for_precision(const std::string& accelerator) {

@@ -57,4 +57,7 @@ namespace ember::engine {
 // The device a run with trainer.accelerator = `accelerator` trains on, as choose_auto_precision
 // needs it (CUDA device 0 when CUDA is chosen; ranks of one job see the same kind of device).
 DeviceForPrecision detect_device_for_precision(const std::string& accelerator);
+// How many devices trainer.devices = "auto" / -1 means with trainer.accelerator = `accelerator`:
+// every visible CUDA device, else 1 (one process on the CPU).
+int64_t visible_devices(const std::string& accelerator);
 }  // namespace ember::engine
