@@ -150,7 +150,21 @@ SectionSchema make(const char* name, const char* description, const EmberConfigK
 }  // namespace
 
 SectionSchema trainer_schema() {
-  return make("trainer", "the loop (Lightning's Trainer flags)", kTrainerKeys, std::size(kTrainerKeys));
+  SectionSchema s = make("trainer", "the loop (Lightning's Trainer flags)", kTrainerKeys, std::size(kTrainerKeys));
+  // Lightning's Trainer flags that are not [trainer] keys here, and what to write instead.
+  s.elsewhere = {
+      {"callbacks", "callbacks are plugins: name them in the top-level plugins = [\"early_stopping\", ...] or --plugins"},
+      {"plugins", "plugins are named at the top level of the file (plugins = [...], before any [section]) or with --plugins"},
+      {"profiler", "profilers are callback plugins: --plugins simple_profiler (Lightning's \"simple\") or torch_profiler (\"pytorch\")"},
+      {"barebones", "set logger = false, enable_checkpointing = false, enable_progress_bar = false, enable_model_summary = false "
+                    "and num_sanity_val_steps = 0 (what Lightning's barebones turns off)"},
+      {"inference_mode", "Ember always evaluates without autograd (no_grad); remove the key"},
+      {"use_distributed_sampler", "Ember's data plugins always deal the samples to the data-parallel ranks themselves; remove the key"},
+      {"sync_batchnorm", "Ember has no SyncBatchNorm: each rank normalises over its own batch, and ddp.broadcast_buffers (on by "
+                         "default) gives every rank rank 0's running statistics; remove the key"},
+      {"reload_dataloaders_every_n_epochs", "Ember's data plugins reshuffle every epoch and are not rebuilt; remove the key"},
+  };
+  return s;
 }
 SectionSchema parallelism_schema() {
   return make("parallelism", "the device mesh: how the run's ranks split the data and the model", kParallelismKeys,

@@ -464,13 +464,14 @@ ResolvedConfig ResolvedConfig::resolve(const RawConfig& raw, std::vector<Section
         std::string key(k.str());
         if (!schema->find(key))
           throw usage_error(position(node, path) + ": " + schema->name + "." + key + ": unknown key" +
-                           did_you_mean(key, key_names) + "; `engine config` lists the valid keys");
+                           (schema->elsewhere.count(key) ? "; " + schema->elsewhere.at(key)
+                                                         : did_you_mean(key, key_names) + "; `engine config` lists the valid keys"));
       }
     }
     for (const auto& o : raw.overrides)
       if (o.section == schema->name && !schema->find(o.key))
         throw usage_error("--set " + o.text + ": unknown key '" + o.key + "' in [" + schema->name + "]" +
-                         did_you_mean(o.key, key_names));
+                         (schema->elsewhere.count(o.key) ? "; " + schema->elsewhere.at(o.key) : did_you_mean(o.key, key_names)));
 
     for (const auto& k : schema->keys) {
       Section::Entry entry;

@@ -37,6 +37,9 @@ struct SectionSchema {
   std::string name;         // table name in run.toml
   std::string description;  // what the section configures (shown by `engine config`)
   std::vector<KeySchema> keys;
+  // Keys users bring from another tool (Lightning's Trainer flags) that Ember takes elsewhere:
+  // key -> what to write instead, added to the "unknown key" error.
+  std::map<std::string, std::string> elsewhere;
   const KeySchema* find(std::string_view key) const;
 };
 
