@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -134,6 +135,57 @@ TEST(CheckpointRun, StepAndEpochTriggersAndTheRunsOwnConfigTrainsAgain) {
   EXPECT_EQ(resolved.find("\nevery_n_epochs ="), std::string::npos) << resolved;
   auto again = run_engine({"runs/run/version_0/config.toml", "--set", "trainer.default_root_dir=\"again\""}, dir.path());
   EXPECT_EQ(again.exit_code, 0) << again.err;
+}
+
+// Lightning's train_time_interval: a save every so much training time, right after an optimizer
+// step, with the other triggers off. Each step sleeps 0.15 s (the sleeper test plugin), so with
+// an interval of 0.5 s a save comes at the latest 4 steps after the previous one: at least 3 in 12
+// steps, and never one per step. On 2 ranks rank 0's clock decides for both (no hang, the same
+// files). Bad values and a second trigger are one line.
+TEST(CheckpointRun, TrainTimeIntervalSavesByTrainingTime) {
+  TempDir dir("ckpt_time");
+  write_file(dir / "run.toml", tiny_mlp_run(3, "batch_size = 8\n[checkpoint]\ntrain_time_interval = \"00:00:00:0.5\"\nsave_top_k = -1\n"
+                                               "[sleeper]\nseconds = [0.15]\n"));
+  const std::vector<std::string> common = {"run.toml", "--plugin-path", test_plugin_dir("good").string(), "--plugins", "sleeper",
+                                           "--set", "trainer.accelerator=\"cpu\""};
+  auto steps_saved = [&](const std::string& version) {
+    std::vector<int> steps;
+    for (const auto& e : std::filesystem::directory_iterator(dir / "runs/run" / version / "checkpoints")) {
+      const std::string n = e.path().filename().string();
+      if (const auto at = n.find("step="); at != std::string::npos) steps.push_back(std::stoi(n.substr(at + 5)));
+    }
+    std::sort(steps.begin(), steps.end());
+    return steps;
+  };
+  for (const char* devices : {"1", "2"}) {
+    auto args = common;
+    // 2 ranks: twice the samples, so each rank also takes 12 steps (4 an epoch).
+    args.insert(args.end(), {"--set", std::string("trainer.devices=") + devices, "--set",
+                             std::string("data.num_train=") + (devices[0] == '1' ? "32" : "64")});
+    auto r = run_engine(args, dir.path());
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto steps = steps_saved(std::string("version_") + (devices[0] == '1' ? "0" : "1"));
+    std::string list;
+    for (int st : steps) list += std::to_string(st) + " ";
+    EXPECT_GE(steps.size(), 3u) << devices << " device(s): saved at steps " << list;
+    EXPECT_LT(steps.size(), 12u) << devices << " device(s): saved at steps " << list;
+    for (size_t i = 0; i < steps.size(); ++i)
+      EXPECT_LE(steps[i] - (i ? steps[i - 1] : 0), 4) << devices << " device(s): saved at steps " << list;
+  }
+  struct Case {
+    std::string set, expect;
+  } cases[] = {
+      {"checkpoint.train_time_interval=\"00:30:00\"", "expected DD:HH:MM:SS (4 fields), got 3; write it as \"DD:HH:MM:SS\""},
+      {"checkpoint.every_n_train_steps=2", "train_time_interval and every_n_train_steps are mutually exclusive"},
+      {"checkpoint.every_n_epochs=1", "train_time_interval and every_n_epochs are mutually exclusive"},
+  };
+  for (const auto& c : cases) {
+    auto args = common;
+    args.insert(args.end(), {"--set", c.set});
+    auto r = run_engine(args, dir.path());
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find(c.expect), std::string::npos) << c.expect << "\n" << r.err;
+  }
 }
 
 TEST(CheckpointFile, AtomicWriteSurvivesAKilledWriter) {

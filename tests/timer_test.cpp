@@ -12,17 +12,17 @@
 
 #include "callback_runs.h"
 #include "checkpoint_support.h"
-#include "duration.h"
+#include <ember/support/duration.h>
 
 using namespace ember::test;
 using namespace ember::test::callback_runs;
 
 TEST(TimerDuration, ParsesDaysHoursMinutesSeconds) {
-  EXPECT_DOUBLE_EQ(ember_timer::parse_duration("00:12:00:00"), 12 * 3600.0);
-  EXPECT_DOUBLE_EQ(ember_timer::parse_duration("01:00:01:02.5"), 86400 + 62.5);
-  EXPECT_THROW(ember_timer::parse_duration("12:00:00"), std::invalid_argument);
-  EXPECT_THROW(ember_timer::parse_duration("00:x:00:00"), std::invalid_argument);
-  EXPECT_THROW(ember_timer::parse_duration("00:00:00:00"), std::invalid_argument);
+  EXPECT_DOUBLE_EQ(ember::parse_duration("00:12:00:00"), 12 * 3600.0);
+  EXPECT_DOUBLE_EQ(ember::parse_duration("01:00:01:02.5"), 86400 + 62.5);
+  EXPECT_THROW(ember::parse_duration("12:00:00"), std::invalid_argument);
+  EXPECT_THROW(ember::parse_duration("00:x:00:00"), std::invalid_argument);
+  EXPECT_THROW(ember::parse_duration("00:00:00:00"), std::invalid_argument);
 }
 
 TEST(TimerRun, StopsAfterTheDurationAndCountsTimeBeforeAResume) {

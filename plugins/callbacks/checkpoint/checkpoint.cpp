@@ -7,6 +7,7 @@
 // save, the file work, the state_dict and the checkpoint locator.
 #include <ember/callback.h>
 #include <ember/support/callback_base.h>
+#include <ember/support/duration.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>
@@ -18,6 +19,7 @@
 #include <torch/serialize.h>  // torch::pickle_load
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -71,6 +73,9 @@ constexpr EmberConfigKey kKeys[] = {
         "Save top-k every N training epochs (0 = never by epoch); unset = 1, or 0 when every_n_train_steps > 0.").at_least(0),
     ember::key::Int("every_n_train_steps", "0",
         "Save top-k every N optimizer steps (0 = off); excludes an explicitly set every_n_epochs, like Lightning.").at_least(0),
+    ember::key::String("train_time_interval", nullptr,
+        "Save top-k every this much training time, \"DD:HH:MM:SS\" (e.g. \"00:00:30:00\"), right after an optimizer step; "
+        "rank 0's clock decides. Excludes every_n_epochs and every_n_train_steps, like Lightning."),
     ember::key::Bool("save_weights_only", "false",
         "Write only the model weights (no optimizer, loop or callback state: such a file cannot resume a run)."),
     ember::key::Bool("auto_insert_metric_name", "true",
@@ -150,6 +155,21 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
       config_error(cfg, "save_top_k",
                    "save_top_k = " + std::to_string(save_top_k_) + " needs a monitor to rank checkpoints",
                    "set " + cfg.section() + ".monitor (e.g. \"val_loss\") or use save_top_k = -1 (all), 0 or 1 (the latest)");
+    }
+    // Lightning's time trigger excludes the other two and, given alone, turns saving by epoch off.
+    if (cfg.has("train_time_interval")) {
+      const std::string text = cfg.get_string("train_time_interval");
+      try {
+        train_time_interval_ = ember::parse_duration(text);
+      } catch (const std::invalid_argument& e) {
+        config_error(cfg, "train_time_interval", "train_time_interval = \"" + text + "\": " + e.what(),
+                     "write it as \"DD:HH:MM:SS\", e.g. \"00:00:30:00\" for 30 minutes");
+      }
+      const char* other = every_n_train_steps_ > 0 ? "every_n_train_steps" : cfg.has("every_n_epochs") && every_n_epochs_ > 0 ? "every_n_epochs" : nullptr;
+      if (other)
+        config_error(cfg, "train_time_interval", std::string("train_time_interval and ") + other + " are mutually exclusive",
+                     std::string("remove one of them (train_time_interval alone turns saving by epoch off)"));
+      every_n_epochs_ = 0;
     }
     // Lightning: the step and epoch triggers are mutually exclusive; giving only the step trigger
     // turns the epoch trigger off (its default of 1 applies only when it is alone).
@@ -279,6 +299,8 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     training_ = true;
     // Nothing to save before the first step; after a resume the current step is already on disk.
     last_global_step_saved_ = trainer.global_step();
+    last_time_checked_step_ = trainer.global_step();
+    last_time_save_ = Clock::now();  // train_time_interval counts from the start of training
     validation_has_run_ = false;
     warned_missing_monitor_ = false;
   }
@@ -291,7 +313,8 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
 
   void on_train_batch_end(ember::ITrainer& trainer) override {
     if (skip(trainer)) return;
-    if (every_n_train_steps_ < 1 || trainer.global_step() % every_n_train_steps_ != 0) return;
+    const bool by_steps = every_n_train_steps_ >= 1 && trainer.global_step() % every_n_train_steps_ == 0;
+    if (!by_steps && !time_due(trainer)) return;
     begin_saves(trainer);
     save_topk(trainer);
     save_last(trainer);
@@ -312,6 +335,21 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
  private:
   // Never while sanity checking, and never twice for the same optimizer step (the epoch end
   // right after a step-triggered save, or micro-batches of one accumulated step).
+  // train_time_interval: whether this batch, the first after an optimizer step (a save between
+  // the batches of an accumulation would not resume exactly), ends the interval. Ranks' clocks
+  // differ and a save may be collective (sharded), so rank 0's clock decides for every rank.
+  bool time_due(ember::ITrainer& trainer) {
+    if (train_time_interval_ <= 0 || trainer.global_step() == last_time_checked_step_) return false;
+    last_time_checked_step_ = trainer.global_step();
+    const auto now = Clock::now();
+    const bool mine = trainer.is_global_zero() && std::chrono::duration<double>(now - last_time_save_).count() >= train_time_interval_;
+    const bool due = trainer.world_size() == 1
+                         ? mine
+                         : ember::trainer_service<ember::ITrainerCollectives>(trainer, "checkpoint (train_time_interval)").any_rank(mine);
+    if (due) last_time_save_ = now;
+    return due;
+  }
+
   bool skip(const ember::ITrainer& trainer) const {
     return trainer.sanity_checking() || last_global_step_saved_ == trainer.global_step();
   }
@@ -549,6 +587,10 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   bool warned_missing_monitor_ = false;
   bool restored_ = false;
   bool training_ = false;  // between on_train_start and on_train_end
+  using Clock = std::chrono::steady_clock;
+  double train_time_interval_ = 0;  // seconds; 0 = no time trigger
+  Clock::time_point last_time_save_{};
+  int64_t last_time_checked_step_ = -1;
   std::optional<SavedState> pending_;  // state loaded before setup()
   std::vector<StepSave> step_saves_;   // async: this step's saves, written together by end_saves()
 };

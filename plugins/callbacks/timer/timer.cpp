@@ -16,7 +16,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "duration.h"
+#include <ember/support/duration.h>
 
 namespace {
 
@@ -49,7 +49,7 @@ class Timer final : public ember::Callback {
                                "[timer] duration = \"00:12:00:00\"");
     text_ = cfg.get_string("duration");
     try {
-      duration_ = ember_timer::parse_duration(text_);
+      duration_ = ember::parse_duration(text_);
     } catch (const std::invalid_argument& e) {
       throw ember::ConfigError("timer.duration = \"" + text_ + "\" (" + cfg.where("duration") + "): " + e.what() +
                                "; write it as \"DD:HH:MM:SS\", e.g. \"00:01:30:00\" for 90 minutes");

@@ -1,5 +1,6 @@
-// "DD:HH:MM:SS" -> seconds (Lightning's Timer(duration="00:12:00:00")). The last field may have
-// a fraction ("00:00:00:1.5"). Throws std::invalid_argument with what is wrong.
+// "DD:HH:MM:SS" -> seconds, Lightning's way of writing a time span (Timer(duration="00:12:00:00"),
+// the timer's duration and trainer.max_time; the checkpoint callback's train_time_interval). The
+// last field may have a fraction ("00:00:00:1.5"). Throws std::invalid_argument with what is wrong.
 #pragma once
 #include <cmath>
 #include <cstdlib>
@@ -7,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace ember_timer {
+namespace ember {
 
 inline double parse_duration(const std::string& text) {
   std::vector<std::string> parts;
@@ -37,4 +38,4 @@ inline double parse_duration(const std::string& text) {
   return total;
 }
 
-}  // namespace ember_timer
+}  // namespace ember
