@@ -36,21 +36,15 @@ namespace {
 
 const std::set<std::string> kEngineSections = {"trainer", "model", "data", "optimizer", "parallelism", "metrics", "plugins"};
 
-
-
-std::optional<bool> peek_bool(const RawConfig& raw, std::string_view section, std::string_view key) {
+// A raw bool or integer value (override first, then file) before validation, to pick plugins;
+// nullopt when unset or of another type (the validation then says what is wrong).
+template <class T>
+std::optional<T> peek(const RawConfig& raw, std::string_view section, std::string_view key) {
   for (auto it = raw.overrides.rbegin(); it != raw.overrides.rend(); ++it)
-    if (it->section == section && it->key == key && it->value->is_boolean()) return it->value->as_boolean()->get();
+    if (it->section == section && it->key == key)
+      if (auto* v = it->value->template as<T>()) return v->get();
   if (auto* tbl = raw.file.get_as<toml::table>(section))
-    if (auto* v = tbl->get_as<bool>(key)) return v->get();
-  return std::nullopt;
-}
-
-std::optional<int64_t> peek_int(const RawConfig& raw, std::string_view section, std::string_view key) {
-  for (auto it = raw.overrides.rbegin(); it != raw.overrides.rend(); ++it)
-    if (it->section == section && it->key == key && it->value->is_integer()) return it->value->as_integer()->get();
-  if (auto* tbl = raw.file.get_as<toml::table>(section))
-    if (auto* v = tbl->get_as<int64_t>(key)) return v->get();
+    if (auto* v = tbl->get_as<T>(key)) return v->get();
   return std::nullopt;
 }
 
@@ -168,7 +162,7 @@ Plan make_plan(const RunRequest& req) {
   if ((!strategy_cfg || *strategy_cfg == "auto") && strategies.empty()) {
     // Lightning's strategy "auto" (the default): one process on one device, ddp for more ranks or
     // an elastic job (num_nodes = 0, whose size the launcher decides).
-    const int64_t devices = peek_int(plan.raw, "trainer", "devices").value_or(1), nodes = peek_int(plan.raw, "trainer", "num_nodes").value_or(1);
+    const int64_t devices = peek<int64_t>(plan.raw, "trainer", "devices").value_or(1), nodes = peek<int64_t>(plan.raw, "trainer", "num_nodes").value_or(1);
     strategy_cfg = defaults::auto_strategy(nodes == 0 ? 2 : devices * nodes);
   }
   auto precision_cfg = plan.raw.peek_string("trainer", "precision");
@@ -197,15 +191,15 @@ Plan make_plan(const RunRequest& req) {
   else plan.data = choose(EMBER_KIND_DATA, datas, "data", "name", plan.raw.peek_string("data", "name"), "");
 
   // Defaults, as Lightning's logger=True / enable_checkpointing=True.
-  if (plan.loggers.empty() && req.provided.loggers.empty() && peek_bool(plan.raw, "trainer", "logger").value_or(true))
+  if (plan.loggers.empty() && req.provided.loggers.empty() && peek<bool>(plan.raw, "trainer", "logger").value_or(true))
     plan.loggers.push_back(&reg.load(defaults::kLogger));
   bool has_checkpoint = std::any_of(plan.callbacks.begin(), plan.callbacks.end(), [](auto* p) { return p->name == defaults::kCheckpointCallback; });
-  if (!has_checkpoint && peek_bool(plan.raw, "trainer", "enable_checkpointing").value_or(true))
+  if (!has_checkpoint && peek<bool>(plan.raw, "trainer", "enable_checkpointing").value_or(true))
     plan.callbacks.push_back(&reg.load(defaults::kCheckpointCallback));
   // enable_model_summary adds the model_summary callback (Lightning's default ModelSummary); a
   // model_summary named explicitly is used as configured.
   bool has_summary = std::any_of(plan.callbacks.begin(), plan.callbacks.end(), [](auto* p) { return p->name == defaults::kSummaryCallback; });
-  if (!has_summary && peek_bool(plan.raw, "trainer", "enable_model_summary").value_or(true))
+  if (!has_summary && peek<bool>(plan.raw, "trainer", "enable_model_summary").value_or(true))
     plan.callbacks.push_back(&reg.load(defaults::kSummaryCallback));
 
   // trainer.max_time adds the timer callback (Lightning adds its Timer). A timer named as well
