@@ -158,6 +158,22 @@ TEST_F(Ddp, KilledRankEndsTheJobWithinTheTimeout) {
   EXPECT_LT(seconds, 10.0 + 25.0) << r.err;
 }
 
+// The launcher, not rank 0, hosts the rendezvous store of a job without a fixed port (a port picked
+// free and bound later by rank 0 could be taken in between by another process on the machine). So
+// the store outlives a dead rank 0, and the rank left waiting for it names it.
+TEST_F(Ddp, DeadRankZeroIsNamedThroughTheLaunchersStore) {
+  TempDir dir("ddp");
+  write_file(dir / "run.toml", kRun);
+  auto r = run_engine({"--plugins", "ddp,chaos", "--plugin-path", test_plugin_dir("good").string(), "run.toml", "--set", "trainer.devices=2",
+                       "--set", "ddp.timeout=6.0", "--set", "chaos.rank=0", "--set", "chaos.step=3"},
+                      dir.path(), {}, 120);
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("ddp launcher: the job failed: rank 0 (pid"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("ddp: rank 1: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank(s) 0 never reached it"), std::string::npos) << r.err;
+}
+
 // A peer that never starts: rank 0 of a torchrun-style group of 2 stops within its timeout with
 // one line that says which step of the MPI join it waited in (the only clue when a join hangs).
 TEST_F(Ddp, MissingPeerIsNamedWithTheJoinStepWithinTheTimeout) {

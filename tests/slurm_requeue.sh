@@ -33,7 +33,19 @@ wait_for() {  # wait_for <seconds> <what> <command...>
   for ((i = 0; i < limit * 5; ++i)); do "$@" && return 0; sleep 0.2; done
   fail "$what (waited ${limit} s)"
 }
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# A free port below the kernel's ephemeral range (as tests/support.cpp's free_port): no port the
+# system hands out to another process can take it before the daemon binds it.
+free_port() {
+  python3 -c 'import random, socket
+for _ in range(200):
+    p = random.randint(20000, 31999)
+    try:
+        socket.socket().bind(("127.0.0.1", p))
+    except OSError:
+        continue
+    print(p)
+    break'
+}
 
 head -c 1024 /dev/urandom > munge.key; chmod 600 munge.key
 munged --foreground --force --key-file="$work/munge.key" --socket="$work/munge.sock" --pid-file="$work/munged.pid" \
@@ -41,13 +53,15 @@ munged --foreground --force --key-file="$work/munge.key" --socket="$work/munge.s
 wait_for 10 "munged did not start" test -S "$work/munge.sock"
 
 user=$(id -un); host=$(hostname -s)
+ctld_port=$(free_port)
+while slurmd_port=$(free_port); [ "$slurmd_port" = "$ctld_port" ]; do :; done
 cat > slurm.conf <<CONF
 ClusterName=ember-test
 SlurmctldHost=$host(127.0.0.1)
 SlurmUser=$user
 SlurmdUser=$user
-SlurmctldPort=$(free_port)
-SlurmdPort=$(free_port)
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
 AuthInfo=socket=$work/munge.sock
 StateSaveLocation=$work/state
 SlurmdSpoolDir=$work/spool

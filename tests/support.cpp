@@ -25,15 +25,23 @@ namespace fs = std::filesystem;
 namespace ember::test {
 
 int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
+  // Below the kernel's ephemeral range (32768-60999 by default), so no port the system hands out
+  // (a connect's local port, a bind to port 0: the engine's own rendezvous stores) can take it
+  // between this check and the rank that binds it; only another test's pick could, one in 12,000.
+  static std::mt19937 pick(std::random_device{}());
+  std::uniform_int_distribution<int> ports(20000, 31999);
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int port = ports(pick);
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    close(fd);
+    if (free) return port;
+  }
+  throw std::runtime_error("no free TCP port in 20000-31999 on the loopback");
 }
 
 Running start_process(const std::vector<std::string>& argv, const fs::path& cwd,

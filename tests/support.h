@@ -44,7 +44,8 @@ ProcessResult run_engine(const std::vector<std::string>& args, const std::filesy
                          const std::map<std::string, std::string>& env = {}, int timeout_s = 300);
 
 std::filesystem::path engine_path();
-// A TCP port on the loopback that was free a moment ago (for a rendezvous the test sets up).
+// A TCP port on the loopback that was free a moment ago, outside the range the system hands out
+// (for a rendezvous the test sets up, as torchrun would).
 int free_port();
 std::filesystem::path test_plugin_dir(const std::string& which);  // "good" or "bad"
 std::filesystem::path source_dir();

@@ -42,7 +42,7 @@ constexpr EmberConfigKey kTrainerKeys[] = {
          "Lightning's detect_anomaly: autograd's anomaly detection for the run (torch.autograd.set_detect_anomaly): a backward that "
          "produces NaN stops with the operation that made it. Slow: for debugging."),
     String("accelerator", "\"auto\"", "Device type: cuda when available, else cpu (auto), or force one (gpu: cuda, Lightning's name).").choices("auto|cpu|cuda|gpu"),
-    Int("devices", "1", "Devices (processes for ddp) per node; \"auto\" or -1 (Lightning's): every visible GPU, 1 on a CPU.").at_least(1),
+    Int("devices", "1", "Devices (processes for ddp) per node; \"auto\" or -1 (Lightning's): every visible GPU, 1 on a CPU. To pick GPUs, set CUDA_VISIBLE_DEVICES (e.g. 0,2) and devices to their count.").at_least(1),
     Int("num_nodes", "1", "Machines taking part in the run; 0 = as many as the launcher starts (an elastic job: torchrun --nnodes=MIN:MAX, its world may change from one restart to the next).").at_least(0),
     Int("max_restarts", "0", "When a rank of a job the engine launched itself (trainer.devices = N, one node) fails, start the whole group again up to this many times; each restart resumes from the last checkpoint (torchrun's --max-restarts for Ember's own launcher; configuration errors are not retried, nor a job stopped by a signal).").at_least(0),
     String("strategy", "\"auto\"", "Strategy plugin: auto (Lightning's: single_device for one device, ddp for more ranks), single_device, ddp, sharded, offload, or another installed strategy."),

@@ -490,9 +490,12 @@ ResolvedConfig ResolvedConfig::resolve(const RawConfig& raw, std::vector<Section
       }
       if (entry.value) {
         if (auto err = check_value(k, *entry.value); !err.empty()) {
-          std::string where = over ? entry.where : entry.where;
-          throw usage_error(where + ": " + schema->name + "." + k.key + ": " + err +
-                           (entry.where == "default" ? " (a bug in the plugin's schema)" : ""));
+          // A value of the wrong type says what the key takes (its help): "all" for devices, say.
+          const bool wrong_type = err.rfind("expected ", 0) == 0 || err.rfind("element expected ", 0) == 0;
+          throw usage_error(entry.where + ": " + schema->name + "." + k.key + ": " + err +
+                            (entry.where == "default" ? " (a bug in the plugin's schema)"
+                             : wrong_type && !k.help.empty() ? " -- " + k.help
+                                                             : ""));
         }
       }
       section->entries()[k.key] = std::move(entry);

@@ -3,11 +3,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -91,6 +88,7 @@ std::optional<RankInfo> rank_from_environment() {
     info.local_world = env_int_or("LOCAL_WORLD_SIZE", info.world);
     info.agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
     info.restart_count = env("TORCHELASTIC_RESTART_COUNT").value_or("0");
+    info.launcher_store = env("EMBER_LAUNCHER_STORE").value_or("") == "1";
   } else if (auto r = env("OMPI_COMM_WORLD_RANK"), w = env("OMPI_COMM_WORLD_SIZE"); r && w) {
     info.source = "mpirun";
     info.rank = env_int("OMPI_COMM_WORLD_RANK", *r);
@@ -124,24 +122,6 @@ std::optional<RankInfo> rank_from_environment() {
   return info;
 }
 
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error((strategy_name() + ": socket: ") + std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const std::string why = std::strerror(errno);
-    close(fd);
-    throw std::runtime_error(strategy_name() + ": cannot find a free port: " + why);
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
   if (interrupted) *interrupted = false;
   // The children's environment: ours plus a torchrun-style rank environment.
@@ -150,7 +130,7 @@ int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
     std::string kv(*e);
     const std::string key = kv.substr(0, kv.find('='));
     if (key == "RANK" || key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "LOCAL_WORLD_SIZE" || key == "GROUP_RANK" ||
-        key == "MASTER_ADDR" || key == "MASTER_PORT" || key == "EMBER_RESTART_COUNT")
+        key == "MASTER_ADDR" || key == "MASTER_PORT" || key == "EMBER_RESTART_COUNT" || key == "EMBER_LAUNCHER_STORE")
       continue;
     base.push_back(std::move(kv));
   }
@@ -180,6 +160,7 @@ int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
     envs.push_back("MASTER_ADDR=" + l.master_addr);
     envs.push_back("MASTER_PORT=" + std::to_string(l.master_port));
     if (l.restart_count > 0) envs.push_back("EMBER_RESTART_COUNT=" + std::to_string(l.restart_count));
+    if (l.launcher_store) envs.push_back("EMBER_LAUNCHER_STORE=1");
     std::vector<char*> envp, argv;
     for (auto& s : envs) envp.push_back(s.data());
     envp.push_back(nullptr);
@@ -290,13 +271,29 @@ int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
   return 0;
 }
 
+c10::intrusive_ptr<c10d::TCPStore> host_launcher_store(const std::string& master_addr, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions opts;
+  opts.port = 0;  // the system picks a free one, and it stays ours
+  opts.isServer = true;
+  opts.waitWorkers = false;
+  opts.multiTenant = true;
+  opts.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(master_addr, opts);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    throw std::runtime_error(strategy_name() + ": the launcher cannot host the rendezvous store at " + master_addr + ": " +
+                             what.substr(0, what.find('\n')) + " (set [" + strategy_name() + "] master_addr to an address of this machine)");
+  }
+}
+
 c10::intrusive_ptr<c10d::Store> make_store(const RankInfo& info, std::chrono::milliseconds timeout) {
   if (info.master_addr.empty() || info.master_port <= 0)
     throw std::runtime_error(strategy_name() + ": rank " + std::to_string(info.rank) + " of " + std::to_string(info.world) + " (started by " +
                              info.source + ") has no rendezvous address: set MASTER_ADDR and MASTER_PORT, or ["+ strategy_name() + "] master_addr and master_port");
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<uint16_t>(info.master_port);
-  opts.isServer = info.rank == 0 && !info.agent_store;
+  opts.isServer = info.rank == 0 && !info.agent_store && !info.launcher_store;
   opts.waitWorkers = false;
   opts.multiTenant = true;
   opts.timeout = timeout;

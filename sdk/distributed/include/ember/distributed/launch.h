@@ -2,6 +2,7 @@
 // launcher (trainer.devices = N), the TCPStore rendezvous and the joining of an MPI group.
 #pragma once
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
 #include <optional>
@@ -33,6 +34,7 @@ struct RankInfo {
   std::string master_addr;     // empty: none given
   int master_port = 0;
   bool agent_store = false;    // torchrun hosts the store (TORCHELASTIC_USE_AGENT_STORE)
+  bool launcher_store = false; // Ember's local launcher hosts the store (EMBER_LAUNCHER_STORE)
   std::string restart_count;   // TORCHELASTIC_RESTART_COUNT
 };
 
@@ -46,6 +48,7 @@ struct LocalLaunch {
   int nprocs = 1, node_rank = 0, world = 1;
   std::string master_addr;
   int master_port = 0;
+  bool launcher_store = false;  // the launcher hosts the store at master_port (host_launcher_store): rank 0 joins it as a client
   std::chrono::milliseconds timeout{0};
   int restart_count = 0;  // the attempt (trainer.max_restarts): the ranks see EMBER_RESTART_COUNT
 };
@@ -56,10 +59,13 @@ struct LocalLaunch {
 // user or the scheduler, not a failure to retry).
 int run_local_ranks(const LocalLaunch& launch, bool* interrupted = nullptr);
 
-// A free TCP port on this machine (for a single-node store).
-int free_port();
+// The rendezvous store of a single-node job without a fixed port, hosted by the local launcher on
+// a port the system picks (getPort()), and kept open until its ranks end. A port picked free and
+// bound later by rank 0 could be taken in between by any process on the machine: rank 0 would fail
+// with EADDRINUSE, or the other ranks would reach someone else's store.
+c10::intrusive_ptr<c10d::TCPStore> host_launcher_store(const std::string& master_addr, std::chrono::milliseconds timeout);
 
-// The rendezvous store: rank 0 hosts it unless torchrun's agent does.
+// The rendezvous store: rank 0 hosts it unless torchrun's agent or Ember's local launcher does.
 c10::intrusive_ptr<c10d::Store> make_store(const RankInfo& info, std::chrono::milliseconds timeout);
 
 }  // namespace ember_dist
