@@ -343,6 +343,18 @@ TEST(Cli, MissingDataFileNamesPathAndPackage) {
   EXPECT_NE(r.err.find("dataset-fashion-mnist"), std::string::npos) << r.err;
 }
 
+// `engine generate` with a model that cannot generate says so before it looks for the checkpoint:
+// that the run has no 'last' checkpoint yet must not be what the user hears about (nor a large
+// checkpoint be loaded first).
+TEST(Cli, GenerateRefusesAModelThatCannotBeforeReadingTheCheckpoint) {
+  TempDir dir("cli");
+  write_file(dir / "run.toml", synthetic_mlp_toml({.accelerator = "cpu"}));
+  auto r = run_engine({"generate", "--ckpt", "last", "--prompt", "a", "run.toml"}, dir.path());
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("model 'mlp' cannot generate text"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("checkpoint"), std::string::npos) << r.err;
+}
+
 TEST(Cli, EndToEndRunWritesLogsCheckpointsAndTestsBest) {
   TempDir dir("cli");
   write_file(dir / "run.toml", std::string(kQuick) + "\n[checkpoint]\nmonitor = \"val_loss\"\n");

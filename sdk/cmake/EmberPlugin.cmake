@@ -21,6 +21,30 @@ function(ember_sdk_set_build_defines target)
   set_property(TARGET ${target} APPEND PROPERTY INTERFACE_COMPILE_DEFINITIONS EMBER_CUDA_VERSION=${cuda})
 endfunction()
 
+# Out of tree, a project that builds several plugins can parse LibTorch's headers once for all of
+# them: with EMBER_PLUGIN_PCH=ON, the first ember_add_plugin precompiles <torch/torch.h> in a
+# target of its own (ember_plugin_pch) and every plugin of the project reuses it. Off by default:
+# for one plugin of one source file, precompiling costs more than it saves. In tree, the engine's
+# own precompiled header (ember_use_pch) serves every plugin instead.
+option(EMBER_PLUGIN_PCH "Share one precompiled LibTorch header among this project's plugins" OFF)
+function(_ember_plugin_pch target)
+  if(NOT TARGET ember_plugin_pch)
+    set(src "${CMAKE_BINARY_DIR}/ember_plugin_pch.cpp")
+    if(NOT EXISTS "${src}")
+      file(WRITE "${src}" "// The object that carries the shared precompiled LibTorch header (EMBER_PLUGIN_PCH).\n")
+    endif()
+    add_library(ember_plugin_pch STATIC "${src}")
+    target_link_libraries(ember_plugin_pch PRIVATE Ember::sdk)
+    # The flags the plugins compile with (GCC refuses a precompiled header built with others).
+    set_target_properties(ember_plugin_pch PROPERTIES POSITION_INDEPENDENT_CODE ON
+      CXX_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON)
+    target_precompile_headers(ember_plugin_pch PRIVATE <torch/torch.h>)
+  endif()
+  target_precompile_headers(${target} REUSE_FROM ember_plugin_pch)
+  # Say so when the compiler ignores the header (different flags), rather than go slow silently.
+  target_compile_options(${target} PRIVATE $<$<CXX_COMPILER_ID:GNU>:-Winvalid-pch>)
+endfunction()
+
 # ember_add_plugin(<name> SOURCES <files...> [LIBRARIES <libs...>] [OUTPUT_DIRECTORY <dir>]
 #                  [DEFINITIONS <defs...>] [NO_INSTALL])
 # Builds lib<name>.so with hidden visibility; only the descriptor symbol is exported.
@@ -54,6 +78,8 @@ function(ember_add_plugin name)
   endif()
   if(COMMAND ember_use_pch)
     ember_use_pch(${target})
+  elseif(EMBER_PLUGIN_PCH)
+    _ember_plugin_pch(${target})
   endif()
   if(NOT ARG_NO_INSTALL)
     install(TARGETS ${target} LIBRARY DESTINATION ${EMBER_PLUGIN_INSTALL_DIR})

@@ -11,9 +11,14 @@
 
 namespace ember::engine {
 
-std::string TrainingLoop::generate(const GenerationOptions& options, std::ostream& out) {
+void TrainingLoop::check_can_generate() {
   if (world_size() > 1)
     throw UsageError("engine generate runs on one process: set trainer.devices = 1 and trainer.num_nodes = 1");
+  language_model_pair(*plugins_.model.object, plugins_.model.name, *plugins_.data.object, plugins_.data.name);
+}
+
+std::string TrainingLoop::generate(const GenerationOptions& options, std::ostream& out) {
+  check_can_generate();
   const auto lm = language_model_pair(*plugins_.model.object, plugins_.model.name, *plugins_.data.object, plugins_.data.name);
   auto& model = *lm.model;
   auto& tokenizer = *lm.tokenizer;

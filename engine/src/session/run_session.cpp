@@ -368,6 +368,8 @@ fs::path RunSession::predict(const std::string& checkpoint) {
 std::string RunSession::generate(const std::string& checkpoint, const GenerationOptions& options, std::ostream& out) {
   return guarded([&] {
     loop_->begin_stage(Stage::predict);
+    // A model that cannot generate is refused before its checkpoint is read (which can take long).
+    loop_->check_can_generate();
     if (checkpoint.empty()) log::warn("no --ckpt: generating with the model as set up (untrained, unless it loaded pretrained weights)");
     restore_weights(checkpoint, "generating with");
     std::string text = loop_->generate(options, out);

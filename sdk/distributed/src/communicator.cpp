@@ -128,10 +128,10 @@ bool Communicator::launch_local(const ember::LaunchRequest& request, int* exit_c
     l.restart_count = attempt;
     // A fixed port: rank 0 hosts the store. Otherwise this launcher does, a fresh one for every
     // attempt, on a port held from the moment it is picked until the ranks end.
-    c10::intrusive_ptr<c10d::TCPStore> store;
+    ember_dist::LauncherStore store;
     if (master_port_ == 0) store = ember_dist::host_launcher_store(l.master_addr, timeout_);
-    l.master_port = store ? static_cast<int>(store->getPort()) : master_port_;
-    l.launcher_store = static_cast<bool>(store);
+    l.launcher_store = static_cast<bool>(store.store);
+    l.master_port = l.launcher_store ? store.port : master_port_;
     host_.log(ember::LogLevel::info, name_ + ": starting " + std::to_string(l.nprocs) + " local ranks (node " + std::to_string(l.node_rank) +
                                          " of " + std::to_string(request.num_nodes) + ", rendezvous " + l.master_addr + ":" +
                                          std::to_string(l.master_port) + ")" +

@@ -271,7 +271,7 @@ int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
   return 0;
 }
 
-c10::intrusive_ptr<c10d::TCPStore> host_launcher_store(const std::string& master_addr, std::chrono::milliseconds timeout) {
+LauncherStore host_launcher_store(const std::string& master_addr, std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions opts;
   opts.port = 0;  // the system picks a free one, and it stays ours
   opts.isServer = true;
@@ -279,7 +279,9 @@ c10::intrusive_ptr<c10d::TCPStore> host_launcher_store(const std::string& master
   opts.multiTenant = true;
   opts.timeout = timeout;
   try {
-    return c10::make_intrusive<c10d::TCPStore>(master_addr, opts);
+    auto store = c10::make_intrusive<c10d::TCPStore>(master_addr, opts);
+    const int port = static_cast<int>(store->getPort());
+    return {std::move(store), port};
   } catch (const std::exception& e) {
     const std::string what = e.what();
     throw std::runtime_error(strategy_name() + ": the launcher cannot host the rendezvous store at " + master_addr + ": " +

@@ -2,7 +2,6 @@
 // launcher (trainer.devices = N), the TCPStore rendezvous and the joining of an MPI group.
 #pragma once
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
 #include <optional>
@@ -63,7 +62,11 @@ int run_local_ranks(const LocalLaunch& launch, bool* interrupted = nullptr);
 // a port the system picks (getPort()), and kept open until its ranks end. A port picked free and
 // bound later by rank 0 could be taken in between by any process on the machine: rank 0 would fail
 // with EADDRINUSE, or the other ranks would reach someone else's store.
-c10::intrusive_ptr<c10d::TCPStore> host_launcher_store(const std::string& master_addr, std::chrono::milliseconds timeout);
+struct LauncherStore {
+  c10::intrusive_ptr<c10d::Store> store;  // the TCPStore server; the port is held while it lives
+  int port = 0;
+};
+LauncherStore host_launcher_store(const std::string& master_addr, std::chrono::milliseconds timeout);
 
 // The rendezvous store: rank 0 hosts it unless torchrun's agent or Ember's local launcher does.
 c10::intrusive_ptr<c10d::Store> make_store(const RankInfo& info, std::chrono::milliseconds timeout);
