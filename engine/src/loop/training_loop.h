@@ -89,9 +89,10 @@ class TrainingLoop final : public ITrainer,
   // decoded (one process; the model needs ICausalLanguageModel, the data ITokenizer). Returns
   // the text generated after the prompt.
   std::string generate(const GenerationOptions& options, std::ostream& out);
-  // Throws the one-line error `generate` would (more than one process, a model that cannot
-  // generate, data without a tokenizer): called before a checkpoint is loaded for it.
-  void check_can_generate();
+  // The model and tokenizer `generate` uses, or the one-line error it would throw (more than one
+  // process, a model that cannot generate, data without a tokenizer): called before a checkpoint
+  // is loaded for it.
+  LanguageModelPair check_can_generate();
   // Lightning's trainer.validate/test/predict around their run: begin_stage calls the setup hooks
   // with stage() = `stage` (before the checkpoint is restored, as Lightning does), end_stage the
   // teardown hooks (after a successful run; a failure gets on_exception instead).

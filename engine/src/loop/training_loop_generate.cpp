@@ -11,15 +11,14 @@
 
 namespace ember::engine {
 
-void TrainingLoop::check_can_generate() {
+LanguageModelPair TrainingLoop::check_can_generate() {
   if (world_size() > 1)
     throw UsageError("engine generate runs on one process: set trainer.devices = 1 and trainer.num_nodes = 1");
-  language_model_pair(*plugins_.model.object, plugins_.model.name, *plugins_.data.object, plugins_.data.name);
+  return language_model_pair(*plugins_.model.object, plugins_.model.name, *plugins_.data.object, plugins_.data.name);
 }
 
 std::string TrainingLoop::generate(const GenerationOptions& options, std::ostream& out) {
-  check_can_generate();
-  const auto lm = language_model_pair(*plugins_.model.object, plugins_.model.name, *plugins_.data.object, plugins_.data.name);
+  const auto lm = check_can_generate();
   auto& model = *lm.model;
   auto& tokenizer = *lm.tokenizer;
   const int64_t end = tokenizer.end_of_text_id();
