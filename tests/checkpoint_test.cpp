@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint_support.h"
 #include "filename_template.h"
 #include "support.h"
 #include "topk.h"
@@ -135,6 +136,73 @@ TEST(CheckpointRun, StepAndEpochTriggersAndTheRunsOwnConfigTrainsAgain) {
   EXPECT_EQ(resolved.find("\nevery_n_epochs ="), std::string::npos) << resolved;
   auto again = run_engine({"runs/run/version_0/config.toml", "--set", "trainer.default_root_dir=\"again\""}, dir.path());
   EXPECT_EQ(again.exit_code, 0) << again.err;
+}
+
+// The checkpoint files' names in a run's checkpoints folder, sorted.
+std::vector<std::string> checkpoint_names(const TempDir& dir, const std::string& version) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir / "runs/run" / version / "checkpoints")) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Lightning's save_on_train_epoch_end, unset: a save after every validation that runs in
+// mid-epoch (val_check_interval < 1), at the epoch's end when validation runs there, and never
+// at the end of an epoch without validation (check_val_every_n_epoch > 1: its val_loss would be
+// the previous epoch's, a stale score in the top k). A save after a mid-epoch validation resumes
+// exactly. The end of training is saved all the same (last.ckpt). true saves at every epoch end
+// only; false with no validation to save after is an error.
+TEST(CheckpointRun, SavesAfterEachValidationLikeLightning) {
+  TempDir dir("ckpt_val");
+  write_file(dir / "run.toml", tiny_mlp_run(2, "batch_size = 8\nnum_val = 16\n[checkpoint]\nmonitor = \"val_loss\"\nsave_top_k = -1\n"
+                                               "filename = \"{epoch}-{step}\"\n"));
+  const std::vector<std::string> every_half = {"run.toml", "--set", "trainer.val_check_interval=0.5"};
+  run_engine_ok(dir, every_half);  // version_0: 4 batches an epoch, validation after batches 2 and 4
+  EXPECT_EQ(checkpoint_names(dir, "version_0"),
+            (std::vector<std::string>{"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt",
+                                      "last.ckpt"}));
+  auto resume = every_half;
+  resume.insert(resume.end(), {"--resume", (dir / "runs/run/version_0/checkpoints/epoch=0-step=2.ckpt").string()});
+  run_engine_ok(dir, resume);  // version_1
+  expect_identical_weights(dir / "runs/run/version_0/checkpoints/last.ckpt", dir / "runs/run/version_1/checkpoints/last.ckpt");
+  EXPECT_EQ(checkpoint_names(dir, "version_1"),
+            (std::vector<std::string>{"epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"}));
+
+  auto at_epoch_end = every_half;
+  at_epoch_end.insert(at_epoch_end.end(), {"--set", "checkpoint.save_on_train_epoch_end=true"});
+  run_engine_ok(dir, at_epoch_end);  // version_2
+  EXPECT_EQ(checkpoint_names(dir, "version_2"), (std::vector<std::string>{"epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"}));
+
+  run_engine_ok(dir, {"run.toml", "--set", "trainer.max_epochs=4", "--set", "trainer.check_val_every_n_epoch=2"});  // version_3
+  EXPECT_EQ(checkpoint_names(dir, "version_3"), (std::vector<std::string>{"epoch=1-step=8.ckpt", "epoch=3-step=16.ckpt", "last.ckpt"}));
+
+  // The last epoch (2) does not validate: its end is still saved, as last.ckpt only (its val_loss
+  // would be epoch 1's).
+  run_engine_ok(dir, {"run.toml", "--set", "trainer.max_epochs=3", "--set", "trainer.check_val_every_n_epoch=2"});  // version_4
+  EXPECT_EQ(checkpoint_names(dir, "version_4"), (std::vector<std::string>{"epoch=1-step=8.ckpt", "last.ckpt"}));
+  EXPECT_EQ(ember::engine::load_checkpoint_file(dir / "runs/run/version_4/checkpoints/last.ckpt").at("global_step").toInt(), 12);
+
+  auto nothing = run_engine({"run.toml", "--set", "data.num_val=0", "--set", "checkpoint.monitor=\"\"", "--set",
+                             "checkpoint.save_on_train_epoch_end=false"},
+                            dir.path());
+  EXPECT_EQ(nothing.exit_code, 2) << nothing.err;
+  EXPECT_NE(nothing.err.find("checkpoint.save_on_train_epoch_end (--set checkpoint.save_on_train_epoch_end=false): false saves after "
+                             "each validation, and this run has no validation"),
+            std::string::npos)
+      << nothing.err;
+}
+
+// enable_version_counter = false (Lightning): a name that is taken is overwritten instead of
+// getting a -v1, -v2 ... suffix.
+TEST(CheckpointRun, VersionCounterOffOverwritesTheSameName) {
+  TempDir dir("ckpt_version");
+  write_file(dir / "run.toml", tiny_mlp_run(3, "batch_size = 8\nnum_val = 16\n[checkpoint]\nsave_top_k = -1\nfilename = \"model\"\n"));
+  run_engine_ok(dir, {"run.toml"});
+  EXPECT_EQ(checkpoint_names(dir, "version_0"), (std::vector<std::string>{"last.ckpt", "model-v1.ckpt", "model-v2.ckpt", "model.ckpt"}));
+  run_engine_ok(dir, {"run.toml", "--set", "checkpoint.enable_version_counter=false"});
+  EXPECT_EQ(checkpoint_names(dir, "version_1"), (std::vector<std::string>{"last.ckpt", "model.ckpt"}));
+  // The one model.ckpt holds the last epoch's weights.
+  expect_identical_weights(dir / "runs/run/version_1/checkpoints/model.ckpt", dir / "runs/run/version_1/checkpoints/last.ckpt");
 }
 
 // Lightning's train_time_interval: a save every so much training time, right after an optimizer

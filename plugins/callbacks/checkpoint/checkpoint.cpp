@@ -76,6 +76,11 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::String("train_time_interval", nullptr,
         "Save top-k every this much training time, \"DD:HH:MM:SS\" (e.g. \"00:00:30:00\"), right after an optimizer step; "
         "rank 0's clock decides. Excludes every_n_epochs and every_n_train_steps, like Lightning."),
+    ember::key::Bool("save_on_train_epoch_end", nullptr,
+        "Save by epoch at the end of each training epoch (true) or after each validation (false); unset = Lightning's choice: "
+        "after each validation that runs in mid-epoch or every few epochs, at the epoch's end when validation runs there or not at all."),
+    ember::key::Bool("enable_version_counter", "true",
+        "Give a file whose name is taken a -v1, -v2 ... suffix (true) or overwrite it (false)."),
     ember::key::Bool("save_weights_only", "false",
         "Write only the model weights (no optimizer, loop or callback state: such a file cannot resume a run)."),
     ember::key::Bool("auto_insert_metric_name", "true",
@@ -146,7 +151,12 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
         auto_insert_metric_name_(cfg.get_bool("auto_insert_metric_name")),
         verbose_(cfg.get_bool("verbose")),
         async_(cfg.get_bool("async")),
+        enable_version_counter_(cfg.get_bool("enable_version_counter")),
         topk_(parse_mode(cfg), save_top_k_) {
+    if (cfg.has("save_on_train_epoch_end")) {
+      save_on_train_epoch_end_ = cfg.get_bool("save_on_train_epoch_end");
+      save_on_train_epoch_end_where_ = cfg.section() + ".save_on_train_epoch_end (" + cfg.where("save_on_train_epoch_end") + ")";
+    }
     const std::string dir = cfg.get_string("dirpath");
     if (!dir.empty()) dirpath_cfg_ = absolute_dir(dir);
 
@@ -287,6 +297,14 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   }
 
   void on_fit_start(ember::ITrainer& trainer) override {
+    // Saving only after validation, in a run without validation and without a step or time
+    // trigger, would save nothing at all: say so before training rather than after.
+    if (save_on_train_epoch_end_ == false && trainer.num_batches(ember::Split::val) == 0 && every_n_train_steps_ == 0 &&
+        train_time_interval_ <= 0 && (save_top_k_ != 0 || save_last_)) {
+      throw ember::ConfigError(save_on_train_epoch_end_where_ +
+                            ": false saves after each validation, and this run has no validation (no validation batches), so no "
+                            "checkpoint would be saved; set it to true or leave it out, or give the data a validation split");
+    }
     // Lightning warns here: files from another run may be mistaken for this run's (or deleted).
     std::error_code ec;
     if (!restored_ && save_top_k_ != 0 && trainer.is_global_zero() && fs::is_directory(dirpath_, ec) &&
@@ -307,11 +325,30 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
 
   void on_train_end(ember::ITrainer&) override { training_ = false; }
 
+  // Saving by epoch, Lightning's rule (save_on_train_epoch_end unset): after each validation that
+  // runs in mid-epoch (val_check_interval < 1) or every few epochs, then the monitored metric is
+  // fresh; at the end of the epoch when validation runs right before it (then the epoch's
+  // training metrics are there too) or when there is no validation. Never at the end of an epoch
+  // whose validation was skipped (check_val_every_n_epoch > 1): its val_loss would be the
+  // previous epoch's, ranked again as a new checkpoint. true / false force one of the two.
+  void on_train_epoch_start(ember::ITrainer&) override {
+    last_train_batch_ = -1;
+    validated_at_epoch_end_ = false;
+  }
+
   void on_validation_end(ember::ITrainer& trainer) override {
-    if (!trainer.sanity_checking()) validation_has_run_ = true;
+    if (trainer.sanity_checking()) return;
+    validation_has_run_ = true;
+    if (!training_ || save_on_train_epoch_end_ == true) return;  // engine validate, or saving at epoch ends only
+    if (!save_on_train_epoch_end_ && last_train_batch_ + 1 == trainer.num_training_batches()) {
+      validated_at_epoch_end_ = true;  // on_train_epoch_end follows and saves
+      return;
+    }
+    save_by_epoch(trainer, true);
   }
 
   void on_train_batch_end(ember::ITrainer& trainer) override {
+    last_train_batch_ = trainer.batch_idx();
     if (skip(trainer)) return;
     const bool by_steps = every_n_train_steps_ >= 1 && trainer.global_step() % every_n_train_steps_ == 0;
     if (!by_steps && !time_due(trainer)) return;
@@ -323,16 +360,38 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
 
   void on_train_epoch_end(ember::ITrainer& trainer) override {
     // Runs after the model's on_train_epoch_end, with this epoch's validation metrics in place.
-    if (skip(trainer)) return;
-    const bool topk = every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0;
-    if (!topk && !save_last_) return;
-    begin_saves(trainer);
-    if (topk) save_topk(trainer);
-    save_last(trainer);  // Lightning: every_n_epochs does not throttle last.ckpt
-    end_saves(trainer);
+    const bool validated = validated_at_epoch_end_;
+    validated_at_epoch_end_ = false;
+    if (save_on_train_epoch_end_) {
+      if (*save_on_train_epoch_end_) save_by_epoch(trainer, true);
+      return;
+    }
+    if (validated || trainer.num_batches(ember::Split::val) == 0) return save_by_epoch(trainer, true);
+    // Training ends here without a validation right before (a stop asked for in mid-epoch, a
+    // signal, the last epoch of check_val_every_n_epoch > 1): its end is still saved, so that
+    // `--resume last` continues from it, but a monitored value would be an older validation's and
+    // is not ranked again. Without a monitor the top-k files are the latest ones: this is one.
+    if (ends_training(trainer)) save_by_epoch(trainer, monitor_.empty());
   }
 
  private:
+  static bool ends_training(const ember::ITrainer& trainer) {
+    return trainer.stop_requested() || (trainer.max_steps() > 0 && trainer.global_step() >= trainer.max_steps()) ||
+           (trainer.max_epochs() > 0 && trainer.current_epoch() + 1 >= trainer.max_epochs());
+  }
+
+  // The saves by epoch: top-k every every_n_epochs epochs (when `rank` allows it), last.ckpt every
+  // time (Lightning: every_n_epochs does not throttle last.ckpt).
+  void save_by_epoch(ember::ITrainer& trainer, bool rank) {
+    if (skip(trainer)) return;
+    const bool topk = rank && every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0;
+    if (!topk && !save_last_) return;
+    begin_saves(trainer);
+    if (topk) save_topk(trainer);
+    save_last(trainer);
+    end_saves(trainer);
+  }
+
   // Never while sanity checking, and never twice for the same optimizer step (the epoch end
   // right after a step-triggered save, or micro-batches of one accumulated step).
   // train_time_interval: whether this batch, the first after an optimizer step (a save between
@@ -382,7 +441,9 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     }
   }
 
+  // enable_version_counter = false: the name as it is, overwriting a file that has it.
   std::string versioned(const std::string& stem, const std::string& replacing) const {
+    if (!enable_version_counter_) return ck::checkpoint_path(dirpath_, stem);
     return ck::versioned_checkpoint_path(dirpath_, stem, file_exists, replacing);
   }
 
@@ -578,6 +639,9 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   bool auto_insert_metric_name_;
   bool verbose_;
   bool async_;
+  bool enable_version_counter_;
+  std::optional<bool> save_on_train_epoch_end_;  // unset: Lightning's rule (on_validation_end)
+  std::string save_on_train_epoch_end_where_;    // "checkpoint.save_on_train_epoch_end (run.toml:7:1)"
   std::string dirpath_cfg_;  // the configured folder, absolute; "" = <run_dir>/checkpoints
 
   std::string dirpath_;  // the folder in use, known from setup() on
@@ -587,6 +651,8 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   bool warned_missing_monitor_ = false;
   bool restored_ = false;
   bool training_ = false;  // between on_train_start and on_train_end
+  int64_t last_train_batch_ = -1;        // this epoch's latest training batch (-1: none yet)
+  bool validated_at_epoch_end_ = false;  // the validation after the epoch's last batch ran: save at its end
   using Clock = std::chrono::steady_clock;
   double train_time_interval_ = 0;  // seconds; 0 = no time trigger
   Clock::time_point last_time_save_{};
@@ -599,6 +665,6 @@ ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return n
 
 }  // namespace
 
-EMBER_PLUGIN(ember::ICallback, "checkpoint", "0.1.0", "Apache-2.0",
+EMBER_PLUGIN(ember::ICallback, "checkpoint", "0.2.0", "Apache-2.0",
              "Saves the best checkpoints by a monitored metric and last.ckpt (Lightning's ModelCheckpoint).",
              EMBER_CONFIG_KEYS(kKeys), make)
