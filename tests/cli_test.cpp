@@ -136,7 +136,7 @@ TEST(Cli, BadInputExitsTwoWithOneLine) {
   } cases[] = {
       {{"run.toml", "--set", "trainer.max_epoch=2"}, "did you mean 'max_epochs'"},
       {{"run.toml", "--set", "trainer.profiler=\"simple\""}, "profilers are callback plugins: --plugins simple_profiler"},
-      {{"run.toml", "--set", "trainer.sync_batchnorm=true"}, "Ember has no SyncBatchNorm"},
+      {{"run.toml", "--set", "trainer.sync_batchnorm=true"}, "set model.sync_batchnorm = true"},
       {{"run.toml", "--set", "model.name=mpl"}, "unknown plugin 'mpl' (did you mean 'mlp'?)"},
       {{"run.toml", "--plugins", "chekpoint"}, "did you mean 'checkpoint'"},
       {{"run.toml", "--set", "optimizer.lr=0"}, "optimizer.lr: must be > 0"},

@@ -27,6 +27,8 @@
 #include <ember/model_flops.h>
 #include <ember/plugin.h>
 #include <ember/predict.h>
+#include <ember/support/sync_batch_norm.h>
+#include <ember/trainer.h>
 
 #include <ember/model_support/classification.h>
 
@@ -45,13 +47,14 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("num_classes", "10", "Number of classes: the width of the output layer.").at_least(2),
     ember::key::String("architecture", "\"classic\"", "classic: the MNIST-tutorial network (conv1_channels, conv2_channels, hidden, dropout_*); speedrun: five conv + batch-norm layers of width `width` (no dropout).").choices("classic|speedrun"),
     ember::key::Int("width", "16", "Base width of the speedrun architecture (its layers have width, 2x, 2x, 4x, 4x channels).").at_least(1),
+    ember::key::Bool("sync_batchnorm", "false", "Batch norms (speedrun architecture) normalise over every data-parallel rank's batch, not each rank's own (Lightning's sync_batchnorm)."),
     ember::key::Float("label_smoothing", "0.0", "Label smoothing of the training cross-entropy (PyTorch's label_smoothing), in [0, 1).").at_least(0.0).below(1.0),
 };
 
 struct CnnOptions {
   int64_t in_channels, image_size, conv1_channels, conv2_channels, hidden, num_classes, width;
   double dropout_conv, dropout_fc, label_smoothing;
-  bool speedrun;
+  bool speedrun, sync_batchnorm;
 };
 
 // Cloneable: clone() gives a deep copy with the same parameter names (it copy-constructs the net,
@@ -102,7 +105,7 @@ class SpeedrunNet : public torch::nn::Cloneable<SpeedrunNet> {
     for (int i = 0; i < 5; ++i) {
       convs.push_back(register_module("conv" + std::to_string(i + 1),
                                       torch::nn::Conv2d(torch::nn::Conv2dOptions(widths[i], widths[i + 1], 3).padding(1).bias(false))));
-      bns.push_back(register_module("bn" + std::to_string(i + 1), torch::nn::BatchNorm2d(widths[i + 1])));
+      bns.push_back(register_module("bn" + std::to_string(i + 1), ember::SyncBatchNorm2d(widths[i + 1])));
     }
     fc = register_module("fc", torch::nn::Linear(4 * w, o_.num_classes));
   }
@@ -117,7 +120,7 @@ class SpeedrunNet : public torch::nn::Cloneable<SpeedrunNet> {
 
   CnnOptions o_;
   std::vector<torch::nn::Conv2d> convs;
-  std::vector<torch::nn::BatchNorm2d> bns;
+  std::vector<ember::SyncBatchNorm2d> bns;  // plain batch norms unless model.sync_batchnorm
   torch::nn::Linear fc{nullptr};
 };
 
@@ -134,16 +137,21 @@ CnnOptions read_options(const ember::IConfig& cfg) {
   o.speedrun = cfg.get_string("architecture") == "speedrun";
   o.width = cfg.get_int("width");
   o.label_smoothing = cfg.get_float("label_smoothing");
+  o.sync_batchnorm = cfg.get_bool("sync_batchnorm");
+  if (o.sync_batchnorm && !o.speedrun)
+    throw ember::ConfigError(cfg.where("sync_batchnorm") + ": " + cfg.section() +
+                             ".sync_batchnorm = true, and the classic architecture has no batch norm; use architecture = \"speedrun\" "
+                             "or remove the key");
   if (o.label_smoothing >= 1.0)
     throw ember::ConfigError(c10::str("[", cfg.section(), "] label_smoothing = ", o.label_smoothing, " (",
                                       cfg.where("label_smoothing"), ") must be below 1: use a value in [0, 1), e.g. 0.1"));
   return o;
 }
 
-class Cnn final : public ember::IModel, public ember::IPredictingModel, public ember::IModelFlops {
+class Cnn final : public ember::IModel, public ember::IPredictingModel, public ember::IModelFlops, public ember::ITrainerAware {
  public:
   explicit Cnn(const ember::IConfig& cfg)
-      : opts_(read_options(cfg)), section_(cfg.section()) {
+      : opts_(read_options(cfg)), section_(cfg.section()), sync_batchnorm_(opts_.sync_batchnorm, "cnn") {
     if (opts_.speedrun) speedrun_ = std::make_shared<SpeedrunNet>(opts_);
     else net_ = std::make_shared<CnnNet>(opts_);
   }
@@ -156,7 +164,12 @@ class Cnn final : public ember::IModel, public ember::IPredictingModel, public e
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
     if (std::strcmp(iid, ember::kModelFlopsIid) == 0) return static_cast<ember::IModelFlops*>(this);
+    if (std::strcmp(iid, ember::kTrainerAwareIid) == 0) return static_cast<ember::ITrainerAware*>(this);
     return nullptr;
+  }
+
+  void attach_trainer(ember::ITrainer* trainer) override {
+    if (speedrun_) sync_batchnorm_.attach(*speedrun_, trainer);
   }
 
   // ember/model_flops.h's count: per 3x3 convolution (padding 1: the output is as large as its
@@ -236,6 +249,7 @@ class Cnn final : public ember::IModel, public ember::IPredictingModel, public e
 
   CnnOptions opts_;
   std::string section_;
+  ember::SyncBatchNormSetting sync_batchnorm_;
   std::shared_ptr<CnnNet> net_;             // architecture = "classic"
   std::shared_ptr<SpeedrunNet> speedrun_;   // architecture = "speedrun"
 };

@@ -12,6 +12,8 @@
 #include <ember/plugin.h>
 #include <ember/predict.h>
 #include <ember/support/safetensors.h>
+#include <ember/support/sync_batch_norm.h>
+#include <ember/trainer.h>
 
 #include <torch/nn.h>
 
@@ -34,6 +36,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("in_channels", "3", "Channels of the input images.").at_least(1),
     ember::key::Bool("small_input", "false", "A 3x3 stride-1 first convolution and no max pooling, for 28-32 pixel images (weights of conv1 then do not come from an ImageNet checkpoint)."),
     ember::key::Bool("zero_init_residual", "false", "Start each block's last batch norm at 0, so every residual block starts as the identity (torchvision's zero_init_residual)."),
+    ember::key::Bool("sync_batchnorm", "false", "Batch norms normalise over every data-parallel rank's batch, not each rank's own (Lightning's sync_batchnorm)."),
     ember::key::String("weights", "\"\"", "A safetensors file of torchvision's state_dict names to start from (e.g. resnet18 exported with safetensors.torch.save_file); fc is skipped when num_classes differs."),
 };
 
@@ -46,19 +49,19 @@ struct BlockImpl : nn::Module {
     const int64_t out = bottleneck ? planes * 4 : planes;
     if (bottleneck) {
       conv1 = register_module("conv1", conv(in, planes, 1, 1, 0));
-      bn1 = register_module("bn1", nn::BatchNorm2d(planes));
+      bn1 = register_module("bn1", ember::SyncBatchNorm2d(planes));
       conv2 = register_module("conv2", conv(planes, planes, 3, stride, 1));
-      bn2 = register_module("bn2", nn::BatchNorm2d(planes));
+      bn2 = register_module("bn2", ember::SyncBatchNorm2d(planes));
       conv3 = register_module("conv3", conv(planes, out, 1, 1, 0));
-      bn3 = register_module("bn3", nn::BatchNorm2d(out));
+      bn3 = register_module("bn3", ember::SyncBatchNorm2d(out));
     } else {
       conv1 = register_module("conv1", conv(in, planes, 3, stride, 1));
-      bn1 = register_module("bn1", nn::BatchNorm2d(planes));
+      bn1 = register_module("bn1", ember::SyncBatchNorm2d(planes));
       conv2 = register_module("conv2", conv(planes, planes, 3, 1, 1));
-      bn2 = register_module("bn2", nn::BatchNorm2d(planes));
+      bn2 = register_module("bn2", ember::SyncBatchNorm2d(planes));
     }
     if (stride != 1 || in != out) {
-      downsample = register_module("downsample", nn::Sequential(conv(in, out, 1, stride, 0), nn::BatchNorm2d(out)));
+      downsample = register_module("downsample", nn::Sequential(conv(in, out, 1, stride, 0), ember::SyncBatchNorm2d(out)));
     }
   }
   torch::Tensor forward(const torch::Tensor& x) {
@@ -67,10 +70,10 @@ struct BlockImpl : nn::Module {
     if (bottleneck_) y = bn3(conv3(torch::relu(y)));
     return torch::relu(y + (downsample ? downsample->forward(x) : x));
   }
-  nn::BatchNorm2d last_norm() { return bottleneck_ ? bn3 : bn2; }
+  ember::SyncBatchNorm2d last_norm() { return bottleneck_ ? bn3 : bn2; }
   bool bottleneck_;
   nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
-  nn::BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
+  ember::SyncBatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};  // plain unless model.sync_batchnorm
   nn::Sequential downsample{nullptr};
 };
 TORCH_MODULE(Block);
@@ -80,7 +83,7 @@ struct ResNetImpl : nn::Module {
     const bool bottleneck = depth == 50;
     const std::vector<int64_t> counts = bottleneck ? std::vector<int64_t>{3, 4, 6, 3} : std::vector<int64_t>{2, 2, 2, 2};
     conv1 = register_module("conv1", small_input ? conv(in_channels, 64, 3, 1, 1) : conv(in_channels, 64, 7, 2, 3));
-    bn1 = register_module("bn1", nn::BatchNorm2d(64));
+    bn1 = register_module("bn1", ember::SyncBatchNorm2d(64));
     int64_t in = 64;
     const int64_t planes[] = {64, 128, 256, 512};
     for (int i = 0; i < 4; ++i) {
@@ -112,7 +115,7 @@ struct ResNetImpl : nn::Module {
   }
   bool small_;
   nn::Conv2d conv1{nullptr};
-  nn::BatchNorm2d bn1{nullptr};
+  ember::SyncBatchNorm2d bn1{nullptr};
   std::vector<nn::Sequential> layers;
   nn::Linear fc{nullptr};
 };
@@ -124,10 +127,11 @@ int64_t checked_depth(const ember::IConfig& cfg) {
   return d;
 }
 
-class ResNetModel final : public ember::IModel, public ember::IPredictingModel {
+class ResNetModel final : public ember::IModel, public ember::IPredictingModel, public ember::ITrainerAware {
  public:
   ResNetModel(ember::IHost& host, const ember::IConfig& cfg)
       : in_channels_(cfg.get_int("in_channels")),
+        sync_batchnorm_(cfg.get_bool("sync_batchnorm"), "resnet"),
         net_(checked_depth(cfg), cfg.get_int("num_classes"), in_channels_, cfg.get_bool("small_input"), cfg.get_bool("zero_init_residual")) {
     const std::string weights = cfg.get_string("weights");
     if (!weights.empty()) load(host, cfg, weights);
@@ -135,7 +139,11 @@ class ResNetModel final : public ember::IModel, public ember::IPredictingModel {
   torch::nn::Module& module() override { return *net_; }
   void* query_interface(const char* iid) override {
     if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
+    if (std::strcmp(iid, ember::kTrainerAwareIid) == 0) return static_cast<ember::ITrainerAware*>(this);
     return nullptr;
+  }
+  void attach_trainer(ember::ITrainer* trainer) override {
+    sync_batchnorm_.attach(*net_, trainer);
   }
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override { return step(batch, ctx, Phase::train); }
   void validation_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::val); }
@@ -182,6 +190,7 @@ class ResNetModel final : public ember::IModel, public ember::IPredictingModel {
     host.log(ember::LogLevel::info, "resnet: " + std::to_string(loaded) + " tensors from " + path);
   }
   int64_t in_channels_;
+  ember::SyncBatchNormSetting sync_batchnorm_;
   ResNet net_;
 };
 

@@ -160,8 +160,8 @@ SectionSchema trainer_schema() {
                     "and num_sanity_val_steps = 0 (what Lightning's barebones turns off)"},
       {"inference_mode", "Ember always evaluates without autograd (no_grad); remove the key"},
       {"use_distributed_sampler", "Ember's data plugins always deal the samples to the data-parallel ranks themselves; remove the key"},
-      {"sync_batchnorm", "Ember has no SyncBatchNorm: each rank normalises over its own batch, and ddp.broadcast_buffers (on by "
-                         "default) gives every rank rank 0's running statistics; remove the key"},
+      {"sync_batchnorm", "synchronised batch norm is the model's choice, as only a model knows its layers: set model.sync_batchnorm = "
+                         "true (cnn's speedrun architecture, resnet; your own model: ember::SyncBatchNorm2d, docs/plugins.md)"},
       {"reload_dataloaders_every_n_epochs", "Ember's data plugins reshuffle every epoch and are not rebuilt; remove the key"},
   };
   return s;
