@@ -10,6 +10,7 @@
 #include <map>
 #include <regex>
 
+#include "bn_mlp_run.h"
 #include "checkpoint_support.h"
 #include "support.h"
 
@@ -63,33 +64,6 @@ class Sharded : public ::testing::Test {
   void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
 };
 using DistributedBuffers = Sharded;
-
-// An MLP with one batch-norm layer (the test plugin bn_mlp), trained by SGD.
-const char* kBatchNormRun = R"(
-[trainer]
-# CPU ranks (Open MPI) compared with single_device on the same device, also where a GPU is present.
-accelerator = "cpu"
-max_epochs = 2
-num_sanity_val_steps = 0
-enable_progress_bar = false
-enable_model_summary = false
-[model]
-name = "bn_mlp"
-input_size = 16
-hidden = 8
-num_classes = 4
-[data]
-name = "synthetic"
-shape = [16]
-num_classes = 4
-num_train = 64
-num_val = 16
-num_test = 0
-batch_size = 8
-[optimizer]
-name = "sgd"
-lr = 0.1
-)";
 
 }  // namespace
 
@@ -224,7 +198,7 @@ TEST_F(DistributedBuffers, BatchNormStatisticsAgreeAcrossRanks) {
   for (const std::string strategy : {"ddp", "sharded"})
     for (const bool broadcast : {true, false}) {
       TempDir dir("buffers");
-      write_file(dir / "run.toml", kBatchNormRun);
+      write_file(dir / "run.toml", kBnMlpRun);
       auto r = run_engine({"--plugin-path", test_plugin_dir("good").string(), "--plugins", strategy + ",buffer_probe", "run.toml",
                            "--set", "trainer.devices=2", "--set", strategy + ".timeout=30.0", "--set",
                            strategy + ".broadcast_buffers=" + (broadcast ? "true" : "false")},
@@ -341,7 +315,7 @@ TEST_F(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
 // would evaluate with other statistics than the uninterrupted run.
 TEST_F(Sharded, ShardedDirectoryOnItsOwnMeshIsReadOncePartPerRank) {
   auto run = [&](const TempDir& dir, std::vector<std::string> extra) {
-    write_file(dir / "run.toml", kBatchNormRun);
+    write_file(dir / "run.toml", kBnMlpRun);
     std::vector<std::string> args = {"--plugin-path", test_plugin_dir("good").string(), "--plugins", "sharded,buffer_probe", "run.toml",
                                      "--set", "trainer.devices=2", "--set", "sharded.timeout=30.0", "--set", "sharded.stage=3",
                                      "--set", "sharded.broadcast_buffers=false", "--set", "sharded.state_dict_type=\"sharded\"",

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <thread>
 
+#include "bn_mlp_run.h"
 #include "checkpoint_support.h"
 #include "support.h"
 
@@ -148,34 +149,6 @@ TEST(SyncBatchNorm, WithoutRanksItIsTorchsBatchNorm) {
   EXPECT_THROW(sync(torch::randn({1, 3})), c10::Error);
 }
 
-namespace {
-
-const char* kBnRun = R"(
-[trainer]
-accelerator = "cpu"
-max_epochs = 2
-num_sanity_val_steps = 0
-enable_progress_bar = false
-enable_model_summary = false
-[model]
-name = "bn_mlp"
-input_size = 16
-hidden = 8
-num_classes = 4
-[data]
-name = "synthetic"
-shape = [16]
-num_classes = 4
-num_train = 64
-num_val = 16
-num_test = 0
-batch_size = 16
-[optimizer]
-name = "sgd"
-lr = 0.1
-)";
-
-}  // namespace
 
 // 2 ranks x batch 8 see the samples of 1 rank x batch 16 in every step (the loader deals shuffled
 // sample i to rank i % 2). With sync_batchnorm they train to its weights and running statistics;
@@ -183,9 +156,9 @@ lr = 0.1
 TEST(SyncBatchNorm, TwoRanksTrainLikeOneProcessWithTheWholeBatch) {
   EMBER_SKIP_WITHOUT_MPI();
   TempDir single("sync_bn"), dir("sync_bn");
-  write_file(single / "run.toml", kBnRun);
-  write_file(dir / "run.toml", kBnRun);
-  run_engine_ok(single, {"run.toml", "--plugin-path", test_plugin_dir("good").string()});
+  write_file(single / "run.toml", kBnMlpRun);
+  write_file(dir / "run.toml", kBnMlpRun);
+  run_engine_ok(single, {"run.toml", "--plugin-path", test_plugin_dir("good").string(), "--set", "data.batch_size=16"});
   struct Case {
     std::vector<std::string> strategy;
     bool sync;
@@ -195,7 +168,7 @@ TEST(SyncBatchNorm, TwoRanksTrainLikeOneProcessWithTheWholeBatch) {
                {{"--plugins", "sharded", "--set", "sharded.timeout=30.0", "--set", "sharded.stage=3"}, true, 2}};
   for (const auto& c : cases) {
     std::vector<std::string> args = {"run.toml", "--plugin-path", test_plugin_dir("good").string(), "--set", "trainer.devices=2",
-                                     "--set", "data.batch_size=8", "--set", std::string("model.sync_batchnorm=") + (c.sync ? "true" : "false")};
+                                     "--set", std::string("model.sync_batchnorm=") + (c.sync ? "true" : "false")};
     args.insert(args.end(), c.strategy.begin(), c.strategy.end());
     run_engine_ok(dir, args);
     const double difference = max_weight_difference(last_checkpoint(single), last_checkpoint(dir, c.version));
