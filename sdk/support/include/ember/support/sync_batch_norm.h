@@ -7,9 +7,10 @@
 // A model opts in by building its layers as ember::SyncBatchNorm1d/2d/3d (drop-in: they are
 // torch::nn::BatchNorm*dImpl with the same parameter and buffer names, so checkpoints, exports
 // and swa's batch-norm pass see ordinary batch norms) and by calling
-// ember::attach_sync_batch_norm(module, trainer) from its ITrainerAware::attach_trainer. Until a
-// trainer with more than one data-parallel rank is attached, or in evaluation, they are plain
-// batch norms. Every rank must run the same number of training forwards (one collective each,
+// ember::attach_sync_batch_norm (or SyncBatchNormSetting::attach) from its
+// ITrainerAware::attach_trainer; a Fabric program calls ember::set_sync_batch_norm with
+// Fabric::all_reduce. Until a trainer of more than one rank is attached, or in evaluation, they
+// are plain batch norms. Every rank must run the same number of training forwards (one collective each,
 // and one in backward), as with PyTorch's.
 //
 // The statistics go through ITrainerCollectives::reduce (a sum over the data-parallel ranks), one
@@ -17,7 +18,7 @@
 // deviations (exact, from its own batch) in its own row of a [world, 1 + 2C] tensor of zeros, so
 // the sum is every rank's row, an all-gather (as PyTorch's SyncBatchNorm gathers them); the
 // rows combine with Chan's formula. Sums of x and x^2 would lose the variance to cancellation when
-// the mean is large against the spread (float32: ~1e-4 off at mean 50, std 3). Backward sums
+// the mean is large against the spread (float32: ~4e-4 off at mean 50, std 3). Backward sums
 // [sum(dy), sum(dy * x_hat)]. Weight and bias gradients stay local, as in PyTorch: the strategy
 // averages them with the others.
 #pragma once
@@ -30,6 +31,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
