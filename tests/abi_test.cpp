@@ -85,6 +85,15 @@ TEST(Abi, RefusesNameThatDoesNotMatchFile) {
   EXPECT_NE(msg.find("descriptor name 'someone_else' does not match the file name"), std::string::npos) << msg;
 }
 
+// A name flagged EMBER_KEY_ELSEWHERE is advice shown for another tool's key: one without advice, or
+// one that hides a real key of the plugin, is refused at load, not found by a user's typo.
+TEST(Abi, RefusesAnElsewhereNameWithoutAdviceOrTakenByAKey) {
+  auto empty = refusal("bad_elsewhere_empty");
+  EXPECT_NE(empty.find("config name 'period' is flagged EMBER_KEY_ELSEWHERE but its help is empty"), std::string::npos) << empty;
+  auto taken = refusal("bad_elsewhere_taken");
+  EXPECT_NE(taken.find("config name 'path' is both a key and flagged EMBER_KEY_ELSEWHERE"), std::string::npos) << taken;
+}
+
 TEST(Abi, RefusesAFileThatIsNotAPlugin) {
   TempDir dir("abi");
   write_file(dir / "libjunk.so", "not an ELF file");

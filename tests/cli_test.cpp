@@ -81,6 +81,10 @@ TEST(Cli, PluginInfoShowsKindVersionFileAndEveryKey) {
   for (const char* s : {"kind:        callback", "version:", "libcheckpoint.so", "monitor (string)", "save_top_k (int) = 1",
                         "mode (string) = \"min\"  [min|max]"})
     EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
+  // Lightning's old names (EMBER_KEY_ELSEWHERE) are listed apart, with what to write instead, not as keys.
+  EXPECT_NE(r.out.find("not keys here"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  period: Lightning 1.x's period is every_n_epochs"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("period (string)"), std::string::npos) << r.out;
   auto unknown = run_engine({"plugins", "info", "chekpoint"}, dir.path());
   EXPECT_EQ(unknown.exit_code, 2);
   EXPECT_NE(unknown.err.find("did you mean 'checkpoint'"), std::string::npos) << unknown.err;
@@ -130,6 +134,7 @@ TEST(Cli, EveryShippedConfigResolvesAsWritten) {
 TEST(Cli, BadInputExitsTwoWithOneLine) {
   TempDir dir("cli");
   write_file(dir / "run.toml", kQuick);
+  write_file(dir / "lightning.toml", std::string("plugins = [\"checkpoint\"]\n[checkpoint]\nfilepath = \"ckpts/best\"\n") + kQuick);
   struct Case {
     std::vector<std::string> args;
     std::string expect;
@@ -137,6 +142,11 @@ TEST(Cli, BadInputExitsTwoWithOneLine) {
       {{"run.toml", "--set", "trainer.max_epoch=2"}, "did you mean 'max_epochs'"},
       {{"run.toml", "--set", "trainer.profiler=\"simple\""}, "profilers are callback plugins: --plugins simple_profiler"},
       {{"run.toml", "--set", "trainer.sync_batchnorm=true"}, "set model.sync_batchnorm = true"},
+      // A plugin's names from Lightning (EMBER_KEY_ELSEWHERE) say what to write instead.
+      {{"run.toml", "--set", "checkpoint.period=2"}, "unknown key 'period' in [checkpoint]; Lightning 1.x's period is every_n_epochs"},
+      {{"lightning.toml"}, "lightning.toml:3:12: checkpoint.filepath: unknown key; Lightning 1.x's filepath is two keys: dirpath"},
+      {{"run.toml", "--plugins", "csv", "--set", "csv.save_dir=\"logs\""},
+       "every logger writes into the run folder <trainer.default_root_dir>/<trainer.name>/version_<trainer.version>"},
       {{"run.toml", "--set", "model.name=mpl"}, "unknown plugin 'mpl' (did you mean 'mlp'?)"},
       {{"run.toml", "--plugins", "chekpoint"}, "did you mean 'checkpoint'"},
       {{"run.toml", "--set", "optimizer.lr=0"}, "optimizer.lr: must be > 0"},

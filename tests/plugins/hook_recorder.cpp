@@ -14,6 +14,11 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::FloatList("scripted_values", "[]", "Value of the metric 'score' logged at each epoch's end (index = epoch)."),
     ember::key::Bool("monitoring", "false", "Whether to declare itself a monitoring callback."),
     ember::key::Int("stop_at_epoch", "-1", "Request a stop at the end of this epoch (-1 = never)."),
+#if TEST_PLUGIN_BAD_ELSEWHERE == 1  // a name flagged "elsewhere" without advice: the engine refuses it
+    ember::key::Elsewhere("period", ""),
+#elif TEST_PLUGIN_BAD_ELSEWHERE == 2  // a name both a key and flagged "elsewhere": refused too
+    ember::key::Elsewhere("path", "write it elsewhere"),
+#endif
 };
 
 class HookRecorder final : public ember::ICallback {

@@ -168,8 +168,9 @@ int plugin_info(const std::string& name, const std::vector<std::string>& plugin_
       << f.cxx11_abi << ", " << device_runtime_string(f.device_runtime, f.device_runtime_version) << ", libstdc++ " << f.glibcxx_release << "\n"
       << "description: " << d->description << "\n";
   std::string section = d->kind == EMBER_KIND_MODEL ? "model" : d->kind == EMBER_KIND_DATA ? "data" : d->name;
-  out << "config [" << section << "]:" << (d->num_config_keys == 0 ? " (no keys)" : "") << "\n";
-  for (const auto& k : keys_from_descriptor(d->config_keys, d->num_config_keys)) {
+  const auto keys = keys_from_descriptor(d->config_keys, d->num_config_keys);
+  out << "config [" << section << "]:" << (keys.empty() ? " (no keys)" : "") << "\n";
+  for (const auto& k : keys) {
     out << "  " << k.key << " (" << type_name(k.type) << ") = " << (k.default_toml ? *k.default_toml : "(unset)");
     if (!k.choices.empty()) out << "  [" << k.choices << "]";
     if (k.flags & (EMBER_KEY_HAS_MIN | EMBER_KEY_HAS_MAX)) {
@@ -179,6 +180,11 @@ int plugin_info(const std::string& name, const std::vector<std::string>& plugin_
       if (k.flags & EMBER_KEY_HAS_MAX) out << k.max_value << ((k.flags & EMBER_KEY_MAX_EXCLUSIVE) ? ")" : "]"); else out << "inf)";
     }
     out << "\n      " << k.help << "\n";
+  }
+  const auto elsewhere = elsewhere_from_descriptor(d->config_keys, d->num_config_keys);
+  if (!elsewhere.empty()) {
+    out << "not keys here (other tools' names; setting one is an error that says this):\n";
+    for (const auto& [name, instead] : elsewhere) out << "  " << name << ": " << instead << "\n";
   }
   return 0;
 }

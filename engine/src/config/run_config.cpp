@@ -222,6 +222,7 @@ std::vector<KeySchema> keys_from_descriptor(const EmberConfigKey* keys, uint32_t
   std::vector<KeySchema> out;
   for (uint32_t i = 0; i < count; ++i) {
     const auto& k = keys[i];
+    if (k.flags & EMBER_KEY_ELSEWHERE) continue;
     KeySchema s;
     s.key = k.key ? k.key : "";
     s.type = static_cast<EmberConfigType>(k.type);
@@ -233,6 +234,13 @@ std::vector<KeySchema> keys_from_descriptor(const EmberConfigKey* keys, uint32_t
     s.max_value = k.max_value;
     out.push_back(std::move(s));
   }
+  return out;
+}
+
+std::map<std::string, std::string> elsewhere_from_descriptor(const EmberConfigKey* keys, uint32_t count) {
+  std::map<std::string, std::string> out;
+  for (uint32_t i = 0; i < count; ++i)
+    if ((keys[i].flags & EMBER_KEY_ELSEWHERE) && keys[i].key) out[keys[i].key] = keys[i].help ? keys[i].help : "";
   return out;
 }
 

@@ -43,7 +43,10 @@ struct SectionSchema {
   const KeySchema* find(std::string_view key) const;
 };
 
+// A descriptor's keys, without the names flagged EMBER_KEY_ELSEWHERE (which are not keys).
 std::vector<KeySchema> keys_from_descriptor(const EmberConfigKey* keys, uint32_t count);
+// The names flagged EMBER_KEY_ELSEWHERE: name -> what to write instead (SectionSchema::elsewhere).
+std::map<std::string, std::string> elsewhere_from_descriptor(const EmberConfigKey* keys, uint32_t count);
 
 // The user's input before schemas are known: the parsed file and the overrides.
 struct RawConfig {

@@ -233,6 +233,7 @@ Plan make_plan(const RunRequest& req) {
                           "', which the engine already defines in [" + name + "] (rename it in the plugin)");
       s.keys.push_back(std::move(k));
     }
+    s.elsewhere = elsewhere_from_descriptor(p->descriptor->config_keys, p->descriptor->num_config_keys);
     return s;
   };
   schemas.push_back(with_base("model", model_base_keys(), plan.model));
@@ -249,6 +250,7 @@ Plan make_plan(const RunRequest& req) {
     s.name = p->name;
     s.description = std::string(kind_name(p->descriptor->kind)) + " plugin " + p->name + " " + p->descriptor->version;
     s.keys = keys_from_descriptor(p->descriptor->config_keys, p->descriptor->num_config_keys);
+    s.elsewhere = elsewhere_from_descriptor(p->descriptor->config_keys, p->descriptor->num_config_keys);
     schemas.push_back(std::move(s));
     if (p->descriptor->kind == EMBER_KIND_CALLBACK || p->descriptor->kind == EMBER_KIND_LOGGER) printed_plugins.push_back(p->name);
   }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include <boost/dll/shared_library.hpp>
 #include <boost/dll/runtime_symbol_info.hpp>
@@ -182,6 +183,18 @@ const EmberPluginDescriptor* load_descriptor(const fs::path& file, const std::st
   for (uint32_t i = 0; i < d->num_config_keys; ++i)
     if (!d->config_keys[i].key || d->config_keys[i].type < EMBER_TYPE_BOOL || d->config_keys[i].type > EMBER_TYPE_STRING_LIST)
       throw PluginError(where + " rejected: config key #" + std::to_string(i) + " has no name or an unknown type");
+  // A name flagged "elsewhere" is advice, not a key: it must say something and not hide a real key.
+  for (uint32_t i = 0; i < d->num_config_keys; ++i) {
+    const auto& k = d->config_keys[i];
+    if (!(k.flags & EMBER_KEY_ELSEWHERE)) continue;
+    if (!k.help || !*k.help)
+      throw PluginError(where + " rejected: config name '" + k.key + "' is flagged EMBER_KEY_ELSEWHERE but its help is empty " +
+                        "(write what to set instead: ember::key::Elsewhere(name, instead))");
+    for (uint32_t j = 0; j < d->num_config_keys; ++j)
+      if (j != i && !(d->config_keys[j].flags & EMBER_KEY_ELSEWHERE) && std::string_view(d->config_keys[j].key) == k.key)
+        throw PluginError(where + " rejected: config name '" + k.key + "' is both a key and flagged EMBER_KEY_ELSEWHERE " +
+                          "(drop one of the two)");
+  }
   return d;
 }
 

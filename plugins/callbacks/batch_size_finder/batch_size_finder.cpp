@@ -52,6 +52,8 @@ constexpr EmberConfigKey kKeys[] = {
         "binsearch only: the size found is reduced by this fraction as a safety margin.").at_least(0.0).below(1.0),
     ember::key::Float("memory_budget_mb", "0",
         "CPU training: most tensor memory (MB, 1e6 bytes) a training step may allocate beyond what exists when the trial starts; 0 = no budget (only a real out-of-memory stops the search).").at_least(0.0),
+    ember::key::Elsewhere("batch_arg_name", "Ember's finder sets the loaders' batch size (data.batch_size) itself, not a model "
+                                            "attribute; remove the key"),
 };
 // clang-format on
 

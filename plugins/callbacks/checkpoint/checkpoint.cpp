@@ -1,13 +1,13 @@
 // Plugin "checkpoint": Lightning's ModelCheckpoint. Saves the k best checkpoints by a monitored
 // metric (or the latest ones without a monitor) plus last.ckpt, and resolves `--resume last|best`.
 //
-// The pieces that need no trainer live beside this file: filename_template.h (file names),
-// topk.h (the top-k bookkeeping), checkpoint_state.h (reading back its state_dict),
-// checkpoint_folder.h (the files of a checkpoint folder) and suggest.h ("did you mean"). This file is the glue: when to
-// save, the file work, the state_dict and the checkpoint locator.
+// The pieces that need no trainer live beside this file: checkpoint_settings.h (the keys and the
+// rules between them), filename_template.h (file names), topk.h (the top-k bookkeeping),
+// checkpoint_state.h (reading back its state_dict), checkpoint_folder.h (the files of a checkpoint
+// folder) and suggest.h ("did you mean"). This file is the glue: when to save, the file work, the
+// state_dict and the checkpoint locator.
 #include <ember/callback.h>
 #include <ember/support/callback_base.h>
-#include <ember/support/duration.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>
@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "checkpoint_folder.h"
+#include "checkpoint_settings.h"
 #include "checkpoint_state.h"
 #include "filename_template.h"
 #include "suggest.h"
@@ -55,146 +56,18 @@ using ck::list_checkpoints;
 using ck::read_plugin_state;
 using ck::remove_checkpoint;
 
-// clang-format off
-constexpr EmberConfigKey kKeys[] = {
-    ember::key::String("dirpath", "\"\"",
-        "Folder for the checkpoint files; empty = <run_dir>/checkpoints."),
-    ember::key::String("filename", "\"{epoch}-{step}\"",
-        "File name template without .ckpt: {name} or {name:FORMAT} (.Nf, 0Nd, .Ne, .Ng) of epoch, step or a logged metric."),
-    ember::key::String("monitor", "\"\"",
-        "Logged metric that ranks checkpoints (e.g. \"val_loss\"); empty = keep the latest ones."),
-    ember::key::String("mode", "\"min\"",
-        "Whether a lower (min) or higher (max) monitored value is better.").choices("min|max"),
-    ember::key::Int("save_top_k", "1",
-        "How many of the best checkpoints to keep: -1 = all, 0 = none (last.ckpt is still written).").at_least(-1),
-    ember::key::Bool("save_last", "true",
-        "Also write last.ckpt at every save; true by default (Lightning: off) so `--resume last` works out of the box."),
-    ember::key::Int("every_n_epochs", nullptr,
-        "Save top-k every N training epochs (0 = never by epoch); unset = 1, or 0 when every_n_train_steps > 0.").at_least(0),
-    ember::key::Int("every_n_train_steps", "0",
-        "Save top-k every N optimizer steps (0 = off); excludes an explicitly set every_n_epochs, like Lightning.").at_least(0),
-    ember::key::String("train_time_interval", nullptr,
-        "Save top-k every this much training time, \"DD:HH:MM:SS\" (e.g. \"00:00:30:00\"), right after an optimizer step; "
-        "rank 0's clock decides. Excludes every_n_epochs and every_n_train_steps, like Lightning."),
-    ember::key::Bool("save_on_train_epoch_end", nullptr,
-        "Save by epoch at the end of each training epoch (true) or after each validation (false); unset = Lightning's choice: "
-        "after each validation that runs in mid-epoch or every few epochs, at the epoch's end when validation runs there or not at all."),
-    ember::key::Bool("enable_version_counter", "true",
-        "Give a file whose name is taken a -v1, -v2 ... suffix (true) or overwrite it (false)."),
-    ember::key::Bool("save_weights_only", "false",
-        "Write only the model weights (no optimizer, loop or callback state: such a file cannot resume a run)."),
-    ember::key::Bool("auto_insert_metric_name", "true",
-        "Write {val_loss} as val_loss=0.25 in file names; turn off for metric names that contain '/'."),
-    ember::key::Bool("verbose", "false",
-        "Log every save, deletion and top-k decision."),
-    ember::key::Bool("async", "false",
-        "Write checkpoints in the background: the state is copied to the host and training goes on while a thread writes it "
-        "(one write at a time; files that leave the top k are deleted only once the new one is on disk; a failed write stops the run)."),
-};
-// clang-format on
-
-[[noreturn]] void config_error(const ember::IConfig& cfg, std::string_view key,
-                               const std::string& problem, const std::string& fix) {
-  throw ember::ConfigError(cfg.section() + "." + std::string(key) + " (" + cfg.where(key) +
-                           "): " + problem + "; " + fix);
-}
-
-// "~/x" -> "$HOME/x", then absolute and normalized without a trailing '/' (Lightning resolves
-// dirpath with realpath(expanduser(...)); symlinks are kept here).
-std::string absolute_dir(std::string p) {
-  if (!p.empty() && p[0] == '~' && (p.size() == 1 || p[1] == '/')) {
-    if (const char* home = std::getenv("HOME")) p = std::string(home) + p.substr(1);
-  }
-  fs::path out = fs::absolute(fs::path(p)).lexically_normal();
-  if (!out.has_filename() && out.has_parent_path() && out != out.root_path()) out = out.parent_path();
-  return out.string();
-}
+using ck::absolute_dir;
+using ck::kKeys;
 
 bool file_exists(const std::string& path) {
   std::error_code ec;
   return fs::exists(path, ec);
 }
 
-ck::FilenameTemplate parse_filename(const ember::IConfig& cfg) {
-  std::string text = cfg.get_string("filename");
-  if (text.empty()) text = std::string("{epoch}") + ck::kJoinChar + "{step}";  // Lightning's default
-  if (text.size() >= 5 && text.compare(text.size() - 5, 5, ck::kExtension) == 0) {
-    config_error(cfg, "filename", "'" + text + "' would be saved as '" + text + ck::kExtension + "'",
-                 "leave out the .ckpt extension");
-  }
-  try {
-    return ck::FilenameTemplate(text);
-  } catch (const std::invalid_argument& e) {
-    config_error(cfg, "filename", "bad template '" + text + "': " + e.what(),
-                 "write fields as {name}, {name:.4f} or {name:03d}");
-  }
-}
-
-ck::Mode parse_mode(const ember::IConfig& cfg) {
-  const std::string m = cfg.get_string("mode");
-  if (m == "min") return ck::Mode::min;
-  if (m == "max") return ck::Mode::max;
-  config_error(cfg, "mode", "'" + m + "' is not a mode", "use \"min\" or \"max\"");
-}
-
 class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointLocator, public ember::ICheckpointCandidates {
  public:
   ModelCheckpoint(ember::IHost& host, const ember::IConfig& cfg)
-      : host_(host),
-        filename_(parse_filename(cfg)),
-        monitor_(cfg.get_string("monitor")),
-        save_top_k_(cfg.get_int("save_top_k")),
-        save_last_(cfg.get_bool("save_last")),
-        every_n_epochs_(cfg.has("every_n_epochs") ? cfg.get_int("every_n_epochs") : 1),
-        every_n_train_steps_(cfg.get_int("every_n_train_steps")),
-        save_weights_only_(cfg.get_bool("save_weights_only")),
-        auto_insert_metric_name_(cfg.get_bool("auto_insert_metric_name")),
-        verbose_(cfg.get_bool("verbose")),
-        async_(cfg.get_bool("async")),
-        enable_version_counter_(cfg.get_bool("enable_version_counter")),
-        topk_(parse_mode(cfg), save_top_k_) {
-    if (cfg.has("save_on_train_epoch_end")) {
-      save_on_train_epoch_end_ = cfg.get_bool("save_on_train_epoch_end");
-      save_on_train_epoch_end_where_ = cfg.section() + ".save_on_train_epoch_end (" + cfg.where("save_on_train_epoch_end") + ")";
-    }
-    const std::string dir = cfg.get_string("dirpath");
-    if (!dir.empty()) dirpath_cfg_ = absolute_dir(dir);
-
-    // Without a monitor there is nothing to rank: only "all", "none" or "the latest" make sense.
-    if (monitor_.empty() && save_top_k_ != -1 && save_top_k_ != 0 && save_top_k_ != 1) {
-      config_error(cfg, "save_top_k",
-                   "save_top_k = " + std::to_string(save_top_k_) + " needs a monitor to rank checkpoints",
-                   "set " + cfg.section() + ".monitor (e.g. \"val_loss\") or use save_top_k = -1 (all), 0 or 1 (the latest)");
-    }
-    // Lightning's time trigger excludes the other two and, given alone, turns saving by epoch off.
-    if (cfg.has("train_time_interval")) {
-      const std::string text = cfg.get_string("train_time_interval");
-      try {
-        train_time_interval_ = ember::parse_duration(text);
-      } catch (const std::invalid_argument& e) {
-        config_error(cfg, "train_time_interval", "train_time_interval = \"" + text + "\": " + e.what(),
-                     "write it as \"DD:HH:MM:SS\", e.g. \"00:00:30:00\" for 30 minutes");
-      }
-      const char* other = every_n_train_steps_ > 0 ? "every_n_train_steps" : cfg.has("every_n_epochs") && every_n_epochs_ > 0 ? "every_n_epochs" : nullptr;
-      if (other)
-        config_error(cfg, "train_time_interval", std::string("train_time_interval and ") + other + " are mutually exclusive",
-                     std::string("remove one of them (train_time_interval alone turns saving by epoch off)"));
-      every_n_epochs_ = 0;
-    }
-    // Lightning: the step and epoch triggers are mutually exclusive; giving only the step trigger
-    // turns the epoch trigger off (its default of 1 applies only when it is alone).
-    if (every_n_train_steps_ > 0) {
-      // Only a value the user gave conflicts: left unset, the epoch trigger is off here (and a
-      // resolved configuration, which writes every key that has a value, does not state it).
-      if (cfg.has("every_n_epochs") && every_n_epochs_ > 0) {
-        config_error(cfg, "every_n_epochs",
-                     "every_n_epochs = " + std::to_string(every_n_epochs_) + " and every_n_train_steps = " +
-                         std::to_string(every_n_train_steps_) + " are mutually exclusive",
-                     "remove one of them (every_n_train_steps alone turns saving by epoch off)");
-      }
-      every_n_epochs_ = 0;
-    }
-  }
+      : host_(host), settings_(ck::read_settings(cfg)), topk_(settings_.mode, settings_.save_top_k) {}
 
   bool monitors_metrics() const override { return true; }
 
@@ -218,7 +91,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     // 2.11: both static_assert; GenericDict with the key and value types is the way.)
     c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
     d.insert(std::string("dirpath"), dirpath_);
-    d.insert(std::string("monitor"), monitor_);
+    d.insert(std::string("monitor"), settings_.monitor);
     d.insert(std::string("mode"), std::string(ck::mode_name(topk_.mode())));
     d.insert(std::string("best_model_path"), s.best_model_path);
     d.insert(std::string("best_model_score"), s.best_model_score ? c10::IValue(*s.best_model_score) : c10::IValue());
@@ -254,7 +127,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   // "last": the last*.ckpt files, then every other checkpoint, newest first (the engine resumes
   // from the first whole Ember checkpoint among them); "best": the one the newest state names.
   std::vector<std::string> checkpoint_candidates(const std::string& alias, const std::string& run_dir) override {
-    const fs::path dir = dirpath_cfg_.empty() ? fs::path(run_dir) / "checkpoints" : fs::path(dirpath_cfg_);
+    const fs::path dir = settings_.dirpath.empty() ? fs::path(run_dir) / "checkpoints" : fs::path(settings_.dirpath);
     if (alias == "last") {
       std::vector<std::string> last, others;
       for (const auto& f : list_checkpoints(dir)) (is_last_name(f.path) ? last : others).push_back(f.path);
@@ -288,8 +161,8 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   }
 
   void setup(ember::ITrainer& trainer) override {
-    dirpath_ = dirpath_cfg_.empty() ? absolute_dir((fs::path(trainer.run_dir()) / "checkpoints").string())
-                                    : dirpath_cfg_;
+    dirpath_ = settings_.dirpath.empty() ? absolute_dir((fs::path(trainer.run_dir()) / "checkpoints").string())
+                                         : settings_.dirpath;
     if (pending_) {
       apply(std::move(*pending_));
       pending_.reset();
@@ -299,15 +172,15 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   void on_fit_start(ember::ITrainer& trainer) override {
     // Saving only after validation, in a run without validation and without a step or time
     // trigger, would save nothing at all: say so before training rather than after.
-    if (save_on_train_epoch_end_ == false && trainer.num_batches(ember::Split::val) == 0 && every_n_train_steps_ == 0 &&
-        train_time_interval_ <= 0 && (save_top_k_ != 0 || save_last_)) {
-      throw ember::ConfigError(save_on_train_epoch_end_where_ +
+    if (settings_.save_on_train_epoch_end == false && trainer.num_batches(ember::Split::val) == 0 && settings_.every_n_train_steps == 0 &&
+        settings_.train_time_interval <= 0 && (settings_.save_top_k != 0 || settings_.save_last)) {
+      throw ember::ConfigError(settings_.save_on_train_epoch_end_where +
                             ": false saves after each validation, and this run has no validation (no validation batches), so no "
                             "checkpoint would be saved; set it to true or leave it out, or give the data a validation split");
     }
     // Lightning warns here: files from another run may be mistaken for this run's (or deleted).
     std::error_code ec;
-    if (!restored_ && save_top_k_ != 0 && trainer.is_global_zero() && fs::is_directory(dirpath_, ec) &&
+    if (!restored_ && settings_.save_top_k != 0 && trainer.is_global_zero() && fs::is_directory(dirpath_, ec) &&
         !fs::is_empty(dirpath_, ec)) {
       host_.log(ember::LogLevel::warn, "checkpoint: folder " + dirpath_ + " exists and is not empty");
     }
@@ -339,8 +212,8 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   void on_validation_end(ember::ITrainer& trainer) override {
     if (trainer.sanity_checking()) return;
     validation_has_run_ = true;
-    if (!training_ || save_on_train_epoch_end_ == true) return;  // engine validate, or saving at epoch ends only
-    if (!save_on_train_epoch_end_ && last_train_batch_ + 1 == trainer.num_training_batches()) {
+    if (!training_ || settings_.save_on_train_epoch_end == true) return;  // engine validate, or saving at epoch ends only
+    if (!settings_.save_on_train_epoch_end && last_train_batch_ + 1 == trainer.num_training_batches()) {
       validated_at_epoch_end_ = true;  // on_train_epoch_end follows and saves
       return;
     }
@@ -350,7 +223,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   void on_train_batch_end(ember::ITrainer& trainer) override {
     last_train_batch_ = trainer.batch_idx();
     if (skip(trainer)) return;
-    const bool by_steps = every_n_train_steps_ >= 1 && trainer.global_step() % every_n_train_steps_ == 0;
+    const bool by_steps = settings_.every_n_train_steps >= 1 && trainer.global_step() % settings_.every_n_train_steps == 0;
     if (!by_steps && !time_due(trainer)) return;
     begin_saves(trainer);
     save_topk(trainer);
@@ -362,8 +235,8 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     // Runs after the model's on_train_epoch_end, with this epoch's validation metrics in place.
     const bool validated = validated_at_epoch_end_;
     validated_at_epoch_end_ = false;
-    if (save_on_train_epoch_end_) {
-      if (*save_on_train_epoch_end_) save_by_epoch(trainer, true);
+    if (settings_.save_on_train_epoch_end) {
+      if (*settings_.save_on_train_epoch_end) save_by_epoch(trainer, true);
       return;
     }
     if (validated || trainer.num_batches(ember::Split::val) == 0) return save_by_epoch(trainer, true);
@@ -371,7 +244,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     // signal, the last epoch of check_val_every_n_epoch > 1): its end is still saved, so that
     // `--resume last` continues from it, but a monitored value would be an older validation's and
     // is not ranked again. Without a monitor the top-k files are the latest ones: this is one.
-    if (ends_training(trainer)) save_by_epoch(trainer, monitor_.empty());
+    if (ends_training(trainer)) save_by_epoch(trainer, settings_.monitor.empty());
   }
 
  private:
@@ -384,8 +257,8 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   // time (Lightning: every_n_epochs does not throttle last.ckpt).
   void save_by_epoch(ember::ITrainer& trainer, bool rank) {
     if (skip(trainer)) return;
-    const bool topk = rank && every_n_epochs_ >= 1 && (trainer.current_epoch() + 1) % every_n_epochs_ == 0;
-    if (!topk && !save_last_) return;
+    const bool topk = rank && settings_.every_n_epochs >= 1 && (trainer.current_epoch() + 1) % settings_.every_n_epochs == 0;
+    if (!topk && !settings_.save_last) return;
     begin_saves(trainer);
     if (topk) save_topk(trainer);
     save_last(trainer);
@@ -398,10 +271,10 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   // the batches of an accumulation would not resume exactly), ends the interval. Ranks' clocks
   // differ and a save may be collective (sharded), so rank 0's clock decides for every rank.
   bool time_due(ember::ITrainer& trainer) {
-    if (train_time_interval_ <= 0 || trainer.global_step() == last_time_checked_step_) return false;
+    if (settings_.train_time_interval <= 0 || trainer.global_step() == last_time_checked_step_) return false;
     last_time_checked_step_ = trainer.global_step();
     const auto now = Clock::now();
-    const bool mine = trainer.is_global_zero() && std::chrono::duration<double>(now - last_time_save_).count() >= train_time_interval_;
+    const bool mine = trainer.is_global_zero() && std::chrono::duration<double>(now - last_time_save_).count() >= settings_.train_time_interval;
     const bool due = trainer.world_size() == 1
                          ? mine
                          : ember::trainer_service<ember::ITrainerCollectives>(trainer, "checkpoint (train_time_interval)").any_rank(mine);
@@ -432,10 +305,10 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
 
   std::string format_stem(const ember::ITrainer& trainer) const {
     try {
-      return filename_.format([&](const std::string& n) { return lookup(trainer, n); },
-                              auto_insert_metric_name_);
+      return settings_.filename.format([&](const std::string& n) { return lookup(trainer, n); },
+                                       settings_.auto_insert_metric_name);
     } catch (const ck::UnknownName& e) {
-      throw ember::RunError("checkpoint: filename '" + filename_.text() + "' uses '" + e.name() +
+      throw ember::RunError("checkpoint: filename '" + settings_.filename.text() + "' uses '" + e.name() +
                             "', which is not a logged metric" +
                             ck::suggestion_suffix(e.name(), candidate_names(trainer)));
     }
@@ -443,12 +316,12 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
 
   // enable_version_counter = false: the name as it is, overwriting a file that has it.
   std::string versioned(const std::string& stem, const std::string& replacing) const {
-    if (!enable_version_counter_) return ck::checkpoint_path(dirpath_, stem);
+    if (!settings_.enable_version_counter) return ck::checkpoint_path(dirpath_, stem);
     return ck::versioned_checkpoint_path(dirpath_, stem, file_exists, replacing);
   }
 
   void info(const std::string& message) {
-    if (verbose_) host_.log(ember::LogLevel::info, "checkpoint: " + message);
+    if (settings_.verbose) host_.log(ember::LogLevel::info, "checkpoint: " + message);
   }
   static std::string where(const ember::ITrainer& trainer) {
     return "Epoch " + std::to_string(trainer.current_epoch()) + ", global step " +
@@ -456,12 +329,12 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   }
 
   void save_topk(ember::ITrainer& trainer) {
-    if (save_top_k_ == 0) return;
-    if (monitor_.empty()) return save_none_monitor(trainer);
-    const std::optional<double> current = lookup(trainer, monitor_);
+    if (settings_.save_top_k == 0) return;
+    if (settings_.monitor.empty()) return save_none_monitor(trainer);
+    const std::optional<double> current = lookup(trainer, settings_.monitor);
     if (!current) {
-      const std::string msg = "checkpoint: monitor '" + monitor_ + "' not found in logged metrics" +
-                              ck::suggestion_suffix(monitor_, candidate_names(trainer));
+      const std::string msg = "checkpoint: monitor '" + settings_.monitor + "' not found in logged metrics" +
+                              ck::suggestion_suffix(settings_.monitor, candidate_names(trainer));
       // Lightning: an error once validation has run (the name is wrong); before that only a
       // warning, as a validation metric cannot exist yet (step-based saves in the first epoch,
       // validation every few epochs).
@@ -478,20 +351,20 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   void save_monitor(ember::ITrainer& trainer, double current) {
     const double score = topk_.score_of(current);
     if (!topk_.should_save(score)) {
-      info(where(trainer) + ": '" + monitor_ + "' was not in top " + std::to_string(save_top_k_));
+      info(where(trainer) + ": '" + settings_.monitor + "' was not in top " + std::to_string(settings_.save_top_k));
       return;
     }
     const std::string stem = format_stem(trainer);  // may throw: before anything changes
     const ck::TopKState before = topk_.state();
     const auto added = topk_.add(score, [&](const std::string& dropped) { return versioned(stem, dropped); });
     std::string message;
-    if (verbose_) {
+    if (settings_.verbose) {
       const auto& s = topk_.state();
       char line[96];
       std::snprintf(line, sizeof line, "reached %.5f (best %.5f)", current,
                     s.best_model_score ? *s.best_model_score : std::nan(""));
-      message = where(trainer) + ": '" + monitor_ + "' " + line + ", saved '" + added.path + "' as top " +
-                (save_top_k_ == -1 ? std::string("all") : std::to_string(save_top_k_));
+      message = where(trainer) + ": '" + settings_.monitor + "' " + line + ", saved '" + added.path + "' as top " +
+                (settings_.save_top_k == -1 ? std::string("all") : std::to_string(settings_.save_top_k));
     }
     write(trainer, added.path, before, [this, &trainer, message, dropped = added.dropped, path = added.path] {
       info(message);
@@ -506,16 +379,16 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     const std::string previous = before.best_model_path;
     // Only with save_top_k = 1 is the previous file being replaced (it goes anyway); when all
     // are kept, a repeated name gets a version suffix instead of overwriting a kept file.
-    const std::string path = versioned(stem, save_top_k_ == 1 ? previous : std::string());
+    const std::string path = versioned(stem, settings_.save_top_k == 1 ? previous : std::string());
     topk_.state().best_model_path = path;
     write(trainer, path, before, [this, &trainer, previous, path, message = where(trainer) + ": saved '" + path + "'"] {
       info(message);
-      if (save_top_k_ == 1) remove_if_unused(trainer, previous, path);
+      if (settings_.save_top_k == 1) remove_if_unused(trainer, previous, path);
     });
   }
 
   void save_last(ember::ITrainer& trainer) {
-    if (!save_last_) return;
+    if (!settings_.save_last) return;
     const ck::TopKState before = topk_.state();
     const std::string previous = before.last_model_path;
     const std::string path = versioned(ck::kNameLast, previous);
@@ -537,7 +410,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     std::function<void()> on_disk;
   };
   void begin_saves(ember::ITrainer& trainer) {
-    if (async_) ember::trainer_service<ember::ITrainerAsyncCheckpoints>(trainer, "checkpoint (async = true)").finish_checkpoints();
+    if (settings_.async) ember::trainer_service<ember::ITrainerAsyncCheckpoints>(trainer, "checkpoint (async = true)").finish_checkpoints();
   }
   void end_saves(ember::ITrainer& trainer) {
     if (step_saves_.empty()) return;
@@ -555,7 +428,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
         fs::create_directories(fs::path(paths.front()).parent_path(), ec);
       }
       ember::trainer_service<ember::ITrainerAsyncCheckpoints>(trainer, "checkpoint (async = true)")
-          .save_checkpoint_async(paths, save_weights_only_, [on_disk = std::move(on_disk)] {
+          .save_checkpoint_async(paths, settings_.save_weights_only, [on_disk = std::move(on_disk)] {
             for (const auto& f : on_disk) f();
           });
     } catch (...) {
@@ -571,7 +444,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   // synchronous save, when the trainer commits it after an asynchronous one (a failed background
   // write stops the run, and the files it would have replaced stay).
   void write(ember::ITrainer& trainer, const std::string& path, const ck::TopKState& before, std::function<void()> on_disk) {
-    if (async_) {  // end_saves() writes it
+    if (settings_.async) {  // end_saves() writes it
       step_saves_.push_back({path, before, std::move(on_disk)});
       return;
     }
@@ -583,7 +456,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
         std::error_code ec;
         fs::create_directories(fs::path(path).parent_path(), ec);
       }
-      ember::trainer_service<ember::ITrainerCheckpoints>(trainer, "checkpoint").save_checkpoint(path, save_weights_only_);
+      ember::trainer_service<ember::ITrainerCheckpoints>(trainer, "checkpoint").save_checkpoint(path, settings_.save_weights_only);
     } catch (...) {
       topk_.state() = before;
       throw;
@@ -612,10 +485,10 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   // mode, so a different ranking finds no state).
   void apply(SavedState saved) {
     restored_ = true;
-    if (saved.monitor != monitor_ || saved.mode != ck::mode_name(topk_.mode())) {
+    if (saved.monitor != settings_.monitor || saved.mode != ck::mode_name(topk_.mode())) {
       host_.log(ember::LogLevel::warn,
                 "checkpoint: the checkpoint ranked by monitor '" + saved.monitor + "' (" + saved.mode +
-                    "), this run by '" + monitor_ + "' (" + ck::mode_name(topk_.mode()) +
+                    "), this run by '" + settings_.monitor + "' (" + ck::mode_name(topk_.mode()) +
                     "): top-k bookkeeping starts afresh");
       return;
     }
@@ -629,20 +502,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   }
 
   ember::IHost& host_;
-  ck::FilenameTemplate filename_;
-  std::string monitor_;
-  int64_t save_top_k_;
-  bool save_last_;
-  int64_t every_n_epochs_;
-  int64_t every_n_train_steps_;
-  bool save_weights_only_;
-  bool auto_insert_metric_name_;
-  bool verbose_;
-  bool async_;
-  bool enable_version_counter_;
-  std::optional<bool> save_on_train_epoch_end_;  // unset: Lightning's rule (on_validation_end)
-  std::string save_on_train_epoch_end_where_;    // "checkpoint.save_on_train_epoch_end (run.toml:7:1)"
-  std::string dirpath_cfg_;  // the configured folder, absolute; "" = <run_dir>/checkpoints
+  const ck::Settings settings_;
 
   std::string dirpath_;  // the folder in use, known from setup() on
   ck::TopK topk_;
@@ -654,7 +514,6 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   int64_t last_train_batch_ = -1;        // this epoch's latest training batch (-1: none yet)
   bool validated_at_epoch_end_ = false;  // the validation after the epoch's last batch ran: save at its end
   using Clock = std::chrono::steady_clock;
-  double train_time_interval_ = 0;  // seconds; 0 = no time trigger
   Clock::time_point last_time_save_{};
   int64_t last_time_checked_step_ = -1;
   std::optional<SavedState> pending_;  // state loaded before setup()

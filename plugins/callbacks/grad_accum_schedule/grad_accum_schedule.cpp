@@ -24,6 +24,8 @@ constexpr EmberConfigKey kKeys[] = {
         "Epochs (0-based, ascending) at which a factor takes effect (required); without 0, epochs before the first use factor 1.").at_least(0),
     ember::key::IntList("factors", nullptr,
         "Accumulation factor from the epoch at the same position in `epochs` on (required, each >= 1).").at_least(1),
+    ember::key::Elsewhere("scheduling", "write Lightning's {epoch: factor} table as two lists: epochs = [0, 4] and factors = [8, 4] "
+                                        "for {0: 8, 4: 4}"),
 };
 // clang-format on
 

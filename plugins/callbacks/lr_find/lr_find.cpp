@@ -49,6 +49,8 @@ constexpr EmberConfigKey kKeys[] = {
         "Stop the sweep once the smoothed loss exceeds this many times its best value; 0 = never.").at_least(0.0),
     ember::key::Bool("update_attr", "true",
         "Train with the suggested rate (set in every parameter group of the optimizer)."),
+    ember::key::Elsewhere("attr_name", "Ember sets the suggested rate in every parameter group of the optimizer (update_attr = true), "
+                                       "not in a model attribute; remove the key"),
 };
 // clang-format on
 

@@ -52,6 +52,8 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Number("swa_epoch_start", "0.8", "First averaged epoch: an int is an epoch index (>= 1), a float in (0, 1] a fraction of max_epochs.").above(0),
     ember::key::Int("annealing_epochs", "10", "Epochs over which the learning rate moves from its value at swa_epoch_start to swa_lrs (0 = at once).").at_least(0),
     ember::key::String("annealing_strategy", "\"cos\"", "Shape of that move (SWALR's anneal_strategy).").choices("cos|linear"),
+    ember::key::Elsewhere("avg_fn", "swa keeps the equal-weight mean of the weights; for an exponential moving average use the ema "
+                                    "callback (--plugins ema)"),
 };
 // clang-format on
 

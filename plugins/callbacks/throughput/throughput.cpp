@@ -51,6 +51,8 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Float("peak_tflops", "0.0",
         "The device's peak TFLOP/s for mfu; 0 looks CUDA devices up in the built-in table for the run's precision.")
         .at_least(0.0),
+    ember::key::Elsewhere("batch_size_fn", "Ember counts each batch's samples itself; remove the key"),
+    ember::key::Elsewhere("length_fn", "set items = \"input_numel\" to count the elements (tokens) of each batch's input"),
 };
 // clang-format on
 

@@ -31,11 +31,18 @@ namespace {
 namespace fs = std::filesystem;
 
 // clang-format off
+// Lightning's save_dir, name and version: one run folder for every logger, set in [trainer].
+constexpr const char* kRunFolderAdvice =
+    "every logger writes into the run folder <trainer.default_root_dir>/<trainer.name>/version_<trainer.version>: set "
+    "those [trainer] keys";
 constexpr EmberConfigKey kKeys[] = {
     ember::key::String("filename", "\"metrics.csv\"",
         "Name of the metrics file inside the run folder."),
     ember::key::Int("flush_logs_every_n_steps", "100",
         "Write buffered rows to disk every N log calls (and always on flush and at the end).").at_least(1),
+    ember::key::Elsewhere("save_dir", kRunFolderAdvice),
+    ember::key::Elsewhere("name", kRunFolderAdvice),
+    ember::key::Elsewhere("version", kRunFolderAdvice),
 };
 // clang-format on
 

@@ -54,6 +54,9 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Float("timeout_s", "10.0", "Time limit of one request to the server.").above(0.0),
     ember::key::Float("finalize_timeout_s", "30.0", "At the end, wait this long at most for what is still unsent.").at_least(0.0),
     ember::key::Int("max_buffered_values", "100000", "Metric values kept in memory while the server does not answer; older ones go to <run folder>/mlflow_unsent.jsonl.").at_least(1),
+    ember::key::Elsewhere("log_model", "Lightning's log_model is log_checkpoint = true (the best checkpoint goes up as an artifact)"),
+    ember::key::Elsewhere("save_dir", "Ember's mlflow logger talks to a tracking server (tracking_uri = \"http://host:port\"); for "
+                                      "files on disk add the csv or tensorboard logger"),
 };
 
 // MLflow's request limits (runs/log-batch) and value limits.

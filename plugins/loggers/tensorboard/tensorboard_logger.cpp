@@ -32,6 +32,10 @@ namespace {
 namespace fs = std::filesystem;
 
 // clang-format off
+// Lightning's save_dir, name and version: one run folder for every logger, set in [trainer].
+constexpr const char* kRunFolderAdvice =
+    "every logger writes into the run folder <trainer.default_root_dir>/<trainer.name>/version_<trainer.version>: set "
+    "those [trainer] keys";
 constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("histogram_every_n_steps", "0",
         "Write histograms of every parameter and its gradient each N optimizer steps (0 = never).").at_least(0),
@@ -40,6 +44,9 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("histogram_bins", "30", "Buckets of each histogram.").at_least(1).at_most(1000),
     ember::key::Bool("log_config_text", "true", "Write the resolved config as a text summary (\"config\")."),
     ember::key::Bool("log_hparams", "true", "Write the resolved config's scalar keys to the HParams tab."),
+    ember::key::Elsewhere("save_dir", kRunFolderAdvice),
+    ember::key::Elsewhere("name", kRunFolderAdvice),
+    ember::key::Elsewhere("version", kRunFolderAdvice),
 };
 // clang-format on
 

@@ -16,7 +16,7 @@
 #include <stdint.h>
 
 #define EMBER_SDK_ABI_MAJOR 2
-#define EMBER_SDK_ABI_MINOR 18
+#define EMBER_SDK_ABI_MINOR 19
 #define EMBER_PLUGIN_MAGIC 0x454D4252u /* "EMBR" */
 #define EMBER_PLUGIN_ENTRY_SYMBOL "ember_plugin_descriptor"
 
@@ -56,6 +56,11 @@ typedef enum EmberConfigType {
 #define EMBER_KEY_HAS_MAX 2u   // value <= max_value
 #define EMBER_KEY_MIN_EXCLUSIVE 4u  // value > min_value instead of >=
 #define EMBER_KEY_MAX_EXCLUSIVE 8u  // value < max_value instead of <=
+// Not a key (SDK 2.19): a name users bring from another tool (a Lightning argument) that this
+// plugin takes another way. Setting it is the "unknown key" error with `help` appended, which
+// says what to write instead; type, default and range are ignored. The engine refuses one whose
+// help is empty or whose name is also a real key of the plugin.
+#define EMBER_KEY_ELSEWHERE 16u
 
 // One key of a plugin's config table. `default_toml` is a TOML literal ("0.1", "true",
 // "\"min\"", "[0.9, 0.999]"), or NULL for "unset" (the key is optional and has no default).

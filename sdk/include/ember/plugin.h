@@ -4,6 +4,7 @@
 //   static constexpr EmberConfigKey kKeys[] = {
 //       ember::key::Float("lr", "0.01", "Learning rate.").above(0.0),
 //       ember::key::String("mode", "\"min\"", "Whether lower or higher is better.").choices("min|max"),
+//       ember::key::Elsewhere("period", "Lightning 1.x's period is every_n_epochs"),  // not a key
 //   };
 //   static ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return new My(host, cfg); }
 //   EMBER_PLUGIN(ember::ICallback, "my_callback", "1.0.0", "MIT", "What it does, in one line.",
@@ -63,6 +64,13 @@ constexpr Spec String(const char* n, const char* d, const char* h) { return make
 constexpr Spec IntList(const char* n, const char* d, const char* h) { return make(n, EMBER_TYPE_INT_LIST, d, h); }
 constexpr Spec FloatList(const char* n, const char* d, const char* h) { return make(n, EMBER_TYPE_FLOAT_LIST, d, h); }
 constexpr Spec StringList(const char* n, const char* d, const char* h) { return make(n, EMBER_TYPE_STRING_LIST, d, h); }
+// Another tool's name for something this plugin takes another way (SDK 2.19): setting it is an
+// error that ends with `instead`, e.g. Elsewhere("period", "Lightning 1.x's period is every_n_epochs").
+constexpr Spec Elsewhere(const char* n, const char* instead) {
+  Spec s = make(n, EMBER_TYPE_STRING, nullptr, instead);
+  s.k.flags = EMBER_KEY_ELSEWHERE;
+  return s;
+}
 }  // namespace key
 
 namespace detail {

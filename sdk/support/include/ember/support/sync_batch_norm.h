@@ -1,4 +1,4 @@
-// Synchronised batch normalisation (torch.nn.SyncBatchNorm, Lightning's sync_batchnorm): in
+// Synchronised batch normalisation (SDK 2.19; torch.nn.SyncBatchNorm, Lightning's sync_batchnorm): in
 // training, the batch statistics are those of the whole data-parallel batch, every rank's
 // samples, instead of each rank's own. It matters when a rank's batch is small (detection,
 // segmentation, large models): the normalisation then no longer depends on how the batch was
