@@ -94,6 +94,18 @@ TEST(Abi, RefusesAnElsewhereNameWithoutAdviceOrTakenByAKey) {
   EXPECT_NE(taken.find("config name 'path' is both a key and flagged EMBER_KEY_ELSEWHERE"), std::string::npos) << taken;
 }
 
+// [data] and [model] hold the engine's keys and the plugin's: a plugin key, or advice for a name,
+// that is one of the engine's there would never be read, so the load refuses it.
+TEST(Abi, RefusesADataKeyOrAdviceThatIsTheEnginesKey) {
+  auto taken = refusal("bad_base_key_taken");
+  EXPECT_NE(taken.find("config key 'batch_size' is already the engine's key data.batch_size (rename it in the plugin)"), std::string::npos)
+      << taken;
+  auto hidden = refusal("bad_base_key_hidden");
+  EXPECT_NE(hidden.find("config name 'batch_size' is flagged EMBER_KEY_ELSEWHERE, but data.batch_size is the engine's key"),
+            std::string::npos)
+      << hidden;
+}
+
 TEST(Abi, RefusesAFileThatIsNotAPlugin) {
   TempDir dir("abi");
   write_file(dir / "libjunk.so", "not an ELF file");

@@ -145,6 +145,10 @@ TEST(Cli, BadInputExitsTwoWithOneLine) {
       // A plugin's names from Lightning (EMBER_KEY_ELSEWHERE) say what to write instead.
       {{"run.toml", "--set", "checkpoint.period=2"}, "unknown key 'period' in [checkpoint]; Lightning 1.x's period is every_n_epochs"},
       {{"lightning.toml"}, "lightning.toml:3:12: checkpoint.filepath: unknown key; Lightning 1.x's filepath is two keys: dirpath"},
+      // A typo of such a name still gets its advice.
+      {{"run.toml", "--set", "checkpoint.perod=2"},
+       "unknown key 'perod' in [checkpoint] (did you mean 'period'? Lightning 1.x's period is every_n_epochs)"},
+      {{"run.toml", "--set", "trainer.profilr=\"simple\""}, "(did you mean 'profiler'? profilers are callback plugins"},
       {{"run.toml", "--plugins", "csv", "--set", "csv.save_dir=\"logs\""},
        "every logger writes into the run folder <trainer.default_root_dir>/<trainer.name>/version_<trainer.version>"},
       {{"run.toml", "--set", "model.name=mpl"}, "unknown plugin 'mpl' (did you mean 'mlp'?)"},

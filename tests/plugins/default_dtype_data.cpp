@@ -21,6 +21,11 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("num_samples", "128", "Samples in train, val and test.").at_least(1),
     ember::key::Int("features", "16", "Features per sample.").at_least(1),
     ember::key::Int("sample_ms", "10", "Milliseconds each get_batch keeps sampling the default dtype.").at_least(0),
+#if TEST_PLUGIN_BAD_BASE_KEY == 1  // a key the engine defines in [data]: the engine refuses the plugin
+    ember::key::Int("batch_size", "8", "Samples per batch."),
+#elif TEST_PLUGIN_BAD_BASE_KEY == 2  // advice for a name that is the engine's [data] key: refused too
+    ember::key::Elsewhere("batch_size", "write data.size instead"),
+#endif
 };
 
 class DefaultDtypeData final : public ember::IDataModule {
@@ -58,6 +63,9 @@ ember::IDataModule* make(ember::IHost&, const ember::IConfig& cfg) { return new 
 
 }  // namespace
 
-EMBER_PLUGIN(ember::IDataModule, "default_dtype_data", "0.0.1", "Apache-2.0",
+#ifndef TEST_PLUGIN_NAME
+#define TEST_PLUGIN_NAME "default_dtype_data"
+#endif
+EMBER_PLUGIN(ember::IDataModule, TEST_PLUGIN_NAME, "0.0.1", "Apache-2.0",
              "Test: builds batches with the default dtype and records the default dtype loader threads see.",
              EMBER_CONFIG_KEYS(kKeys), make)

@@ -198,6 +198,22 @@ std::string did_you_mean(std::string_view name, const std::vector<std::string>& 
   return c.empty() ? "" : " (did you mean '" + c + "'?)";
 }
 
+namespace {
+// What follows "unknown key": for a name another tool uses (SectionSchema::elsewhere), what to
+// write instead; else the closest key, or the closest such name with its advice (a typo of
+// Lightning's `period` is still Lightning's period).
+std::string unknown_key_hint(const SectionSchema& schema, const std::string& key, const std::vector<std::string>& key_names) {
+  if (auto it = schema.elsewhere.find(key); it != schema.elsewhere.end()) return "; " + it->second;
+  std::vector<std::string> names = key_names;
+  for (const auto& [name, instead] : schema.elsewhere) names.push_back(name);
+  const std::string closest = closest_name(key, names);
+  if (closest.empty()) return "";
+  if (auto it = schema.elsewhere.find(closest); it != schema.elsewhere.end())
+    return " (did you mean '" + closest + "'? " + it->second + ")";
+  return " (did you mean '" + closest + "'?)";
+}
+}  // namespace
+
 std::string type_name(EmberConfigType type) {
   switch (type) {
     case EMBER_TYPE_BOOL: return "bool";
@@ -472,14 +488,14 @@ ResolvedConfig ResolvedConfig::resolve(const RawConfig& raw, std::vector<Section
         std::string key(k.str());
         if (!schema->find(key))
           throw usage_error(position(node, path) + ": " + schema->name + "." + key + ": unknown key" +
-                           (schema->elsewhere.count(key) ? "; " + schema->elsewhere.at(key)
-                                                         : did_you_mean(key, key_names) + "; `engine config` lists the valid keys"));
+                           unknown_key_hint(*schema, key, key_names) +
+                           (schema->elsewhere.count(key) ? "" : "; `engine config` lists the valid keys"));
       }
     }
     for (const auto& o : raw.overrides)
       if (o.section == schema->name && !schema->find(o.key))
         throw usage_error("--set " + o.text + ": unknown key '" + o.key + "' in [" + schema->name + "]" +
-                         (schema->elsewhere.count(o.key) ? "; " + schema->elsewhere.at(o.key) : did_you_mean(o.key, key_names)));
+                         unknown_key_hint(*schema, o.key, key_names));
 
     for (const auto& k : schema->keys) {
       Section::Entry entry;

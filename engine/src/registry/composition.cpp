@@ -227,12 +227,8 @@ Plan make_plan(const RunRequest& req) {
       return s;
     }
     s.description = std::string(name) + " plugin '" + p->name + "'";
-    for (auto& k : keys_from_descriptor(p->descriptor->config_keys, p->descriptor->num_config_keys)) {
-      if (s.find(k.key))
-        throw PluginError("plugin '" + p->name + "' (" + p->file.string() + ") declares the key '" + k.key +
-                          "', which the engine already defines in [" + name + "] (rename it in the plugin)");
-      s.keys.push_back(std::move(k));
-    }
+    // No clash with the engine's keys: the plugin's load refuses one (load_descriptor).
+    for (auto& k : keys_from_descriptor(p->descriptor->config_keys, p->descriptor->num_config_keys)) s.keys.push_back(std::move(k));
     s.elsewhere = elsewhere_from_descriptor(p->descriptor->config_keys, p->descriptor->num_config_keys);
     return s;
   };

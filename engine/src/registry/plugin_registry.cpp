@@ -10,6 +10,7 @@
 #include <boost/dll/shared_library.hpp>
 #include <boost/dll/runtime_symbol_info.hpp>
 
+#include "config/engine_schema.h"
 #include "config/run_config.h"
 #include "not_built_plugins.h"
 
@@ -194,6 +195,21 @@ const EmberPluginDescriptor* load_descriptor(const fs::path& file, const std::st
       if (j != i && !(d->config_keys[j].flags & EMBER_KEY_ELSEWHERE) && std::string_view(d->config_keys[j].key) == k.key)
         throw PluginError(where + " rejected: config name '" + k.key + "' is both a key and flagged EMBER_KEY_ELSEWHERE " +
                           "(drop one of the two)");
+  }
+  // A model's or data module's keys share [model] / [data] with the engine's own keys there: a
+  // name the engine defines is the engine's, so the plugin's key (or advice) would never be read.
+  if (d->kind == EMBER_KIND_MODEL || d->kind == EMBER_KIND_DATA) {
+    const char* section = d->kind == EMBER_KIND_MODEL ? "model" : "data";
+    const auto base = d->kind == EMBER_KIND_MODEL ? model_base_keys() : data_base_keys();
+    for (uint32_t i = 0; i < d->num_config_keys; ++i) {
+      const std::string_view name = d->config_keys[i].key;
+      if (std::none_of(base.begin(), base.end(), [&](const KeySchema& b) { return b.key == name; })) continue;
+      if (d->config_keys[i].flags & EMBER_KEY_ELSEWHERE)
+        throw PluginError(where + " rejected: config name '" + std::string(name) + "' is flagged EMBER_KEY_ELSEWHERE, but " + section +
+                          "." + std::string(name) + " is the engine's key, so its advice would never be shown (drop the flag)");
+      throw PluginError(where + " rejected: config key '" + std::string(name) + "' is already the engine's key " + section + "." +
+                        std::string(name) + " (rename it in the plugin)");
+    }
   }
   return d;
 }
