@@ -146,6 +146,51 @@ std::vector<std::string> checkpoint_names(const TempDir& dir, const std::string&
   return names;
 }
 
+// Lightning's save_last = "link": last.ckpt is a relative link to the file the same save kept,
+// not a second copy, and a save that keeps no file (every_n_epochs = 2 skips the top-k file at
+// odd epochs) writes it in full. The link goes over a full last.ckpt and back, the top-k file it
+// pointed at is deleted only after it points at the new one, `--resume last` follows it, and the
+// resumed runs end with the weights of one straight run; synchronous and async = true alike.
+TEST(CheckpointRun, SaveLastLinkPointsAtTheSavesFileAndResumesThroughIt) {
+  for (const char* async : {"false", "true"}) {
+    SCOPED_TRACE(std::string("async = ") + async);
+    TempDir dir("ckpt_link");
+    write_file(dir / "run.toml", tiny_mlp_run(2, "batch_size = 8\nnum_val = 16\n[checkpoint]\nsave_last = \"link\"\nevery_n_epochs = 2\nasync = " +
+                                                   std::string(async) + "\n"));
+    const fs::path folder = dir / "runs/run/version_0/checkpoints";
+    const fs::path last = folder / "last.ckpt";
+    run_engine_ok(dir, {"run.toml"});  // epoch 0 (step 4): last.ckpt in full; epoch 1 (step 8): its file and the link
+    EXPECT_EQ(checkpoint_names(dir, "version_0"), (std::vector<std::string>{"epoch=1-step=8.ckpt", "last.ckpt"}));
+    ASSERT_TRUE(fs::is_symlink(last));
+    EXPECT_EQ(fs::read_symlink(last), "epoch=1-step=8.ckpt");  // relative: the folder can move
+    // The file names itself and last.ckpt: a run resumed from it keeps writing last.ckpt, not last-v1.ckpt.
+    auto state = ember::engine::load_checkpoint_file(last).at("callbacks").toGenericDict().at("checkpoint").toGenericDict();
+    EXPECT_EQ(state.at("last_model_path").toStringRef(), fs::absolute(last).lexically_normal().string());
+
+    run_engine_ok(dir, {"run.toml", "--resume", "last", "--set", "trainer.max_epochs=3"});  // epoch 2: no top-k file, last in full
+    EXPECT_EQ(checkpoint_names(dir, "version_0"), (std::vector<std::string>{"epoch=1-step=8.ckpt", "last.ckpt"}));
+    EXPECT_FALSE(fs::is_symlink(last));
+    EXPECT_EQ(ember::engine::load_checkpoint_file(last).at("global_step").toInt(), 12);
+
+    run_engine_ok(dir, {"run.toml", "--resume", "last", "--set", "trainer.max_epochs=4"});  // epoch 3: a link over the file
+    EXPECT_EQ(checkpoint_names(dir, "version_0"), (std::vector<std::string>{"epoch=3-step=16.ckpt", "last.ckpt"}));
+    ASSERT_TRUE(fs::is_symlink(last));
+    EXPECT_EQ(fs::read_symlink(last), "epoch=3-step=16.ckpt");
+
+    // One straight run of 4 epochs (save_last given as TOML's true: the key takes true, false or "link").
+    run_engine_ok(dir, {"run.toml", "--set", "trainer.max_epochs=4", "--set", "checkpoint.save_last=true", "--set", "checkpoint.every_n_epochs=1"});
+    EXPECT_FALSE(fs::is_symlink(last_checkpoint(dir, 1)));
+    expect_identical_weights(last_checkpoint(dir, 1), last);
+  }
+  // Nothing to link to: one line, before training.
+  TempDir dir("ckpt_link");
+  write_file(dir / "run.toml", tiny_mlp_run(1, "batch_size = 8\n[checkpoint]\nsave_last = \"link\"\nsave_top_k = 0\n"));
+  auto none = run_engine({"run.toml"}, dir.path());
+  EXPECT_EQ(none.exit_code, 2) << none.err;
+  EXPECT_NE(none.err.find("checkpoint.save_last (run.toml:"), std::string::npos) << none.err;
+  EXPECT_NE(none.err.find("and save_top_k = 0 saves none; set save_last = true to write last.ckpt in full"), std::string::npos) << none.err;
+}
+
 // Lightning's save_on_train_epoch_end, unset: a save after every validation that runs in
 // mid-epoch (val_check_interval < 1), at the epoch's end when validation runs there, and never
 // at the end of an epoch without validation (check_val_every_n_epoch > 1: its val_loss would be

@@ -110,6 +110,20 @@ TEST(Cli, ConfigPrintsResolvedTomlThatFeedsBack) {
   auto second = run_engine({"config", "resolved.toml"}, dir.path());
   ASSERT_EQ(second.exit_code, 0) << second.err;
   EXPECT_EQ(first.out, second.out);
+
+  // A string key whose choices include true and false takes TOML's booleans as those words (its
+  // help says "true = always"), and prints the word, which feeds back too; other strings do not.
+  write_file(dir / "booleans.toml", std::string(kQuick) + "on_device = true\n");
+  auto words = run_engine({"config", "booleans.toml", "--set", "checkpoint.save_last=false"}, dir.path());
+  ASSERT_EQ(words.exit_code, 0) << words.err;
+  EXPECT_NE(words.out.find("on_device = 'true'"), std::string::npos) << words.out;
+  EXPECT_NE(words.out.find("save_last = 'false'"), std::string::npos) << words.out;
+  write_file(dir / "resolved.toml", words.out);
+  auto fed_back = run_engine({"config", "resolved.toml"}, dir.path());
+  EXPECT_EQ(fed_back.out, words.out) << fed_back.err;
+  auto not_a_word = run_engine({"config", "run.toml", "--set", "checkpoint.monitor=true"}, dir.path());
+  EXPECT_EQ(not_a_word.exit_code, 2);
+  EXPECT_NE(not_a_word.err.find("checkpoint.monitor: expected a string, got boolean true"), std::string::npos) << not_a_word.err;
 }
 
 // Every config the repository ships resolves as written (its plugins load, every key is known, every

@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <map>
 #include <regex>
 
@@ -352,6 +353,38 @@ TEST_F(Sharded, ShardedDirectoryOnItsOwnMeshIsReadOncePartPerRank) {
 
 // A rank killed while a sharded checkpoint is being saved leaves the previous one whole: the job
 // fails (bounded by the timeout), and --resume last continues from the epoch before, exactly.
+// save_last = "link" with sharded checkpoint directories: last.ckpt links to the directory the
+// save kept; a full directory replaces the link (every_n_epochs = 2: no top-k save at epoch 2) and
+// a link replaces that real directory (swapped in, then deleted); the resumed runs end with the
+// weights of one straight single_device run.
+TEST_F(Sharded, SaveLastLinkPointsAtTheSavesDirectory) {
+  TempDir single("sharded"), dir("sharded");
+  reference(single, {"--set", "trainer.max_epochs=4"});
+  auto train = [&](int epochs, bool resume) {
+    std::vector<std::string> args = {"--set", "sharded.state_dict_type=\"sharded\"", "--set", "checkpoint.save_last=\"link\"", "--set",
+                                     "checkpoint.every_n_epochs=2", "--set", "trainer.max_epochs=" + std::to_string(epochs)};
+    if (resume) args.insert(args.end(), {"--resume", "last"});
+    sharded(dir, 3, 2, args);
+  };
+  const fs::path folder = dir / "runs/run/version_0/checkpoints", last = folder / "last.ckpt";
+  train(2, false);  // 3 steps an epoch: epoch 1 ends at step 6
+  ASSERT_TRUE(fs::is_symlink(last));
+  EXPECT_EQ(fs::read_symlink(last), "epoch=1-step=6.ckpt");
+  EXPECT_TRUE(ember::engine::is_sharded_checkpoint(last));
+  train(3, true);
+  EXPECT_FALSE(fs::is_symlink(last));
+  EXPECT_TRUE(ember::engine::is_sharded_checkpoint(last));
+  EXPECT_TRUE(ember::engine::is_sharded_checkpoint(folder / "epoch=1-step=6.ckpt"));
+  train(4, true);
+  ASSERT_TRUE(fs::is_symlink(last));
+  EXPECT_EQ(fs::read_symlink(last), "epoch=3-step=12.ckpt");
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(folder)) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"epoch=3-step=12.ckpt", "last.ckpt"}));  // no swapped-out directory, no temporary link
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last), 1e-5);
+}
+
 TEST_F(Sharded, KilledMidSaveKeepsThePreviousCheckpoint) {
   TempDir single("sharded"), dir("sharded");
   reference(single, {}, kAdam);

@@ -513,6 +513,15 @@ ResolvedConfig ResolvedConfig::resolve(const RawConfig& raw, std::vector<Section
         entry.where = "default";
       }
       if (entry.value) {
+        // A string key whose choices include true and false (data.on_device = "auto|true|false",
+        // checkpoint.save_last = "true|false|link") takes TOML's true and false as those words:
+        // its help says "true = always", so `on_device = true` must not be a type error.
+        if (k.type == EMBER_TYPE_STRING && entry.value->is_boolean()) {
+          const auto choices = split(k.choices, '|');
+          if (std::find(choices.begin(), choices.end(), "true") != choices.end() &&
+              std::find(choices.begin(), choices.end(), "false") != choices.end())
+            entry.value = std::make_shared<toml::value<std::string>>(entry.value->as_boolean()->get() ? "true" : "false");
+        }
         if (auto err = check_value(k, *entry.value); !err.empty()) {
           // A value of the wrong type says what the key takes (its help): "all" for devices, say.
           const bool wrong_type = err.rfind("expected ", 0) == 0 || err.rfind("element expected ", 0) == 0;

@@ -173,7 +173,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     // Saving only after validation, in a run without validation and without a step or time
     // trigger, would save nothing at all: say so before training rather than after.
     if (settings_.save_on_train_epoch_end == false && trainer.num_batches(ember::Split::val) == 0 && settings_.every_n_train_steps == 0 &&
-        settings_.train_time_interval <= 0 && (settings_.save_top_k != 0 || settings_.save_last)) {
+        settings_.train_time_interval <= 0 && (settings_.save_top_k != 0 || settings_.save_last != ck::SaveLast::off)) {
       throw ember::ConfigError(settings_.save_on_train_epoch_end_where +
                             ": false saves after each validation, and this run has no validation (no validation batches), so no "
                             "checkpoint would be saved; set it to true or leave it out, or give the data a validation split");
@@ -258,7 +258,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   void save_by_epoch(ember::ITrainer& trainer, bool rank) {
     if (skip(trainer)) return;
     const bool topk = rank && settings_.every_n_epochs >= 1 && (trainer.current_epoch() + 1) % settings_.every_n_epochs == 0;
-    if (!topk && !settings_.save_last) return;
+    if (!topk && settings_.save_last == ck::SaveLast::off) return;
     begin_saves(trainer);
     if (topk) save_topk(trainer);
     save_last(trainer);
@@ -366,7 +366,7 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
       message = where(trainer) + ": '" + settings_.monitor + "' " + line + ", saved '" + added.path + "' as top " +
                 (settings_.save_top_k == -1 ? std::string("all") : std::to_string(settings_.save_top_k));
     }
-    write(trainer, added.path, before, [this, &trainer, message, dropped = added.dropped, path = added.path] {
+    write(added.path, before, [this, &trainer, message, dropped = added.dropped, path = added.path] {
       info(message);
       remove_if_unused(trainer, dropped, path);
     });
@@ -381,88 +381,112 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
     // are kept, a repeated name gets a version suffix instead of overwriting a kept file.
     const std::string path = versioned(stem, settings_.save_top_k == 1 ? previous : std::string());
     topk_.state().best_model_path = path;
-    write(trainer, path, before, [this, &trainer, previous, path, message = where(trainer) + ": saved '" + path + "'"] {
+    write(path, before, [this, &trainer, previous, path, message = where(trainer) + ": saved '" + path + "'"] {
       info(message);
       if (settings_.save_top_k == 1) remove_if_unused(trainer, previous, path);
     });
   }
 
   void save_last(ember::ITrainer& trainer) {
-    if (!settings_.save_last) return;
+    if (settings_.save_last == ck::SaveLast::off) return;
     const ck::TopKState before = topk_.state();
     const std::string previous = before.last_model_path;
     const std::string path = versioned(ck::kNameLast, previous);
     topk_.state().last_model_path = path;
-    write(trainer, path, before, [this, &trainer, previous, path, message = where(trainer) + ": saved '" + path + "'"] {
+    // save_last = "link": the top-k file of this save holds the same state, so last.ckpt becomes
+    // a link to it rather than a second copy. A save that keeps no top-k file writes it in full.
+    if (settings_.save_last == ck::SaveLast::link && !step_saves_.empty()) {
+      link_ = [this, &trainer, previous, path, target = step_saves_.back().path] {
+        if (!trainer.is_global_zero()) return;
+        if (const std::string error = ck::link_checkpoint(path, target); !error.empty()) {
+          // A stale last.ckpt would resume an older state: without it, `--resume last` takes the
+          // newest checkpoint, which is `target`.
+          std::error_code ec;
+          remove_checkpoint(path, ec);
+          host_.log(ember::LogLevel::warn, "checkpoint: " + error + "; " + path + " is removed, so `--resume last` takes " + target +
+                                               " (set save_last = true to write it in full)");
+          return;
+        }
+        info("linked '" + path + "' to '" + target + "'");
+        remove_if_unused(trainer, previous, path);
+      };
+      return;
+    }
+    write(path, before, [this, &trainer, previous, path, message = where(trainer) + ": saved '" + path + "'"] {
       info(message);
       remove_if_unused(trainer, previous, path);
     });
   }
 
-  // Asynchronous saves (async = true) of one step go out together, as one copy of the state
-  // written to each file: the top-k file and last.ckpt. Before deciding anything, the write still
-  // in flight is finished (committed, and what it replaced deleted), so the bookkeeping and the
-  // file names are those of synchronous saves. Collective like the saves: every rank reaches a
-  // save's trigger at the same step.
+  // The saves of one step are decided first (the bookkeeping of all of them in place, so each
+  // file holds the state that names it and last.ckpt), then written together by end_saves(): at
+  // once, or asynchronously (async = true) as one copy of the state written to each file. Before
+  // deciding anything, a write still in flight is finished (committed, and what it replaced
+  // deleted), so the bookkeeping and the file names are those of synchronous saves. Collective
+  // like the saves: every rank reaches a save's trigger at the same step.
   struct StepSave {
     std::string path;
     ck::TopKState before;
     std::function<void()> on_disk;
   };
   void begin_saves(ember::ITrainer& trainer) {
+    step_saves_.clear();
+    link_ = nullptr;
     if (settings_.async) ember::trainer_service<ember::ITrainerAsyncCheckpoints>(trainer, "checkpoint (async = true)").finish_checkpoints();
   }
+
+  // Writes this step's files. Once they are durable (at once after a synchronous write; when the
+  // trainer commits an asynchronous one), last.ckpt is linked, then what they replace is deleted:
+  // never before, so a failed write (which stops the run) leaves every earlier file in place, and
+  // last.ckpt never points at a deleted file. A failed write puts the bookkeeping back to what
+  // it was before that file, so the previous best is never lost.
   void end_saves(ember::ITrainer& trainer) {
     if (step_saves_.empty()) return;
     std::vector<StepSave> saves = std::move(step_saves_);
     step_saves_.clear();
-    std::vector<std::string> paths;
     std::vector<std::function<void()>> on_disk;
-    for (auto& s : saves) {
-      paths.push_back(s.path);
-      on_disk.push_back(std::move(s.on_disk));
+    if (link_) on_disk.push_back(std::move(link_));
+    link_ = nullptr;
+    for (auto& s : saves) on_disk.push_back(std::move(s.on_disk));
+    // The folder is created here when it can be; when it cannot, the save fails on rank 0 with the
+    // reason, and every rank learns it there (a throw here would leave the other ranks waiting in
+    // the save's collectives).
+    if (trainer.is_global_zero()) {
+      std::error_code ec;
+      fs::create_directories(fs::path(saves.front().path).parent_path(), ec);
     }
-    try {
-      if (trainer.is_global_zero()) {
-        std::error_code ec;
-        fs::create_directories(fs::path(paths.front()).parent_path(), ec);
+    if (settings_.async) {
+      std::vector<std::string> paths;
+      for (const auto& s : saves) paths.push_back(s.path);
+      try {
+        ember::trainer_service<ember::ITrainerAsyncCheckpoints>(trainer, "checkpoint (async = true)")
+            .save_checkpoint_async(paths, settings_.save_weights_only, [on_disk = std::move(on_disk)] {
+              for (const auto& f : on_disk) f();
+            });
+      } catch (...) {
+        topk_.state() = saves.front().before;
+        throw;
       }
-      ember::trainer_service<ember::ITrainerAsyncCheckpoints>(trainer, "checkpoint (async = true)")
-          .save_checkpoint_async(paths, settings_.save_weights_only, [on_disk = std::move(on_disk)] {
-            for (const auto& f : on_disk) f();
-          });
-    } catch (...) {
-      topk_.state() = saves.front().before;
-      throw;
-    }
-    last_global_step_saved_ = trainer.global_step();
-  }
-
-  // The bookkeeping for `path` is already in place (the file must hold the state that includes
-  // itself); if writing fails it goes back to `before`, so the previous best is never lost.
-  // `on_disk` runs once the file is durable (deleting what it replaces): at once after a
-  // synchronous save, when the trainer commits it after an asynchronous one (a failed background
-  // write stops the run, and the files it would have replaced stay).
-  void write(ember::ITrainer& trainer, const std::string& path, const ck::TopKState& before, std::function<void()> on_disk) {
-    if (settings_.async) {  // end_saves() writes it
-      step_saves_.push_back({path, before, std::move(on_disk)});
+      last_global_step_saved_ = trainer.global_step();
       return;
     }
-    try {
-      // The folder is created here when it can be; when it cannot, save_checkpoint fails on rank 0
-      // with the reason, and every rank learns it there (a throw here would leave the other ranks
-      // waiting in save_checkpoint's collectives).
-      if (trainer.is_global_zero()) {
-        std::error_code ec;
-        fs::create_directories(fs::path(path).parent_path(), ec);
+    auto& checkpoints = ember::trainer_service<ember::ITrainerCheckpoints>(trainer, "checkpoint");
+    for (const auto& s : saves) {
+      try {
+        checkpoints.save_checkpoint(s.path, settings_.save_weights_only);
+      } catch (...) {
+        topk_.state() = s.before;
+        throw;
       }
-      ember::trainer_service<ember::ITrainerCheckpoints>(trainer, "checkpoint").save_checkpoint(path, settings_.save_weights_only);
-    } catch (...) {
-      topk_.state() = before;
-      throw;
     }
     last_global_step_saved_ = trainer.global_step();
-    on_disk();
+    for (const auto& f : on_disk) f();
+  }
+
+  // A file of this step, its bookkeeping already in place (`before` is what it replaced);
+  // `on_disk` runs once the step's files are durable.
+  void write(const std::string& path, const ck::TopKState& before, std::function<void()> on_disk) {
+    step_saves_.push_back({path, before, std::move(on_disk)});
   }
 
   // Deletes a file that left the top k (or an older last/latest one). Rank 0 only, and only
@@ -517,7 +541,8 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
   Clock::time_point last_time_save_{};
   int64_t last_time_checked_step_ = -1;
   std::optional<SavedState> pending_;  // state loaded before setup()
-  std::vector<StepSave> step_saves_;   // async: this step's saves, written together by end_saves()
+  std::vector<StepSave> step_saves_;   // this step's saves, written together by end_saves()
+  std::function<void()> link_;         // save_last = "link": points last.ckpt at this step's top-k file
 };
 
 ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return new ModelCheckpoint(host, cfg); }

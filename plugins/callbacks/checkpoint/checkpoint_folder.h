@@ -1,13 +1,20 @@
 // The files of a checkpoint folder as the checkpoint callback sees them: which entries are
 // checkpoints (files, and the directories a sharding strategy writes), newest first; which one is
-// "last"; deleting one; and reading this plugin's own state out of one (for --resume best).
+// "last"; deleting one; linking last.ckpt to one; and reading this plugin's own state out of one
+// (for --resume best).
 #pragma once
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 #include <torch/serialize.h>  // torch::pickle_load
 
+#include <fcntl.h>   // AT_FDCWD, open
+#include <unistd.h>  // fsync, close
+
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
+#include <cstdio>  // rename, renameat2 (glibc), RENAME_EXCHANGE
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -50,6 +57,34 @@ inline void remove_checkpoint(const fs::path& p, std::error_code& ec) {
     for (const auto& c : children) fs::remove(c, ec);
   }
   fs::remove(p, ec);
+}
+
+// Points `link` at `target`, a checkpoint of the same folder, atomically (save_last = "link"): a
+// new relative symlink (the folder can move) renamed over `link`. A real directory there (a
+// sharded checkpoint written in full) cannot be renamed over: the two are swapped, then the
+// directory is deleted. Returns what failed, or "".
+inline std::string link_checkpoint(const fs::path& link, const fs::path& target) {
+  const fs::path tmp = link.parent_path() / ("." + link.filename().string() + ".link");
+  std::error_code ec;
+  remove_checkpoint(tmp, ec);  // what a crash left: a link, or a swapped-out directory
+  ec.clear();
+  fs::create_symlink(target.parent_path() == link.parent_path() ? target.filename() : target, tmp, ec);
+  if (ec) return "cannot make the link " + tmp.string() + " to " + target.string() + ": " + ec.message();
+  const bool was_directory = fs::is_directory(fs::symlink_status(link, ec));
+  const int moved = was_directory ? ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, link.c_str(), RENAME_EXCHANGE)
+                                  : ::rename(tmp.c_str(), link.c_str());
+  if (moved != 0) {
+    const std::string why = std::strerror(errno);
+    fs::remove(tmp, ec);
+    return "cannot move the link " + tmp.string() + " to " + link.string() + ": " + why;
+  }
+  if (was_directory) remove_checkpoint(tmp, ec);
+  // The rename itself durable, like a checkpoint's.
+  if (const int fd = ::open(link.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+  return "";
 }
 
 inline std::vector<CkptFile> list_checkpoints(const fs::path& dir) {

@@ -32,8 +32,10 @@ inline constexpr EmberConfigKey kKeys[] = {
         "Whether a lower (min) or higher (max) monitored value is better.").choices("min|max"),
     ember::key::Int("save_top_k", "1",
         "How many of the best checkpoints to keep: -1 = all, 0 = none (last.ckpt is still written).").at_least(-1),
-    ember::key::Bool("save_last", "true",
-        "Also write last.ckpt at every save; true by default (Lightning: off) so `--resume last` works out of the box."),
+    ember::key::String("save_last", "true",
+        "Also write last.ckpt at every save; true by default (Lightning: off) so `--resume last` works out of the box. \"link\" "
+        "(Lightning's): last.ckpt is a link to the checkpoint saved at the same step instead of a second copy of it, and is "
+        "written in full at a save that keeps no other file.").choices("true|false|link"),
     ember::key::Int("every_n_epochs", nullptr,
         "Save top-k every N training epochs (0 = never by epoch); unset = 1, or 0 when every_n_train_steps > 0.").at_least(0),
     ember::key::Int("every_n_train_steps", "0",
@@ -103,13 +105,16 @@ inline Mode parse_mode(const ember::IConfig& cfg) {
   config_error(cfg, "mode", "'" + m + "' is not a mode", "use \"min\" or \"max\"");
 }
 
+// last.ckpt: none, a full copy at every save, or a link to the file the same save wrote.
+enum class SaveLast { off, full, link };
+
 // What the keys ask for, checked.
 struct Settings {
   FilenameTemplate filename;
   std::string monitor;  // "" = keep the latest checkpoints
   Mode mode = Mode::min;
   int64_t save_top_k = 1;
-  bool save_last = true;
+  SaveLast save_last = SaveLast::full;
   int64_t every_n_epochs = 1;  // 0 = never by epoch
   int64_t every_n_train_steps = 0;
   double train_time_interval = 0;  // seconds; 0 = no time trigger
@@ -128,7 +133,8 @@ inline Settings read_settings(const ember::IConfig& cfg) {
   s.monitor = cfg.get_string("monitor");
   s.mode = parse_mode(cfg);
   s.save_top_k = cfg.get_int("save_top_k");
-  s.save_last = cfg.get_bool("save_last");
+  const std::string last = cfg.get_string("save_last");
+  s.save_last = last == "link" ? SaveLast::link : last == "true" ? SaveLast::full : SaveLast::off;
   s.every_n_epochs = cfg.has("every_n_epochs") ? cfg.get_int("every_n_epochs") : 1;
   s.every_n_train_steps = cfg.get_int("every_n_train_steps");
   s.save_weights_only = cfg.get_bool("save_weights_only");
@@ -147,6 +153,11 @@ inline Settings read_settings(const ember::IConfig& cfg) {
   if (s.monitor.empty() && s.save_top_k != -1 && s.save_top_k != 0 && s.save_top_k != 1) {
     config_error(cfg, "save_top_k", "save_top_k = " + std::to_string(s.save_top_k) + " needs a monitor to rank checkpoints",
                  "set " + cfg.section() + ".monitor (e.g. \"val_loss\") or use save_top_k = -1 (all), 0 or 1 (the latest)");
+  }
+  // Lightning quietly writes every last.ckpt in full then; here the choice is the user's.
+  if (s.save_last == SaveLast::link && s.save_top_k == 0) {
+    config_error(cfg, "save_last", "\"link\" points last.ckpt at the checkpoint saved at the same step, and save_top_k = 0 saves none",
+                 "set save_last = true to write last.ckpt in full, or save_top_k to 1 or more");
   }
   // Lightning's time trigger excludes the other two and, given alone, turns saving by epoch off.
   if (cfg.has("train_time_interval")) {
