@@ -325,6 +325,37 @@ TEST(CheckpointFile, AtomicWriteSurvivesAKilledWriter) {
   }
 }
 
+// last.ckpt may be a link (checkpoint.save_last = "link"): a checkpoint written in full at its
+// path replaces the link, whether its target is there or gone, and never writes through it into
+// the file or directory it points at. Both kinds: a file, and a sharded directory.
+TEST(CheckpointFile, WritesOverALinkNeverThroughIt) {
+  namespace eng = ember::engine;
+  TempDir dir("ckpt_link");
+  eng::atomic_write(dir / "kept.ckpt", "kept", 4);
+  fs::create_symlink("kept.ckpt", dir / "last.ckpt");
+  fs::create_symlink("gone.ckpt", dir / "dangling.ckpt");
+  for (const char* name : {"last.ckpt", "dangling.ckpt"}) {
+    eng::atomic_write(dir / name, "new", 3);
+    EXPECT_FALSE(fs::is_symlink(dir / name)) << name;
+    EXPECT_EQ(read_file(dir / name), "new") << name;
+  }
+  EXPECT_EQ(read_file(dir / "kept.ckpt"), "kept");
+
+  c10::impl::GenericDict meta(c10::StringType::get(), c10::AnyType::get());
+  meta.insert("sharded", std::string("test"));
+  const eng::ShardedWrite one_rank{0, 1, [](double v) { return v; }};
+  eng::write_sharded_checkpoint(dir / "kept_dir.ckpt", c10::IValue(int64_t{1}), meta, one_rank);
+  fs::create_symlink("kept_dir.ckpt", dir / "last_dir.ckpt");
+  fs::create_symlink("gone_dir.ckpt", dir / "dangling_dir.ckpt");
+  for (const char* name : {"last_dir.ckpt", "dangling_dir.ckpt"}) {
+    eng::write_sharded_checkpoint(dir / name, c10::IValue(int64_t{2}), meta, one_rank);
+    EXPECT_FALSE(fs::is_symlink(dir / name)) << name;
+    EXPECT_EQ(eng::read_sharded_part(dir / name, 0).toInt(), 2) << name;
+  }
+  EXPECT_EQ(eng::read_sharded_part(dir / "kept_dir.ckpt", 0).toInt(), 1);
+  EXPECT_TRUE(eng::is_sharded_checkpoint(dir / "kept_dir.ckpt"));
+}
+
 TEST(CheckpointFile, CorruptOrForeignFilesGiveAClearError) {
   TempDir dir("ckpt");
   write_file(dir / "junk.ckpt", "this is not a checkpoint");

@@ -33,10 +33,12 @@ void fsync_dir(const fs::path& dir) {
   }
 }
 
-// Swaps `from` into `to` atomically; the old `to` (if any) ends up at `from`.
+// Swaps `from` into `to` atomically; the old `to` (if any) ends up at `from`. A symbolic link at
+// `to` (checkpoint.save_last = "link"), even one whose target is gone, is what is swapped out,
+// never the directory it points at.
 void exchange(const fs::path& from, const fs::path& to) {
   std::error_code ec;
-  if (!fs::exists(to, ec)) {
+  if (!fs::exists(fs::symlink_status(to, ec))) {
     if (::rename(from.c_str(), to.c_str()) != 0)
       throw std::runtime_error("cannot move " + from.string() + " to " + to.string() + " (" + std::strerror(errno) + ")");
     return;
