@@ -301,6 +301,45 @@ TEST(Resume, LastNeverResolvesToAWeightsOnlyOrForeignFile) {
   EXPECT_EQ(ember::engine::load_checkpoint_file(ckdir / "last.ckpt").at("global_step").toInt(), 12);
 }
 
+// A save writes its top-k file, then last.ckpt (in full, or as a link to that file). A job
+// killed between the two leaves last.ckpt one save behind a newer file: `--resume last` takes
+// the newer file (a later step, written later), and ends with the weights of one straight run.
+// A later step written *before* last.ckpt is a state a rollback went back from: last.ckpt wins.
+TEST(Resume, LastTakesTheNewerStateOfASaveCutShort) {
+  TempDir straight("resume");
+  write_file(straight / "run.toml", kSmall);
+  ASSERT_EQ(run_engine({"run.toml", "--set", "trainer.max_epochs=3"}, straight.path()).exit_code, 0);
+  for (const bool cut_short : {true, false}) {
+    SCOPED_TRACE(cut_short ? "killed before last.ckpt" : "a rollback");
+    TempDir dir("resume");
+    write_file(dir / "run.toml", kSmall);
+    const fs::path ckdir = dir / "runs/run/version_0/checkpoints";
+    ASSERT_EQ(run_engine({"run.toml", "--set", "trainer.max_epochs=1"}, dir.path()).exit_code, 0);
+    fs::copy_file(ckdir / "last.ckpt", dir / "step4.ckpt");
+    ASSERT_EQ(run_engine({"run.toml", "--resume", "last"}, dir.path()).exit_code, 0);
+    // The kill: epoch=1-step=8.ckpt is durable, last.ckpt is still step 4's.
+    const fs::path newer = ckdir / "epoch=1-step=8.ckpt";
+    ASSERT_TRUE(fs::exists(newer));
+    EXPECT_EQ(ember::engine::probe_checkpoint_file(newer).global_step, 8);
+    fs::copy_file(dir / "step4.ckpt", ckdir / "last.ckpt", fs::copy_options::overwrite_existing);
+    fs::last_write_time(ckdir / "last.ckpt", fs::last_write_time(newer) + std::chrono::seconds(cut_short ? -2 : 2));
+    auto r = run_engine({"run.toml", "--set", "trainer.max_epochs=3", "--resume", "last"}, dir.path());
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    if (cut_short) {
+      EXPECT_NE(r.err.find("epoch=1-step=8.ckpt holds step 8 and was written after runs/run/version_0/checkpoints/last.ckpt (step 4)"),
+                std::string::npos)
+          << r.err;
+      EXPECT_NE(r.err.find("resumed from runs/run/version_0/checkpoints/epoch=1-step=8.ckpt"), std::string::npos) << r.err;
+      expect_identical_weights(straight / "runs/run/version_0/checkpoints/last.ckpt", ckdir / "last.ckpt");
+    } else {
+      EXPECT_EQ(r.err.find("was written after"), std::string::npos) << r.err;
+      EXPECT_NE(r.err.find("resumed from runs/run/version_0/checkpoints/last.ckpt at epoch 0, step 4"), std::string::npos) << r.err;
+    }
+    EXPECT_EQ(ember::engine::load_checkpoint_file(ckdir / "last.ckpt").at("global_step").toInt(), 12);
+    EXPECT_FALSE(fs::exists(dir / "runs/run/version_1"));
+  }
+}
+
 TEST(Resume, AFinishedRunIsNotTrainedAgain) {
   TempDir dir("resume");
   write_file(dir / "run.toml", kSmall);

@@ -3,7 +3,9 @@
 // container_types.*; atomic writes: atomic_file.*; checksums: crc32c.*).
 #include "checkpoint/checkpoint_io.h"
 
+#include <algorithm>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string_view>
 
@@ -37,10 +39,14 @@ void save_checkpoint_file(const fs::path& path, const c10::IValue& checkpoint) {
 
   Manifest manifest;
   manifest.format_version = kCheckpointFormatVersion;
+  std::string position;
   if (checkpoint.isGenericDict()) {
     const auto d = checkpoint.toGenericDict();
     if (d.contains("format_version") && d.at("format_version").isInt()) manifest.format_version = d.at("format_version").toInt();
     manifest.weights_only = d.contains("weights_only") && d.at("weights_only").isBool() && d.at("weights_only").toBool();
+    if (d.contains("global_step") && d.at("global_step").isInt())
+      position = "global_step " + std::to_string(d.at("global_step").toInt()) + "\nepoch " +
+                 std::to_string(d.contains("epoch") && d.at("epoch").isInt() ? d.at("epoch").toInt() : 0) + "\n";
   }
   atomic_write(path, [&](const ByteSink& sink) {
     caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) -> size_t {
@@ -58,6 +64,7 @@ void save_checkpoint_file(const fs::path& path, const c10::IValue& checkpoint) {
     }
     put("data.pkl", pickle.data(), pickle.size());
     put(kTypesRecord, types.data(), types.size());
+    if (!position.empty()) put(kPositionRecord, position.data(), position.size());
     const std::string text = format_manifest(manifest);
     writer.writeRecord(kManifestRecord, text.data(), text.size());
     writer.writeEndOfFile();
@@ -182,6 +189,7 @@ std::string reseal_checkpoint_bytes(std::string_view bytes) {
   caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BufferReader>(bytes.data(), bytes.size()));
   Manifest manifest;
   manifest.format_version = kCheckpointFormatVersion;
+  std::string position;
   if (reader.hasRecord(kManifestRecord)) {
     try {
       const Manifest old = parse_manifest(read_record_text(reader, kManifestRecord));
@@ -207,6 +215,21 @@ std::string reseal_checkpoint_bytes(std::string_view bytes) {
   return out;
 }
 
+namespace {
+// The global_step of the position record, when the file has one that its manifest vouches for.
+std::optional<int64_t> read_position(caffe2::serialize::PyTorchStreamReader& reader, const Manifest& m) {
+  const auto listed = std::find_if(m.records.begin(), m.records.end(), [](const ManifestEntry& r) { return r.name == kPositionRecord; });
+  if (listed == m.records.end() || !reader.hasRecord(kPositionRecord)) return std::nullopt;
+  const std::string text = read_record_text(reader, kPositionRecord);
+  if (text.size() != listed->size || crc32c(text.data(), text.size()) != listed->crc) return std::nullopt;
+  std::istringstream in(text);
+  std::string word;
+  int64_t step = -1;
+  if (!(in >> word >> step) || word != "global_step" || step < 0) return std::nullopt;
+  return step;
+}
+}  // namespace
+
 CheckpointProbe probe_checkpoint_file(const fs::path& path) {
   CheckpointProbe out;
   try {
@@ -225,6 +248,7 @@ CheckpointProbe probe_checkpoint_file(const fs::path& path) {
         }
         out.ember = true;
         out.weights_only = m.weights_only;
+        out.global_step = read_position(reader, m);
         return out;
       }
     }
@@ -232,6 +256,7 @@ CheckpointProbe probe_checkpoint_file(const fs::path& path) {
     const auto d = load_checkpoint_file(path);
     out.ember = true;
     out.weights_only = d.contains("weights_only") && d.at("weights_only").isBool() && d.at("weights_only").toBool();
+    if (d.contains("global_step") && d.at("global_step").isInt()) out.global_step = d.at("global_step").toInt();
   } catch (const std::exception& e) {
     out.ember = false;
     out.why = short_what(e);

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -38,6 +39,7 @@ std::string reseal_checkpoint_bytes(std::string_view bytes);
 struct CheckpointProbe {
   bool ember = false;         // an Ember checkpoint this engine can read
   bool weights_only = false;  // saved with save_weights_only: it can be tested, not resumed
+  std::optional<int64_t> global_step;  // the optimizer steps it holds, when the file says
   std::string why;            // when not `ember`: what is wrong, for a message
 };
 CheckpointProbe probe_checkpoint_file(const std::filesystem::path& path);
@@ -47,5 +49,10 @@ inline constexpr const char* kCheckpointFormat = "ember-checkpoint";
 inline constexpr int64_t kCheckpointFormatVersion = 2;
 inline constexpr const char* kManifestRecord = "ember/manifest";
 inline constexpr const char* kTypesRecord = "ember/types";
+// "global_step <n>\nepoch <n>\n": the loop position, readable without unpickling anything, so
+// `--resume last` can rank a folder's checkpoints by the state they hold. Absent from files
+// without a global_step (Fabric's) and from files written before it (engines that predate it
+// read it as one more checked record and ignore it).
+inline constexpr const char* kPositionRecord = "ember/position";
 
 }  // namespace ember::engine

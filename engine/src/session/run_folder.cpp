@@ -34,18 +34,49 @@ std::vector<fs::path> versions_newest_first(const fs::path& base) {
 
 
 // The file `--resume last` uses: the first of the checkpoint callback's candidates (its order:
-// ICheckpointCandidates) that is a whole Ember checkpoint; empty when there is none. Weights-only
-// files, other programs' files and unreadable ones are skipped with a warning.
+// ICheckpointCandidates, last.ckpt first) that is a whole Ember checkpoint; empty when there is
+// none. Weights-only files, other programs' files and unreadable ones are skipped with a warning.
+// One exception: a whole checkpoint that holds a later step than that first one and was written
+// after it is a save cut short between its files (killed after the top-k file was durable and
+// before last.ckpt was written or linked), so it is the newest state and is taken instead. Both
+// conditions: a later step written earlier is a state a rollback (spike_guard) went back from.
 fs::path resumable_last(const std::vector<std::string>& candidates) {
-  for (const auto& c : candidates) {
-    const fs::path p(c);
-    // A sharded checkpoint directory is judged by its meta.ckpt (the run's state and flags).
-    const auto probe = probe_checkpoint_file(is_sharded_checkpoint(p) ? p / "meta.ckpt" : p);
-    if (probe.ember && !probe.weights_only) return p;
+  // A sharded checkpoint directory is judged by its meta.ckpt (the run's state and flags).
+  auto file_of = [](const fs::path& p) { return is_sharded_checkpoint(p) ? p / "meta.ckpt" : p; };
+  auto written = [](const fs::path& file) {  // through a link (save_last = "link"): its file's
+    std::error_code ec;
+    const auto t = fs::last_write_time(file, ec);
+    return ec ? fs::file_time_type::min() : t;
+  };
+  size_t first = 0;
+  CheckpointProbe probe;
+  for (; first < candidates.size(); ++first) {
+    const fs::path p(candidates[first]);
+    probe = probe_checkpoint_file(file_of(p));
+    if (probe.ember && !probe.weights_only) break;
     log::warn("--resume last: skipping " + p.string() + ": " +
               (probe.ember ? std::string("it holds weights only (save_weights_only)") : "not an Ember checkpoint (" + probe.why + ")"));
   }
-  return {};
+  if (first == candidates.size()) return {};
+  const fs::path preferred(candidates[first]);
+  if (!probe.global_step) return preferred;
+  const auto preferred_written = written(file_of(preferred));
+  fs::path chosen = preferred;
+  int64_t chosen_step = *probe.global_step;
+  for (size_t i = first + 1; i < candidates.size(); ++i) {
+    const fs::path p(candidates[i]);
+    if (written(file_of(p)) <= preferred_written) continue;  // cheap test first: most are older
+    const auto other = probe_checkpoint_file(file_of(p));
+    if (other.ember && !other.weights_only && other.global_step && *other.global_step > chosen_step) {
+      chosen = p;
+      chosen_step = *other.global_step;
+    }
+  }
+  if (chosen != preferred)
+    log::warn("--resume last: " + chosen.string() + " holds step " + std::to_string(chosen_step) + " and was written after " +
+              preferred.string() + " (step " + std::to_string(*probe.global_step) +
+              "): a save was cut short before that file was updated, so the run resumes from the newer state");
+  return chosen;
 }
 }  // namespace
 
