@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint_folder.h"
 #include "checkpoint_support.h"
 #include "filename_template.h"
 #include "support.h"
@@ -189,6 +190,50 @@ TEST(CheckpointRun, SaveLastLinkPointsAtTheSavesFileAndResumesThroughIt) {
   EXPECT_EQ(none.exit_code, 2) << none.err;
   EXPECT_NE(none.err.find("checkpoint.save_last (run.toml:"), std::string::npos) << none.err;
   EXPECT_NE(none.err.find("and save_top_k = 0 saves none; set save_last = true to write last.ckpt in full"), std::string::npos) << none.err;
+}
+
+// `--resume best` asks the newest checkpoint which file is best: only its pickle is read, never
+// its tensors (a 90 GB checkpoint would need twice that in memory). A copy of a real checkpoint
+// without any tensor record still answers.
+TEST(CheckpointRun, TheBestFileIsFoundWithoutReadingTensorData) {
+  TempDir dir("ckpt");
+  write_file(dir / "run.toml", tiny_mlp_run(2, "batch_size = 8\nnum_val = 16\n[checkpoint]\nmonitor = \"val_loss\"\n"));
+  run_engine_ok(dir, {"run.toml"});
+  const fs::path last = dir / "runs/run/version_0/checkpoints/last.ckpt";
+  std::string stripped;
+  {
+    caffe2::serialize::PyTorchStreamReader in(last.string());
+    caffe2::serialize::PyTorchStreamWriter out([&](const void* data, size_t n) -> size_t {
+      stripped.append(static_cast<const char*>(data), n);
+      return n;
+    });
+    size_t dropped = 0;
+    for (const auto& name : in.getAllRecords()) {
+      if (name.rfind("data/", 0) == 0) ++dropped;
+      if (name != "data.pkl") continue;
+      auto [bytes, n] = in.getRecord(name);
+      out.writeRecord(name, bytes.get(), n);
+    }
+    out.writeEndOfFile();
+    ASSERT_GE(dropped, 4u);  // weights, biases, optimizer, rng
+  }
+  write_file(dir / "stripped.ckpt", stripped);
+  EXPECT_ANY_THROW(ember::engine::load_checkpoint_file(dir / "stripped.ckpt"));
+  const auto state = ck::read_plugin_state((dir / "stripped.ckpt").string());
+  ASSERT_TRUE(state.has_value());
+  const std::string best = state->toGenericDict().at("best_model_path").toStringRef();
+  EXPECT_NE(best.find("runs/run/version_0/checkpoints/epoch="), std::string::npos) << best;
+  EXPECT_TRUE(fs::exists(best)) << best;
+  // Not a checkpoint at all: one line naming the file.
+  write_file(dir / "junk.ckpt", "not a zip");
+  try {
+    ck::read_plugin_state((dir / "junk.ckpt").string());
+    ADD_FAILURE() << "junk.ckpt was read";
+  } catch (const ember::RunError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("junk.ckpt is not a readable checkpoint: "), std::string::npos) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  }
 }
 
 // Lightning's save_on_train_epoch_end, unset: a save after every validation that runs in

@@ -16,7 +16,6 @@
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
-#include <torch/serialize.h>  // torch::pickle_load
 
 #include <algorithm>
 #include <chrono>
