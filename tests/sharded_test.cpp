@@ -378,6 +378,8 @@ TEST_F(Sharded, SaveLastLinkPointsAtTheSavesDirectory) {
   train(4, true);
   ASSERT_TRUE(fs::is_symlink(last));
   EXPECT_EQ(fs::read_symlink(last), "epoch=3-step=12.ckpt");
+  // The step `--resume last` ranks a folder's checkpoints by, from the directory's meta.ckpt.
+  EXPECT_EQ(ember::engine::probe_checkpoint_file(last / "meta.ckpt").global_step, 12);
   std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(folder)) names.push_back(e.path().filename());
   std::sort(names.begin(), names.end());
