@@ -105,11 +105,7 @@ filename = "{epoch}-{score:.1f}"
 
 // A tiny mlp on 32 synthetic samples for `epochs` epochs; `tail` adds settings (the [data]
 // table is last open, then whatever tables `tail` starts).
-std::string tiny_mlp_run(int epochs, const std::string& tail) {
-  return "[trainer]\nmax_epochs = " + std::to_string(epochs) +
-         "\nenable_progress_bar = false\n[model]\nname = \"mlp\"\ninput_size = 8\nhidden = [4]\n"
-         "[data]\nname = \"synthetic\"\nshape = [8]\nnum_train = 32\n" + tail;
-}
+std::string tiny_mlp_run(int epochs, const std::string& tail) { return tiny_mlp_toml(epochs, "num_train = 32\n" + tail); }
 
 TEST(CheckpointRun, MissingMonitorIsAnErrorWithSuggestion) {
   TempDir dir("ckpt");

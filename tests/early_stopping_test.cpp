@@ -23,21 +23,9 @@ namespace {
 // validation, so early stopping checks at the end of every training epoch.
 std::string scripted(const std::string& values, const std::string& early_stopping, int max_epochs = 10,
                      const std::string& monitor = "score") {
-  return "plugins = [\"hook_recorder\", \"early_stopping\"]\n[trainer]\nmax_epochs = " + std::to_string(max_epochs) + R"(
-enable_progress_bar = false
-enable_model_summary = false
-[model]
-name = "mlp"
-input_size = 8
-hidden = [4]
-[data]
-name = "synthetic"
-shape = [8]
-num_train = 32
-num_val = 0
-batch_size = 16
-[hook_recorder]
-scripted_values = )" + values + "\n[early_stopping]\n" +
+  return "plugins = [\"hook_recorder\", \"early_stopping\"]\n" +
+         tiny_mlp_toml(max_epochs, "num_train = 32\nnum_val = 0\nbatch_size = 16\n[hook_recorder]\nscripted_values = " + values +
+                                       "\n[early_stopping]\n") +
          (monitor.empty() ? std::string() : "monitor = \"" + monitor + "\"\n") + early_stopping;
 }
 
@@ -172,26 +160,8 @@ TEST(EarlyStoppingRun, MissingMetricIsAnErrorListingTheAvailableOnes) {
 
 TEST(EarlyStoppingRun, ChecksWhereLightningDoes) {
   TempDir dir("es");
-  const std::string toml = R"(
-plugins = ["early_stopping"]
-[trainer]
-max_epochs = 2
-enable_progress_bar = false
-enable_model_summary = false
-[model]
-name = "mlp"
-input_size = 8
-hidden = [4]
-[data]
-name = "synthetic"
-shape = [8]
-num_train = 64
-num_val = 32
-batch_size = 16
-[early_stopping]
-patience = 100
-verbose = true
-)";
+  const std::string toml = "plugins = [\"early_stopping\"]\n" +
+                           tiny_mlp_toml(2, "num_train = 64\nnum_val = 32\nbatch_size = 16\n[early_stopping]\npatience = 100\nverbose = true\n");
   auto checks = [](const std::string& err) { return count(err, "early_stopping: metric ") + count(err, " did not improve ("); };
   // Validation at each epoch's end: one check per epoch, after the epoch's training metrics.
   auto train_metric = run(dir, "a", toml, {"--set", "early_stopping.monitor=\"train_loss_epoch\""});

@@ -127,23 +127,7 @@ TEST(Fabric, EngineResumesAFabricCheckpoint) {
     fabric_steps(f, *net, d, 4);
     f.save((tmp / "fabric.ckpt").string(), {.global_step = 4, .epoch = 0});
   }
-  ember::test::write_file(tmp / "run.toml", R"(
-[trainer]
-max_epochs = 2
-enable_progress_bar = false
-enable_model_summary = false
-[model]
-name = "mlp"
-input_size = 8
-hidden = [4]
-[data]
-name = "synthetic"
-shape = [8]
-num_train = 64
-num_val = 0
-num_test = 0
-batch_size = 16
-)");
+  ember::test::write_file(tmp / "run.toml", ember::test::tiny_mlp_toml(2, "num_train = 64\nnum_val = 0\nnum_test = 0\nbatch_size = 16\n"));
   auto r = ember::test::run_engine({"--resume", "fabric.ckpt", "run.toml"}, tmp.path(), {}, 120);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.err.find("resumed from fabric.ckpt at epoch 0, step 4"), std::string::npos) << r.err;

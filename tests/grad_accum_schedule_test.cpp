@@ -16,28 +16,9 @@ using namespace ember::test;
 using namespace ember::test::callback_runs;
 
 namespace {
-const char* kAccum = R"(
-plugins = ["grad_accum_schedule"]
-[trainer]
-max_epochs = 4
-enable_progress_bar = false
-enable_model_summary = false
-[model]
-name = "mlp"
-input_size = 8
-hidden = [4]
-[data]
-name = "synthetic"
-shape = [8]
-num_train = 128
-num_val = 0
-batch_size = 16
-[checkpoint]
-save_top_k = -1
-[grad_accum_schedule]
-epochs = [0, 2]
-factors = [1, 4]
-)";
+const std::string kAccum = "plugins = [\"grad_accum_schedule\"]\n" +
+                          tiny_mlp_toml(4, "num_train = 128\nnum_val = 0\nbatch_size = 16\n[checkpoint]\nsave_top_k = -1\n"
+                                           "[grad_accum_schedule]\nepochs = [0, 2]\nfactors = [1, 4]\n");
 
 std::set<std::string> checkpoint_files(const fs::path& run_dir) {
   std::set<std::string> out;

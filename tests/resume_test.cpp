@@ -209,23 +209,7 @@ TEST(Resume, SignalOnOneRankStopsEveryRankAsInterrupted) {
 }
 
 namespace {
-const char* kSmall = R"(
-[trainer]
-max_epochs = 2
-enable_progress_bar = false
-enable_model_summary = false
-[model]
-name = "mlp"
-input_size = 8
-hidden = [4]
-[data]
-name = "synthetic"
-shape = [8]
-num_train = 64
-num_val = 16
-num_test = 16
-batch_size = 16
-)";
+const std::string kSmall = tiny_mlp_toml(2, "num_train = 64\nnum_val = 16\nnum_test = 16\nbatch_size = 16\n");
 }  // namespace
 
 TEST(Resume, LastWithoutAnyCheckpointStartsFromScratch) {

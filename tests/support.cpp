@@ -203,6 +203,12 @@ std::string synthetic_mlp_toml(const SyntheticMlpRun& run) {
   return t.str();
 }
 
+std::string tiny_mlp_toml(int max_epochs, const std::string& data) {
+  return "[trainer]\nmax_epochs = " + std::to_string(max_epochs) +
+         "\nenable_progress_bar = false\nenable_model_summary = false\n"
+         "[model]\nname = \"mlp\"\ninput_size = 8\nhidden = [4]\n[data]\nname = \"synthetic\"\nshape = [8]\n" + data;
+}
+
 std::string small_cnn_toml(int hidden, int batch_size) {
   return "[model]\nname = \"cnn\"\nconv1_channels = 4\nconv2_channels = 8\nhidden = " + std::to_string(hidden) +
          "\n[data]\nname = \"synthetic\"\nshape = [1, 28, 28]\nnum_train = 192\nnum_val = 32\nnum_test = 32\nbatch_size = " +

@@ -86,6 +86,12 @@ struct SyntheticMlpRun {
 };
 std::string synthetic_mlp_toml(const SyntheticMlpRun& run);
 
+// The smallest run: an mlp (8 inputs, one hidden layer of 4) on synthetic data of 8 features,
+// `max_epochs` epochs, without progress bar or model summary. `data` continues the
+// [data] table (num_train, num_val, batch_size, ...) and may open further tables; keys outside
+// any table (plugins = [...]) go before the result.
+std::string tiny_mlp_toml(int max_epochs, const std::string& data);
+
 // The [model], [data] and [optimizer] sections of the small CNN the resume and checkpoint tests
 // train: 192 shuffled synthetic 1x28x28 images (32 validation, 32 test), Adam at 0.003. `hidden`
 // sets the size of the state (the kill tests want writes that take a while), `batch_size` the
