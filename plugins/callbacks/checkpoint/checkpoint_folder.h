@@ -140,7 +140,9 @@ inline std::optional<c10::IValue> read_plugin_state(const std::string& checkpoin
         },
         /*type_resolver=*/nullptr, /*obj_loader=*/nullptr,
         // Each tensor's storage: no bytes, whatever its record holds (or whether it is there).
-        [](const std::string&) { return c10::DataPtr(nullptr, c10::Device(c10::kCPU)); }, /*device=*/std::nullopt);
+        [](const std::string&) { return c10::DataPtr(nullptr, c10::Device(c10::kCPU)); },
+        // On the CPU whatever the pickle says (a Python file's cuda tensors would be copied over).
+        /*device=*/c10::Device(c10::kCPU));
     unpickler.set_version(reader.version());
     root = unpickler.parse_ivalue();
   } catch (const std::exception& e) {
