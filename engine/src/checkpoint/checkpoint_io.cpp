@@ -189,7 +189,6 @@ std::string reseal_checkpoint_bytes(std::string_view bytes) {
   caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BufferReader>(bytes.data(), bytes.size()));
   Manifest manifest;
   manifest.format_version = kCheckpointFormatVersion;
-  std::string position;
   if (reader.hasRecord(kManifestRecord)) {
     try {
       const Manifest old = parse_manifest(read_record_text(reader, kManifestRecord));
