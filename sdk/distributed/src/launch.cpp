@@ -246,7 +246,11 @@ int run_local_ranks(const LocalLaunch& l, bool* interrupted) {
       }
       std::fprintf(stderr, "%s launcher: %s; stopping the job\n", strategy_name().c_str(), failure->c_str());
       std::fflush(stderr);
-      kill_at = std::chrono::steady_clock::now() + l.timeout + std::chrono::seconds(2);
+      // The others get their whole timeout to end by themselves, and then the time a rank's
+      // watchdog takes to say which ranks never reached the collective (MpiBackend: up to 2 s
+      // asking the store, plus its tick): killed sooner, the survivor's line naming the culprit
+      // is lost (a rank that entered the collective just after this one died times out later).
+      kill_at = std::chrono::steady_clock::now() + l.timeout + std::chrono::seconds(5);
     }
     if (failure && !killed && std::chrono::steady_clock::now() >= kill_at) {
       // Hung ranks are killed at once; the others had the timeout to end by themselves.
