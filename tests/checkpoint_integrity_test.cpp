@@ -11,6 +11,8 @@
 #include <iostream>
 #include <random>
 
+#include <ember/support/checkpoint_read.h>
+
 #include "checkpoint/checkpoint_io.h"
 #include "support.h"
 
@@ -282,6 +284,16 @@ TEST(CheckpointIntegrity, PickleSizeClaimsAreCheckedBeforeUnpickling) {
     EXPECT_NE(err.find("checkpoint " + file.string() + " is not a valid checkpoint: its pickle's"), std::string::npos) << err;
     EXPECT_NE(err.find(what), std::string::npos) << err;
     EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+    // Plugins read it through the same guards (the checkpoint callback's `best` lookup).
+    std::string skeleton_err;
+    try {
+      ember::support::read_checkpoint_skeleton(file.string());
+    } catch (const std::runtime_error& e) {
+      skeleton_err = e.what();
+    }
+    EXPECT_NE(skeleton_err.find(file.string() + " is not a readable checkpoint: its pickle's"), std::string::npos) << skeleton_err;
+    EXPECT_NE(skeleton_err.find(what), std::string::npos) << skeleton_err;
+    EXPECT_EQ(skeleton_err.find('\n'), std::string::npos) << skeleton_err;
   }
   // The walk goes past opcodes LibTorch reads that its own pickler never writes (MARK, DICT
   // here): libFuzzer's LONG_BINPUT after a DICT claimed a 31 GB memo the walk never saw.
@@ -290,6 +302,51 @@ TEST(CheckpointIntegrity, PickleSizeClaimsAreCheckedBeforeUnpickling) {
   write_file(dir / "bad.ckpt", ember::engine::reseal_checkpoint_bytes(bad));
   const std::string err = load_error(dir / "bad.ckpt");
   EXPECT_NE(err.find("its pickle's memo index 100000 at byte"), std::string::npos) << err;
+}
+
+// read_checkpoint_skeleton (Ember::checkpoint_read): the entries of a checkpoint and its tensors'
+// shapes and dtypes, without any tensor data: it reads a copy that holds data.pkl alone.
+TEST(CheckpointIntegrity, SkeletonHasTheEntriesAndTensorShapesWithoutTheirData) {
+  TempDir dir("integrity");
+  const fs::path good = dir / "good.ckpt";
+  auto ck = small_checkpoint(ember::engine::kCheckpointFormatVersion, false);
+  ck.insert("global_step", int64_t{12});
+  ember::engine::save_checkpoint_file(good, ck);
+  const fs::path pickle_only = dir / "pickle_only.ckpt";
+  {
+    caffe2::serialize::PyTorchStreamReader reader(good.string());
+    const auto [data, size] = reader.getRecord("data.pkl");
+    std::ofstream out(pickle_only, std::ios::binary);
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, size_t n) -> size_t {
+      out.write(static_cast<const char*>(p), static_cast<std::streamsize>(n));
+      return n;
+    });
+    writer.writeRecord("data.pkl", data.get(), size);
+    writer.writeEndOfFile();
+  }
+  for (const fs::path& file : {good, pickle_only}) {
+    const c10::IValue root = ember::support::read_checkpoint_skeleton(file.string());
+    ASSERT_TRUE(root.isGenericDict()) << file;
+    const auto d = root.toGenericDict();
+    EXPECT_EQ(d.at("global_step").toInt(), 12) << file;
+    EXPECT_EQ(d.at("format").toStringRef(), ember::engine::kCheckpointFormat) << file;
+    const at::Tensor w = d.at("state_dict").toGenericDict().at("w").toTensor();
+    EXPECT_TRUE(w.is_meta()) << file;
+    EXPECT_EQ(w.sizes(), at::IntArrayRef({3, 4})) << file;
+    EXPECT_EQ(w.scalar_type(), at::kFloat) << file;
+  }
+  // Not a checkpoint at all, and no file: one line naming it.
+  write_file(dir / "text.ckpt", "not a zip\n");
+  for (const fs::path& file : {dir / "text.ckpt", dir / "missing.ckpt"}) {
+    std::string err;
+    try {
+      ember::support::read_checkpoint_skeleton(file.string());
+    } catch (const std::runtime_error& e) {
+      err = e.what();
+    }
+    EXPECT_NE(err.find(file.string()), std::string::npos) << err;
+    EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+  }
 }
 
 // A verified checkpoint's tensors use the file's bytes where they lie (one copy of the file in

@@ -10,6 +10,8 @@
 #include <chrono>
 #include <thread>
 
+#include <caffe2/serialize/inline_container.h>  // the test copies a checkpoint's records
+
 #include "checkpoint/checkpoint_io.h"
 #include "checkpoint_folder.h"
 #include "checkpoint_support.h"

@@ -15,6 +15,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <mutex>
+#include <regex>
+#include <string>
 #include <thread>
 
 #include "bn_mlp_run.h"
@@ -158,7 +160,15 @@ TEST(SyncBatchNorm, TwoRanksTrainLikeOneProcessWithTheWholeBatch) {
   TempDir single("sync_bn"), dir("sync_bn");
   write_file(single / "run.toml", kBnMlpRun);
   write_file(dir / "run.toml", kBnMlpRun);
-  run_engine_ok(single, {"run.toml", "--plugin-path", test_plugin_dir("good").string(), "--set", "data.batch_size=16"});
+  // The model summary (on here) names the layer SyncBatchNorm1d only where it synchronises.
+  auto summary_type = [](const ProcessResult& r) {
+    const std::string all = r.out + r.err;
+    if (all.find("SyncBatchNorm1d") != std::string::npos) return std::string("SyncBatchNorm1d");
+    return std::regex_search(all, std::regex("(^|[^c])BatchNorm1d")) ? std::string("BatchNorm1d") : std::string("none");
+  };
+  const auto one = run_engine_ok(single, {"run.toml", "--plugin-path", test_plugin_dir("good").string(), "--set", "data.batch_size=16",
+                                          "--set", "trainer.enable_model_summary=true", "--set", "model.sync_batchnorm=true"});
+  EXPECT_EQ(summary_type(one), "BatchNorm1d") << "one process does not synchronise";
   struct Case {
     std::vector<std::string> strategy;
     bool sync;
@@ -168,9 +178,11 @@ TEST(SyncBatchNorm, TwoRanksTrainLikeOneProcessWithTheWholeBatch) {
                {{"--plugins", "sharded", "--set", "sharded.timeout=30.0", "--set", "sharded.stage=3"}, true, 2}};
   for (const auto& c : cases) {
     std::vector<std::string> args = {"run.toml", "--plugin-path", test_plugin_dir("good").string(), "--set", "trainer.devices=2",
-                                     "--set", std::string("model.sync_batchnorm=") + (c.sync ? "true" : "false")};
+                                     "--set", std::string("model.sync_batchnorm=") + (c.sync ? "true" : "false"),
+                                     "--set", "trainer.enable_model_summary=true"};
     args.insert(args.end(), c.strategy.begin(), c.strategy.end());
-    run_engine_ok(dir, args);
+    const auto run = run_engine_ok(dir, args);
+    EXPECT_EQ(summary_type(run), c.sync ? "SyncBatchNorm1d" : "BatchNorm1d") << c.strategy[1];
     const double difference = max_weight_difference(last_checkpoint(single), last_checkpoint(dir, c.version));
     if (c.sync) EXPECT_LE(difference, 1e-5) << c.strategy[1];
     else EXPECT_GT(difference, 1e-3) << c.strategy[1] << " without sync_batchnorm";

@@ -1,5 +1,5 @@
 // Checkpoint files: save and load in torch.save's layout with Ember's manifest (the archive and
-// manifest: archive.*; the guards around the unpickler: pickle_guard.*; container types:
+// manifest: archive.*; the guards around the unpickler: <ember/support/checkpoint_read.h>; container types:
 // container_types.*; atomic writes: atomic_file.*; checksums: crc32c.*).
 #include "checkpoint/checkpoint_io.h"
 
@@ -18,7 +18,7 @@
 
 #include "checkpoint/archive.h"
 #include "checkpoint/container_types.h"
-#include "checkpoint/pickle_guard.h"
+#include <ember/support/checkpoint_read.h>
 
 namespace fs = std::filesystem;
 
@@ -126,7 +126,7 @@ c10::impl::GenericDict load_checkpoint(const char* data, size_t size, const std:
   try {
     if (reader->hasRecord("data.pkl")) {
       const auto [pickle, pickle_size] = reader->getRecord("data.pkl");
-      check_pickle_claims(std::string_view(static_cast<const char*>(pickle.get()), pickle_size));
+      support::check_pickle_claims(std::string_view(static_cast<const char*>(pickle.get()), pickle_size));
     }
   } catch (const std::invalid_argument& e) {
     throw std::runtime_error("checkpoint " + where + " is not a valid checkpoint: " + e.what());
@@ -157,7 +157,7 @@ c10::impl::GenericDict load_checkpoint(const char* data, size_t size, const std:
     throw not_a_checkpoint(e);
   }
   try {
-    check_loaded_value(value);
+    support::check_loaded_value(value);
   } catch (const std::invalid_argument& e) {
     throw std::runtime_error("checkpoint " + where + " is not a valid checkpoint: " + e.what());
   }

@@ -4,7 +4,8 @@
 // every load, so a damaged file is refused instead of training on from damaged weights.
 // Files are written atomically (atomic_file.h): a crash or error at any point leaves an earlier
 // file with the same name untouched. The parts: archive.* (zip layout in memory, the manifest),
-// pickle_guard.* (checks around LibTorch's unpickler), container_types.* (static container types),
+// <ember/support/checkpoint_read.h> (checks around LibTorch's unpickler, shared with plugins),
+// container_types.* (static container types),
 // crc32c.*.
 #pragma once
 #include <ATen/core/ivalue.h>

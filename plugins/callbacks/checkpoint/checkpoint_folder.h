@@ -5,8 +5,6 @@
 #pragma once
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
-#include <caffe2/serialize/inline_container.h>  // PyTorchStreamReader
-#include <torch/csrc/jit/serialization/unpickler.h>
 
 #include <fcntl.h>   // AT_FDCWD, open
 #include <unistd.h>  // fsync, close
@@ -24,6 +22,7 @@
 #include <vector>
 
 #include <ember/error.h>
+#include <ember/support/checkpoint_read.h>
 
 #include "filename_template.h"
 
@@ -118,37 +117,19 @@ inline bool is_last_name(const fs::path& p) {
 // This plugin's state inside an engine checkpoint: the file is a pickled dict whose "callbacks"
 // entry maps plugin names to their state_dict. nullopt when the file has none (weights only). A
 // sharded checkpoint directory keeps it in its meta.ckpt (the parts hold only tensors).
-// Only the pickle is read: every tensor storage is handed to the unpickler empty, so finding the
-// best file of a folder of 90 GB checkpoints (`--resume best`) reads kilobytes, not the whole
-// newest file (and twice its size in memory, as torch::pickle_load needs). The tensors of the
-// result have no data and are never looked at.
+// Only the pickle is read, through the SDK's guards (ember::support::read_checkpoint_skeleton: its
+// claims checked before it is unpickled, every tensor a meta tensor), so finding the best file of
+// a folder of 90 GB checkpoints (`--resume best`) reads kilobytes, not the whole newest file (and
+// twice its size in memory, as torch::pickle_load needs), and a damaged pickle is one line.
 inline std::optional<c10::IValue> read_plugin_state(const std::string& checkpoint) {
   std::error_code ec;
   const std::string path = fs::is_directory(checkpoint, ec) ? (fs::path(checkpoint) / "meta.ckpt").string() : checkpoint;
   if (!fs::is_regular_file(path, ec)) throw ember::RunError("cannot open " + path);
   c10::IValue root;
   try {
-    caffe2::serialize::PyTorchStreamReader reader(path);
-    const auto [pickle, size] = reader.getRecord("data.pkl");
-    size_t done = 0;
-    torch::jit::Unpickler unpickler(
-        [&, data = static_cast<const char*>(pickle.get())](char* into, size_t n) -> size_t {
-          n = std::min(n, size - done);
-          std::memcpy(into, data + done, n);
-          done += n;
-          return n;
-        },
-        /*type_resolver=*/nullptr, /*obj_loader=*/nullptr,
-        // Each tensor's storage: no bytes, whatever its record holds (or whether it is there).
-        [](const std::string&) { return c10::DataPtr(nullptr, c10::Device(c10::kCPU)); },
-        // On the CPU whatever the pickle says (a Python file's cuda tensors would be copied over).
-        /*device=*/c10::Device(c10::kCPU));
-    unpickler.set_version(reader.version());
-    root = unpickler.parse_ivalue();
+    root = ember::support::read_checkpoint_skeleton(path);
   } catch (const std::exception& e) {
-    std::string what = e.what();
-    what.resize(std::min(what.find('\n'), what.size()));  // LibTorch appends a C++ stack
-    throw ember::RunError(path + " is not a readable checkpoint: " + what);
+    throw ember::RunError(e.what());
   }
   if (!root.isGenericDict()) return std::nullopt;
   const auto top = root.toGenericDict();

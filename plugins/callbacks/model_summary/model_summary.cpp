@@ -2,6 +2,7 @@
 // model's layers down to `max_depth` (name, type, parameters, train/eval mode) and the totals:
 // trainable, non-trainable, all parameters and their size in MB.
 #include <ember/support/callback_base.h>
+#include <ember/support/sync_batch_norm.h>
 #include <ember/config.h>
 #include <ember/host.h>
 #include <ember/plugin.h>
@@ -47,6 +48,11 @@ class ModelSummary final : public ember::Callback {
       ms::Row r;
       r.name = name;
       r.type = ms::short_type(m->name());
+      // A SyncBatchNorm*d that does not normalise over ranks (one process, or sync_batchnorm
+      // false) is a plain batch norm: Lightning would show BatchNorm2d there too.
+      if (const auto* norm = dynamic_cast<const ember::SyncedNormStatus*>(m.get());
+          norm != nullptr && !norm->normalises_over_ranks() && r.type.starts_with("Sync"))
+        r.type.erase(0, 4);
       r.training = m->is_training();
       for (const auto& p : m->parameters(/*recurse=*/true)) r.params += p.numel();
       rows.push_back(std::move(r));

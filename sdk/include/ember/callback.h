@@ -33,7 +33,9 @@ class EMBER_SDK_API ICheckpointLocator {
 // the locator would answer `alias` with, most preferred first ("last": the last*.ckpt files, then
 // the others, newest first). `--resume last` takes the first one that is a whole Ember checkpoint
 // (not weights-only, not another program's file), so what to fall back to is decided here and the
-// engine only checks each file; resolve_checkpoint answers the first of them.
+// engine only checks each file; resolve_checkpoint answers the first of them. One exception (the
+// engine's, docs/checkpoint.md): a whole candidate that holds a later global_step and was written
+// after that first one is taken instead (a save cut short before it updated last.ckpt).
 inline constexpr const char* kCheckpointCandidatesIid = "ember.ICheckpointCandidates/1";
 class EMBER_SDK_API ICheckpointCandidates {
  public:

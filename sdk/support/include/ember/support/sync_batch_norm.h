@@ -22,6 +22,7 @@
 // [sum(dy), sum(dy * x_hat)]. Weight and bias gradients stay local, as in PyTorch: the strategy
 // averages them with the others.
 #pragma once
+#include <ember/export.h>
 #include <ember/trainer.h>
 
 #include <torch/csrc/autograd/custom_function.h>
@@ -137,13 +138,27 @@ class SyncableNorm {
   virtual void set_all_reduce(sync_batch_norm_detail::AllReduceSum reduce, int64_t rank, int64_t ranks) = 0;
 };
 
+// SDK 2.20: whether a synchronisable layer normalises over several ranks now, for a reader in
+// another plugin (model_summary labels it BatchNorm2d when it does not, as Lightning converts the
+// layers only when it syncs). A base of its own, not a virtual appended to SyncableNorm: a layer
+// built against 2.19 lacks it and is simply not found by a dynamic_cast, where a new slot in
+// SyncableNorm would be called on a layer that lacks it. Default visibility, so the cast works
+// across plugins.
+class EMBER_SDK_API SyncedNormStatus {
+ public:
+  virtual ~SyncedNormStatus() = default;
+  virtual bool normalises_over_ranks() const = 0;
+};
+
 // torch::nn::BatchNorm{1,2,3}dImpl whose training forward normalises over every rank's batch
 // once an all-reduce is set. Its forward hides the base's (the model calls it through the
 // SyncBatchNorm*d holder).
 template <class Base>
-class SyncBatchNormFor : public Base, public SyncableNorm {
+class SyncBatchNormFor : public Base, public SyncableNorm, public SyncedNormStatus {
  public:
   using Base::Base;
+
+  bool normalises_over_ranks() const override { return reduce_ != nullptr && ranks_ > 1; }
 
   void set_all_reduce(sync_batch_norm_detail::AllReduceSum reduce, int64_t rank, int64_t ranks) override {
     TORCH_CHECK(!reduce || (rank >= 0 && rank < ranks), "sync batch norm: rank ", rank, " of ", ranks);
@@ -178,7 +193,7 @@ class SyncBatchNormFor : public Base, public SyncableNorm {
 };
 
 // Classes of their own (not aliases), so that the module's type name, which model summaries
-// print, is SyncBatchNorm2d and not the template's.
+// print (as BatchNorm2d while not synchronised), is SyncBatchNorm2d and not the template's.
 class SyncBatchNorm1dImpl final : public SyncBatchNormFor<torch::nn::BatchNorm1dImpl> {
  public:
   using SyncBatchNormFor::SyncBatchNormFor;

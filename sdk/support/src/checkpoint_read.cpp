@@ -1,14 +1,24 @@
-#include "checkpoint/pickle_guard.h"
+#include <ember/support/checkpoint_read.h>
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/StringUtil.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
 
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
-namespace ember::engine {
+namespace ember::support {
+
+namespace {
+constexpr size_t kMaxDepth = 256;  // Ember's own checkpoints nest fewer than 10 deep
+}  // namespace
 
 // LibTorch's unpickler builds each tensor as a view (offset, sizes, strides) of a storage
 // without checking that the view fits it: a file whose checksums are right but whose pickle is
@@ -17,7 +27,6 @@ namespace ember::engine {
 // load_checkpoint_bytes), and the nesting is bounded (other walks over the value, such as
 // restore_types, recurse). Throws std::invalid_argument.
 void check_loaded_value(const c10::IValue& root) {
-  constexpr size_t kMaxDepth = 256;  // Ember's own checkpoints nest fewer than 10 deep
   std::vector<std::pair<c10::IValue, size_t>> todo{{root, 0}};  // copies: reference counts only
   size_t tensors = 0;
   while (!todo.empty()) {
@@ -144,4 +153,69 @@ void check_pickle_claims(std::string_view pickle) {
   }
 }
 
-}  // namespace ember::engine
+namespace {
+
+// `v` with every tensor replaced by a meta tensor of its shape and dtype (containers rebuilt; the
+// nesting bounded, as check_loaded_value bounds it, since this walk recurses).
+c10::IValue with_meta_tensors(const c10::IValue& v, size_t depth) {
+  if (depth > kMaxDepth) throw std::invalid_argument("containers nested deeper than " + std::to_string(kMaxDepth));
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) return v;
+    return at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).device(at::kMeta));
+  }
+  if (v.isGenericDict()) {
+    const auto d = v.toGenericDict();
+    c10::impl::GenericDict out(d.keyType(), d.valueType());
+    for (const auto& e : d) out.insert_or_assign(with_meta_tensors(e.key(), depth + 1), with_meta_tensors(e.value(), depth + 1));
+    return out;
+  }
+  if (v.isList()) {
+    const auto list = v.toList();
+    c10::impl::GenericList out(list.elementType());
+    out.reserve(list.size());
+    for (size_t i = 0; i < list.size(); ++i) out.push_back(with_meta_tensors(list.get(i), depth + 1));
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<c10::IValue> elements;
+    for (const auto& e : v.toTupleRef().elements()) elements.push_back(with_meta_tensors(e, depth + 1));
+    return c10::ivalue::Tuple::create(std::move(elements));
+  }
+  return v;
+}
+
+}  // namespace
+
+c10::IValue read_checkpoint_skeleton(const std::string& file) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(file, ec)) throw std::runtime_error("cannot open " + file + ": no such file");
+  try {
+    caffe2::serialize::PyTorchStreamReader reader(file);
+    const auto [pickle, size] = reader.getRecord("data.pkl");
+    const auto* data = static_cast<const char*>(pickle.get());
+    check_pickle_claims(std::string_view(data, size));
+    size_t done = 0;
+    torch::jit::Unpickler unpickler(
+        [&](char* into, size_t n) -> size_t {
+          n = std::min(n, size - done);
+          std::memcpy(into, data + done, n);
+          done += n;
+          return n;
+        },
+        /*type_resolver=*/nullptr, /*obj_loader=*/nullptr,
+        // Each tensor's storage: no bytes, whatever its record holds (or whether it is there). The
+        // tensors become meta tensors below, before anything could read them.
+        [](const std::string&) { return c10::DataPtr(nullptr, c10::Device(c10::kCPU)); },
+        // On the CPU whatever the pickle says (a Python file's cuda tensors are not copied anywhere).
+        /*device=*/c10::Device(c10::kCPU));
+    unpickler.set_version(reader.version());
+    return with_meta_tensors(unpickler.parse_ivalue(), 0);
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    what.resize(std::min(what.find('\n'), what.size()));  // LibTorch appends a C++ stack
+    throw std::runtime_error(file + " is not a readable checkpoint: " + what);
+  }
+}
+
+}  // namespace ember::support
