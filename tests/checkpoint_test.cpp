@@ -234,6 +234,41 @@ TEST(CheckpointRun, TheBestFileIsFoundWithoutReadingTensorData) {
   }
 }
 
+// `engine checkpoint info`: what a checkpoint holds (position, model tensors, plugin states),
+// read from its pickle alone, for a file, a weights-only file and a sharded directory; a missing
+// or unreadable one is one line and exit code 1.
+TEST(CheckpointRun, InfoSaysWhatACheckpointHolds) {
+  TempDir dir("ckpt");
+  write_file(dir / "run.toml", tiny_mlp_run(2, "batch_size = 8\nnum_val = 16\n[checkpoint]\nmonitor = \"val_loss\"\n"));
+  run_engine_ok(dir, {"run.toml"});
+  const fs::path last = dir / "runs/run/version_0/checkpoints/last.ckpt";
+  const auto info = run_engine_ok(dir, {"checkpoint", "info", last.string()});
+  for (const char* text : {"Ember checkpoint, format 2, ", "written by: ember_version ", "position: epoch 1, global_step 8 (epoch finished)",
+                           "resumable: yes", "model: 4 tensors, ", "Float [4, 8]", "callbacks:\n  checkpoint\n    dirpath ", "\n    best_model_path ",
+                           "plugin versions: ", "checksums: not checked here"})
+    EXPECT_NE(info.out.find(text), std::string::npos) << text << " is missing from:\n" << info.out;
+
+  run_engine_ok(dir, {"run.toml", "--set", "checkpoint.save_weights_only=true"});
+  const auto weights = run_engine_ok(dir, {"checkpoint", "info", last_checkpoint(dir, 1).string()});
+  EXPECT_NE(weights.out.find("resumable: no, weights only"), std::string::npos) << weights.out;
+
+  fs::create_directories(dir / "sharded");
+  fs::copy_file(last, dir / "sharded/meta.ckpt");
+  fs::copy_file(last, dir / "sharded/rank0.ckpt");
+  const auto sharded = run_engine_ok(dir, {"checkpoint", "info", (dir / "sharded").string()});
+  EXPECT_NE(sharded.out.find("in meta.ckpt and 1 part(s) (a sharded directory)"), std::string::npos) << sharded.out;
+
+  write_file(dir / "junk.ckpt", "not a zip");
+  for (const auto& [file, what] : {std::pair<fs::path, std::string>{dir / "junk.ckpt", "junk.ckpt is not a readable checkpoint: "},
+                                   {dir / "missing.ckpt", "missing.ckpt does not exist"},
+                                   {dir / "runs", "runs is a folder without meta.ckpt"}}) {
+    const auto r = run_engine({"checkpoint", "info", file.string()}, dir.path());
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    EXPECT_NE(r.err.find(what), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
 // Lightning's save_on_train_epoch_end, unset: a save after every validation that runs in
 // mid-epoch (val_check_interval < 1), at the epoch's end when validation runs there, and never
 // at the end of an epoch without validation (check_val_every_n_epoch > 1: its val_loss would be

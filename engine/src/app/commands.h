@@ -27,6 +27,9 @@ EMBER_API int generate_text(const RunRequest& request, const std::string& checkp
 // directory (what single_device and Python read), made by restoring DIR into the run's own
 // configuration on one process.
 EMBER_API int consolidate_checkpoint(const RunRequest& request, const std::string& dir, const std::string& out);
+// `engine checkpoint info CKPT` (checkpoint_info.cpp): what a checkpoint file or sharded directory
+// holds, read from its pickle alone (no tensor data).
+EMBER_API int checkpoint_info(const std::string& checkpoint, std::ostream& out);
 // `engine export CKPT --format safetensors OUT` (weights_export.cpp): the checkpoint's model
 // weights as OUT (a .safetensors file) or OUT/model.safetensors plus the files the model exports
 // (ember::IExportableModel: e.g. config.json and the tokenizer for transformers); `--format peft`:
