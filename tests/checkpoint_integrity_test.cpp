@@ -7,13 +7,16 @@
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <random>
+#include <sstream>
 
 #include <ember/support/checkpoint_read.h>
 
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint/sharded_checkpoint.h"
 #include "support.h"
 
 using namespace ember::test;
@@ -100,6 +103,26 @@ TEST(Crc32c, KnownValueAndHardwareMatchesBoost) {
           << "offset " << offset << " length " << len;
 }
 
+// `engine checkpoint verify` checks a record in chunks: the CRC of the pieces, extended one after
+// another, is the CRC of the whole, on both the SSE4.2 and the Boost paths.
+TEST(Crc32c, ExtendingOverChunksGivesTheWholeRecordsValue) {
+  std::mt19937 rng(11);
+  std::vector<unsigned char> buf(100003);
+  for (auto& b : buf) b = static_cast<unsigned char>(rng());
+  const uint32_t whole = ember::engine::crc32c(buf.data(), buf.size());
+  for (size_t chunk : {size_t{1}, size_t{5}, size_t{8}, size_t{4096}, size_t{65536}, buf.size()}) {
+    uint32_t fast = 0, portable = 0;
+    for (size_t at = 0; at < buf.size(); at += chunk) {
+      const size_t n = std::min(chunk, buf.size() - at);
+      fast = ember::engine::crc32c_extend(fast, buf.data() + at, n);
+      portable = ember::engine::crc32c_portable_extend(portable, buf.data() + at, n);
+    }
+    EXPECT_EQ(fast, whole) << "chunk " << chunk;
+    EXPECT_EQ(portable, whole) << "chunk " << chunk;
+  }
+  EXPECT_EQ(ember::engine::crc32c_extend(whole, buf.data(), 0), whole);
+}
+
 TEST(CheckpointIntegrity, BitFlipsAnywhereInThePayloadAreDetected) {
   TempDir dir("integrity");
   write_file(dir / "run.toml", kMlp);
@@ -179,6 +202,150 @@ TEST(CheckpointIntegrity, ResumeFromADamagedFileEndsWithOneLine) {
   EXPECT_NE(r.err.find("run failed: checkpoint runs/run/version_0/checkpoints/last.ckpt is damaged: record 'data/0'"), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("resumed from"), std::string::npos) << r.err;
   EXPECT_EQ(read_file(last), damaged);  // left as it was, for inspection
+}
+
+// `engine checkpoint verify`: every record against the manifest, read in 8 MB chunks (the 12 MB
+// tensor spans two), a damaged record named in one line with exit 1, and each file of a sharded
+// directory checked, a bad or missing part named.
+TEST(CheckpointIntegrity, VerifyCommandNamesTheDamagedRecordOrPart) {
+  TempDir dir("integrity");
+  auto ck = small_checkpoint(ember::engine::kCheckpointFormatVersion, false);
+  c10::Dict<std::string, at::Tensor> sd;
+  sd.insert("w", at::arange(12, at::kFloat).reshape({3, 4}));
+  sd.insert("big", at::rand({3 << 20}));
+  ck.insert_or_assign("state_dict", sd);
+  const fs::path good = dir / "good.ckpt";
+  ember::engine::save_checkpoint_file(good, ck);
+  const auto ok = run_engine({"checkpoint", "verify", good.string()}, dir.path());
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_NE(ok.out.find(good.string() + ": good: "), std::string::npos) << ok.out;
+  EXPECT_NE(ok.out.find("every CRC32C matches its manifest and the pickle reads (format 2)"), std::string::npos) << ok.out;
+  auto one_line_error = [&](const fs::path& file, const std::vector<std::string>& texts) {
+    const auto r = run_engine({"checkpoint", "verify", file.string()}, dir.path());
+    EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+    for (const auto& text : texts) EXPECT_NE(r.err.find(text), std::string::npos) << text << " is missing from: " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    return r;
+  };
+  Record big, pkl;
+  for (const auto& r : payload_records(good)) {
+    if (r.size > big.size) big = r;
+    if (r.name == "data.pkl") pkl = r;
+  }
+  ASSERT_GT(big.size, size_t{9} << 20);
+  for (const auto& [rec, at] : {std::pair<Record, size_t>{big, size_t{9} << 20}, {pkl, pkl.size / 2}}) {
+    const fs::path bad = dir / "bad.ckpt";
+    fs::copy_file(good, bad, fs::copy_options::overwrite_existing);
+    flip_bit(bad, rec.offset + at, 5);
+    one_line_error(bad, {"engine checkpoint verify: checkpoint " + bad.string() + " is damaged: record '" + rec.name + "'",
+                         "fails its CRC32C check"});
+  }
+  const auto bytes = read_file(good);
+  write_file(dir / "short.ckpt", bytes.substr(0, bytes.size() / 2));
+  one_line_error(dir / "short.ckpt", {"short.ckpt is corrupt or not a checkpoint"});
+  const auto v1 = torch::jit::pickle_save(small_checkpoint(1, false));
+  ember::engine::atomic_write(dir / "v1.ckpt", v1.data(), v1.size());
+  one_line_error(dir / "v1.ckpt", {"v1.ckpt has no checksums to check", "engine validate --ckpt"});
+  one_line_error(dir / "missing.ckpt", {"missing.ckpt does not exist"});
+
+  // A sharded directory of two parts, written as ranks write them.
+  const fs::path shard = dir / "sharded.ckpt";
+  auto meta = small_checkpoint(ember::engine::kCheckpointFormatVersion, false);
+  meta.erase("state_dict");
+  c10::impl::GenericDict layout(c10::StringType::get(), c10::AnyType::get());
+  layout.insert("world_size", int64_t{2});
+  layout.insert("strategy", std::string("sharded"));
+  meta.insert("sharded", layout);
+  ember::engine::ShardedWrite how;
+  how.max_over_ranks = [](double v) { return v; };
+  ember::engine::prepare_sharded_checkpoint(shard, how);
+  for (int64_t rank = 0; rank < 2; ++rank) ember::engine::write_sharded_part(shard, rank, at::full({1000}, static_cast<double>(rank)), meta);
+  ember::engine::commit_sharded_checkpoint(shard, "", how);
+  const auto whole = run_engine({"checkpoint", "verify", shard.string()}, dir.path());
+  EXPECT_EQ(whole.exit_code, 0) << whole.err;
+  for (const char* text : {"meta.ckpt: good: ", "rank0.ckpt: good: ", "rank1.ckpt: good: ", "sharded.ckpt: good: all 3 files"})
+    EXPECT_NE(whole.out.find(text), std::string::npos) << text << " is missing from: " << whole.out;
+  const fs::path part1 = shard / "rank1.ckpt";
+  const auto part1_bytes = read_file(part1);
+  const auto part_records = payload_records(part1);
+  flip_bit(part1, part_records.front().offset, 1);
+  const auto r = one_line_error(shard, {"1 of the 3 files of " + shard.string() + " are bad (listed above); the first: checkpoint " +
+                                            part1.string() + " is damaged: record '" + part_records.front().name + "'"});
+  EXPECT_NE(r.out.find(part1.string() + ": BAD: checkpoint "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("rank0.ckpt: good: "), std::string::npos) << r.out;
+  fs::remove(part1);
+  one_line_error(shard, {"the first: sharded checkpoint " + shard.string() + " lacks rank1.ckpt (an incomplete copy?)"});
+  write_file(part1, part1_bytes);
+  EXPECT_EQ(run_engine({"checkpoint", "verify", shard.string()}, dir.path()).exit_code, 0);
+}
+
+// The optimizer's state is a torch::save archive inside the checkpoint, read by torch::load: its
+// pickles' claims are checked when the checkpoint is loaded, so a crafted one (its checksums made
+// right) ends a resume with one line instead of LibTorch's unpickler reserving a 32 GB memo.
+TEST(CheckpointIntegrity, OptimizerStateClaimsAreCheckedBeforeTorchLoad) {
+  TempDir dir("integrity");
+  write_file(dir / "run.toml", kMlp);
+  ASSERT_EQ(run_engine({"run.toml"}, dir.path()).exit_code, 0);
+  const fs::path last = dir / "runs/run/version_0/checkpoints/last.ckpt";
+  auto ck = ember::engine::load_checkpoint_file(last);
+  const at::Tensor saved = ck.at("optimizer").toTensor().contiguous();
+  const std::string real(static_cast<const char*>(saved.data_ptr()), static_cast<size_t>(saved.numel()));
+  EXPECT_TRUE(ember::engine::check_nested_archive(real));
+  // The same archive with its data.pkl replaced: PROTO 2, NONE, LONG_BINPUT 2^31 - 1, STOP.
+  std::string crafted;
+  {
+    std::istringstream in(real);
+    caffe2::serialize::PyTorchStreamReader reader(&in);
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, size_t n) {
+      crafted.append(static_cast<const char*>(p), n);
+      return n;
+    });
+    bool replaced = false;
+    for (const auto& name : reader.getAllRecords()) {
+      if (name == "version" || name.rfind(".data/", 0) == 0) continue;  // the writer adds its own
+      if (name == "data.pkl") {
+        const std::string bad("\x80\x02Nr\xff\xff\xff\x7f.", 9);
+        writer.writeRecord(name, bad.data(), bad.size());
+        replaced = true;
+        continue;
+      }
+      const auto [data, size] = reader.getRecord(name);
+      writer.writeRecord(name, data.get(), size);
+    }
+    writer.writeEndOfFile();
+    ASSERT_TRUE(replaced);
+  }
+  at::Tensor blob = at::empty({static_cast<int64_t>(crafted.size())}, at::kByte);
+  std::memcpy(blob.data_ptr(), crafted.data(), crafted.size());
+  ck.insert_or_assign("optimizer", blob);
+  ember::engine::save_checkpoint_file(last, ck);  // a new manifest: the checksums are right
+  const auto r = run_engine({"run.toml", "--set", "trainer.max_epochs=2", "--resume", "last"}, dir.path());
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("checkpoint runs/run/version_0/checkpoints/last.ckpt is not a valid checkpoint: its entry 'optimizer' holds a "
+                       "torch::save archive whose record data.pkl is not valid: its pickle's memo index 2147483647"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("Exception raised from"), std::string::npos) << r.err;  // no LibTorch backtrace
+  // A sharded part's optimizer serialization (sharded, offload) is checked when the part is read.
+  const fs::path shard = dir / "sharded.ckpt";
+  ember::engine::ShardedWrite how;
+  how.max_over_ranks = [](double v) { return v; };
+  ember::engine::prepare_sharded_checkpoint(shard, how);
+  c10::impl::GenericDict part(c10::StringType::get(), c10::AnyType::get());
+  part.insert("optimizer", blob);
+  ember::engine::write_sharded_part(shard, 0, part, small_checkpoint(ember::engine::kCheckpointFormatVersion, false));
+  ember::engine::commit_sharded_checkpoint(shard, "", how);
+  try {
+    ember::engine::read_sharded_part(shard, 0);
+    ADD_FAILURE() << "a part with a crafted optimizer archive was read";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank0.ckpt is not a valid checkpoint: its entry 'part/optimizer' holds a torch::save archive "
+                                         "whose record data.pkl is not valid: its pickle's memo index 2147483647"),
+              std::string::npos)
+        << e.what();
+  }
+  // Byte tensors that are no archive (quantized weights, a random-state blob) are left alone.
+  EXPECT_FALSE(ember::engine::check_nested_archive("PK\x03\x04 but not an archive"));
 }
 
 TEST(CheckpointFile, Format1FilesStillLoad) {

@@ -245,7 +245,7 @@ TEST(CheckpointRun, InfoSaysWhatACheckpointHolds) {
   const auto info = run_engine_ok(dir, {"checkpoint", "info", last.string()});
   for (const char* text : {"Ember checkpoint, format 2, ", "written by: ember_version ", "position: epoch 1, global_step 8 (epoch finished)",
                            "resumable: yes", "model: 4 tensors, ", "Float [4, 8]", "callbacks:\n  checkpoint\n    dirpath ", "\n    best_model_path ",
-                           "plugin versions: ", "checksums: not checked here"})
+                           "plugin versions: ", "checksums: not checked here; `engine checkpoint verify "})
     EXPECT_NE(info.out.find(text), std::string::npos) << text << " is missing from:\n" << info.out;
 
   run_engine_ok(dir, {"run.toml", "--set", "checkpoint.save_weights_only=true"});

@@ -1,6 +1,6 @@
 // `engine checkpoint info CKPT`: what a checkpoint holds (position, versions, the model's tensors,
 // the plugins' states), read from its pickle alone (ember::support::read_checkpoint_skeleton: no
-// tensor data, so a 90 GB file answers in a moment). The checksums are checked when a run loads it.
+// tensor data, so a 90 GB file answers in a moment). `engine checkpoint verify` checks the checksums.
 #include <ember/support/checkpoint_read.h>
 #include <ember/support/number_text.h>
 
@@ -21,15 +21,6 @@ namespace fs = std::filesystem;
 
 namespace ember::engine {
 namespace {
-
-std::string size_text(uintmax_t bytes) {
-  char buf[32];
-  const double b = static_cast<double>(bytes);
-  if (b >= 1e9) std::snprintf(buf, sizeof buf, "%.2f GB", b / 1e9);
-  else if (b >= 1e6) std::snprintf(buf, sizeof buf, "%.1f MB", b / 1e6);
-  else std::snprintf(buf, sizeof buf, "%.1f kB", b / 1e3);
-  return buf;
-}
 
 // A value short enough for one line: numbers, strings, booleans; "" for anything else.
 std::string scalar_text(const c10::IValue& v) {
@@ -60,6 +51,15 @@ void print_states(std::ostream& out, const char* label, const c10::IValue* state
 }
 
 }  // namespace
+
+std::string size_text(uintmax_t bytes) {
+  char buf[32];
+  const double b = static_cast<double>(bytes);
+  if (b >= 1e9) std::snprintf(buf, sizeof buf, "%.2f GB", b / 1e9);
+  else if (b >= 1e6) std::snprintf(buf, sizeof buf, "%.1f MB", b / 1e6);
+  else std::snprintf(buf, sizeof buf, "%.1f kB", b / 1e3);
+  return buf;
+}
 
 int checkpoint_info(const std::string& checkpoint, std::ostream& out) {
   std::error_code ec;
@@ -166,7 +166,7 @@ int checkpoint_info(const std::string& checkpoint, std::ostream& out) {
     }
     out << "\n";
   }
-  out << "checksums: not checked here; every load checks them (engine validate/test --ckpt, --resume)\n";
+  out << "checksums: not checked here; `engine checkpoint verify " << checkpoint << "` checks them, as every load does\n";
   return 0;
 }
 

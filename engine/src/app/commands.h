@@ -1,6 +1,7 @@
 // The engine's commands, callable from main() and from tests. Exported from libember.so (EMBER_API)
 // for the `engine` binary only; they are not part of the library's public API.
 #pragma once
+#include <cstdint>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -30,6 +31,12 @@ EMBER_API int consolidate_checkpoint(const RunRequest& request, const std::strin
 // `engine checkpoint info CKPT` (checkpoint_info.cpp): what a checkpoint file or sharded directory
 // holds, read from its pickle alone (no tensor data).
 EMBER_API int checkpoint_info(const std::string& checkpoint, std::ostream& out);
+// `engine checkpoint verify CKPT` (checkpoint_verify.cpp): every record of a checkpoint file (or of
+// each file of a sharded directory) against its manifest's CRC32C, read in chunks, and its pickle
+// read; exit 1 with one line naming what is damaged.
+EMBER_API int checkpoint_verify(const std::string& checkpoint, std::ostream& out);
+// "25.7 kB", "403.2 MB", "90.12 GB": a file's size in the checkpoint commands' output.
+std::string size_text(uintmax_t bytes);
 // `engine export CKPT --format safetensors OUT` (weights_export.cpp): the checkpoint's model
 // weights as OUT (a .safetensors file) or OUT/model.safetensors plus the files the model exports
 // (ember::IExportableModel: e.g. config.json and the tokenizer for transformers); `--format peft`:

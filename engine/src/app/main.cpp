@@ -44,6 +44,8 @@ const char* kUsage =
     "  engine plugins info NAME                              a plugin's kind, version, file and config keys\n"
     "  engine checkpoint consolidate DIR OUT.ckpt            one checkpoint file from a sharded checkpoint directory\n"
     "  engine checkpoint info CKPT                           what a checkpoint holds (step, model tensors, plugin states)\n"
+    "  engine checkpoint verify CKPT                         whether a checkpoint (or each file of a sharded one) is intact:\n"
+    "      every record against its CRC32C, read in chunks; exit 1 naming what is damaged\n"
     "  engine export CKPT [--format safetensors] OUT         the checkpoint's model weights for other libraries: OUT.safetensors,\n"
     "      or a folder with model.safetensors and what the model adds (bert: config.json and tokenizer for transformers);\n"
     "      --format peft: a LoRA run's adapters alone as a PEFT folder (adapter_model.safetensors, adapter_config.json)\n"
@@ -153,7 +155,8 @@ int run(int argc, char** argv) {
   if (args[0] == "checkpoint") {
     if (args.size() == 4 && args[1] == "consolidate") return consolidate_checkpoint(req, args[2], args[3]);
     if (args.size() == 3 && args[1] == "info") return checkpoint_info(args[2], std::cout);
-    throw UsageError("expected `engine checkpoint consolidate DIR OUT.ckpt` or `engine checkpoint info CKPT`");
+    if (args.size() == 3 && args[1] == "verify") return checkpoint_verify(args[2], std::cout);
+    throw UsageError("expected `engine checkpoint consolidate DIR OUT.ckpt`, `engine checkpoint info CKPT` or `engine checkpoint verify CKPT`");
   }
   if (args[0] == "export") {
     if (args.size() != 3) throw UsageError("expected `engine export CKPT --format safetensors OUT` (OUT: a folder, or a file ending in .safetensors)");

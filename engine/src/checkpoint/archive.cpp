@@ -79,6 +79,12 @@ std::string short_what(const std::exception& e) {
 
 void verify_records(caffe2::serialize::PyTorchStreamReader& reader, const Manifest& m, std::string_view bytes,
                     const std::string& where) {
+  verify_records(reader, m, bytes.size(), [&](uint64_t offset, uint64_t size) { return crc32c(bytes.data() + offset, size); },
+                 where);
+}
+
+void verify_records(caffe2::serialize::PyTorchStreamReader& reader, const Manifest& m, uint64_t archive_size,
+                    const RangeCrc& crc_of, const std::string& where) {
   auto damaged = [&](const std::string& what) -> std::runtime_error {
     return std::runtime_error("checkpoint " + where + " is damaged: " + what +
                               "; it changed after it was written (disk, copy or transfer error): use another checkpoint");
@@ -93,8 +99,8 @@ void verify_records(caffe2::serialize::PyTorchStreamReader& reader, const Manife
       if (size != r.size)
         throw damaged("record '" + r.name + "' has " + std::to_string(size) + " bytes, the manifest says " + std::to_string(r.size));
       const size_t offset = reader.getRecordOffset(r.name);
-      if (offset > bytes.size() || size > bytes.size() - offset) throw damaged("record '" + r.name + "' lies past the end of the file");
-      const uint32_t now = crc32c(bytes.data() + offset, size);
+      if (offset > archive_size || size > archive_size - offset) throw damaged("record '" + r.name + "' lies past the end of the file");
+      const uint32_t now = crc_of(offset, size);
       if (now != r.crc)
         throw damaged("record '" + r.name + "' (" + std::to_string(size) + " bytes) fails its CRC32C check (stored " + hex32(r.crc) +
                       ", computed " + hex32(now) + ")");

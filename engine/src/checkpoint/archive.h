@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -65,5 +66,10 @@ std::string short_what(const std::exception& e);
 // line naming `where`.
 void verify_records(caffe2::serialize::PyTorchStreamReader& reader, const Manifest& m, std::string_view bytes,
                     const std::string& where);
+// The same over an archive of `archive_size` bytes read piece by piece: `crc_of(offset, size)` is
+// the CRC32C of that range (a file checked in chunks, never whole in memory).
+using RangeCrc = std::function<uint32_t(uint64_t offset, uint64_t size)>;
+void verify_records(caffe2::serialize::PyTorchStreamReader& reader, const Manifest& m, uint64_t archive_size,
+                    const RangeCrc& crc_of, const std::string& where);
 
 }  // namespace ember::engine

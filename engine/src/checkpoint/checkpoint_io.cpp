@@ -3,7 +3,12 @@
 // container_types.*; atomic writes: atomic_file.*; checksums: crc32c.*).
 #include "checkpoint/checkpoint_io.h"
 
+#include <fcntl.h>   // open
+#include <unistd.h>  // pread, close
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
@@ -16,9 +21,10 @@
 #include <torch/csrc/jit/serialization/storage_context.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
 
+#include <ember/support/checkpoint_read.h>
+
 #include "checkpoint/archive.h"
 #include "checkpoint/container_types.h"
-#include <ember/support/checkpoint_read.h>
 
 namespace fs = std::filesystem;
 
@@ -92,6 +98,49 @@ namespace {
 // offset, so it is stored uncompressed), which halves the memory a load takes (a 7B-parameter
 // model's checkpoint would otherwise sit in memory twice while it loads). Without it, or for a
 // file without a manifest, each record is copied.
+// The manifest of a file that has one, readable and of a format this engine knows, or throws.
+Manifest read_manifest(caffe2::serialize::PyTorchStreamReader& reader, const std::string& where) {
+  Manifest manifest;
+  try {
+    manifest = parse_manifest(read_record_text(reader, kManifestRecord));
+  } catch (const std::exception& e) {
+    throw std::runtime_error("checkpoint " + where + " is damaged: its manifest (" + std::string(kManifestRecord) +
+                             ") is unreadable: " + short_what(e));
+  }
+  if (manifest.format_version > kCheckpointFormatVersion)
+    throw std::runtime_error("checkpoint " + where + " has format version " + std::to_string(manifest.format_version) +
+                             ", newer than this engine's " + std::to_string(kCheckpointFormatVersion) + " (upgrade the engine)");
+  return manifest;
+}
+
+// Byte tensors that hold a torch::save archive (an optimizer's state, whole or in a sharded part
+// or a pipeline stage's) are later read by torch::load, whose unpickler trusts its pickles as
+// much as the checkpoint's own: their claims are checked here, once, for every strategy.
+void check_archives_within(const c10::IValue& v, const std::string& path) {
+  auto child = [&](const std::string& key) { return path.empty() ? key : path + "/" + key; };
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (t.scalar_type() != at::kByte || t.dim() != 1 || t.numel() < 4 || !t.device().is_cpu()) return;
+    const at::Tensor c = t.contiguous();
+    const std::string_view bytes(static_cast<const char*>(c.const_data_ptr()), static_cast<size_t>(c.numel()));
+    if (bytes.substr(0, 4) != std::string_view("PK\x03\x04", 4)) return;  // not a zip archive
+    try {
+      check_nested_archive(bytes);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("its entry '" + path + "' holds a torch::save archive whose " + e.what());
+    }
+  } else if (v.isGenericDict()) {
+    for (const auto& e : v.toGenericDict())
+      check_archives_within(e.value(), child(e.key().isString() ? e.key().toStringRef() : e.key().tagKind()));
+  } else if (v.isList()) {
+    const auto list = v.toList();
+    for (size_t i = 0; i < list.size(); ++i) check_archives_within(list.get(i), child(std::to_string(i)));
+  } else if (v.isTuple()) {
+    const auto& items = v.toTupleRef().elements();
+    for (size_t i = 0; i < items.size(); ++i) check_archives_within(items[i], child(std::to_string(i)));
+  }
+}
+
 c10::impl::GenericDict load_checkpoint(const char* data, size_t size, const std::string& where,
                                        const std::shared_ptr<const char>& owner) {
   const std::string_view bytes(data, size);
@@ -110,19 +159,7 @@ c10::impl::GenericDict load_checkpoint(const char* data, size_t size, const std:
   } catch (const std::exception& e) {
     throw not_a_checkpoint(e);
   }
-  if (has_manifest) {
-    Manifest manifest;
-    try {
-      manifest = parse_manifest(read_record_text(*reader, kManifestRecord));
-    } catch (const std::exception& e) {
-      throw std::runtime_error("checkpoint " + where + " is damaged: its manifest (" + std::string(kManifestRecord) +
-                               ") is unreadable: " + short_what(e));
-    }
-    if (manifest.format_version > kCheckpointFormatVersion)
-      throw std::runtime_error("checkpoint " + where + " has format version " + std::to_string(manifest.format_version) +
-                               ", newer than this engine's " + std::to_string(kCheckpointFormatVersion) + " (upgrade the engine)");
-    verify_records(*reader, manifest, bytes, where);
-  }
+  if (has_manifest) verify_records(*reader, read_manifest(*reader, where), bytes, where);
   try {
     if (reader->hasRecord("data.pkl")) {
       const auto [pickle, pickle_size] = reader->getRecord("data.pkl");
@@ -158,6 +195,7 @@ c10::impl::GenericDict load_checkpoint(const char* data, size_t size, const std:
   }
   try {
     support::check_loaded_value(value);
+    check_archives_within(value, "");
   } catch (const std::invalid_argument& e) {
     throw std::runtime_error("checkpoint " + where + " is not a valid checkpoint: " + e.what());
   }
@@ -261,6 +299,93 @@ CheckpointProbe probe_checkpoint_file(const fs::path& path) {
     out.why = short_what(e);
   }
   return out;
+}
+
+VerifiedCheckpoint verify_checkpoint_file(const fs::path& path) {
+  const std::string where = path.string();
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) throw std::runtime_error("checkpoint " + where + " is missing or not a regular file");
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
+  try {
+    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(where);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("checkpoint " + where + " is corrupt or not a checkpoint (" + short_what(e) + ")");
+  }
+  bool has_manifest = false;
+  try {
+    has_manifest = reader->hasRecord(kManifestRecord);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("checkpoint " + where + " is corrupt or not a checkpoint (" + short_what(e) + ")");
+  }
+  if (!has_manifest)
+    throw std::runtime_error("checkpoint " + where + " has no checksums to check (" + std::string(kManifestRecord) +
+                             " is missing: an Ember checkpoint of format 1, or a file another program wrote); "
+                             "`engine validate --ckpt` shows whether it loads");
+  const Manifest manifest = read_manifest(*reader, where);
+  VerifiedCheckpoint out;
+  // The records are read in chunks with pread: a 90 GB file is checked in a few MB of memory.
+  const int fd = ::open(where.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("cannot read checkpoint " + where + ": " + std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  std::vector<char> chunk(size_t{8} << 20);
+  const RangeCrc crc_of = [&](uint64_t offset, uint64_t size) {
+    uint32_t crc = 0;
+    while (size > 0) {
+      const ssize_t got = ::pread(fd, chunk.data(), std::min<uint64_t>(size, chunk.size()), static_cast<off_t>(offset));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0)
+        throw std::runtime_error("cannot read checkpoint " + where + " at byte " + std::to_string(offset) + ": " +
+                                 (got < 0 ? std::strerror(errno) : "the file ends early (it shrank while being read)"));
+      crc = crc32c_extend(crc, chunk.data(), static_cast<size_t>(got));
+      offset += static_cast<uint64_t>(got);
+      size -= static_cast<uint64_t>(got);
+    }
+    return crc;
+  };
+  verify_records(*reader, manifest, fs::file_size(path, ec), crc_of, where);
+  out.format_version = manifest.format_version;
+  out.weights_only = manifest.weights_only;
+  out.records = manifest.records.size();
+  for (const auto& r : manifest.records) out.payload_bytes += r.size;
+  // The checksums say the bytes are the ones written; the pickle must also read as a checkpoint
+  // (its claims checked, its tensors as meta tensors: no tensor data).
+  c10::IValue root;
+  try {
+    root = support::read_checkpoint_skeleton(where);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(e.what());  // names the file and what is wrong
+  }
+  const bool tagged = root.isGenericDict() && root.toGenericDict().contains("format") &&
+                      root.toGenericDict().at("format").isString() &&
+                      root.toGenericDict().at("format").toStringRef() == kCheckpointFormat;
+  if (!tagged) throw std::runtime_error("checkpoint " + where + " is not an Ember checkpoint (no format tag)");
+  return out;
+}
+
+bool check_nested_archive(std::string_view bytes) {
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
+  std::vector<std::string> records;
+  try {
+    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(std::make_shared<BufferReader>(bytes.data(), bytes.size()));
+    records = reader->getAllRecords();
+  } catch (const std::exception&) {
+    return false;
+  }
+  for (const auto& name : records) {
+    if (!name.ends_with(".pkl")) continue;
+    try {
+      const auto [pickle, size] = reader->getRecord(name);
+      support::check_pickle_claims(std::string_view(static_cast<const char*>(pickle.get()), size));
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("record " + name + " is not valid: " + e.what());
+    } catch (const std::exception& e) {
+      throw std::invalid_argument("record " + name + " cannot be read (" + short_what(e) + ")");
+    }
+  }
+  return true;
 }
 
 }  // namespace ember::engine

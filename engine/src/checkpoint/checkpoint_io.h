@@ -45,6 +45,25 @@ struct CheckpointProbe {
 };
 CheckpointProbe probe_checkpoint_file(const std::filesystem::path& path);
 
+// `engine checkpoint verify`: every record of the file against its manifest's CRC32C and size,
+// read in chunks (a few MB of memory whatever the file's size), then its pickle read without
+// tensor data. Throws std::runtime_error, one line naming the path, when it is damaged, has no
+// manifest (format 1, another program's file), or is not an Ember checkpoint.
+struct VerifiedCheckpoint {
+  int64_t format_version = 0;
+  bool weights_only = false;
+  size_t records = 0;          // payload records checked
+  uint64_t payload_bytes = 0;  // their bytes
+};
+VerifiedCheckpoint verify_checkpoint_file(const std::filesystem::path& path);
+
+// A torch::save archive held inside a checkpoint (an optimizer's state, read by torch::load): the
+// claims of each of its pickles checked as the checkpoint's own are, before LibTorch's unpickler
+// trusts them. load_checkpoint_file does it for every byte tensor that holds a zip archive.
+// false when `bytes` is not a readable archive (torch::load's own error then says so); throws
+// std::invalid_argument naming the record and what is wrong.
+bool check_nested_archive(std::string_view bytes);
+
 inline constexpr const char* kCheckpointFormat = "ember-checkpoint";
 // 1: pickle_save's archive, no checksums. 2: + ember/manifest with CRC32C of every record.
 inline constexpr int64_t kCheckpointFormatVersion = 2;

@@ -339,8 +339,11 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
     throw RunError(where + " has no state_dict");
   }
   if (optimizer != Part::skip && ck.contains("optimizer")) {
-    try {
-      strategy_.object->load_full_optimizer_state(tensor_bytes(ck.at("optimizer").toTensor()));
+    const auto& entry = ck.at("optimizer");
+    if (!entry.isTensor() || entry.toTensor().scalar_type() != at::kByte)
+      throw RunError(where + " is not a valid checkpoint: its optimizer entry is not the byte tensor Ember writes");
+    try {  // its archive's pickles were checked when the file was loaded (check_nested_archive)
+      strategy_.object->load_full_optimizer_state(tensor_bytes(entry.toTensor()));
     } catch (const c10::Error& e) {
       throw RunError(where + ": optimizer state does not fit this optimizer (" + std::string(e.what_without_backtrace()).substr(0, 160) +
                      "); " + optimizer_fix);

@@ -1,0 +1,86 @@
+// `engine checkpoint verify CKPT`: whether a checkpoint file, or every file of a sharded directory,
+// is the bytes that were written (each record against its manifest's CRC32C, read in chunks) and
+// reads as a checkpoint. For a copy between machines or a file left on a scratch disk, checked on
+// a login node without a GPU and in a few MB of memory, before a job is queued to resume from it.
+#include <ember/support/checkpoint_read.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <ember/error.h>
+
+#include "app/commands.h"
+#include "checkpoint/checkpoint_io.h"
+
+namespace fs = std::filesystem;
+
+namespace ember::engine {
+namespace {
+
+// The world size a sharded directory's meta.ckpt records (its pickle alone), or throws.
+int64_t sharded_world_size(const fs::path& meta) {
+  const c10::IValue root = support::read_checkpoint_skeleton(meta.string());
+  if (root.isGenericDict()) {
+    const auto d = root.toGenericDict();
+    const auto layout = d.find(c10::IValue(std::string("sharded")));
+    if (layout != d.end() && layout->value().isGenericDict()) {
+      const auto l = layout->value().toGenericDict();
+      const auto world = l.find(c10::IValue(std::string("world_size")));
+      if (world != l.end() && world->value().isInt() && world->value().toInt() > 0) return world->value().toInt();
+    }
+  }
+  throw std::runtime_error(meta.string() + " has no sharded layout (world_size): not an Ember sharded checkpoint's meta.ckpt");
+}
+
+}  // namespace
+
+int checkpoint_verify(const std::string& checkpoint, std::ostream& out) {
+  std::error_code ec;
+  if (!fs::exists(checkpoint, ec))
+    throw RunError("engine checkpoint verify: " + checkpoint + " does not exist: name a checkpoint file or a sharded checkpoint directory");
+  std::vector<fs::path> files;
+  if (fs::is_directory(checkpoint, ec)) {
+    const fs::path meta = fs::path(checkpoint) / "meta.ckpt";
+    if (!fs::is_regular_file(meta, ec))
+      throw RunError("engine checkpoint verify: " + checkpoint + " is a folder without meta.ckpt: name a checkpoint file or a sharded checkpoint directory");
+    files.push_back(meta);
+    // The meta's checksums first: the world size is read from it.
+    try {
+      verify_checkpoint_file(meta);
+      const int64_t world = sharded_world_size(meta);
+      for (int64_t rank = 0; rank < world; ++rank) files.push_back(fs::path(checkpoint) / ("rank" + std::to_string(rank) + ".ckpt"));
+    } catch (const std::exception& e) {
+      throw RunError("engine checkpoint verify: " + std::string(e.what()));
+    }
+  } else {
+    files.emplace_back(checkpoint);
+  }
+  size_t damaged = 0;
+  std::string first_problem;
+  uint64_t total = 0;
+  for (const auto& file : files) {
+    try {
+      if (!fs::is_regular_file(file, ec))
+        throw std::runtime_error("sharded checkpoint " + checkpoint + " lacks " + file.filename().string() + " (an incomplete copy?)");
+      const VerifiedCheckpoint v = verify_checkpoint_file(file);
+      total += v.payload_bytes;
+      out << file.string() << ": good: " << v.records << " records, " << size_text(v.payload_bytes)
+          << ", every CRC32C matches its manifest and the pickle reads (format " << v.format_version
+          << (v.weights_only ? ", weights only" : "") << ")\n";
+    } catch (const std::exception& e) {
+      ++damaged;
+      if (first_problem.empty()) first_problem = e.what();
+      if (files.size() > 1) out << file.string() << ": BAD: " << e.what() << "\n";
+    }
+  }
+  if (damaged == 0) {
+    if (files.size() > 1) out << checkpoint << ": good: all " << files.size() << " files, " << size_text(total) << "\n";
+    return 0;
+  }
+  if (files.size() == 1) throw RunError("engine checkpoint verify: " + first_problem);
+  throw RunError("engine checkpoint verify: " + std::to_string(damaged) + " of the " + std::to_string(files.size()) + " files of " +
+                 checkpoint + " are bad (listed above); the first: " + first_problem);
+}
+
+}  // namespace ember::engine
