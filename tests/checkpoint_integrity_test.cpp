@@ -291,30 +291,46 @@ TEST(CheckpointIntegrity, OptimizerStateClaimsAreCheckedBeforeTorchLoad) {
   const at::Tensor saved = ck.at("optimizer").toTensor().contiguous();
   const std::string real(static_cast<const char*>(saved.data_ptr()), static_cast<size_t>(saved.numel()));
   EXPECT_TRUE(ember::engine::check_nested_archive(real));
-  // The same archive with its data.pkl replaced: PROTO 2, NONE, LONG_BINPUT 2^31 - 1, STOP.
-  std::string crafted;
-  {
+  // The same archive with one record replaced by `bad`.
+  auto with_record = [&](const std::string& replaced, const std::string& bad) {
+    std::string out;
     std::istringstream in(real);
     caffe2::serialize::PyTorchStreamReader reader(&in);
     caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, size_t n) {
-      crafted.append(static_cast<const char*>(p), n);
+      out.append(static_cast<const char*>(p), n);
       return n;
     });
-    bool replaced = false;
+    bool found = false;
     for (const auto& name : reader.getAllRecords()) {
       if (name == "version" || name.rfind(".data/", 0) == 0) continue;  // the writer adds its own
-      if (name == "data.pkl") {
-        const std::string bad("\x80\x02Nr\xff\xff\xff\x7f.", 9);
+      if (name == replaced) {
         writer.writeRecord(name, bad.data(), bad.size());
-        replaced = true;
+        found = true;
         continue;
       }
       const auto [data, size] = reader.getRecord(name);
       writer.writeRecord(name, data.get(), size);
     }
     writer.writeEndOfFile();
-    ASSERT_TRUE(replaced);
-  }
+    EXPECT_TRUE(found) << replaced;
+    return out;
+  };
+  // A moment tensor's storage cut to 4 bytes: torch::load would size it by the pickle's claim and
+  // read past the record; the check unpickles it with the record's size.
+  EXPECT_THROW(
+      {
+        try {
+          ember::engine::check_nested_archive(with_record("data/0", std::string(4, '\0')));
+        } catch (const std::invalid_argument& e) {
+          const std::string what = e.what();
+          EXPECT_EQ(what.rfind("record data.pkl is not valid: tensor ", 0), 0u) << what;
+          EXPECT_NE(what.find("offset 0) does not fit its storage of 4 bytes"), std::string::npos) << what;
+          throw;
+        }
+      },
+      std::invalid_argument);
+  // Its data.pkl replaced: PROTO 2, NONE, LONG_BINPUT 2^31 - 1, STOP.
+  const std::string crafted = with_record("data.pkl", std::string("\x80\x02Nr\xff\xff\xff\x7f.", 9));
   at::Tensor blob = at::empty({static_cast<int64_t>(crafted.size())}, at::kByte);
   std::memcpy(blob.data_ptr(), crafted.data(), crafted.size());
   ck.insert_or_assign("optimizer", blob);

@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/api/compilation_unit.h>
 #include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/csrc/jit/serialization/pickler_helper.h>
@@ -383,6 +384,41 @@ bool check_nested_archive(std::string_view bytes) {
       throw std::invalid_argument("record " + name + " is not valid: " + e.what());
     } catch (const std::exception& e) {
       throw std::invalid_argument("record " + name + " cannot be read (" + short_what(e) + ")");
+    }
+  }
+  // torch::load sizes each storage by the element count its pickle claims, not by its record, and
+  // builds tensors without checking their views: its archives ("data", "constants") are unpickled
+  // here first with storages sized by their records (pointing into `bytes`: nothing is copied or
+  // read), every object's tensors checked as the checkpoint's own are. The TorchScript classes of
+  // the objects are stand-ins: only their states are looked at.
+  auto cu = std::make_shared<torch::jit::CompilationUnit>();
+  const torch::jit::TypeResolver resolve = [&](const c10::QualifiedName& name) {
+    return c10::StrongTypePtr(cu, c10::ClassType::create(name, cu));
+  };
+  const torch::jit::ObjLoader check_state = [](const at::StrongTypePtr& type, const c10::IValue& state) {
+    support::check_loaded_value(state);
+    return c10::ivalue::Object::create(type, 0);
+  };
+  for (const std::string archive : {"data", "constants"}) {
+    if (std::find(records.begin(), records.end(), archive + ".pkl") == records.end()) continue;
+    const std::string prefix = archive + "/";
+    try {
+      auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();
+      for (const auto& name : records) {
+        if (name.rfind(prefix, 0) != 0) continue;
+        const size_t offset = reader->getRecordOffset(name), n = reader->getRecordSize(name);
+        if (offset > bytes.size() || n > bytes.size() - offset)
+          throw std::invalid_argument("record " + name + " lies past the end of the archive");
+        c10::DataPtr view(const_cast<char*>(bytes.data() + offset), c10::Device(c10::kCPU));
+        storages->addStorage(name.substr(prefix.size()), c10::Storage(c10::Storage::use_byte_size_t(), n, std::move(view), nullptr, false));
+      }
+      const c10::IValue root = torch::jit::readArchiveAndTensors(archive, "", "", resolve, check_state, std::nullopt, *reader,
+                                                                 torch::jit::Unpickler::defaultTypeParser, storages);
+      support::check_loaded_value(root);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("record " + archive + ".pkl is not valid: " + e.what());
+    } catch (const std::exception& e) {
+      throw std::invalid_argument("record " + archive + ".pkl cannot be read (" + short_what(e) + ")");
     }
   }
   return true;
