@@ -2,8 +2,6 @@
 // is the bytes that were written (each record against its manifest's CRC32C, read in chunks) and
 // reads as a checkpoint. For a copy between machines or a file left on a scratch disk, checked on
 // a login node without a GPU and in a few MB of memory, before a job is queued to resume from it.
-#include <ember/support/checkpoint_read.h>
-
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -18,11 +16,10 @@ namespace fs = std::filesystem;
 namespace ember::engine {
 namespace {
 
-// The world size a sharded directory's meta.ckpt records (its pickle alone), or throws.
-int64_t sharded_world_size(const fs::path& meta) {
-  const c10::IValue root = support::read_checkpoint_skeleton(meta.string());
-  if (root.isGenericDict()) {
-    const auto d = root.toGenericDict();
+// The world size a sharded directory's meta.ckpt records (`meta`: its pickle), or throws.
+int64_t sharded_world_size(const c10::IValue& meta, const fs::path& file) {
+  if (meta.isGenericDict()) {
+    const auto d = meta.toGenericDict();
     const auto layout = d.find(c10::IValue(std::string("sharded")));
     if (layout != d.end() && layout->value().isGenericDict()) {
       const auto l = layout->value().toGenericDict();
@@ -30,7 +27,7 @@ int64_t sharded_world_size(const fs::path& meta) {
       if (world != l.end() && world->value().isInt() && world->value().toInt() > 0) return world->value().toInt();
     }
   }
-  throw std::runtime_error(meta.string() + " has no sharded layout (world_size): not an Ember sharded checkpoint's meta.ckpt");
+  throw std::runtime_error(file.string() + " has no sharded layout (world_size): not an Ember sharded checkpoint's meta.ckpt");
 }
 
 }  // namespace
@@ -39,36 +36,30 @@ int checkpoint_verify(const std::string& checkpoint, std::ostream& out) {
   std::error_code ec;
   if (!fs::exists(checkpoint, ec))
     throw RunError("engine checkpoint verify: " + checkpoint + " does not exist: name a checkpoint file or a sharded checkpoint directory");
-  std::vector<fs::path> files;
-  if (fs::is_directory(checkpoint, ec)) {
-    const fs::path meta = fs::path(checkpoint) / "meta.ckpt";
-    if (!fs::is_regular_file(meta, ec))
-      throw RunError("engine checkpoint verify: " + checkpoint + " is a folder without meta.ckpt: name a checkpoint file or a sharded checkpoint directory");
-    files.push_back(meta);
-    // The meta's checksums first: the world size is read from it.
-    try {
-      verify_checkpoint_file(meta);
-      const int64_t world = sharded_world_size(meta);
-      for (int64_t rank = 0; rank < world; ++rank) files.push_back(fs::path(checkpoint) / ("rank" + std::to_string(rank) + ".ckpt"));
-    } catch (const std::exception& e) {
-      throw RunError("engine checkpoint verify: " + std::string(e.what()));
-    }
-  } else {
-    files.emplace_back(checkpoint);
-  }
+  const bool sharded = fs::is_directory(checkpoint, ec);
+  const fs::path first = sharded ? fs::path(checkpoint) / "meta.ckpt" : fs::path(checkpoint);
+  if (sharded && !fs::is_regular_file(first, ec))
+    throw RunError("engine checkpoint verify: " + checkpoint + " is a folder without meta.ckpt: name a checkpoint file or a sharded checkpoint directory");
+  // A sharded directory's meta.ckpt comes first: the parts to check are the ones its layout names.
+  std::vector<fs::path> files{first};
   size_t damaged = 0;
   std::string first_problem;
   uint64_t total = 0;
-  for (const auto& file : files) {
+  for (size_t i = 0; i < files.size(); ++i) {
+    const fs::path file = files[i];
     try {
       if (!fs::is_regular_file(file, ec))
         throw std::runtime_error("sharded checkpoint " + checkpoint + " lacks " + file.filename().string() + " (an incomplete copy?)");
       const VerifiedCheckpoint v = verify_checkpoint_file(file);
+      if (sharded && i == 0)
+        for (int64_t rank = 0, world = sharded_world_size(v.skeleton, file); rank < world; ++rank)
+          files.push_back(fs::path(checkpoint) / ("rank" + std::to_string(rank) + ".ckpt"));
       total += v.payload_bytes;
       out << file.string() << ": good: " << v.records << " records, " << size_text(v.payload_bytes)
           << ", every CRC32C matches its manifest and the pickle reads (format " << v.format_version
           << (v.weights_only ? ", weights only" : "") << ")\n";
     } catch (const std::exception& e) {
+      if (sharded && i == 0) throw RunError("engine checkpoint verify: " + std::string(e.what()));  // no parts to name
       ++damaged;
       if (first_problem.empty()) first_problem = e.what();
       if (files.size() > 1) out << file.string() << ": BAD: " << e.what() << "\n";

@@ -363,6 +363,7 @@ VerifiedCheckpoint verify_checkpoint_file(const fs::path& path) {
                       root.toGenericDict().at("format").isString() &&
                       root.toGenericDict().at("format").toStringRef() == kCheckpointFormat;
   if (!tagged) throw std::runtime_error("checkpoint " + where + " is not an Ember checkpoint (no format tag)");
+  out.skeleton = std::move(root);
   return out;
 }
 

@@ -54,6 +54,7 @@ struct VerifiedCheckpoint {
   bool weights_only = false;
   size_t records = 0;          // payload records checked
   uint64_t payload_bytes = 0;  // their bytes
+  c10::IValue skeleton;        // its object, every tensor a meta tensor (read_checkpoint_skeleton)
 };
 VerifiedCheckpoint verify_checkpoint_file(const std::filesystem::path& path);
 
