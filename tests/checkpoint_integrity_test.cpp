@@ -16,6 +16,7 @@
 #include <ember/support/checkpoint_read.h>
 
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint/nested_archive.h"
 #include "checkpoint/sharded_checkpoint.h"
 #include "support.h"
 
@@ -251,7 +252,7 @@ TEST(CheckpointIntegrity, VerifyCommandNamesTheDamagedRecordOrPart) {
   // A sharded directory of two parts, written as ranks write them.
   const fs::path shard = dir / "sharded.ckpt";
   auto meta = small_checkpoint(ember::engine::kCheckpointFormatVersion, false);
-  meta.erase("state_dict");
+  (void)meta.erase("state_dict");
   c10::impl::GenericDict layout(c10::StringType::get(), c10::AnyType::get());
   layout.insert("world_size", int64_t{2});
   layout.insert("strategy", std::string("sharded"));
@@ -334,6 +335,24 @@ TEST(CheckpointIntegrity, OptimizerStateClaimsAreCheckedBeforeTorchLoad) {
   at::Tensor blob = at::empty({static_cast<int64_t>(crafted.size())}, at::kByte);
   std::memcpy(blob.data_ptr(), crafted.data(), crafted.size());
   ck.insert_or_assign("optimizer", blob);
+  // `engine checkpoint verify` finds in the file what a resume would refuse: the real archive
+  // passes, then each crafted one is named by its record in one line.
+  const auto verified = run_engine({"checkpoint", "verify", last.string()}, dir.path());
+  EXPECT_EQ(verified.exit_code, 0) << verified.err;
+  EXPECT_NE(verified.out.find("the pickle reads, with the torch::save archive within (format 2)"), std::string::npos) << verified.out;
+  auto verify_refuses = [&](const std::string& archive, const std::string& why) {
+    at::Tensor t = at::empty({static_cast<int64_t>(archive.size())}, at::kByte);
+    std::memcpy(t.data_ptr(), archive.data(), archive.size());
+    ck.insert_or_assign("optimizer", t);
+    ember::engine::save_checkpoint_file(last, ck);  // a new manifest: the checksums are right
+    const auto v = run_engine({"checkpoint", "verify", last.string()}, dir.path());
+    EXPECT_EQ(v.exit_code, 1) << v.out << v.err;
+    EXPECT_NE(v.err.find("last.ckpt is not a valid checkpoint: its record 'data/"), std::string::npos) << v.err;
+    EXPECT_NE(v.err.find("' holds a torch::save archive whose record data.pkl is not valid: " + why), std::string::npos) << v.err;
+    EXPECT_EQ(std::count(v.err.begin(), v.err.end(), '\n'), 1) << v.err;
+  };
+  verify_refuses(with_record("data/0", std::string(4, '\0')), "tensor ");
+  verify_refuses(with_record("data.pkl", std::string("\x80\x02Nr\xff\xff\xff\x7f.", 9)), "its pickle's memo index 2147483647");
   ember::engine::save_checkpoint_file(last, ck);  // a new manifest: the checksums are right
   const auto r = run_engine({"run.toml", "--set", "trainer.max_epochs=2", "--resume", "last"}, dir.path());
   EXPECT_EQ(r.exit_code, 1) << r.err;

@@ -56,7 +56,11 @@ int checkpoint_verify(const std::string& checkpoint, std::ostream& out) {
           files.push_back(fs::path(checkpoint) / ("rank" + std::to_string(rank) + ".ckpt"));
       total += v.payload_bytes;
       out << file.string() << ": good: " << v.records << " records, " << size_text(v.payload_bytes)
-          << ", every CRC32C matches its manifest and the pickle reads (format " << v.format_version
+          << ", every CRC32C matches its manifest and the pickle reads"
+          << (v.archives == 0 ? std::string()
+                              : v.archives == 1 ? std::string(", with the torch::save archive within")
+                                                : ", with the " + std::to_string(v.archives) + " torch::save archives within")
+          << " (format " << v.format_version
           << (v.weights_only ? ", weights only" : "") << ")\n";
     } catch (const std::exception& e) {
       if (sharded && i == 0) throw RunError("engine checkpoint verify: " + std::string(e.what()));  // no parts to name

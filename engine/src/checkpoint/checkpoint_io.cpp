@@ -1,6 +1,7 @@
 // Checkpoint files: save and load in torch.save's layout with Ember's manifest (the archive and
 // manifest: archive.*; the guards around the unpickler: <ember/support/checkpoint_read.h>; container types:
-// container_types.*; atomic writes: atomic_file.*; checksums: crc32c.*).
+// container_types.*; atomic writes: atomic_file.*; checksums: crc32c.*; the torch::save archives
+// inside a checkpoint: nested_archive.*).
 #include "checkpoint/checkpoint_io.h"
 
 #include <fcntl.h>   // open
@@ -26,6 +27,7 @@
 
 #include "checkpoint/archive.h"
 #include "checkpoint/container_types.h"
+#include "checkpoint/nested_archive.h"
 
 namespace fs = std::filesystem;
 
@@ -363,66 +365,23 @@ VerifiedCheckpoint verify_checkpoint_file(const fs::path& path) {
                       root.toGenericDict().at("format").isString() &&
                       root.toGenericDict().at("format").toStringRef() == kCheckpointFormat;
   if (!tagged) throw std::runtime_error("checkpoint " + where + " is not an Ember checkpoint (no format tag)");
+  // The torch::save archives within (an optimizer's state) are read by torch::load on a resume:
+  // their pickles are checked as a load checks them (check_archives_within), their tensor data
+  // left unread. Any storage record that holds a zip archive is one.
+  for (const auto& r : manifest.records) {
+    if (r.name.rfind("data/", 0) != 0 || r.size < 4) continue;
+    const uint64_t offset = reader->getRecordOffset(r.name);
+    char head[4];
+    if (::pread(fd, head, sizeof head, static_cast<off_t>(offset)) != 4 || std::memcmp(head, "PK\x03\x04", 4) != 0) continue;
+    try {
+      if (check_nested_archive_in_file(fd, offset, r.size)) ++out.archives;
+    } catch (const std::invalid_argument& e) {
+      throw std::runtime_error("checkpoint " + where + " is not a valid checkpoint: its record '" + r.name +
+                               "' holds a torch::save archive whose " + e.what());
+    }
+  }
   out.skeleton = std::move(root);
   return out;
-}
-
-bool check_nested_archive(std::string_view bytes) {
-  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
-  std::vector<std::string> records;
-  try {
-    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(std::make_shared<BufferReader>(bytes.data(), bytes.size()));
-    records = reader->getAllRecords();
-  } catch (const std::exception&) {
-    return false;
-  }
-  for (const auto& name : records) {
-    if (!name.ends_with(".pkl")) continue;
-    try {
-      const auto [pickle, size] = reader->getRecord(name);
-      support::check_pickle_claims(std::string_view(static_cast<const char*>(pickle.get()), size));
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument("record " + name + " is not valid: " + e.what());
-    } catch (const std::exception& e) {
-      throw std::invalid_argument("record " + name + " cannot be read (" + short_what(e) + ")");
-    }
-  }
-  // torch::load sizes each storage by the element count its pickle claims, not by its record, and
-  // builds tensors without checking their views: its archives ("data", "constants") are unpickled
-  // here first with storages sized by their records (pointing into `bytes`: nothing is copied or
-  // read), every object's tensors checked as the checkpoint's own are. The TorchScript classes of
-  // the objects are stand-ins: only their states are looked at.
-  auto cu = std::make_shared<torch::jit::CompilationUnit>();
-  const torch::jit::TypeResolver resolve = [&](const c10::QualifiedName& name) {
-    return c10::StrongTypePtr(cu, c10::ClassType::create(name, cu));
-  };
-  const torch::jit::ObjLoader check_state = [](const at::StrongTypePtr& type, const c10::IValue& state) {
-    support::check_loaded_value(state);
-    return c10::ivalue::Object::create(type, 0);
-  };
-  for (const std::string archive : {"data", "constants"}) {
-    if (std::find(records.begin(), records.end(), archive + ".pkl") == records.end()) continue;
-    const std::string prefix = archive + "/";
-    try {
-      auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();
-      for (const auto& name : records) {
-        if (name.rfind(prefix, 0) != 0) continue;
-        const size_t offset = reader->getRecordOffset(name), n = reader->getRecordSize(name);
-        if (offset > bytes.size() || n > bytes.size() - offset)
-          throw std::invalid_argument("record " + name + " lies past the end of the archive");
-        c10::DataPtr view(const_cast<char*>(bytes.data() + offset), c10::Device(c10::kCPU));
-        storages->addStorage(name.substr(prefix.size()), c10::Storage(c10::Storage::use_byte_size_t(), n, std::move(view), nullptr, false));
-      }
-      const c10::IValue root = torch::jit::readArchiveAndTensors(archive, "", "", resolve, check_state, std::nullopt, *reader,
-                                                                 torch::jit::Unpickler::defaultTypeParser, storages);
-      support::check_loaded_value(root);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument("record " + archive + ".pkl is not valid: " + e.what());
-    } catch (const std::exception& e) {
-      throw std::invalid_argument("record " + archive + ".pkl cannot be read (" + short_what(e) + ")");
-    }
-  }
-  return true;
 }
 
 }  // namespace ember::engine

@@ -5,7 +5,7 @@
 // Files are written atomically (atomic_file.h): a crash or error at any point leaves an earlier
 // file with the same name untouched. The parts: archive.* (zip layout in memory, the manifest),
 // <ember/support/checkpoint_read.h> (checks around LibTorch's unpickler, shared with plugins),
-// container_types.* (static container types),
+// container_types.* (static container types), nested_archive.* (torch::save archives inside one),
 // crc32c.*.
 #pragma once
 #include <ATen/core/ivalue.h>
@@ -47,23 +47,17 @@ CheckpointProbe probe_checkpoint_file(const std::filesystem::path& path);
 
 // `engine checkpoint verify`: every record of the file against its manifest's CRC32C and size,
 // read in chunks (a few MB of memory whatever the file's size), then its pickle read without
-// tensor data. Throws std::runtime_error, one line naming the path, when it is damaged, has no
+// tensor data, then the pickles of the torch::save archives it holds (check_nested_archive_in_file). Throws std::runtime_error, one line naming the path, when it is damaged, has no
 // manifest (format 1, another program's file), or is not an Ember checkpoint.
 struct VerifiedCheckpoint {
   int64_t format_version = 0;
   bool weights_only = false;
   size_t records = 0;          // payload records checked
   uint64_t payload_bytes = 0;  // their bytes
+  size_t archives = 0;         // torch::save archives within (optimizer states), their pickles checked
   c10::IValue skeleton;        // its object, every tensor a meta tensor (read_checkpoint_skeleton)
 };
 VerifiedCheckpoint verify_checkpoint_file(const std::filesystem::path& path);
-
-// A torch::save archive held inside a checkpoint (an optimizer's state, read by torch::load): the
-// claims of each of its pickles checked as the checkpoint's own are, before LibTorch's unpickler
-// trusts them. load_checkpoint_file does it for every byte tensor that holds a zip archive.
-// false when `bytes` is not a readable archive (torch::load's own error then says so); throws
-// std::invalid_argument naming the record and what is wrong.
-bool check_nested_archive(std::string_view bytes);
 
 inline constexpr const char* kCheckpointFormat = "ember-checkpoint";
 // 1: pickle_save's archive, no checksums. 2: + ember/manifest with CRC32C of every record.

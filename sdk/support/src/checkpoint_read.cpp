@@ -214,6 +214,8 @@ c10::IValue read_checkpoint_skeleton(const std::string& file) {
   } catch (const std::exception& e) {
     std::string what = e.what();
     what.resize(std::min(what.find('\n'), what.size()));  // LibTorch appends a C++ stack
+    // and miniz a paragraph of advice after its first sentence
+    if (const auto end = what.find(". "); what.size() > 120 && end != std::string::npos) what.resize(end);
     throw std::runtime_error(file + " is not a readable checkpoint: " + what);
   }
 }

@@ -1,0 +1,133 @@
+#include "checkpoint/nested_archive.h"
+
+#include <unistd.h>  // pread
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+#include <torch/csrc/jit/api/compilation_unit.h>
+#include <torch/csrc/jit/serialization/storage_context.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
+
+#include <ember/support/checkpoint_read.h>
+
+#include "checkpoint/archive.h"  // BufferReader, short_what
+
+namespace ember::engine {
+namespace {
+
+// Bytes [offset, offset + size) of an open file, read on demand.
+class FileRangeReader final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  FileRangeReader(int fd, uint64_t offset, uint64_t size) : fd_(fd), offset_(offset), size_(size) {}
+  size_t size() const override { return size_; }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= size_) return 0;
+    n = static_cast<size_t>(std::min<uint64_t>(n, size_ - pos));
+    size_t done = 0;
+    while (done < n) {
+      const ssize_t got = ::pread(fd_, static_cast<char*>(buf) + done, n - done, static_cast<off_t>(offset_ + pos + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) break;  // miniz reports the short read as a damaged archive
+      done += static_cast<size_t>(got);
+    }
+    return done;
+  }
+
+ private:
+  int fd_;
+  uint64_t offset_, size_;
+};
+
+// The storage data of the record at `offset` of the archive: where its bytes lie, or none (a
+// storage of the record's size without data: the checks look at sizes only).
+using StorageData = std::function<c10::DataPtr(uint64_t offset)>;
+
+// Each pickle of the archive is read once: its claims are checked, then the archives torch::load
+// unpickles ("data", "constants") are unpickled here with every storage sized by its record, and
+// every object's tensors checked as the checkpoint's own are. The TorchScript classes of the
+// objects (an optimizer's state is a scripted module) are stand-ins: only their states are looked at.
+bool check_archive(const std::shared_ptr<caffe2::serialize::ReadAdapterInterface>& in, const StorageData& storage_data) {
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
+  std::vector<std::string> records;
+  try {
+    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(in);
+    records = reader->getAllRecords();
+  } catch (const std::exception&) {
+    return false;
+  }
+  auto cu = std::make_shared<torch::jit::CompilationUnit>();
+  const torch::jit::TypeResolver resolve = [&](const c10::QualifiedName& name) {
+    return c10::StrongTypePtr(cu, c10::ClassType::create(name, cu));
+  };
+  const torch::jit::ObjLoader check_state = [](const at::StrongTypePtr& type, const c10::IValue& state) {
+    support::check_loaded_value(state);
+    return c10::ivalue::Object::create(type, 0);
+  };
+  for (const auto& name : records) {
+    if (!name.ends_with(".pkl")) continue;
+    const std::string archive = name.substr(0, name.size() - 4);
+    try {
+      const auto [pickle, size] = reader->getRecord(name);
+      const auto* data = static_cast<const char*>(pickle.get());
+      support::check_pickle_claims(std::string_view(data, size));
+      if (archive != "data" && archive != "constants") continue;  // torch::load reads no other
+      auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();
+      const std::string prefix = archive + "/";
+      for (const auto& record : records) {
+        if (record.rfind(prefix, 0) != 0) continue;
+        const uint64_t offset = reader->getRecordOffset(record), n = reader->getRecordSize(record);
+        if (offset > in->size() || n > in->size() - offset)
+          throw std::invalid_argument("its record " + record + " lies past the end of the archive");
+        storages->addStorage(record.substr(prefix.size()),
+                             c10::Storage(c10::Storage::use_byte_size_t(), n, storage_data(offset), nullptr, false));
+      }
+      size_t done = 0;
+      torch::jit::Unpickler unpickler(
+          [&](char* into, size_t want) -> size_t {
+            want = std::min(want, size - done);
+            std::memcpy(into, data + done, want);
+            done += want;
+            return want;
+          },
+          resolve, check_state,
+          // Every storage the pickle names is in `storages`; one that is not has no record.
+          [&](const std::string& key) -> c10::DataPtr {
+            throw std::invalid_argument("it names storage " + key + ", which has no record " + prefix + key);
+          },
+          c10::Device(c10::kCPU), false, torch::jit::Unpickler::defaultTypeParser, storages);
+      unpickler.set_version(reader->version());
+      support::check_loaded_value(unpickler.parse_ivalue());
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("record " + name + " is not valid: " + e.what());
+    } catch (const std::exception& e) {
+      throw std::invalid_argument("record " + name + " cannot be read (" + short_what(e) + ")");
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+bool check_nested_archive(std::string_view bytes) {
+  // Storages point into `bytes`: nothing is copied, and nothing could read past a record.
+  return check_archive(std::make_shared<BufferReader>(bytes.data(), bytes.size()), [&](uint64_t offset) {
+    return c10::DataPtr(const_cast<char*>(bytes.data() + offset), c10::Device(c10::kCPU));
+  });
+}
+
+bool check_nested_archive_in_file(int fd, uint64_t offset, uint64_t size) {
+  // As read_checkpoint_skeleton's: storages without data (the unpickler reads none).
+  return check_archive(std::make_shared<FileRangeReader>(fd, offset, size),
+                       [](uint64_t) { return c10::DataPtr(nullptr, c10::Device(c10::kCPU)); });
+}
+
+}  // namespace ember::engine
