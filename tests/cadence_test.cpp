@@ -95,6 +95,26 @@ TEST(Cadence, LogsEveryNStepsAndStopsAtTheLimits) {
   EXPECT_TRUE(c.max_steps_reached(st));
 }
 
+TEST(Cadence, MaxStepsEndsWithAValidationUnlessOneJustRan) {
+  TrainerSettings s;
+  s.max_steps = 10;
+  s.check_val_every_n_epoch = 2;
+  Cadence c(s);
+  TrainingState st;
+  st.epoch = 1;
+  st.global_step = 9;
+  EXPECT_FALSE(c.validates_at_max_steps(st, false, true));  // not there yet
+  st.global_step = 10;
+  EXPECT_TRUE(c.validates_at_max_steps(st, false, true));
+  EXPECT_FALSE(c.validates_at_max_steps(st, /*validated_last=*/true, true));  // its batch just validated
+  EXPECT_FALSE(c.validates_at_max_steps(st, false, /*validation_enabled=*/false));
+  st.epoch = 0;  // an epoch that does not validate (check_val_every_n_epoch = 2)
+  EXPECT_FALSE(c.validates_at_max_steps(st, false, true));
+  s.max_steps = -1;  // no limit: a stop for any other reason ends without it
+  st.epoch = 1;
+  EXPECT_FALSE(c.validates_at_max_steps(st, false, true));
+}
+
 TEST(Cadence, AStopWaitsForMinEpochsAndMinSteps) {
   TrainerSettings s;
   s.min_epochs = 3;

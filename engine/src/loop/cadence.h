@@ -31,6 +31,11 @@ class Cadence {
   // Whether the step values are published after optimizer step `global_step` (log_every_n_steps).
   bool logs_at(int64_t global_step) const { return s_.log_every_n_steps > 0 && global_step % s_.log_every_n_steps == 0; }
   bool max_steps_reached(const TrainingState& state) const { return s_.max_steps >= 0 && state.global_step >= s_.max_steps; }
+  // Whether the epoch validates once more where max_steps ends it, so that monitors see the state
+  // stopped at: unless the batch just validated (`validated_last`), and only on epochs that validate.
+  bool validates_at_max_steps(const TrainingState& state, bool validated_last, bool validation_enabled) const {
+    return !validated_last && validation_enabled && max_steps_reached(state) && epoch_validates(state.epoch);
+  }
   bool max_epochs_reached(int64_t epoch) const { return s_.max_epochs >= 0 && epoch >= s_.max_epochs; }
   // Whether fit() would train nothing more from `state` (a restored one included).
   bool fit_done(const TrainingState& state) const { return max_epochs_reached(state.next_epoch()) || max_steps_reached(state); }

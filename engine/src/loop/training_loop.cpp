@@ -297,6 +297,37 @@ void TrainingLoop::call_hook(Hook hook) {
 
 bool TrainingLoop::validation_enabled() const { return plan_->validates(); }
 
+// After each optimizer step (never inside an accumulation window: a partly accumulated gradient is
+// not part of a checkpoint), every decision that ends the loop is agreed by all ranks at the same
+// step (Lightning's reduce_boolean_decision, "any rank"): a signal one rank received, or a stop a
+// callback asked for on one rank only. A rank that stopped alone would leave the others waiting in
+// a collective. One small all-reduce carries both, and the state of a checkpoint being written in
+// the background (checkpoint.async): once it is on disk everywhere it is committed here, at the
+// same step on every rank, and a failed write stops every rank.
+void TrainingLoop::validate_during_fit() {
+  evaluate(Split::val, Stage::validate, plan_->num_batches(Split::val));
+  stage_ = Stage::fit;
+}
+
+void TrainingLoop::agree_after_step() {
+  auto& rt = *runtime_;
+  int sig = stop_requested_ ? 0 : stop_signal();
+  if (rt.world_size() > 1) {
+    const at::Tensor votes = rt.reduce(
+        at::tensor({static_cast<double>(sig), stop_requested_ ? 1.0 : 0.0, rt.background_save_vote()}, at::kDouble), ReduceOp::max);
+    sig = stop_requested_ ? 0 : static_cast<int>(votes[0].item<double>());
+    if (!stop_requested_ && sig == 0 && votes[1].item<double>() > 0) stop("another rank asked to stop");
+    rt.settle_background_save(votes[2].item<double>());
+  } else {
+    rt.settle_background_save(rt.background_save_vote());
+  }
+  if (sig != 0) {
+    agreed_stop_signal_ = sig;
+    stop(stop_signal_name(sig) + (sig == stop_signal() ? " received" : " received by another rank") +
+         ": finishing this step, saving, then exiting (send it again to quit at once)");
+  }
+}
+
 void TrainingLoop::train_epoch() {
   auto& rt = *runtime_;
   const int64_t n = plan_->num_batches(Split::train);
@@ -317,9 +348,8 @@ void TrainingLoop::train_epoch() {
     // Resumed from a checkpoint saved between a batch and the validation due after it (the
     // checkpoint callback's every_n_train_steps saves in on_train_batch_end): run it now, as the
     // uninterrupted run did, so its metrics and what monitors decide from them are not lost.
-    evaluate(Split::val, Stage::validate, plan_->num_batches(Split::val));
+    validate_during_fit();
     validated_last = true;
-    stage_ = Stage::fit;
     if (rt.any_rank(stop_requested_) && !stop_requested_) stop("another rank asked to stop");
   }
   pos_.validation_pending = false;
@@ -367,43 +397,15 @@ void TrainingLoop::train_epoch() {
     progress_.update(b + 1, [&] { return metrics_.progress_values(); });
     validated_last = false;
     if (pos_.validation_pending) {
-      evaluate(Split::val, Stage::validate, plan_->num_batches(Split::val));
+      validate_during_fit();
       validated_last = true;
-      stage_ = Stage::fit;
     }
-    if (do_step) stop_if_minimum_trained(false);
-    // Only after an optimizer step: a partly accumulated gradient is not part of a checkpoint.
-    int sig = do_step && !stop_requested_ ? stop_signal() : 0;
-    // Every decision that ends the loop is agreed by all ranks at the same optimizer step
-    // (Lightning's reduce_boolean_decision, "any rank"): a signal one rank received, or a stop a
-    // callback asked for on one rank only. A rank that stopped alone would leave the others
-    // waiting in a collective. One small all-reduce per optimizer step carries both.
-    // The same vote carries the state of a checkpoint being written in the background
-    // (checkpoint.async): once it is on disk everywhere it is committed here, at the same step on
-    // every rank, and a failed write stops every rank.
-    if (do_step && rt.world_size() > 1) {
-      const at::Tensor votes = rt.reduce(
-          at::tensor({static_cast<double>(sig), stop_requested_ ? 1.0 : 0.0, rt.background_save_vote()}, at::kDouble), ReduceOp::max);
-      sig = stop_requested_ ? 0 : static_cast<int>(votes[0].item<double>());
-      if (!stop_requested_ && sig == 0 && votes[1].item<double>() > 0) stop("another rank asked to stop");
-      rt.settle_background_save(votes[2].item<double>());
-    } else if (do_step) {
-      rt.settle_background_save(rt.background_save_vote());
+    if (do_step) {
+      stop_if_minimum_trained(false);
+      agree_after_step();
     }
-    if (sig != 0) {
-      agreed_stop_signal_ = sig;
-      stop(stop_signal_name(sig) + (sig == stop_signal() ? " received" : " received by another rank") +
-           ": finishing this step, saving, then exiting (send it again to quit at once)");
-    }
-    const bool max_steps_hit = cadence_.max_steps_reached(pos_);
-    if (max_steps_hit || stop_requested_) {
-      // Stopping early: validate once more so monitors see the state being stopped at.
-      if (!validated_last && max_steps_hit && validation_enabled() && cadence_.epoch_validates(pos_.epoch)) {
-        evaluate(Split::val, Stage::validate, plan_->num_batches(Split::val));
-        stage_ = Stage::fit;
-      }
-      break;
-    }
+    if (cadence_.validates_at_max_steps(pos_, validated_last, validation_enabled())) validate_during_fit();
+    if (cadence_.max_steps_reached(pos_) || stop_requested_) break;
   }
   auto reducer = [&](const at::Tensor& t, ReduceOp op) { return rt.reduce(t, op); };
   auto epoch_values = metrics_.finish_epoch(Stage::fit, reducer);

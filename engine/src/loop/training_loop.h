@@ -179,6 +179,11 @@ class TrainingLoop final : public ITrainer,
  private:
   void call_hook(Hook hook);
   void train_epoch();
+  // The ranks' agreement after an optimizer step: stop signals, a stop asked on one rank, the
+  // commit of a background checkpoint write.
+  void agree_after_step();
+  // A validation pass inside fit (its cadence, a resumed pending one, the one at max_steps).
+  void validate_during_fit();
   void evaluate(Split split, Stage stage, int64_t max_batches);
   std::vector<std::pair<std::string, double>> evaluate_split(Split split);
   void setup_cuda_graph();
