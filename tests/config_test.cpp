@@ -72,6 +72,18 @@ TEST(Config, RangeError) {
   EXPECT_NE(err.find("model.width: must be >= 1, got 0"), std::string::npos) << err;
 }
 
+TEST(Config, InfinityIsRefusedUnlessARangeNamesIt) {
+  // TOML's inf is a number: an lr of inf trained to nan without a word.
+  auto err = resolve_error("[optimizer]\nlr = inf\n");
+  EXPECT_NE(err.find("run.toml:2:6"), std::string::npos) << err;
+  EXPECT_NE(err.find("optimizer.lr: must be a finite number, got inf"), std::string::npos) << err;
+  err = resolve_error("", {"trainer.gradient_clip_val=-inf"});
+  EXPECT_NE(err.find("--set trainer.gradient_clip_val=-inf"), std::string::npos) << err;
+  EXPECT_NE(err.find("must be a finite number, got -inf"), std::string::npos) << err;
+  EXPECT_NE(resolve_error("[model]\nwidth = inf\n").find("expected an integer"), std::string::npos);  // not even a float key
+  EXPECT_EQ(resolve_error("[optimizer]\nlr = 1e300\n"), "");  // large but finite
+}
+
 TEST(Config, ChoiceErrorSuggests) {
   auto err = resolve_error("[trainer]\ngradient_clip_algorithm = \"nrom\"\n");
   EXPECT_NE(err.find("must be one of norm|value"), std::string::npos) << err;
