@@ -348,11 +348,34 @@ TEST(CheckpointIntegrity, OptimizerStateClaimsAreCheckedBeforeTorchLoad) {
     const auto v = run_engine({"checkpoint", "verify", last.string()}, dir.path());
     EXPECT_EQ(v.exit_code, 1) << v.out << v.err;
     EXPECT_NE(v.err.find("last.ckpt is not a valid checkpoint: its record 'data/"), std::string::npos) << v.err;
-    EXPECT_NE(v.err.find("' holds a torch::save archive whose record data.pkl is not valid: " + why), std::string::npos) << v.err;
+    EXPECT_NE(v.err.find("' holds a torch::save archive whose " + why), std::string::npos) << v.err;
     EXPECT_EQ(std::count(v.err.begin(), v.err.end(), '\n'), 1) << v.err;
   };
-  verify_refuses(with_record("data/0", std::string(4, '\0')), "tensor ");
-  verify_refuses(with_record("data.pkl", std::string("\x80\x02Nr\xff\xff\xff\x7f.", 9)), "its pickle's memo index 2147483647");
+  // A class of the archive's TorchScript given a __setstate__: torch::load would compile it and run
+  // it while loading (an endless loop here), so the archive is refused before anything compiles it.
+  std::string source_record;
+  {
+    std::istringstream in(real);
+    caffe2::serialize::PyTorchStreamReader reader(&in);
+    for (const auto& name : reader.getAllRecords())
+      if (source_record.empty() && name.rfind("code/__torch__/", 0) == 0 && name.ends_with(".py")) source_record = name;
+  }
+  ASSERT_FALSE(source_record.empty());
+  const std::string looping = with_record(source_record,
+                                          "class Module(Module):\n  __parameters__ = []\n  __buffers__ = []\n"
+                                          "  def __getstate__(self) -> int:\n    return 0\n"
+                                          "  def __setstate__(self, state: int) -> None:\n    while True:\n      pass\n");
+  try {
+    ember::engine::check_nested_archive(looping);
+    ADD_FAILURE() << "an archive whose code defines __setstate__ passed";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "record " + source_record + " is not valid: it defines __setstate__, code torch::load would run "
+                                     "while loading (an optimizer's state declares attributes only)");
+  }
+  verify_refuses(looping, "record " + source_record + " is not valid: it defines __setstate__");
+  verify_refuses(with_record("data/0", std::string(4, '\0')), "record data.pkl is not valid: tensor ");
+  verify_refuses(with_record("data.pkl", std::string("\x80\x02Nr\xff\xff\xff\x7f.", 9)),
+                 "record data.pkl is not valid: its pickle's memo index 2147483647");
   ember::engine::save_checkpoint_file(last, ck);  // a new manifest: the checksums are right
   const auto r = run_engine({"run.toml", "--set", "trainer.max_epochs=2", "--resume", "last"}, dir.path());
   EXPECT_EQ(r.exit_code, 1) << r.err;

@@ -51,6 +51,35 @@ class FileRangeReader final : public caffe2::serialize::ReadAdapterInterface {
 // storage of the record's size without data: the checks look at sizes only).
 using StorageData = std::function<c10::DataPtr(uint64_t offset)>;
 
+// The claims of a pickle that is only checked, not unpickled here.
+void check_claims_of(caffe2::serialize::PyTorchStreamReader& reader, const std::string& name) {
+  try {
+    const auto [pickle, size] = reader.getRecord(name);
+    support::check_pickle_claims(std::string_view(static_cast<const char*>(pickle.get()), size));
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("record " + name + " is not valid: " + e.what());
+  } catch (const std::exception& e) {
+    throw std::invalid_argument("record " + name + " cannot be read (" + short_what(e) + ")");
+  }
+}
+
+// torch::load compiles the archive's TorchScript classes and, for a class that defines
+// __setstate__, runs it on the object's pickled state while it loads: code from the file, which
+// could loop forever or allocate without bound. An optimizer's state (what Ember's archives hold)
+// declares attributes only, so a class naming __setstate__ is refused before anything compiles it.
+void check_source(caffe2::serialize::PyTorchStreamReader& reader, const std::string& name) {
+  std::string source;
+  try {
+    const auto [data, size] = reader.getRecord(name);
+    source.assign(static_cast<const char*>(data.get()), size);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument("record " + name + " cannot be read (" + short_what(e) + ")");
+  }
+  if (source.find("__setstate__") != std::string::npos)
+    throw std::invalid_argument("record " + name + " is not valid: it defines __setstate__, code torch::load would run " +
+                                "while loading (an optimizer's state declares attributes only)");
+}
+
 // Each pickle of the archive is read once: its claims are checked, then the archives torch::load
 // unpickles ("data", "constants") are unpickled here with every storage sized by its record, and
 // every object's tensors checked as the checkpoint's own are. The TorchScript classes of the
@@ -73,6 +102,14 @@ bool check_archive(const std::shared_ptr<caffe2::serialize::ReadAdapterInterface
     return c10::ivalue::Object::create(type, 0);
   };
   for (const auto& name : records) {
+    if (name.rfind("code/", 0) == 0 && name.ends_with(".py")) {
+      check_source(*reader, name);
+      continue;
+    }
+    if (name.ends_with(".debug_pkl")) {  // source ranges, unpickled when torch::load reports an error
+      check_claims_of(*reader, name);
+      continue;
+    }
     if (!name.ends_with(".pkl")) continue;
     const std::string archive = name.substr(0, name.size() - 4);
     try {
