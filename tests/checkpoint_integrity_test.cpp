@@ -351,28 +351,42 @@ TEST(CheckpointIntegrity, OptimizerStateClaimsAreCheckedBeforeTorchLoad) {
     EXPECT_NE(v.err.find("' holds a torch::save archive whose " + why), std::string::npos) << v.err;
     EXPECT_EQ(std::count(v.err.begin(), v.err.end(), '\n'), 1) << v.err;
   };
-  // A class of the archive's TorchScript given a __setstate__: torch::load would compile it and run
-  // it while loading (an endless loop here), so the archive is refused before anything compiles it.
-  std::string source_record;
+  // torch::load compiles the archive's TorchScript and runs a class's __setstate__ while it loads:
+  // each line must be one of the attribute declarations torch::save writes.
+  std::string source_record, source;
   {
     std::istringstream in(real);
     caffe2::serialize::PyTorchStreamReader reader(&in);
     for (const auto& name : reader.getAllRecords())
       if (source_record.empty() && name.rfind("code/__torch__/", 0) == 0 && name.ends_with(".py")) source_record = name;
+    ASSERT_FALSE(source_record.empty());
+    const auto [data, size] = reader.getRecord(source_record);
+    source.assign(static_cast<const char*>(data.get()), size);
   }
-  ASSERT_FALSE(source_record.empty());
-  const std::string looping = with_record(source_record,
-                                          "class Module(Module):\n  __parameters__ = []\n  __buffers__ = []\n"
-                                          "  def __getstate__(self) -> int:\n    return 0\n"
-                                          "  def __setstate__(self, state: int) -> None:\n    while True:\n      pass\n");
-  try {
-    ember::engine::check_nested_archive(looping);
-    ADD_FAILURE() << "an archive whose code defines __setstate__ passed";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_EQ(std::string(e.what()), "record " + source_record + " is not valid: it defines __setstate__, code torch::load would run "
-                                     "while loading (an optimizer's state declares attributes only)");
-  }
-  verify_refuses(looping, "record " + source_record + " is not valid: it defines __setstate__");
+  auto refused_with = [&](const std::string& archive) -> std::string {
+    try {
+      ember::engine::check_nested_archive(archive);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "(passed)";
+  };
+  // A __setstate__ that loops forever (a crafted one hung torch.jit.load until killed).
+  const std::string looping = with_record(source_record, source +
+                                                             "  def __getstate__(self) -> int:\n    return 0\n"
+                                                             "  def __setstate__(self, state: int) -> None:\n    while True:\n      pass\n");
+  const std::string at_def = "record " + source_record + " is not valid: its line " +
+                             std::to_string(std::count(source.begin(), source.end(), '\n') + 1) + " (`  def __getstate__(self) -> int:`)";
+  EXPECT_EQ(refused_with(looping).rfind(at_def + ": it is not an attribute declaration (`name : TYPE`); torch::load would compile it", 0), 0u)
+      << refused_with(looping);
+  // A type nested 100,000 deep (its compilation overflowed the stack of torch.jit.load: a segfault).
+  std::string deep = source + "  extra : ";
+  for (int i = 0; i < 100000; ++i) deep += "List[";
+  deep += "int" + std::string(100000, ']') + "\n";
+  EXPECT_NE(refused_with(with_record(source_record, deep)).find("its type nests deeper than 8"), std::string::npos);
+  for (const std::string& line : {"  x : Tuple[float, (float)]", "import os", "  __parameters__ = [os.system]", "class Module(Module): pass",
+                                  "  __annotations__[\"a\\\"b\"] = int", "    x : int", "  x = 1"})
+    EXPECT_NE(refused_with(with_record(source_record, source + line + "\n")).find(" is not valid: its line "), std::string::npos) << line;
   verify_refuses(with_record("data/0", std::string(4, '\0')), "record data.pkl is not valid: tensor ");
   verify_refuses(with_record("data.pkl", std::string("\x80\x02Nr\xff\xff\xff\x7f.", 9)),
                  "record data.pkl is not valid: its pickle's memo index 2147483647");

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
+#include <torch/serialize/input-archive.h>
 
 #include <cstring>
 #include <memory>
@@ -184,8 +185,15 @@ void touch(const c10::IValue& v, int depth) {
   if (depth > 64) return;
   if (v.isTensor()) {
     try {
-      (void)v.toTensor().clone();
-    } catch (const c10::Error&) {
+      const at::Tensor t = v.toTensor().clone();
+      // A torch::save archive the reader let through (an optimizer's state): read it as the
+      // strategies do, with torch::load's InputArchive, which compiles its code and unpickles it.
+      if (t.scalar_type() == at::kByte && t.dim() == 1 && t.numel() >= 4 &&
+          std::memcmp(t.const_data_ptr(), "PK\x03\x04", 4) == 0) {
+        torch::serialize::InputArchive archive;
+        archive.load_from(static_cast<const char*>(t.const_data_ptr()), static_cast<size_t>(t.numel()));
+      }
+    } catch (const std::exception&) {  // a clean error is what a strategy reports
     }
   } else if (v.isGenericDict()) {
     for (const auto& e : v.toGenericDict()) {

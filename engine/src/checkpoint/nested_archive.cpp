@@ -3,6 +3,7 @@
 #include <unistd.h>  // pread
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <functional>
@@ -63,10 +64,82 @@ void check_claims_of(caffe2::serialize::PyTorchStreamReader& reader, const std::
   }
 }
 
-// torch::load compiles the archive's TorchScript classes and, for a class that defines
-// __setstate__, runs it on the object's pickled state while it loads: code from the file, which
-// could loop forever or allocate without bound. An optimizer's state (what Ember's archives hold)
-// declares attributes only, so a class naming __setstate__ is refused before anything compiles it.
+// What torch::save writes as the TorchScript of an archive (an optimizer's state, a C++ module's
+// parameters): classes of attributes, each line one of
+//   class Module(Module):
+//     __parameters__ = ["name", ]      (also __buffers__; __annotations__ = [])
+//     __annotations__["name"] = TYPE
+//     name : TYPE
+// with TYPE a name or a bracketed type such as Tuple[float, float]. torch::load compiles the code,
+// and runs the __setstate__ of a class that defines one while it loads: code from the file, which
+// could loop forever (a crafted one hung torch.jit.load) or, nested deeply enough, overflow the
+// compiler's stack (List[ 100,000 deep: a segfault). So every line must be one of these forms,
+// checked here before anything compiles it; "" when `line` is, else what is wrong.
+constexpr int kMaxTypeDepth = 8;
+
+bool is_name_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.'; }
+
+// Consumes a name (dotted) at `at`; false when there is none.
+bool take_name(std::string_view s, size_t& at) {
+  const size_t from = at;
+  if (at < s.size() && !std::isdigit(static_cast<unsigned char>(s[at])))
+    while (at < s.size() && is_name_char(s[at])) ++at;
+  return at > from;
+}
+
+// Consumes a double-quoted string without escapes at `at`.
+bool take_string(std::string_view s, size_t& at) {
+  if (at >= s.size() || s[at] != '"') return false;
+  const size_t end = s.find_first_of("\"\\\n", at + 1);
+  if (end == std::string_view::npos || s[end] != '"') return false;
+  at = end + 1;
+  return true;
+}
+
+bool take(std::string_view s, size_t& at, std::string_view word) {
+  if (s.substr(at, word.size()) != word) return false;
+  at += word.size();
+  return true;
+}
+
+// The rest of the line from `at` is a type: names, brackets (at most kMaxTypeDepth deep), commas.
+std::string check_type(std::string_view s, size_t at) {
+  int depth = 0;
+  bool named = false;
+  for (; at < s.size(); ++at) {
+    const char c = s[at];
+    if (c == '[' && ++depth > kMaxTypeDepth) return "its type nests deeper than " + std::to_string(kMaxTypeDepth);
+    if (c == ']' && --depth < 0) return "its type closes a bracket it did not open";
+    if (c != '[' && c != ']' && c != ',' && c != ' ' && !is_name_char(c)) return "its type holds '" + std::string(1, c) + "'";
+    named = named || is_name_char(c);
+  }
+  if (depth != 0) return "its type leaves a bracket open";
+  return named ? "" : "it declares no type";
+}
+
+std::string check_declaration(std::string_view line) {
+  size_t at = 0;
+  if (take(line, at, "class ")) {
+    return take_name(line, at) && take(line, at, "(") && take_name(line, at) && take(line, at, "):") && at == line.size()
+               ? ""
+               : "it is not a class header of the form `class Module(Module):`";
+  }
+  if (!take(line, at, "  ") || at >= line.size() || line[at] == ' ') return "it is not a class attribute, indented by two spaces";
+  for (const std::string_view list : {"__parameters__ = [", "__buffers__ = ["}) {
+    if (!take(line, at, list)) continue;
+    while (take_string(line, at))
+      if (!take(line, at, ", ")) break;
+    return take(line, at, "]") && at == line.size() ? "" : "its list holds something other than names";
+  }
+  if (line.substr(at) == "__annotations__ = []") return "";
+  if (take(line, at, "__annotations__[")) {
+    if (!take_string(line, at) || !take(line, at, "] = ")) return "its __annotations__ entry is not `[\"name\"] = TYPE`";
+    return check_type(line, at);
+  }
+  if (take_name(line, at) && take(line, at, " : ")) return check_type(line, at);
+  return "it is not an attribute declaration (`name : TYPE`)";
+}
+
 void check_source(caffe2::serialize::PyTorchStreamReader& reader, const std::string& name) {
   std::string source;
   try {
@@ -75,9 +148,21 @@ void check_source(caffe2::serialize::PyTorchStreamReader& reader, const std::str
   } catch (const std::exception& e) {
     throw std::invalid_argument("record " + name + " cannot be read (" + short_what(e) + ")");
   }
-  if (source.find("__setstate__") != std::string::npos)
-    throw std::invalid_argument("record " + name + " is not valid: it defines __setstate__, code torch::load would run " +
-                                "while loading (an optimizer's state declares attributes only)");
+  size_t number = 0;
+  for (size_t from = 0; from < source.size();) {
+    const size_t end = std::min(source.find('\n', from), source.size());
+    std::string_view line(source.data() + from, end - from);
+    from = end + 1;
+    ++number;
+    while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.remove_suffix(1);
+    if (line.empty()) continue;
+    if (const std::string why = check_declaration(line); !why.empty()) {
+      const std::string shown = line.size() > 60 ? std::string(line.substr(0, 57)) + "..." : std::string(line);
+      throw std::invalid_argument("record " + name + " is not valid: its line " + std::to_string(number) + " (`" + shown + "`): " + why +
+                                  "; torch::load would compile it, and an archive inside a checkpoint may only declare "
+                                  "classes of attributes, as torch::save of an optimizer's state does");
+    }
+  }
 }
 
 // Each pickle of the archive is read once: its claims are checked, then the archives torch::load

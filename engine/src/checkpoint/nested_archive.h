@@ -2,8 +2,9 @@
 // in a sharded part or a pipeline stage's), which a strategy later reads with torch::load. LibTorch's
 // unpickler trusts what such an archive's pickles claim as much as the checkpoint's own, so they are
 // checked the same way first: each pickle's size claims, then its tensors against storages sized by
-// their records (torch::load would size them by the pickle's claims); and torch::load runs the
-// __setstate__ of the archive's TorchScript classes while it loads, so a class may not define one.
+// their records (torch::load would size them by the pickle's claims); and torch::load compiles the
+// archive's TorchScript and runs a class's __setstate__ while it loads, so its code may only
+// declare classes of attributes, as torch::save writes them.
 #pragma once
 #include <cstdint>
 #include <string_view>
