@@ -84,6 +84,19 @@ TEST(Config, InfinityIsRefusedUnlessARangeNamesIt) {
   EXPECT_EQ(resolve_error("[optimizer]\nlr = 1e300\n"), "");  // large but finite
 }
 
+TEST(Config, ASetNumberTomlCannotReadSaysWhy) {
+  // Beyond 64 bits: TOML reads no number, so the value is a string; the error says why.
+  auto err = resolve_error("", {"trainer.max_epochs=99999999999999999999"});
+  EXPECT_NE(err.find("trainer.max_epochs: expected an integer, got string '99999999999999999999' (TOML does not read it as a "
+                     "number: '99999999999999999999' is not representable in 64 bits)"),
+            std::string::npos)
+      << err;
+  err = resolve_error("", {"optimizer.lr=1e999"});
+  EXPECT_NE(err.find("optimizer.lr: expected a number, got string '1e999' (TOML does not read it as a number: "), std::string::npos) << err;
+  // A word is not a number to explain.
+  EXPECT_EQ(resolve_error("", {"trainer.max_epochs=abc"}).find("TOML does not read"), std::string::npos);
+}
+
 TEST(Config, ChoiceErrorSuggests) {
   auto err = resolve_error("[trainer]\ngradient_clip_algorithm = \"nrom\"\n");
   EXPECT_NE(err.find("must be one of norm|value"), std::string::npos) << err;

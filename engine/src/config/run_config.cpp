@@ -310,13 +310,20 @@ void RawConfig::add_override(const std::string& assignment) {
   if (dot == std::string::npos || dot == 0 || dot + 1 == lhs.size() || lhs.find('.', dot + 1) != std::string::npos)
     throw usage_error("--set " + assignment + ": expected section.key=value with exactly one dot, e.g. --set optimizer.lr=0.01");
   std::shared_ptr<toml::node> value;
+  std::string not_a_number;
   try {
     value = parse_value(text);
-  } catch (const toml::parse_error&) {
+  } catch (const toml::parse_error& e) {
     // Not a TOML literal: take it as a bare string (`--set model.name=cnn`).
     value = std::make_shared<toml::value<std::string>>(text);
+    const size_t digit = text.find_first_not_of("+-.");
+    if (digit != std::string::npos && digit <= 1 && std::isdigit(static_cast<unsigned char>(text[digit]))) {
+      const std::string_view why = e.description();
+      const size_t colon = why.find(": ");  // after "Error while parsing decimal integer"
+      not_a_number = std::string(colon == std::string_view::npos ? why : why.substr(colon + 2));
+    }
   }
-  overrides.push_back({lhs.substr(0, dot), lhs.substr(dot + 1), assignment, value});
+  overrides.push_back({lhs.substr(0, dot), lhs.substr(dot + 1), assignment, value, not_a_number});
 }
 
 std::optional<std::string> RawConfig::peek_string(std::string_view section, std::string_view key) const {
@@ -532,6 +539,8 @@ ResolvedConfig ResolvedConfig::resolve(const RawConfig& raw, std::vector<Section
         if (auto err = check_value(k, *entry.value); !err.empty()) {
           // A value of the wrong type says what the key takes (its help): "all" for devices, say.
           const bool wrong_type = err.rfind("expected ", 0) == 0 || err.rfind("element expected ", 0) == 0;
+          if (over && !over->not_a_number.empty() && (err.rfind("expected a number", 0) == 0 || err.rfind("expected an integer", 0) == 0))
+            err += " (TOML does not read it as a number: " + over->not_a_number + ")";
           throw usage_error(entry.where + ": " + schema->name + "." + k.key + ": " + err +
                             (entry.where == "default" ? " (a bug in the plugin's schema)"
                              : wrong_type && !k.help.empty() ? " -- " + k.help

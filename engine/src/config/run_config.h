@@ -55,6 +55,9 @@ struct RawConfig {
   struct Override {
     std::string section, key, text;
     std::shared_ptr<toml::node> value;
+    // Why TOML did not read a number-like value as a number ("'1e999' could not be interpreted
+    // as a value"): it is taken as a string, and a number key's error says why.
+    std::string not_a_number;
   };
   std::vector<Override> overrides;
 
