@@ -66,5 +66,10 @@ void TrainingLoop::rollback(const std::string& path) {
   rollback_path_ = path;
 }
 
+// Tuner work (SDK 1.1): one training step or forward pass with no hooks and nothing logged.
+at::Tensor TrainingLoop::run_trial_step(const Batch& batch, bool* skipped) { return steps_->trial_step(batch, batch_idx_, skipped); }
+
+at::Tensor TrainingLoop::run_forward(const Batch& batch) { return steps_->forward_only(batch, batch_idx_); }
+
 }  // namespace ember::engine
 
