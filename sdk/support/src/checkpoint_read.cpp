@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -192,8 +193,10 @@ c10::IValue read_checkpoint_skeleton(const std::string& file) {
   if (!std::filesystem::is_regular_file(file, ec)) throw std::runtime_error("cannot open " + file + ": no such file");
   try {
     caffe2::serialize::PyTorchStreamReader reader(file);
-    const auto [pickle, size] = reader.getRecord("data.pkl");
-    const auto* data = static_cast<const char*>(pickle.get());
+    // Not a structured binding: clang before 16 cannot capture one in the lambda below.
+    const auto record = reader.getRecord("data.pkl");
+    const size_t size = std::get<1>(record);
+    const auto* data = static_cast<const char*>(std::get<0>(record).get());
     check_pickle_claims(std::string_view(data, size));
     size_t done = 0;
     torch::jit::Unpickler unpickler(
