@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <ember/error.h>
 #include <ember/support/safetensors.h>
 
 #include <fstream>
@@ -118,4 +119,38 @@ TEST(WeightsExport, ExportsAShardedCheckpointFolderWhole) {
   ASSERT_TRUE(fs::is_directory(ckpt)) << ckpt;
   run_engine_ok(dir, {"export", ckpt.string(), "whole.safetensors"});
   expect_same_tensors(dir / "whole.safetensors", weights(ckpt));
+}
+
+// A safetensors file is often downloaded (a Hugging Face model folder): a header whose shape
+// claims more elements than 64 bits count, or a dimension beyond int64, is refused in one line.
+// Unchecked, [2^62, 4] float32 wrapped to 0 bytes, matched offsets [0, 0] and gave a tensor of
+// 2^64 elements over no data.
+TEST(Safetensors, ShapesWhoseSizeOverflowsAreRefused) {
+  TempDir dir("safetensors");
+  auto write_header = [&](const std::string& json) {
+    const fs::path file = dir / "crafted.safetensors";
+    std::ofstream out(file, std::ios::binary);
+    uint64_t n = json.size();
+    for (int i = 0; i < 8; ++i, n >>= 8) out.put(static_cast<char>(n & 0xff));
+    out << json;
+    return file.string();
+  };
+  auto error_of = [](const std::string& file) -> std::string {
+    try {
+      ember::support::SafetensorsFile st(file);
+    } catch (const ember::RunError& e) {
+      return e.what();
+    }
+    return "(opened)";
+  };
+  for (const std::string shape : {"[4611686018427387904, 4]", "[2305843009213693952, 2]", "[9223372036854775808]",
+                                  "[18446744073709551615, 1]", "[4294967296, 4294967296]"}) {
+    const std::string file = write_header(R"({"w":{"dtype":"F32","shape":)" + shape + R"(,"data_offsets":[0,0]}})");
+    const std::string e = error_of(file);
+    EXPECT_NE(e.find(file + ": not a valid safetensors file: tensor 'w' has a shape whose size overflows 64 bits"), std::string::npos)
+        << shape << ": " << e;
+  }
+  // A large shape that fits is judged by its bytes as before.
+  const std::string fits = write_header(R"({"w":{"dtype":"F32","shape":[1048576, 1048576],"data_offsets":[0,0]}})");
+  EXPECT_NE(error_of(fits).find("holds 0 bytes, its shape and dtype need 4398046511104"), std::string::npos) << error_of(fits);
 }

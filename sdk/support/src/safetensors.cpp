@@ -89,12 +89,17 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     const auto* d = std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](const DtypeName& x) { return dtype == x.name; });
     if (d == std::end(kDtypes)) fail(path, c10::str("tensor '", name, "' has an unsupported dtype '", dtype, "'"));
     e.dtype = d->type;
-    int64_t numel = 1;
+    int64_t numel = 1, bytes_needed = 0;
     if (!v["shape"].is_array()) fail(path, c10::str("tensor '", name, "' has a shape that is not a list"));
     for (const auto& s : v["shape"]) {
       if (!s.is_number_unsigned()) fail(path, c10::str("tensor '", name, "' has a negative or non-integer dimension"));
-      e.shape.push_back(s.get<int64_t>());
-      numel *= e.shape.back();
+      // A crafted shape whose element count overflows could wrap to the bytes it spans (0) and
+      // make a tensor far larger than its data.
+      const uint64_t dim = s.get<uint64_t>();
+      if (dim > static_cast<uint64_t>(INT64_MAX) || __builtin_mul_overflow(numel, static_cast<int64_t>(dim), &numel) ||
+          __builtin_mul_overflow(numel, static_cast<int64_t>(at::elementSize(e.dtype)), &bytes_needed))
+        fail(path, c10::str("tensor '", name, "' has a shape whose size overflows 64 bits"));
+      e.shape.push_back(static_cast<int64_t>(dim));
     }
     const auto& off = v["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
@@ -104,7 +109,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     if (e.begin > e.end || e.end > data_size)
       fail(path, c10::str("tensor '", name, "' spans bytes [", e.begin, ", ", e.end, ") outside the ", data_size,
                           "-byte data section (truncated file?)"));
-    const size_t expected = static_cast<size_t>(numel) * at::elementSize(e.dtype);
+    const auto expected = static_cast<size_t>(numel) * at::elementSize(e.dtype);  // fits: checked above
     if (e.end - e.begin != expected)
       fail(path, c10::str("tensor '", name, "' holds ", e.end - e.begin, " bytes, its shape and dtype need ", expected));
     order.emplace_back(e.begin, name);
