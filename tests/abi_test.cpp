@@ -148,3 +148,20 @@ TEST(Abi, SizedStructsSayWhichFieldsTheWriterKnew) {
   EXPECT_EQ(batch.struct_size, sizeof(ember::Batch));
   EXPECT_TRUE(ember::has_field(batch, &ember::Batch::size));
 }
+
+// A plugin whose libraries export a data symbol of one of libc10's names (Debian's
+// libsentencepiece: FLAGS_minloglevel) has it bound to c10's object, and its constructors write
+// over LibTorch's flags: with caffe2_use_fatal_for_enforce set that way, a failed allocation
+// aborted the process. The engine isolates the libraries it knows to clash (RTLD_DEEPBIND) and
+// refuses a plugin that changed the flags anyway. The run in its own process: the test plugin
+// really writes over c10's flags.
+TEST(Abi, RefusesAPluginWhoseLibrariesOverwriteLibTorchsFlags) {
+  TempDir dir("abi");
+  const auto r = run_engine({"--plugin-path", test_plugin_dir("bad").string(), "plugins", "info", "bad_clash"}, dir.path());
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("plugin 'bad_clash' (" + (test_plugin_dir("bad") / "libbad_clash.so").string() +
+                       ") loaded a library whose static constructors overwrote LibTorch's own flags"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}

@@ -486,6 +486,13 @@ TEST(LanguageModel, BadInputIsOneLineWithTheFix) {
   EXPECT_NE(long_block.err.find("a sequence of 40 tokens is longer than the model's context of 32 positions: shorten it (data.block_size"),
             std::string::npos)
       << long_block.err;
+  // A model too large to allocate is an error, not an abort: text_lm's libsentencepiece, loaded
+  // unisolated, had made every LibTorch enforce failure fatal (tests/abi_test.cpp).
+  auto huge = run_engine({"run.toml", "--set", "model.vocab_size=100000000000", "--set", "model.width=32000"}, dir.path());
+  EXPECT_EQ(huge.exit_code, 2) << huge.err;
+  EXPECT_NE(huge.err.find("error plugin 'gpt': "), std::string::npos) << huge.err;
+  EXPECT_NE(huge.err.find("DefaultCPUAllocator: can't allocate memory: you tried to allocate 12800000000000000 bytes"), std::string::npos)
+      << huge.err;
   auto no_vocab = run_engine({"run.toml", "--set", "model.vocab_size=0"}, dir.path());
   EXPECT_EQ(no_vocab.exit_code, 2) << no_vocab.err;
   EXPECT_NE(no_vocab.err.find("vocab_size is not set"), std::string::npos) << no_vocab.err;

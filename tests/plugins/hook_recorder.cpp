@@ -3,9 +3,21 @@
 #include <ember/support/callback_base.h>
 #include <ember/plugin.h>
 
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
+
+#ifdef TEST_PLUGIN_CLASH
+// What Debian's libsentencepiece does (an absl-style flag object exported as FLAGS_minloglevel, a
+// name libc10 exports too): loaded after libc10, the constructor writes over c10's flag and its
+// neighbours. The engine must refuse the plugin rather than run with LibTorch's memory changed.
+struct ClashingFlag {
+  ClashingFlag() { std::memset(static_cast<void*>(bytes), 0xff, sizeof bytes); }
+  unsigned char bytes[32];
+};
+__attribute__((visibility("default"))) ClashingFlag FLAGS_minloglevel;
+#endif
 
 namespace {
 

@@ -9,6 +9,10 @@
 
 #include <boost/dll/shared_library.hpp>
 #include <boost/dll/runtime_symbol_info.hpp>
+#include <c10/util/Logging.h>  // FLAGS_caffe2_use_fatal_for_enforce
+#include <dlfcn.h>
+
+#include <mutex>
 
 #include "config/engine_schema.h"
 #include "config/run_config.h"
@@ -51,6 +55,23 @@ namespace {
 std::vector<boost::dll::shared_library*>& keep_loaded() {
   static auto* libs = new std::vector<boost::dll::shared_library*>();
   return *libs;
+}
+
+// A library a plugin depends on may export a data symbol of the same name as one of LibTorch's,
+// already loaded: the library's own references then bind to LibTorch's object, and its static
+// constructors write over it. Debian's libsentencepiece (text_lm) defines absl-style flags, among
+// them a 32-byte `FLAGS_minloglevel`, and libc10 a 4-byte one: bound to c10's, sentencepiece's
+// constructor overwrote c10's neighbouring flags, `caffe2_use_fatal_for_enforce` among them, so
+// every LibTorch enforce failure (an allocation that fails) aborted the process instead of
+// throwing. Loaded first, on their own, with RTLD_DEEPBIND, such libraries bind to their own
+// symbols (they call no malloc directly: their operator new is libstdc++'s, over the process's
+// allocator). A library that is not installed is skipped.
+void isolate_clashing_libraries() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    for (const char* name : {"libsentencepiece.so.0", "libsentencepiece_train.so.0"})
+      (void)dlopen(name, RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);  // kept for the process's life
+  });
 }
 
 std::string hint_for_load_error(const std::string& what) {
@@ -113,6 +134,8 @@ EmberBuildFingerprint engine_fingerprint() {
 
 const EmberPluginDescriptor* load_descriptor(const fs::path& file, const std::string& expected_name) {
   const std::string where = "plugin '" + expected_name + "' (" + file.string() + ")";
+  isolate_clashing_libraries();
+  const bool fatal_enforce_before = FLAGS_caffe2_use_fatal_for_enforce;
   auto* lib = new boost::dll::shared_library();
   boost::dll::fs::error_code ec;
   lib->load(file, boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local, ec);
@@ -126,6 +149,12 @@ const EmberPluginDescriptor* load_descriptor(const fs::path& file, const std::st
     throw PluginError(where + " failed to load: " + what + hint_for_load_error(what));
   }
   keep_loaded().push_back(lib);
+  // The clash above, with a library not yet known to clash: refused rather than run with
+  // LibTorch's memory overwritten.
+  if (FLAGS_caffe2_use_fatal_for_enforce != fatal_enforce_before)
+    throw PluginError(where + " loaded a library whose static constructors overwrote LibTorch's own flags (an exported symbol of "
+                      "the same name as one of libc10's, such as FLAGS_minloglevel): add it to isolate_clashing_libraries() in "
+                      "engine/src/registry/plugin_registry.cpp, or link the plugin against a build of it that hides its symbols");
   if (!lib->has(EMBER_PLUGIN_ENTRY_SYMBOL))
     throw PluginError(where + " is not an Ember plugin: it does not export '" EMBER_PLUGIN_ENTRY_SYMBOL
                       "' (build it with ember_add_plugin() and the EMBER_PLUGIN macro)");
