@@ -140,6 +140,38 @@ TEST(GptNet, ActivationCheckpointingGivesIdenticalGradients) {
   }
 }
 
+// A transformers config.json is downloaded: a shape value of the wrong type or size is one line
+// naming the file and the key (it was nlohmann's "type must be number, but is string", a
+// "vector<bool>::_M_fill_insert" from a negative layer count, a LibTorch stack from a negative
+// vocabulary).
+TEST(GptNet, ConfigJsonValuesAreCheckedByKey) {
+  TempDir dir("gpt_config");
+  const std::string file = (dir / "config.json").string();
+  auto error_of = [&](const std::string& json) -> std::string {
+    write_file(dir / "config.json", json);
+    try {
+      ember_gpt::GptShape::from_hf_config(file);
+    } catch (const ember::RunError& e) {
+      return e.what();
+    }
+    return "(read)";
+  };
+  const std::string gpt2 = R"({"model_type":"gpt2","vocab_size":100,"n_positions":64,"n_embd":32,"n_layer":2,"n_head":2)";
+  EXPECT_EQ(error_of(gpt2 + "}"), "(read)");
+  EXPECT_EQ(error_of(R"({"model_type":"gpt2","vocab_size":"x","n_positions":64,"n_embd":32,"n_layer":2,"n_head":2})"),
+            file + ": \"vocab_size\" = \"x\" is not a positive integer");
+  EXPECT_EQ(error_of(R"({"model_type":"gpt2","vocab_size":100,"n_positions":64,"n_embd":32,"n_layer":-2,"n_head":2})"),
+            file + ": \"n_layer\" = -2 is not a positive integer");
+  EXPECT_EQ(error_of(R"({"model_type":"gpt2","vocab_size":100,"n_positions":64.5,"n_embd":32,"n_layer":2,"n_head":2})"),
+            file + ": \"n_positions\" = 64.5 is not a positive integer");
+  EXPECT_EQ(error_of(gpt2 + R"(,"n_inner":0})"), file + ": \"n_inner\" = 0 is not a positive integer");
+  EXPECT_EQ(error_of(gpt2 + R"(,"layer_norm_epsilon":"a"})"), file + ": \"layer_norm_epsilon\" = \"a\" is not a number");
+  EXPECT_EQ(error_of(gpt2 + R"(,"tie_word_embeddings":1})"), file + ": \"tie_word_embeddings\" = 1 is not true or false");
+  EXPECT_EQ(error_of(R"({"model_type":"llama","vocab_size":100,"max_position_embeddings":64,"hidden_size":32,"num_hidden_layers":2,)"
+                     R"("num_attention_heads":4,"intermediate_size":64,"head_dim":"8"})"),
+            file + ": \"head_dim\" = \"8\" is not a positive integer");
+}
+
 TEST(CharVocabulary, RoundTripsUtf8AndRefusesMalformedBytes) {
   std::vector<uint32_t> cps;
   size_t bad = 0;

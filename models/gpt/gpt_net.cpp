@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <type_traits>
 #include <map>
 #include <set>
 
@@ -57,18 +58,35 @@ GptShape GptShape::from_hf_config(const std::string& path) {
     if (!j.contains(key) || j[key].is_null()) config_error(path, c10::str("no \"", key, "\" (is this a transformers config.json?)"));
     return j[key];
   };
+  // Each value read with its type checked, so that a wrong one names its key (nlohmann's own error
+  // does not): a float, a string or a non-positive size would build a model that fails far later.
   auto get_or = [&](const char* key, auto fallback) {
-    return j.contains(key) && !j[key].is_null() ? j[key].get<decltype(fallback)>() : fallback;
+    using T = decltype(fallback);
+    if (!j.contains(key) || j[key].is_null()) return fallback;
+    const auto& v = j[key];
+    bool fits = v.is_number();
+    if constexpr (std::is_same_v<T, bool>) fits = v.is_boolean();
+    else if constexpr (std::is_same_v<T, std::string>) fits = v.is_string();
+    else if constexpr (std::is_integral_v<T>) fits = v.is_number_integer() && v.get<int64_t>() > 0;
+    if (!fits)
+      config_error(path, c10::str("\"", key, "\" = ", v.dump(), " is not ",
+                                  std::is_same_v<T, bool> ? "true or false" : std::is_same_v<T, std::string> ? "a string"
+                                  : std::is_integral_v<T> ? "a positive integer" : "a number"));
+    return v.get<T>();
+  };
+  auto size = [&](const char* key) {
+    need(key);
+    return get_or(key, int64_t{0});
   };
   const std::string type = j.value("model_type", "");
   GptShape s;
   if (type == "gpt2") {
     s.flavour = Flavour::gpt2;
-    s.vocab_size = need("vocab_size").get<int64_t>();
-    s.context_length = need("n_positions").get<int64_t>();
-    s.width = need("n_embd").get<int64_t>();
-    s.layers = need("n_layer").get<int64_t>();
-    s.heads = need("n_head").get<int64_t>();
+    s.vocab_size = size("vocab_size");
+    s.context_length = size("n_positions");
+    s.width = size("n_embd");
+    s.layers = size("n_layer");
+    s.heads = size("n_head");
     s.kv_heads = s.heads;
     s.ff_width = get_or("n_inner", int64_t{4 * s.width});
     const std::string act = get_or("activation_function", std::string("gelu_new"));
@@ -82,13 +100,13 @@ GptShape GptShape::from_hf_config(const std::string& path) {
       config_error(path, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported");
   } else if (type == "llama") {
     s.flavour = Flavour::llama;
-    s.vocab_size = need("vocab_size").get<int64_t>();
-    s.context_length = need("max_position_embeddings").get<int64_t>();
-    s.width = need("hidden_size").get<int64_t>();
-    s.layers = need("num_hidden_layers").get<int64_t>();
-    s.heads = need("num_attention_heads").get<int64_t>();
+    s.vocab_size = size("vocab_size");
+    s.context_length = size("max_position_embeddings");
+    s.width = size("hidden_size");
+    s.layers = size("num_hidden_layers");
+    s.heads = size("num_attention_heads");
     s.kv_heads = get_or("num_key_value_heads", s.heads);
-    s.ff_width = need("intermediate_size").get<int64_t>();
+    s.ff_width = size("intermediate_size");
     s.norm_eps = get_or("rms_norm_eps", 1e-6);
     s.tied = get_or("tie_word_embeddings", false);
     s.bias = false;
@@ -107,8 +125,8 @@ GptShape GptShape::from_hf_config(const std::string& path) {
     }
     if (get_or("hidden_act", std::string("silu")) != "silu") config_error(path, "hidden_act must be \"silu\" (SwiGLU)");
     if (get_or("attention_bias", false) || get_or("mlp_bias", false)) config_error(path, "attention_bias / mlp_bias are not supported");
-    if (s.heads > 0 && j.contains("head_dim") && !j["head_dim"].is_null() && j["head_dim"].get<int64_t>() != s.width / s.heads)
-      config_error(path, c10::str("head_dim ", j["head_dim"].get<int64_t>(), " differs from hidden_size / num_attention_heads"));
+    if (const int64_t head_dim = get_or("head_dim", s.width / s.heads); head_dim != s.width / s.heads)
+      config_error(path, c10::str("head_dim ", head_dim, " differs from hidden_size / num_attention_heads"));
   } else {
     config_error(path, c10::str("model_type \"", type, "\": the gpt model reads gpt2 and llama folders"));
   }
