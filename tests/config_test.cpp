@@ -24,6 +24,11 @@ std::vector<SectionSchema> schemas() {
   width.min_value = 1;
   width.default_toml = "8";
   model.keys.push_back(width);
+  KeySchema free;  // a number without a range
+  free.key = "free";
+  free.type = EMBER_TYPE_FLOAT;
+  free.default_toml = "0.0";
+  model.keys.push_back(free);
   return {trainer_schema(), model, optimizer_schema()};
 }
 
@@ -72,8 +77,9 @@ TEST(Config, RangeError) {
   EXPECT_NE(err.find("model.width: must be >= 1, got 0"), std::string::npos) << err;
 }
 
-TEST(Config, InfinityIsRefusedUnlessARangeNamesIt) {
-  // TOML's inf is a number: an lr of inf trained to nan without a word.
+TEST(Config, InfinityIsRefusedByKeysWithARange) {
+  // TOML's inf is a number: an lr of inf trained to nan without a word. A range such as [0, inf)
+  // excludes it.
   auto err = resolve_error("[optimizer]\nlr = inf\n");
   EXPECT_NE(err.find("run.toml:2:6"), std::string::npos) << err;
   EXPECT_NE(err.find("optimizer.lr: must be a finite number, got inf"), std::string::npos) << err;
@@ -82,6 +88,9 @@ TEST(Config, InfinityIsRefusedUnlessARangeNamesIt) {
   EXPECT_NE(err.find("must be a finite number, got -inf"), std::string::npos) << err;
   EXPECT_NE(resolve_error("[model]\nwidth = inf\n").find("expected an integer"), std::string::npos);  // not even a float key
   EXPECT_EQ(resolve_error("[optimizer]\nlr = 1e300\n"), "");  // large but finite
+  // A key without a range takes it (a test plugin's scripted metric values: early_stopping_test).
+  EXPECT_EQ(resolve_error("[model]\nfree = inf\n"), "");
+  EXPECT_EQ(resolve_error("[model]\nfree = -inf\n"), "");
 }
 
 TEST(Config, ASetNumberTomlCannotReadSaysWhy) {

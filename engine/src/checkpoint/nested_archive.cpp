@@ -199,9 +199,9 @@ bool check_archive(const std::shared_ptr<caffe2::serialize::ReadAdapterInterface
     if (!name.ends_with(".pkl")) continue;
     const std::string archive = name.substr(0, name.size() - 4);
     try {
-      const auto record = reader->getRecord(name);  // no structured binding: clang < 16 cannot capture one
-      const size_t size = std::get<1>(record);
-      const auto* data = static_cast<const char*>(std::get<0>(record).get());
+      const auto pickle = reader->getRecord(name);  // no structured binding: clang < 16 cannot capture one
+      const size_t size = std::get<1>(pickle);
+      const auto* data = static_cast<const char*>(std::get<0>(pickle).get());
       support::check_pickle_claims(std::string_view(data, size));
       if (archive != "data" && archive != "constants") continue;  // torch::load reads no other
       auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();

@@ -118,9 +118,11 @@ std::string check_value(const KeySchema& k, const toml::node& n) {
     if (!e.is_integer() && !e.is_floating_point()) return "expected a number, got " + describe(e);
     double v = e.is_integer() ? static_cast<double>(e.as_integer()->get()) : e.as_floating_point()->get();
     if (std::isnan(v)) return "must be a number, got nan";
-    // TOML's inf is a number, but no key means "no limit" by it (-1 or 0 do): an lr of inf trains
-    // nothing but nan. Only a range that names infinity as its inclusive end takes it.
-    if (std::isinf(v)) {
+    // TOML's inf is a number. A key with a range is a bounded quantity whose range reads
+    // "[0, inf)": infinity is outside it, unless the range names it as an inclusive end (an lr of
+    // inf trained nothing but nan). A key without a range (a scripted metric value, a threshold)
+    // may take it.
+    if (std::isinf(v) && (k.flags & (EMBER_KEY_HAS_MIN | EMBER_KEY_HAS_MAX))) {
       const bool named = v > 0 ? (k.flags & EMBER_KEY_HAS_MAX) && !(k.flags & EMBER_KEY_MAX_EXCLUSIVE) && std::isinf(k.max_value)
                                : (k.flags & EMBER_KEY_HAS_MIN) && !(k.flags & EMBER_KEY_MIN_EXCLUSIVE) && std::isinf(k.min_value);
       if (!named) return "must be a finite number, got " + render(e);
