@@ -66,7 +66,24 @@ std::vector<boost::dll::shared_library*>& keep_loaded() {
 // throwing. Loaded first, on their own, with RTLD_DEEPBIND, such libraries bind to their own
 // symbols (they call no malloc directly: their operator new is libstdc++'s, over the process's
 // allocator). A library that is not installed is skipped.
+//
+// Not under a sanitizer: its runtime refuses RTLD_DEEPBIND (it would bypass the interceptors) and
+// ends the process, so sanitizer builds load such libraries unisolated and without the check below.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define EMBER_UNDER_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
+#define EMBER_UNDER_SANITIZER 1
+#endif
+#endif
+#ifdef EMBER_UNDER_SANITIZER
+constexpr bool kIsolateLibraries = false;
+#else
+constexpr bool kIsolateLibraries = true;
+#endif
+
 void isolate_clashing_libraries() {
+  if (!kIsolateLibraries) return;
   static std::once_flag once;
   std::call_once(once, [] {
     for (const char* name : {"libsentencepiece.so.0", "libsentencepiece_train.so.0"})
@@ -151,7 +168,7 @@ const EmberPluginDescriptor* load_descriptor(const fs::path& file, const std::st
   keep_loaded().push_back(lib);
   // The clash above, with a library not yet known to clash: refused rather than run with
   // LibTorch's memory overwritten.
-  if (FLAGS_caffe2_use_fatal_for_enforce != fatal_enforce_before)
+  if (kIsolateLibraries && FLAGS_caffe2_use_fatal_for_enforce != fatal_enforce_before)
     throw PluginError(where + " loaded a library whose static constructors overwrote LibTorch's own flags (an exported symbol of "
                       "the same name as one of libc10's, such as FLAGS_minloglevel): add it to isolate_clashing_libraries() in "
                       "engine/src/registry/plugin_registry.cpp, or link the plugin against a build of it that hides its symbols");
