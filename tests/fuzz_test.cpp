@@ -1,59 +1,19 @@
 // Bounded random-mutation fuzzing in the normal suite (libFuzzer runs the same harness without a
-// bound: tests/fuzz/, scripts/fuzz.sh). A fixed seed and a fixed number of mutations of the seed
-// corpus in tests/fuzz/corpus/ through the TOML/--set parser and validator, and through the
-// checkpoint reader, a few seconds each. An input that finds something is written to
-// test-tmp/fuzz-findings/ in the build tree for replaying (scripts/fuzz.sh replay FILE); after a
-// crash, <name>-running.bin there is the input that crashed.
+// bound: tests/fuzz/, scripts/fuzz.sh): mutations of the seed corpus in tests/fuzz/corpus/ through
+// the TOML/--set parser and validator, and through the checkpoint reader, a few seconds each
+// (the loop and where findings go: tests/fuzz/bounded_fuzz.h).
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <filesystem>
-#include <fstream>
-#include <random>
-
+#include "fuzz/bounded_fuzz.h"
 #include "fuzz/fuzz_inputs.h"
 #include "support.h"
 
 using namespace ember::test;
+using ember::fuzz::corpus;
+using ember::fuzz::fuzz;
 using namespace std::string_literals;
-namespace fs = std::filesystem;
 
 namespace {
-
-std::vector<std::pair<std::string, std::string>> corpus(const std::string& which) {
-  std::vector<std::pair<std::string, std::string>> out;
-  for (const auto& e : fs::directory_iterator(source_dir() / "tests/fuzz/corpus" / which))
-    out.emplace_back(e.path().filename().string(), read_file(e.path()));
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-// Runs `iterations` mutations; reports every finding (up to 5) with the file holding its input.
-template <class One, class Mutator>
-void fuzz(const std::string& name, const std::vector<std::pair<std::string, std::string>>& seeds, int iterations, One one,
-          Mutator mutator) {
-  ASSERT_FALSE(seeds.empty());
-  std::mt19937_64 rng(20261122);
-  int findings = 0;
-  const fs::path out = fs::path(EMBER_TEST_TMP) / "fuzz-findings";
-  fs::create_directories(out);
-  // The input under test, kept on disk while it runs: after a crash it is the one to replay.
-  const fs::path current = out / (name + "-running.bin");
-  for (int i = 0; i < iterations && findings < 5; ++i) {
-    const auto& seed = seeds[rng() % seeds.size()].second;
-    const std::string input = mutator(seed, rng);
-    std::ofstream(current, std::ios::binary | std::ios::trunc) << input;
-    try {
-      one(input);
-    } catch (const ember::fuzz::Finding& f) {
-      const fs::path file = out / (name + "-" + std::to_string(i) + ".bin");
-      std::ofstream(file, std::ios::binary) << input;
-      ADD_FAILURE() << name << " finding at iteration " << i << " (input in " << file.string() << "): " << f.what();
-      ++findings;
-    }
-  }
-  fs::remove(current);
-}
 
 const std::vector<std::string> kTomlTokens = {
     "[trainer]", "[model]", "[data]", "[optimizer]", "[checkpoint]", "[[trainer]]", "max_epochs", "precision",

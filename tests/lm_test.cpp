@@ -8,14 +8,17 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "char_vocabulary.h"
 #include "checkpoint_support.h"
 #include "gpt_net.h"
+#include "lm_tokenizer.h"
 #include "lm_runs.h"
 #include "support.h"
+#include <ember/error.h>
 #include <ember/support/safetensors.h>
 
 using namespace ember::test;
@@ -488,6 +491,72 @@ TEST(LanguageModel, ByteLevelBpeGivesHuggingFaceIdsOnTheWholeCorpus) {
   for (const char* a : {"generate", "--ckpt", "last", "--prompt", "Zoë said:\n 'It is", "--max-new-tokens", "5", "run.toml"}) gen.push_back(a);
   auto g = run_engine_ok(dir, gen);
   EXPECT_EQ(g.out.rfind("Zoë said:\n 'It is", 0), 0u) << g.out;
+}
+
+// A tokenizer.json is read with every value's type checked: a damaged or foreign file is one line
+// naming the file and the value, never nlohmann's own exception or an id past the table (found by
+// fuzzing: tests/fuzz/model_file_inputs.h). The base is a real file written by `tokenizers`.
+TEST(LanguageModel, TokenizerJsonValuesAreCheckedOneByOne) {
+  TempDir dir("lm_tokenizer_json");
+  const std::string seed = read_file(source_dir() / "tests/fuzz/corpus/model_files/bytelevel.tokenizer.json").substr(1);
+  const nlohmann::json good = nlohmann::json::parse(seed);
+  const fs::path path = dir / "tokenizer.json";
+  auto load = [&](const std::string& text) {
+    write_file(path, text);
+    return ember_text_lm::load_bytelevel_bpe(path);
+  };
+  auto refused = [&](const std::string& text) -> std::string {
+    try {
+      load(text);
+    } catch (const ember::RunError& e) {
+      return e.what();
+    }
+    return "(accepted)";
+  };
+  auto with = [&](auto change) {
+    nlohmann::json j = good;
+    change(j);
+    return j.dump(1);
+  };
+  const std::string p = path.string() + ": ";
+  const int64_t a = good["model"]["vocab"]["a"].get<int64_t>(), b = good["model"]["vocab"]["b"].get<int64_t>();
+  const auto first_merge = good["model"]["merges"][0];
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {seed.substr(0, 200), p + "not valid JSON (parse error at line"},
+      {with([](auto& j) { j["model"]["merges"][3] = nlohmann::json::array({1, 2}); }), p + "merge 3 ([1,2]) is not two symbols"},
+      {with([](auto& j) { j["model"]["merges"][0] = "a b c"; }), p + "merge 0 (\"a b c\") is not two symbols"},
+      {with([](auto& j) { j["model"]["merges"][1] = nlohmann::json::array({"a", "\u0100zz"}); }),
+       p + "merge 1 ([\"a\",\"\u0100zz\"]) makes or uses \"\u0100zz\", which is not in model.vocab"},
+      {with([](auto& j) { j["model"]["vocab"]["a"] = -1; }), p + "token \"a\" has id -1: an id is an integer from 0 to 2147483647"},
+      {with([](auto& j) { j["model"]["vocab"]["a"] = "5"; }), p + "token \"a\" has id \"5\": an id is an integer"},
+      {with([](auto& j) { j["model"]["vocab"]["a"] = 1099511627776LL; }), p + "token \"a\" has id 1099511627776: an id"},
+      {with([&](auto& j) { j["model"]["vocab"]["a"] = b; }), "is given to both"},
+      {with([&](auto& j) { j["added_tokens"][0]["id"] = a; }), p + "id " + std::to_string(a) + " is given to both \"a\" and \"<|endoftext|>\""},
+      {with([](auto& j) { j["model"]["vocab"]["\n"] = 1000; j["model"]["vocab"]["x\ny"] = 1000; }), "\"\\n\" and \"x\\ny\""},
+      {with([](auto& j) { j["model"]["ignore_merges"] = "yes"; }), p + "model.ignore_merges is string, not true or false"},
+      {with([](auto& j) { j["model"]["type"] = 7; }), p + "model.type is number, not a string"},
+      {with([](auto& j) { j["model"].erase("vocab"); }), p + "model.vocab is not an object of tokens and their ids"},
+      {with([](auto& j) { j["model"]["merges"] = nlohmann::json::object(); }), p + "model.merges is not a list of merges"},
+      {with([](auto& j) { j["added_tokens"] = 3; }), p + "added_tokens is not a list"},
+      {with([](auto& j) { j["added_tokens"][0].erase("id"); }), p + "an added token ({"},
+      {with([](auto& j) { j["pre_tokenizer"]["add_prefix_space"] = 1; }), p + "pre_tokenizer.add_prefix_space is number, not true or false"},
+  };
+  for (const auto& [text, want] : cases) {
+    const std::string got = refused(text);
+    EXPECT_NE(got.find(want), std::string::npos) << "want: " << want << "\ngot:  " << got;
+    EXPECT_EQ(got.find('\n'), std::string::npos) << got;
+  }
+  // Ids may leave gaps (an added token far past the vocabulary): the size counts up to it, the
+  // gap decodes as a clean error, and text still round-trips.
+  const auto gap = load(with([](auto& j) { j["added_tokens"].push_back({{"id", 100000}, {"content", "<|gap|>"}}); }));
+  EXPECT_EQ(gap->vocab_size(), 100001);
+  const std::string text = "It is a truth<|gap|> universally<|endoftext|> acknowledged.";
+  const auto ids = gap->encode(text);
+  EXPECT_NE(std::find(ids.begin(), ids.end(), 100000), ids.end());
+  EXPECT_EQ(gap->decode(ids), text);
+  EXPECT_THROW(gap->decode({99999}), ember::RunError);
+  // A repeated merge keeps its last rank, as `tokenizers` does: the file still reads.
+  EXPECT_NO_THROW(load(with([&](auto& j) { j["model"]["merges"].push_back(first_merge); })));
 }
 
 // The language-model configs resolve: every key is one their plugins know, with a valid value.

@@ -102,51 +102,83 @@ std::array<uint32_t, 256> byte_to_unicode() {
 class ByteLevelBpe final : public LmTokenizer {
  public:
   ByteLevelBpe(const std::string& json_text, std::string origin) : json_(json_text), origin_(std::move(origin)) {
-    const nlohmann::json j = nlohmann::json::parse(json_text, nullptr, false);
+    // Every value is read with its type checked, so that a damaged or foreign file is one line
+    // naming the file and the value, never nlohmann's own error or an id past the table.
     auto fail = [&](const std::string& what) { throw ember::RunError(c10::str(origin_, ": ", what)); };
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(json_text);
+    } catch (const nlohmann::json::exception& e) {
+      fail(c10::str("not valid JSON (", without_prefix(e.what()), ")"));
+    }
     if (!j.is_object() || !j.contains("model") || !j["model"].is_object()) fail("not a Hugging Face tokenizer.json (no \"model\")");
-    const auto& model = j["model"];
-    if (model.value("type", "") != "BPE") fail(c10::str("model type \"", model.value("type", ""), "\": only byte-level BPE (GPT-2's) is supported"));
-    auto byte_level = [](const nlohmann::json& p) { return p.is_object() && p.value("type", "") == "ByteLevel"; };
-    const auto& pre = j.contains("pre_tokenizer") ? j["pre_tokenizer"] : nlohmann::json();
-    bool ok = byte_level(pre) && !pre.value("add_prefix_space", false) && pre.value("use_regex", true);
+    const nlohmann::json& model = j["model"];
+    auto string_or = [&](const nlohmann::json& o, const char* key, const char* where, std::string fallback) {
+      if (!o.contains(key) || o[key].is_null()) return fallback;
+      if (!o[key].is_string()) fail(c10::str(where, key, " is ", o[key].type_name(), ", not a string"));
+      return o[key].get<std::string>();
+    };
+    auto bool_or = [&](const nlohmann::json& o, const char* key, const char* where, bool fallback) {
+      if (!o.contains(key) || o[key].is_null()) return fallback;
+      if (!o[key].is_boolean()) fail(c10::str(where, key, " is ", o[key].type_name(), ", not true or false"));
+      return o[key].get<bool>();
+    };
+    // Ids index the table decode reads and are stored in uint32 token files.
+    auto token_id = [&](const nlohmann::json& v, const std::string& what) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxId)
+        fail(c10::str(what, " has id ", v.dump(), ": an id is an integer from 0 to ", kMaxId));
+      return v.get<int64_t>();
+    };
+    const std::string type = string_or(model, "type", "model.", "");
+    if (type != "BPE") fail(c10::str("model type \"", type, "\": only byte-level BPE (GPT-2's) is supported"));
+    const nlohmann::json pre = j.contains("pre_tokenizer") ? j["pre_tokenizer"] : nlohmann::json();
+    const bool ok = pre.is_object() && string_or(pre, "type", "pre_tokenizer.", "") == "ByteLevel" &&
+                    !bool_or(pre, "add_prefix_space", "pre_tokenizer.", false) && bool_or(pre, "use_regex", "pre_tokenizer.", true);
     if (!ok) fail("the pre-tokenizer is not ByteLevel(add_prefix_space = false) with GPT-2's pattern: only GPT-2-style byte-level BPE is supported");
     if (j.contains("normalizer") && !j["normalizer"].is_null()) fail("a normalizer is not supported (GPT-2's tokenizer has none)");
     for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
-      if (model.contains(key) && model[key].is_string() && !model[key].get<std::string>().empty())
-        fail(c10::str("a BPE with ", key, " is not byte-level BPE as GPT-2's"));
-    ignore_merges_ = model.value("ignore_merges", false);
-    for (const auto& [token, id] : model["vocab"].items()) {
-      vocab_[token] = id.get<int64_t>();
-      size_ = std::max(size_, id.get<int64_t>() + 1);
+      if (!string_or(model, key, "model.", "").empty()) fail(c10::str("a BPE with ", key, " is not byte-level BPE as GPT-2's"));
+    ignore_merges_ = bool_or(model, "ignore_merges", "model.", false);
+
+    if (!model.contains("vocab") || !model["vocab"].is_object()) fail("model.vocab is not an object of tokens and their ids");
+    for (const auto& [token, id_value] : model["vocab"].items()) {
+      const int64_t id = token_id(id_value, c10::str("token ", quoted(token)));
+      vocab_[token] = id;
+      name_id(id, token);
     }
+    if (!model.contains("merges") || !model["merges"].is_array()) fail("model.merges is not a list of merges");
     int64_t rank = 0;
     for (const auto& m : model["merges"]) {
       std::string a, b;
-      if (m.is_string()) {
-        const std::string s = m.get<std::string>();
+      if (m.is_string() && std::count(m.get_ref<const std::string&>().begin(), m.get_ref<const std::string&>().end(), ' ') == 1) {
+        const std::string& s = m.get_ref<const std::string&>();
         const size_t sp = s.find(' ');
-        if (sp == std::string::npos) fail(c10::str("merge \"", s, "\" is not two symbols"));
         a = s.substr(0, sp);
         b = s.substr(sp + 1);
+      } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+        a = m[0].get<std::string>();
+        b = m[1].get<std::string>();
       } else {
-        a = m.at(0).get<std::string>();
-        b = m.at(1).get<std::string>();
+        fail(c10::str("merge ", rank, " (", m.dump().substr(0, 80), ") is not two symbols (\"a b\" or [\"a\", \"b\"])"));
       }
-      ranks_[a + '\x01' + b] = rank++;
+      // `tokenizers` refuses such a file too (MergeTokenOutOfVocabulary).
+      for (const std::string& symbol : {a, b, a + b})
+        if (!vocab_.count(symbol)) fail(c10::str("merge ", rank, " (", m.dump().substr(0, 80), ") makes or uses ", quoted(symbol), ", which is not in model.vocab"));
+      ranks_[a + '\x01' + b] = rank++;  // a repeated merge keeps its last rank, as in `tokenizers`
     }
-    if (j.contains("added_tokens"))
+    if (j.contains("added_tokens") && !j["added_tokens"].is_null()) {
+      if (!j["added_tokens"].is_array()) fail("added_tokens is not a list");
       for (const auto& t : j["added_tokens"]) {
-        const std::string content = t.value("content", "");
-        const int64_t id = t.value("id", int64_t{-1});
-        if (content.empty() || id < 0) continue;
+        if (!t.is_object() || !t.contains("id")) fail(c10::str("an added token (", t.dump().substr(0, 80), ") has no id"));
+        const std::string content = string_or(t, "content", "added token ", "");
+        const int64_t id = token_id(t["id"], c10::str("added token ", quoted(content)));
+        if (content.empty()) fail(c10::str("added token ", id, " has no content"));
         added_.emplace_back(content, id);
-        size_ = std::max(size_, id + 1);
+        name_id(id, content);
         if (content == "<|endoftext|>" || content == "</s>" || content == "<|end_of_text|>") end_ = id;
       }
-    id_to_token_.resize(static_cast<size_t>(size_));
-    for (const auto& [token, id] : vocab_) id_to_token_[static_cast<size_t>(id)] = token;
-    for (const auto& [token, id] : added_) id_to_token_[static_cast<size_t>(id)] = token;
+    }
+    if (id_to_token_.empty()) fail("the vocabulary is empty");
     const auto table = byte_to_unicode();
     for (uint32_t b = 0; b < 256; ++b) {
       std::string u;
@@ -185,9 +217,10 @@ class ByteLevelBpe final : public LmTokenizer {
   std::string decode(const std::vector<int64_t>& ids) const override {
     std::string out;
     for (int64_t id : ids) {
-      if (id < 0 || id >= size_ || id_to_token_[static_cast<size_t>(id)].empty())
+      const auto named = id_to_token_.find(id);
+      if (named == id_to_token_.end())
         throw ember::RunError(c10::str("text_lm: token id ", id, " is not in the vocabulary of ", origin_, " (", size_, " tokens)"));
-      const std::string& token = id_to_token_[static_cast<size_t>(id)];
+      const std::string& token = named->second;
       if (std::any_of(added_.begin(), added_.end(), [&](const auto& a) { return a.second == id; })) {
         out += token;
         continue;
@@ -204,6 +237,25 @@ class ByteLevelBpe final : public LmTokenizer {
   }
 
  private:
+  static constexpr int64_t kMaxId = 0x7FFFFFFF;
+
+  // "[json.exception.parse_error.101] parse error at ..." -> "parse error at ...".
+  static std::string without_prefix(const std::string& what) {
+    return what.rfind("[json.exception.", 0) == 0 && what.find("] ") != std::string::npos ? what.substr(what.find("] ") + 2) : what;
+  }
+
+  // A token as JSON writes it: quoted, with control characters escaped (messages stay one line).
+  static std::string quoted(const std::string& token) { return nlohmann::json(token).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+
+  // One token per id: two tokens with one id would decode one of them as the other.
+  void name_id(int64_t id, const std::string& token) {
+    const auto [it, inserted] = id_to_token_.emplace(id, token);
+    if (!inserted && it->second != token)
+      throw ember::RunError(c10::str(origin_, ": id ", id, " is given to both ", quoted(it->second), " and ", quoted(token),
+                                     ": each id names one token"));
+    size_ = std::max(size_, id + 1);
+  }
+
   void encode_plain(const std::string& text, std::vector<int64_t>& out) const {
     if (text.empty()) return;
     std::vector<uint32_t> cps;
@@ -255,7 +307,7 @@ class ByteLevelBpe final : public LmTokenizer {
     std::vector<int64_t> ids;
     for (const auto& s : symbols) {
       const auto it = vocab_.find(s);
-      if (it == vocab_.end()) throw ember::RunError(c10::str("text_lm: ", origin_, " has no token for \"", s, "\" (a byte-level BPE without all 256 bytes?)"));
+      if (it == vocab_.end()) throw ember::RunError(c10::str("text_lm: ", origin_, " has no token for ", quoted(s), " (a byte-level BPE without all 256 bytes?)"));
       ids.push_back(it->second);
     }
     return cache_.emplace(piece, std::move(ids)).first->second;
@@ -264,7 +316,7 @@ class ByteLevelBpe final : public LmTokenizer {
   std::string json_, origin_;
   std::unordered_map<std::string, int64_t> vocab_, ranks_;
   std::vector<std::pair<std::string, int64_t>> added_;
-  std::vector<std::string> id_to_token_;
+  std::unordered_map<int64_t, std::string> id_to_token_;  // a map: ids may leave gaps
   std::array<std::string, 256> byte_symbol_;
   std::unordered_map<uint32_t, unsigned char> symbol_byte_;
   int64_t size_ = 0, end_ = -1;

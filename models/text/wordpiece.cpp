@@ -2,6 +2,7 @@
 
 #include <utf8proc.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -96,6 +97,10 @@ std::u32string nfd(const std::u32string& s) {
 WordPieceTokenizer::WordPieceTokenizer(std::unordered_map<std::string, int64_t> vocab, WordPieceOptions options,
                                        const std::string& source)
     : vocab_(std::move(vocab)), options_(options) {
+  for (const auto& [token, id] : vocab_) {
+    if (id < 0) throw ember::RunError(c10::str(source, ": token \"", token, "\" has the negative id ", id));
+    id_count_ = std::max(id_count_, id + 1);
+  }
   if (options_.max_input_chars_per_word < 1)
     throw ember::RunError(c10::str(source, ": max_input_chars_per_word must be at least 1"));
   pad_id_ = require("[PAD]", source);

@@ -49,7 +49,9 @@ class WordPieceTokenizer {
   int64_t cls_id() const { return cls_id_; }
   int64_t sep_id() const { return sep_id_; }
   int64_t unk_id() const { return unk_id_; }
-  int64_t vocab_size() const { return static_cast<int64_t>(vocab_.size()); }
+  // One past the largest id: vocab.txt's lines. A repeated line keeps its last id (as
+  // transformers' load_vocab does), so this can exceed the number of distinct tokens.
+  int64_t vocab_size() const { return id_count_; }
   const WordPieceOptions& options() const { return options_; }
 
  private:
@@ -61,6 +63,7 @@ class WordPieceTokenizer {
   WordPieceOptions options_;
   std::vector<std::pair<std::string, int64_t>> specials_;  // matched whole in the raw text
   int64_t pad_id_ = 0, cls_id_ = 0, sep_id_ = 0, unk_id_ = 0;
+  int64_t id_count_ = 0;
 };
 
 }  // namespace ember_text

@@ -1,5 +1,5 @@
-// libFuzzer entry point, built once per harness function (EMBER_FUZZ_ONE = config_one or
-// checkpoint_one; tests/fuzz/CMakeLists.txt). A finding prints what was wrong and aborts, so
+// libFuzzer entry point, built once per harness function (EMBER_FUZZ_ONE = config_one,
+// checkpoint_one or model_file_one; tests/fuzz/CMakeLists.txt). A finding prints what was wrong and aborts, so
 // libFuzzer saves the input as a crash file.
 #include <ATen/Parallel.h>
 
@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "fuzz_inputs.h"
+#include "model_file_inputs.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   at::set_num_threads(1);  // one input at a time; no thread pool to start per input

@@ -1,0 +1,151 @@
+#include "model_file_inputs.h"
+
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <ember/error.h>
+#include <ember/support/safetensors.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "bert_net.h"
+#include "fuzz_inputs.h"
+#include "gpt_net.h"
+#include "lm_tokenizer.h"
+#include "wordpiece.h"
+
+namespace ember::fuzz {
+namespace {
+
+namespace fs = std::filesystem;
+
+// This process's folder for the files under test (one at a time).
+const fs::path& work_dir() {
+  static const fs::path dir = [] {
+    const char* tmp = std::getenv("TMPDIR");
+    fs::path d = fs::path(tmp && *tmp ? tmp : "/tmp") / ("ember-fuzz-model-files-" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+fs::path write_file(const std::string& name, std::string_view bytes) {
+  const fs::path path = work_dir() / name;
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  return path;
+}
+
+// A text with letters, digits, contractions, runs of spaces, a newline, non-ASCII letters and
+// GPT-2's added token.
+const std::string kSample =
+    "It is a truth universally acknowledged, that a single man's fortune: 12 o'clock.\n\n  Caf\xc3\xa9 \xc3\xbc" "ber "
+    "\xe4\xb8\xad\xe6\x96\x87!<|endoftext|>The end  ";
+
+void safetensors_one(std::string_view bytes) {
+  const fs::path path = write_file("model.safetensors", bytes);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  {
+    const ember::support::SafetensorsFile file(path.string());
+    for (const auto& name : file.names()) tensors.emplace_back(name, file.tensor(name).clone());
+  }
+  // What was read writes and reads back the same (what `engine export` does with weights).
+  const fs::path again = work_dir() / "again.safetensors";
+  ember::support::write_safetensors(again.string(), tensors);
+  const ember::support::SafetensorsFile file(again.string());
+  if (file.names().size() != tensors.size()) throw Finding("a safetensors file written from what was read holds other tensors");
+  for (const auto& [name, t] : tensors) {
+    const at::Tensor back = file.tensor(name);
+    if (back.scalar_type() != t.scalar_type() || !back.sizes().equals(t.sizes()) ||
+        (t.numel() > 0 && !at::equal(back.view(at::kByte), t.contiguous().view(at::kByte))))
+      throw Finding("tensor '" + name + "' reads back differently after write_safetensors");
+  }
+}
+
+void tokenizer_one(std::string_view bytes) {
+  const fs::path path = write_file("tokenizer.json", bytes);
+  const auto tokenizer = ember_text_lm::load_bytelevel_bpe(path);
+  const int64_t size = tokenizer->vocab_size();
+  if (size < 1) throw Finding("a tokenizer with an empty vocabulary was accepted");
+  // Every id decodes or is refused cleanly (a gap in the vocabulary).
+  for (int64_t id = 0; id < std::min<int64_t>(size, 100000); ++id) {
+    try {
+      tokenizer->decode({id});
+    } catch (const ember::RunError&) {
+    }
+  }
+  std::vector<int64_t> ids;
+  try {
+    ids = tokenizer->encode(kSample);
+  } catch (const ember::RunError&) {
+    return;  // a vocabulary without some byte: refused in a line, as a run would be
+  }
+  for (int64_t id : ids)
+    if (id < 0 || id >= size) throw Finding("encode gave id " + std::to_string(id) + " outside the vocabulary of " + std::to_string(size));
+  const std::string back = tokenizer->decode(ids);
+  if (back != kSample) throw Finding("decode(encode(text)) is not the text: got '" + back + "'");
+}
+
+void gpt_config_one(std::string_view bytes) {
+  const fs::path path = write_file("config.json", bytes);
+  const ember_gpt::GptShape shape = ember_gpt::GptShape::from_hf_config(path.string());
+  const std::string described = shape.describe();
+  const fs::path again = write_file("exported.config.json", shape.hf_config_json());
+  const std::string back = ember_gpt::GptShape::from_hf_config(again.string()).describe();
+  if (back != described) throw Finding("the exported config.json reads back as another shape: " + described + " vs " + back);
+}
+
+void bert_config_one(std::string_view bytes) {
+  const fs::path path = write_file("config.json", bytes);
+  ember_text::BertConfig::from_json_file(path.string());
+}
+
+void vocab_one(std::string_view bytes) {
+  const fs::path folder = work_dir() / "wordpiece";
+  fs::create_directories(folder);
+  std::ofstream(folder / "vocab.txt", std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  const auto tokenizer = ember_text::WordPieceTokenizer::from_folder(folder.string());
+  for (int64_t max_length : {0, 2, 7})
+    for (int64_t id : tokenizer.encode(kSample, max_length))
+      if (id < 0 || id >= tokenizer.vocab_size())
+        throw Finding("WordPiece gave id " + std::to_string(id) + " outside the vocabulary of " + std::to_string(tokenizer.vocab_size()));
+}
+
+void one_line_naming_the_file(const std::string& what) {
+  if (what.empty()) throw Finding("an error with an empty message");
+  if (what.find('\n') != std::string::npos) throw Finding("an error spans several lines: " + what);
+  if (what.find(work_dir().string()) == std::string::npos) throw Finding("the error does not name the file: " + what);
+}
+
+}  // namespace
+
+bool model_file_one(std::string_view input, std::string* error) {
+  if (input.empty()) return false;
+  const int kind = static_cast<unsigned char>(input[0]) % 5;
+  input.remove_prefix(1);
+  try {
+    switch (kind) {
+      case 0: safetensors_one(input); break;
+      case 1: tokenizer_one(input); break;
+      case 2: gpt_config_one(input); break;
+      case 3: bert_config_one(input); break;
+      default: vocab_one(input); break;
+    }
+  } catch (const Finding&) {
+    throw;
+  } catch (const ember::RunError& e) {
+    one_line_naming_the_file(e.what());
+    if (error) *error = e.what();
+    return false;
+  } catch (const ember::ConfigError& e) {
+    one_line_naming_the_file(e.what());
+    if (error) *error = e.what();
+    return false;
+  } catch (const std::exception& e) {
+    throw Finding(std::string("unexpected exception (not a one-line error naming the file): ") + e.what());
+  }
+  return true;
+}
+
+}  // namespace ember::fuzz
