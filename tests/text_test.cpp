@@ -429,6 +429,36 @@ TEST(TextClassification, BadWeightsLabelsAndFilesAreOneLineErrors) {
   EXPECT_NE(r.err.find("train.csv:2: malformed CSV"), std::string::npos) << r.err;
 }
 
+// A data tokenizer_dir that is not the model's gives ids past the model's embedding table: one line
+// naming the id, the model's vocabulary and the fix, not LibTorch's "index out of range in self"
+// (on a GPU, a device-side assert). Here "food" comes last in the other vocab.txt: its id is past
+// the tiny model's vocabulary. A vocab.txt with a token on two lines keeps its last id.
+TEST(TextClassification, ATokenizerThatIsNotTheModelsIsOneLine) {
+  TempDir dir("text_classification_foreign_tokenizer");
+  write_tiny_task(dir);
+  std::vector<std::string> other = kVocab;
+  other.push_back("food");
+  write_vocab(dir / "other", other);
+  const auto tokenizer = ember_text::WordPieceTokenizer::from_folder((dir / "other").string());
+  EXPECT_EQ(tokenizer.vocab_size(), static_cast<int64_t>(other.size()));
+  const auto food = tokenizer.encode("food");
+  ASSERT_EQ(food.size(), 3u);
+  EXPECT_EQ(food[1], static_cast<int64_t>(other.size()) - 1);
+  std::string run = tiny_run(dir);
+  run.replace(run.find("tokenizer_dir = \"" + (dir / "model").string()), 17 + (dir / "model").string().size(),
+              "tokenizer_dir = \"" + (dir / "other").string());
+  run.replace(run.find("test.jsonl"), 10, "train.csv");
+  write_file(dir / "run.toml", run);
+  const auto r = run_engine({"run.toml"}, dir.path());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("bert: token id " + std::to_string(other.size() - 1) + " is outside the model's vocabulary of " +
+                       std::to_string(kVocab.size()) + " (its config.json): the data's tokenizer is not this model's; set [data] "
+                       "tokenizer_dir to the model's folder (model_dir)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("index out of range"), std::string::npos) << r.err;
+}
+
 // The data's label names reach the exported Hugging Face config through the checkpoint
 // (`class_names`): id2label/label2id say "good"/"poor", in the ids the data gave them (here the
 // order [data] labels sets, not the sorted one), so transformers' pipelines print them.

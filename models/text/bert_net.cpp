@@ -284,10 +284,19 @@ at::Tensor BertClassifierNet::pooled(const at::Tensor& input_ids, const at::Tens
   const at::Tensor keep = attention_mask.to(at::kBool);
   // [N, 1, 1, S]: every query attends to the sequence's tokens, never to its padding.
   const at::Tensor keep4 = keep.view({n, 1, 1, s});
+  // Ids outside the embedding table would fail inside LibTorch ("index out of range in self"; on
+  // a GPU a device-side assert that ends the process); the usual cause is a data tokenizer that
+  // is not this model's. Checked where it costs no extra synchronisation: always on the CPU, and
+  // on a device together with the token count that unpadding reads anyway.
   TokenLayout layout;
-  if (unpad_ != Unpad::never) {
-    const int64_t tokens = keep.sum().item<int64_t>();
-    if (tokens < n * s && (unpad_ == Unpad::always || (n * s - tokens) * 20 >= n * s))
+  if (input_ids.numel() > 0 && (unpad_ != Unpad::never || input_ids.is_cpu())) {
+    const at::Tensor stats = at::stack({keep.sum().to(at::kLong), input_ids.max().to(at::kLong), input_ids.min().to(at::kLong)}).cpu();
+    const int64_t tokens = stats[0].item<int64_t>(), largest = stats[1].item<int64_t>(), smallest = stats[2].item<int64_t>();
+    if (largest >= config_.vocab_size || smallest < 0)
+      throw ember::RunError(c10::str("bert: token id ", largest >= config_.vocab_size ? largest : smallest, " is outside the model's vocabulary of ",
+                                     config_.vocab_size, " (its config.json): the data's tokenizer is not this model's; set [data] "
+                                     "tokenizer_dir to the model's folder (model_dir)"));
+    if (unpad_ != Unpad::never && tokens < n * s && (unpad_ == Unpad::always || (n * s - tokens) * 20 >= n * s))
       layout = TokenLayout{keep.flatten().nonzero().squeeze(1), n, s};
   }
   at::Tensor positions = at::arange(s, input_ids.options()).unsqueeze(0);
