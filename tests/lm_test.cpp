@@ -594,6 +594,17 @@ TEST(LanguageModel, BadInputIsOneLineWithTheFix) {
   EXPECT_NE(huge.err.find("error plugin 'gpt': "), std::string::npos) << huge.err;
   EXPECT_NE(huge.err.find("DefaultCPUAllocator: can't allocate memory: you tried to allocate 12800000000000000 bytes"), std::string::npos)
       << huge.err;
+  // A tokenizer.model that is not one: what it means, not the library's source line.
+  write_file(dir / "not.model", "this is not a SentencePiece model\n");
+  auto not_model = run_engine({"run.toml", "--set", "data.tokenizer=\"sentencepiece\"", "--set",
+                               "data.sentencepiece_model=\"" + (dir / "not.model").string() + "\""},
+                              dir.path());
+  EXPECT_EQ(not_model.exit_code, 1) << not_model.err;
+  EXPECT_NE(not_model.err.find("not.model is not a SentencePiece model: it does not parse as one (a tokenizer.model file is a "
+                               "serialized ModelProto)\n"),
+            std::string::npos)
+      << not_model.err;
+  EXPECT_EQ(not_model.err.find("sentencepiece_processor.cc"), std::string::npos) << not_model.err;
   auto no_vocab = run_engine({"run.toml", "--set", "model.vocab_size=0"}, dir.path());
   EXPECT_EQ(no_vocab.exit_code, 2) << no_vocab.err;
   EXPECT_NE(no_vocab.err.find("vocab_size is not set"), std::string::npos) << no_vocab.err;

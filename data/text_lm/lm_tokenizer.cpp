@@ -4,6 +4,7 @@
 #include <sentencepiece_trainer.h>
 
 #include <algorithm>
+#include <cctype>
 #include <fstream>
 #include <sstream>
 
@@ -96,7 +97,14 @@ class SentencePieceTokenizer final : public LmTokenizer {
  public:
   SentencePieceTokenizer(const std::string& serialized, std::string origin) : serialized_(serialized), origin_(std::move(origin)) {
     const auto status = processor_.LoadFromSerializedProto(serialized_);
-    if (!status.ok()) throw ember::RunError(c10::str("text_lm: ", origin_, " is not a SentencePiece model: ", status.ToString()));
+    if (!status.ok()) {
+      // The library's message names its own source line ("./src/sentencepiece_processor.cc(232)
+      // [model_proto->ParseFromArray(...)]"): say what it means instead.
+      std::string why = status.message();
+      if (why.find("ParseFromArray") != std::string::npos) why = "it does not parse as one (a tokenizer.model file is a serialized ModelProto)";
+      while (!why.empty() && std::isspace(static_cast<unsigned char>(why.back()))) why.pop_back();
+      throw ember::RunError(c10::str("text_lm: ", origin_, " is not a SentencePiece model: ", why));
+    }
     newline_ = processor_.PieceToId("<0x0A>");
     if (newline_ == processor_.unk_id())
       throw ember::RunError(c10::str("text_lm: the SentencePiece model ", origin_,
