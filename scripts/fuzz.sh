@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # libFuzzer runs of the TOML/--set parser + validator, of the checkpoint reader and of the readers of
-# a model folder's files (docs/build.md, "Fuzzing"). Builds fuzz_config, fuzz_checkpoint and
-# fuzz_model_files with clang, libFuzzer, ASan and UBSan into
+# a model folder's files and of data files (docs/build.md, "Fuzzing"). Builds fuzz_config,
+# fuzz_checkpoint, fuzz_model_files and fuzz_data_files with clang, libFuzzer, ASan and UBSan into
 # build-fuzz/, then runs each on a working copy of the seed corpus (tests/fuzz/corpus/):
 #   scripts/fuzz.sh [SECONDS]        each target for SECONDS (default 120)
 #   scripts/fuzz.sh replay FILE...   runs saved inputs (crash-*, or the suite's fuzz-findings/*.bin)
@@ -21,7 +21,7 @@ if [ ! -f build-fuzz/CMakeCache.txt ]; then
   CXX=clang++ cmake -S . -B build-fuzz "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
     -DEMBER_FUZZ=ON -DEMBER_SANITIZE=address,undefined -DEMBER_BUILD_TESTS=OFF >/dev/null
 fi
-cmake --build build-fuzz -j"$(nproc)" --target fuzz_config fuzz_checkpoint fuzz_model_files
+cmake --build build-fuzz -j"$(nproc)" --target fuzz_config fuzz_checkpoint fuzz_model_files fuzz_data_files
 # LibTorch keeps process-lifetime allocations (registries, thread pools): leaks are not findings.
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$root/tests/sanitizers/ubsan.supp"
@@ -33,6 +33,7 @@ if [ "${1:-}" = replay ]; then
     case "$(basename "$f")" in
       checkpoint*|*ckpt*) target=checkpoint ;;
       model_files*) target=model_files ;;
+      data_files*) target=data_files ;;
       *) target=${EMBER_FUZZ_TARGET:-config} ;;
     esac
     echo "== $target $f"
@@ -43,7 +44,7 @@ fi
 
 seconds=${1:-120}
 status=0
-for which in config checkpoint model_files; do
+for which in config checkpoint model_files data_files; do
   work=build-fuzz/corpus-$which
   mkdir -p "$work" build-fuzz/findings
   echo "== fuzz_$which for ${seconds}s"

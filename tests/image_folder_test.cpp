@@ -282,6 +282,48 @@ batch_size = 8
   EXPECT_NE(skip.exit_code, 0) << "the truncated JPEG's header is fine, its data is not";
   EXPECT_NE(skip.err.find("imgs/b/cut.jpg: corrupt JPEG data"), std::string::npos) << skip.err;
 }
+// An image whose header claims more than Pillow's limit (2 x Image.MAX_IMAGE_PIXELS = 178,956,970
+// pixels) is refused at its header, as Pillow refuses it, before gigabytes are allocated for its
+// pixels: a PNG of 20,000 x 10,000 and a JPEG of 65,000 x 65,000, each a few hundred bytes (a
+// small image's file with the size in its header changed). One under the limit still probes.
+TEST(ImageFolder, DecompressionBombsAreRefusedAtTheHeader) {
+  TempDir dir("image_bombs");
+  auto r = run_process({EMBER_TEST_PYTHON, "-c", R"(
+import io, struct, sys, zlib
+from PIL import Image
+def png(w, h):
+    buf = io.BytesIO(); Image.new("RGB", (4, 4)).save(buf, "PNG"); b = bytearray(buf.getvalue())
+    ihdr = struct.pack(">II", w, h) + bytes(b[24:29])
+    b[16:29] = ihdr; b[29:33] = struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    return bytes(b)
+def jpeg(w, h):
+    buf = io.BytesIO(); Image.new("RGB", (8, 8)).save(buf, "JPEG"); b = bytearray(buf.getvalue())
+    sof = b.find(b"\xff\xc0"); b[sof + 5:sof + 9] = struct.pack(">HH", h, w)
+    return bytes(b)
+out = sys.argv[1]
+open(out + "/bomb.png", "wb").write(png(20000, 10000))
+open(out + "/bomb.jpg", "wb").write(jpeg(65000, 65000))
+open(out + "/large.png", "wb").write(png(13000, 13000))
+)",
+                        dir.path().string()},
+                       dir.path(), {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const auto& [name, size] : std::vector<std::pair<std::string, std::string>>{{"bomb.png", "20000 x 10000"}, {"bomb.jpg", "65000 x 65000"}}) {
+    const std::string path = (dir / name).string(), bytes = slurp(dir / name);
+    const std::string want = path + ": " + size + " pixels, more than 178956970 (PIL refuses such an image too, as a decompression bomb; shrink it)";
+    for (int step = 0; step < 2; ++step) {
+      try {
+        if (step == 0) ember::image::probe_image(bytes, path);
+        else ember::image::decode_image(bytes, path);
+        ADD_FAILURE() << name << " accepted (step " << step << ")";
+      } catch (const ember::RunError& e) {
+        EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      }
+    }
+  }
+  const auto large = ember::image::probe_image(slurp(dir / "large.png"), "large.png");
+  EXPECT_EQ(large.width * large.height, 169000000);
+}
 // A list of path and label instead of a folder: a CSV with its own column names (paths relative
 // to the list) and a JSONL with integer labels train exactly like the folder itself when they
 // list its images in the same order; a label outside the training classes and a missing column

@@ -350,6 +350,11 @@ TEST(WebDataset, BadShardsAreOneLineNamingThem) {
   fails({"--set", "data.fields=[\"npy\", \"jpg\"]"}, "shard sh/train-000000.tar: sample '000000' has no .jpg member");
   fails({"--set", "data.train=[\"sh/*.tar\", \"odd.tar\"]"}, "shard odd.tar does not exist");
   fails({"--set", "data.train=[\"sh/train-{000000..000002.tar\"]"}, "has a '{' without its '}'");
+  // A range that is a typo: one line, at once, not memory and time without end.
+  fails({"--set", "data.train=[\"sh/train-{000000..99999999999}.tar\"]"},
+        "shard range {000000..99999999999} names 100000000000 shards, more than 1000000: check its bounds");
+  fails({"--set", "data.train=[\"sh/train-{0..99999999999999999999}.tar\"]"}, "has a bound of more than 18 digits");
+  fails({"--set", "data.train=[\"{0..999}{0..999}{0..999}.tar\"]"}, "shard pattern expands to more than 1000000 shard names");
   write_file(dir / "not.tar", std::string(2000, 'x'));
   fails({"--set", "data.train=[\"not.tar\"]"}, "webdataset: shard not.tar is not a readable tar file");
   ASSERT_EQ(run_process({EMBER_TEST_PYTHON, "-c", "import gzip; open('sh/train-000002.tar.gz', 'wb').write(gzip.compress(open('sh/train-000002.tar', 'rb').read()))"},

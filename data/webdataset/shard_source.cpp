@@ -25,9 +25,17 @@ bool all_digits(const std::string& s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); });
 }
 
+// More names than any shard list needs (a million shards of ten thousand samples are ten billion
+// samples): a pattern that expands further is a typo ({0..99999999999}) that would take memory and
+// time without end.
+constexpr size_t kMaxShardNames = 1000000;
+
 void expand_into(const std::string& pattern, const std::string& where, std::vector<std::string>& out) {
   const size_t open = pattern.find('{');
   if (open == std::string::npos) {
+    if (out.size() >= kMaxShardNames)
+      throw ember::ConfigError(where + ": shard pattern expands to more than " + std::to_string(kMaxShardNames) +
+                               " shard names: check its {first..last} ranges");
     out.push_back(pattern);
     return;
   }
@@ -40,8 +48,13 @@ void expand_into(const std::string& pattern, const std::string& where, std::vect
   if (dots != std::string::npos && all_digits(inside.substr(0, dots)) && all_digits(inside.substr(dots + 2))) {
     const std::string first = inside.substr(0, dots), last = inside.substr(dots + 2);
     const size_t width = first.size();  // zero-padded to the first bound's width, as braceexpand does
+    if (first.size() > 18 || last.size() > 18)
+      throw ember::ConfigError(where + ": shard range {" + inside + "} has a bound of more than 18 digits");
     const long long lo = std::stoll(first), hi = std::stoll(last);
     if (hi < lo) throw ember::ConfigError(where + ": shard range {" + inside + "} counts down: write it low..high");
+    if (static_cast<unsigned long long>(hi - lo) >= kMaxShardNames)
+      throw ember::ConfigError(where + ": shard range {" + inside + "} names " + std::to_string(hi - lo + 1) + " shards, more than " +
+                               std::to_string(kMaxShardNames) + ": check its bounds");
     for (long long i = lo; i <= hi; ++i) {
       std::string n = std::to_string(i);
       if (n.size() < width) n.insert(0, width - n.size(), '0');

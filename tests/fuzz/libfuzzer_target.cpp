@@ -1,11 +1,12 @@
 // libFuzzer entry point, built once per harness function (EMBER_FUZZ_ONE = config_one,
-// checkpoint_one or model_file_one; tests/fuzz/CMakeLists.txt). A finding prints what was wrong and aborts, so
-// libFuzzer saves the input as a crash file.
+// checkpoint_one, model_file_one or data_file_one; tests/fuzz/CMakeLists.txt). A finding prints
+// what was wrong and aborts, so libFuzzer saves the input as a crash file.
 #include <ATen/Parallel.h>
 
 #include <cstdio>
 #include <cstdlib>
 
+#include "data_file_inputs.h"
 #include "fuzz_inputs.h"
 #include "model_file_inputs.h"
 

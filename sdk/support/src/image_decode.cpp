@@ -49,6 +49,17 @@ struct JpegDecompress {
   throw ember::RunError("image_folder: " + path + ": " + why + " (fix or remove the file, or set bad_images = \"skip\")");
 }
 
+// PIL's limit: Image.open refuses an image of more than 2 x MAX_IMAGE_PIXELS (89,478,485)
+// pixels as a decompression bomb; a header is a few bytes, the pixels it claims can be gigabytes.
+constexpr int64_t kMaxPixels = 2 * (int64_t{1024} * 1024 * 1024 / 4 / 3);
+
+ImageInfo checked(const ImageInfo& info, const std::string& path) {
+  if (info.width * info.height > kMaxPixels)
+    fail(path, std::to_string(info.width) + " x " + std::to_string(info.height) + " pixels, more than " + std::to_string(kMaxPixels) +
+                   " (PIL refuses such an image too, as a decompression bomb; shrink it)");
+  return info;
+}
+
 }  // namespace
 
 std::string read_file(const std::string& path) {
@@ -65,7 +76,7 @@ ImageInfo probe_image(const std::string& bytes, const std::string& path) {
     if (setjmp(d.err.jump)) fail(path, std::string("not a readable JPEG (") + d.err.message + ")");
     jpeg_mem_src(&d.cinfo, reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<unsigned long>(bytes.size()));
     jpeg_read_header(&d.cinfo, TRUE);
-    return {d.cinfo.image_width, d.cinfo.image_height, true};
+    return checked({d.cinfo.image_width, d.cinfo.image_height, true}, path);
   }
   if (is_png(bytes)) {
     png_image image{};
@@ -73,7 +84,7 @@ ImageInfo probe_image(const std::string& bytes, const std::string& path) {
     if (!png_image_begin_read_from_memory(&image, bytes.data(), bytes.size())) fail(path, std::string("not a readable PNG (") + image.message + ")");
     const ImageInfo info{image.width, image.height, false};
     png_image_free(&image);
-    return info;
+    return checked(info, path);
   }
   fail(path, bytes.empty() ? "an empty file" : "neither a JPEG nor a PNG file");
 }
@@ -100,6 +111,7 @@ at::Tensor decode_image(const std::string& bytes, const std::string& path, int d
     if (setjmp(d.err.jump)) fail(path, std::string("corrupt JPEG data (") + d.err.message + ")");
     jpeg_mem_src(&d.cinfo, reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<unsigned long>(bytes.size()));
     jpeg_read_header(&d.cinfo, TRUE);
+    checked({d.cinfo.image_width, d.cinfo.image_height, true}, path);
     if (d.cinfo.jpeg_color_space == JCS_CMYK || d.cinfo.jpeg_color_space == JCS_YCCK)
       fail(path, "a CMYK JPEG (convert it to RGB)");
     d.cinfo.out_color_space = JCS_RGB;  // grayscale replicated, YCbCr converted
@@ -121,6 +133,12 @@ at::Tensor decode_image(const std::string& bytes, const std::string& path, int d
     png_image image{};
     image.version = PNG_IMAGE_VERSION;
     if (!png_image_begin_read_from_memory(&image, bytes.data(), bytes.size())) fail(path, std::string("not a readable PNG (") + image.message + ")");
+    try {
+      checked({image.width, image.height, false}, path);
+    } catch (...) {
+      png_image_free(&image);
+      throw;
+    }
     // RGBA then the alpha dropped: PIL's convert("RGB") keeps the colour values, it does not
     // composite onto a background.
     image.format = PNG_FORMAT_RGBA;

@@ -1,0 +1,115 @@
+#include "data_file_inputs.h"
+
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <ember/error.h>
+#include <ember/support/image_decode.h>
+#include <ember/support/npy.h>
+#include <ember/support/table_file.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "fuzz_inputs.h"
+#include "shard_index.h"
+
+namespace ember::fuzz {
+namespace {
+
+namespace fs = std::filesystem;
+
+const fs::path& work_dir() {
+  static const fs::path dir = [] {
+    const char* tmp = std::getenv("TMPDIR");
+    fs::path d = fs::path(tmp && *tmp ? tmp : "/tmp") / ("ember-fuzz-data-files-" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+fs::path write_file(const std::string& name, std::string_view bytes) {
+  const fs::path path = work_dir() / name;
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  return path;
+}
+
+void touch(const at::Tensor& t) {
+  if (t.numel() > 0) t.contiguous().view(at::kByte).sum();
+}
+
+void npy_one(std::string_view bytes, const std::string& name) {
+  touch(ember::support::read_npy(bytes.data(), bytes.size(), name));
+  // In place, as tensor_files reads a mapped file: the bytes at a 64-byte aligned address.
+  const at::Tensor buffer = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  if (!bytes.empty()) std::memcpy(buffer.data_ptr(), bytes.data(), bytes.size());
+  touch(ember::support::read_npy(static_cast<const char*>(buffer.const_data_ptr()), bytes.size(), name, [buffer] {}));
+}
+
+void image_one(std::string_view bytes) {
+  const std::string data(bytes), path = (work_dir() / "image").string();
+  const auto info = ember::image::probe_image(data, path);
+  for (int denominator : {1, 2}) {
+    const at::Tensor pixels = ember::image::decode_image(data, path, denominator);
+    const int64_t d = info.jpeg ? denominator : 1;
+    const int64_t h = (info.height + d - 1) / d, w = (info.width + d - 1) / d;
+    if (pixels.dim() != 3 || pixels.size(0) != h || pixels.size(1) != w || pixels.size(2) != 3)
+      throw Finding("decoded " + std::string(c10::str(pixels.sizes())) + " where the header said " + std::to_string(info.height) + " x " +
+                    std::to_string(info.width) + " (denominator " + std::to_string(denominator) + ")");
+    touch(pixels);
+  }
+}
+
+void table_one(std::string_view bytes, const char* name) {
+  const fs::path path = write_file(name, bytes);
+  for (const auto& record : ember::support::read_table(path, {{"text", "text_column"}, {"label", "label_column"}})) {
+    if (record.values.size() != 2) throw Finding("a record with " + std::to_string(record.values.size()) + " values for 2 columns");
+    if (record.line < 1) throw Finding("a record on line " + std::to_string(record.line));
+  }
+}
+
+void shard_one(std::string_view bytes) {
+  const fs::path path = write_file("shard.tar", bytes);
+  const std::vector<ember_webdataset::FieldSpec> fields = {{{"npy"}, "npy"}, {{"cls"}, "cls"}};
+  const auto index = ember_webdataset::index_shard(path.string(), path.string(), fields, /*skip_incomplete=*/true);
+  for (const auto& sample : index.samples) {
+    if (sample.fields.size() != fields.size()) throw Finding("sample '" + sample.key + "' indexed with another number of fields");
+    for (const auto& m : sample.fields) {
+      if (m.offset < 0 || m.size < 0 || static_cast<uint64_t>(m.offset) + static_cast<uint64_t>(m.size) > bytes.size())
+        throw Finding("sample '" + sample.key + "' member ." + m.extension + " at [" + std::to_string(m.offset) + ", +" + std::to_string(m.size) +
+                      ") lies outside the shard's " + std::to_string(bytes.size()) + " bytes");
+      if (m.extension == "npy") npy_one(bytes.substr(static_cast<size_t>(m.offset), static_cast<size_t>(m.size)), path.string() + ":" + sample.key);
+    }
+  }
+}
+
+}  // namespace
+
+bool data_file_one(std::string_view input, std::string* error) {
+  if (input.empty()) return false;
+  const int kind = static_cast<unsigned char>(input[0]) % 5;
+  input.remove_prefix(1);
+  try {
+    switch (kind) {
+      case 0: npy_one(input, (work_dir() / "array.npy").string()); break;
+      case 1: image_one(input); break;
+      case 2: table_one(input, "table.csv"); break;
+      case 3: table_one(input, "table.jsonl"); break;
+      default: shard_one(input); break;
+    }
+  } catch (const Finding&) {
+    throw;
+  } catch (const ember::RunError& e) {
+    const std::string what = e.what();
+    if (what.empty() || what.find('\n') != std::string::npos) throw Finding("an error that is not one line: " + what);
+    if (what.find(work_dir().string()) == std::string::npos) throw Finding("the error does not name the file: " + what);
+    if (error) *error = what;
+    return false;
+  } catch (const std::exception& e) {
+    throw Finding(std::string("unexpected exception (not a one-line error naming the file): ") + e.what());
+  }
+  return true;
+}
+
+}  // namespace ember::fuzz
