@@ -25,27 +25,15 @@ const std::vector<std::string> kModelFileTokens = {
 }  // namespace
 
 TEST(Fuzz, ModelFileSeedsAreAccepted) {
-  // The harness is not vacuous: every seed (real files written by safetensors, tokenizers and
-  // transformers: tests/fuzz/make_model_file_seeds.py) reads, and passes the harness's checks.
-  std::string error;
-  const auto seeds = corpus("model_files");
-  ASSERT_EQ(seeds.size(), 7u);
-  for (const auto& [name, bytes] : seeds) EXPECT_TRUE(ember::fuzz::model_file_one(bytes, &error)) << name << ": " << error;
+  // Real files written by safetensors, tokenizers and transformers
+  // (tests/fuzz/make_model_file_seeds.py) read and pass the harness's checks.
+  ember::fuzz::expect_seeds_accepted("model_files", 7, ember::fuzz::model_file_one);
 }
 
 TEST(Fuzz, ModelFileInputsThatFoundBugsNowPass) {
-  // What the fuzzers found (tests/fuzz/regressions/model_files/, docs/build.md "Fuzzing"): each one
-  // broke a check of the harness (an id past the vocabulary, nlohmann's own exception, a text that
-  // did not decode back). Now each is read or refused in one line, whichever the file deserves.
-  const auto found = corpus("../regressions/model_files");
-  ASSERT_FALSE(found.empty());
-  for (const auto& [name, bytes] : found) {
-    try {
-      ember::fuzz::model_file_one(bytes);
-    } catch (const ember::fuzz::Finding& f) {
-      ADD_FAILURE() << name << ": " << f.what();
-    }
-  }
+  // Each broke a check of the harness (an id past the vocabulary, nlohmann's own exception, a
+  // text that did not decode back); now each is read or refused in one line, as it deserves.
+  ember::fuzz::replay_regressions("model_files", ember::fuzz::model_file_one);
 }
 
 TEST(Fuzz, ModelFileReadersSurviveMutatedFiles) {

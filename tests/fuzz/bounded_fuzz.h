@@ -28,6 +28,34 @@ inline std::vector<std::pair<std::string, std::string>> corpus(const std::string
   return out;
 }
 
+// Every seed of tests/fuzz/corpus/<which> (there are `count`) is accepted by `one`, which takes
+// the input and a string for the error: the harness is not vacuous.
+template <class One>
+void expect_seeds_accepted(const std::string& which, size_t count, One one) {
+  const auto seeds = corpus(which);
+  ASSERT_EQ(seeds.size(), count) << "tests/fuzz/corpus/" << which;
+  for (const auto& [name, bytes] : seeds) {
+    std::string error;
+    EXPECT_TRUE(one(bytes, &error)) << name << ": " << error;
+  }
+}
+
+// Every input of tests/fuzz/regressions/<which> (what fuzzing and review found) is read or
+// refused cleanly by `one`: no finding.
+template <class One>
+void replay_regressions(const std::string& which, One one) {
+  const auto found = corpus("../regressions/" + which);
+  ASSERT_FALSE(found.empty()) << "tests/fuzz/regressions/" << which;
+  for (const auto& [name, bytes] : found) {
+    try {
+      std::string error;
+      one(bytes, &error);
+    } catch (const Finding& f) {
+      ADD_FAILURE() << name << ": " << f.what();
+    }
+  }
+}
+
 // Runs `iterations` mutations; reports every finding (up to 5) with the file holding its input.
 template <class One, class Mutator>
 void fuzz(const std::string& name, const std::vector<std::pair<std::string, std::string>>& seeds, int iterations, One one,

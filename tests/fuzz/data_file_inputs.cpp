@@ -1,7 +1,6 @@
 #include "data_file_inputs.h"
 
 #include <ATen/ATen.h>
-#include <unistd.h>
 
 #include <ember/error.h>
 #include <ember/support/image_decode.h>
@@ -9,9 +8,9 @@
 #include <ember/support/table_file.h>
 
 #include <filesystem>
-#include <fstream>
 
 #include "fuzz_inputs.h"
+#include "scratch_folder.h"
 #include "shard_index.h"
 
 namespace ember::fuzz {
@@ -19,20 +18,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const fs::path& work_dir() {
-  static const fs::path dir = [] {
-    const char* tmp = std::getenv("TMPDIR");
-    fs::path d = fs::path(tmp && *tmp ? tmp : "/tmp") / ("ember-fuzz-data-files-" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    return d;
-  }();
-  return dir;
-}
-
-fs::path write_file(const std::string& name, std::string_view bytes) {
-  const fs::path path = work_dir() / name;
-  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  return path;
+const ScratchFolder& scratch() {
+  static const ScratchFolder folder("data-files");
+  return folder;
 }
 
 void touch(const at::Tensor& t) {
@@ -48,7 +36,7 @@ void npy_one(std::string_view bytes, const std::string& name) {
 }
 
 void image_one(std::string_view bytes) {
-  const std::string data(bytes), path = (work_dir() / "image").string();
+  const std::string data(bytes), path = (scratch().path() / "image").string();
   const auto info = ember::image::probe_image(data, path);
   for (int denominator : {1, 2}) {
     const at::Tensor pixels = ember::image::decode_image(data, path, denominator);
@@ -62,7 +50,7 @@ void image_one(std::string_view bytes) {
 }
 
 void table_one(std::string_view bytes, const char* name) {
-  const fs::path path = write_file(name, bytes);
+  const fs::path path = scratch().write(name, bytes);
   for (const auto& record : ember::support::read_table(path, {{"text", "text_column"}, {"label", "label_column"}})) {
     if (record.values.size() != 2) throw Finding("a record with " + std::to_string(record.values.size()) + " values for 2 columns");
     if (record.line < 1) throw Finding("a record on line " + std::to_string(record.line));
@@ -70,7 +58,7 @@ void table_one(std::string_view bytes, const char* name) {
 }
 
 void shard_one(std::string_view bytes) {
-  const fs::path path = write_file("shard.tar", bytes);
+  const fs::path path = scratch().write("shard.tar", bytes);
   const std::vector<ember_webdataset::FieldSpec> fields = {{{"npy"}, "npy"}, {{"cls"}, "cls"}};
   const auto index = ember_webdataset::index_shard(path.string(), path.string(), fields, /*skip_incomplete=*/true);
   for (const auto& sample : index.samples) {
@@ -92,7 +80,7 @@ bool data_file_one(std::string_view input, std::string* error) {
   input.remove_prefix(1);
   try {
     switch (kind) {
-      case 0: npy_one(input, (work_dir() / "array.npy").string()); break;
+      case 0: npy_one(input, (scratch().path() / "array.npy").string()); break;
       case 1: image_one(input); break;
       case 2: table_one(input, "table.csv"); break;
       case 3: table_one(input, "table.jsonl"); break;
@@ -101,10 +89,8 @@ bool data_file_one(std::string_view input, std::string* error) {
   } catch (const Finding&) {
     throw;
   } catch (const ember::RunError& e) {
-    const std::string what = e.what();
-    if (what.empty() || what.find('\n') != std::string::npos) throw Finding("an error that is not one line: " + what);
-    if (what.find(work_dir().string()) == std::string::npos) throw Finding("the error does not name the file: " + what);
-    if (error) *error = what;
+    scratch().check_clean_error(e.what());
+    if (error) *error = e.what();
     return false;
   } catch (const std::exception& e) {
     throw Finding(std::string("unexpected exception (not a one-line error naming the file): ") + e.what());

@@ -1,16 +1,15 @@
 #include "model_file_inputs.h"
 
 #include <ATen/ATen.h>
-#include <unistd.h>
 
 #include <ember/error.h>
 #include <ember/support/safetensors.h>
 
 #include <filesystem>
-#include <fstream>
 
 #include "bert_net.h"
 #include "fuzz_inputs.h"
+#include "scratch_folder.h"
 #include "gpt_net.h"
 #include "lm_tokenizer.h"
 #include "wordpiece.h"
@@ -20,21 +19,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// This process's folder for the files under test (one at a time).
-const fs::path& work_dir() {
-  static const fs::path dir = [] {
-    const char* tmp = std::getenv("TMPDIR");
-    fs::path d = fs::path(tmp && *tmp ? tmp : "/tmp") / ("ember-fuzz-model-files-" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    return d;
-  }();
-  return dir;
-}
-
-fs::path write_file(const std::string& name, std::string_view bytes) {
-  const fs::path path = work_dir() / name;
-  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  return path;
+const ScratchFolder& scratch() {
+  static const ScratchFolder folder("model-files");
+  return folder;
 }
 
 // A text with letters, digits, contractions, runs of spaces, a newline, non-ASCII letters and
@@ -44,14 +31,14 @@ const std::string kSample =
     "\xe4\xb8\xad\xe6\x96\x87!<|endoftext|>The end  ";
 
 void safetensors_one(std::string_view bytes) {
-  const fs::path path = write_file("model.safetensors", bytes);
+  const fs::path path = scratch().write("model.safetensors", bytes);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   {
     const ember::support::SafetensorsFile file(path.string());
     for (const auto& name : file.names()) tensors.emplace_back(name, file.tensor(name).clone());
   }
   // What was read writes and reads back the same (what `engine export` does with weights).
-  const fs::path again = work_dir() / "again.safetensors";
+  const fs::path again = scratch().path() / "again.safetensors";
   ember::support::write_safetensors(again.string(), tensors);
   const ember::support::SafetensorsFile file(again.string());
   if (file.names().size() != tensors.size()) throw Finding("a safetensors file written from what was read holds other tensors");
@@ -64,7 +51,7 @@ void safetensors_one(std::string_view bytes) {
 }
 
 void tokenizer_one(std::string_view bytes) {
-  const fs::path path = write_file("tokenizer.json", bytes);
+  const fs::path path = scratch().write("tokenizer.json", bytes);
   const auto tokenizer = ember_text_lm::load_bytelevel_bpe(path);
   const int64_t size = tokenizer->vocab_size();
   if (size < 1) throw Finding("a tokenizer with an empty vocabulary was accepted");
@@ -88,34 +75,26 @@ void tokenizer_one(std::string_view bytes) {
 }
 
 void gpt_config_one(std::string_view bytes) {
-  const fs::path path = write_file("config.json", bytes);
+  const fs::path path = scratch().write("config.json", bytes);
   const ember_gpt::GptShape shape = ember_gpt::GptShape::from_hf_config(path.string());
   const std::string described = shape.describe();
-  const fs::path again = write_file("exported.config.json", shape.hf_config_json());
+  const fs::path again = scratch().write("exported.config.json", shape.hf_config_json());
   const std::string back = ember_gpt::GptShape::from_hf_config(again.string()).describe();
   if (back != described) throw Finding("the exported config.json reads back as another shape: " + described + " vs " + back);
 }
 
 void bert_config_one(std::string_view bytes) {
-  const fs::path path = write_file("config.json", bytes);
+  const fs::path path = scratch().write("config.json", bytes);
   ember_text::BertConfig::from_json_file(path.string());
 }
 
 void vocab_one(std::string_view bytes) {
-  const fs::path folder = work_dir() / "wordpiece";
-  fs::create_directories(folder);
-  std::ofstream(folder / "vocab.txt", std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  const fs::path folder = scratch().write("wordpiece/vocab.txt", bytes).parent_path();
   const auto tokenizer = ember_text::WordPieceTokenizer::from_folder(folder.string());
   for (int64_t max_length : {0, 2, 7})
     for (int64_t id : tokenizer.encode(kSample, max_length))
       if (id < 0 || id >= tokenizer.vocab_size())
         throw Finding("WordPiece gave id " + std::to_string(id) + " outside the vocabulary of " + std::to_string(tokenizer.vocab_size()));
-}
-
-void one_line_naming_the_file(const std::string& what) {
-  if (what.empty()) throw Finding("an error with an empty message");
-  if (what.find('\n') != std::string::npos) throw Finding("an error spans several lines: " + what);
-  if (what.find(work_dir().string()) == std::string::npos) throw Finding("the error does not name the file: " + what);
 }
 
 }  // namespace
@@ -135,11 +114,11 @@ bool model_file_one(std::string_view input, std::string* error) {
   } catch (const Finding&) {
     throw;
   } catch (const ember::RunError& e) {
-    one_line_naming_the_file(e.what());
+    scratch().check_clean_error(e.what());
     if (error) *error = e.what();
     return false;
   } catch (const ember::ConfigError& e) {
-    one_line_naming_the_file(e.what());
+    scratch().check_clean_error(e.what());
     if (error) *error = e.what();
     return false;
   } catch (const std::exception& e) {
