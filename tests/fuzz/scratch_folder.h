@@ -2,14 +2,15 @@
 // test: a folder of this process's own under $TMPDIR (or /tmp), one file at a time, removed when
 // the process ends.
 #pragma once
+#include <ftw.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <string_view>
-#include <system_error>
 
 #include "fuzz_inputs.h"
 
@@ -22,9 +23,11 @@ class ScratchFolder {
     path_ = std::filesystem::path(tmp && *tmp ? tmp : "/tmp") / ("ember-fuzz-" + harness + "-" + std::to_string(::getpid()));
     std::filesystem::create_directories(path_);
   }
+  // With POSIX calls: at exit, std::filesystem::remove_all resolved to libtorch's own copy, which
+  // crashed there (a null call while the process's statics were being destroyed).
   ~ScratchFolder() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
+    ::nftw(
+        path_.c_str(), [](const char* file, const struct stat*, int, struct FTW*) { return ::remove(file); }, 16, FTW_DEPTH | FTW_PHYS);
   }
   ScratchFolder(const ScratchFolder&) = delete;
   ScratchFolder& operator=(const ScratchFolder&) = delete;
