@@ -78,24 +78,17 @@ bool data_file_one(std::string_view input, std::string* error) {
   if (input.empty()) return false;
   const int kind = static_cast<unsigned char>(input[0]) % 5;
   input.remove_prefix(1);
-  try {
-    switch (kind) {
-      case 0: npy_one(input, (scratch().path() / "array.npy").string()); break;
-      case 1: image_one(input); break;
-      case 2: table_one(input, "table.csv"); break;
-      case 3: table_one(input, "table.jsonl"); break;
-      default: shard_one(input); break;
-    }
-  } catch (const Finding&) {
-    throw;
-  } catch (const ember::RunError& e) {
-    scratch().check_clean_error(e.what());
-    if (error) *error = e.what();
-    return false;
-  } catch (const std::exception& e) {
-    throw Finding(std::string("unexpected exception (not a one-line error naming the file): ") + e.what());
-  }
-  return true;
+  return scratch().judge(
+      [&] {
+        switch (kind) {
+          case 0: npy_one(input, (scratch().path() / "array.npy").string()); break;
+          case 1: image_one(input); break;
+          case 2: table_one(input, "table.csv"); break;
+          case 3: table_one(input, "table.jsonl"); break;
+          default: shard_one(input); break;
+        }
+      },
+      error);
 }
 
 }  // namespace ember::fuzz

@@ -103,28 +103,17 @@ bool model_file_one(std::string_view input, std::string* error) {
   if (input.empty()) return false;
   const int kind = static_cast<unsigned char>(input[0]) % 5;
   input.remove_prefix(1);
-  try {
-    switch (kind) {
-      case 0: safetensors_one(input); break;
-      case 1: tokenizer_one(input); break;
-      case 2: gpt_config_one(input); break;
-      case 3: bert_config_one(input); break;
-      default: vocab_one(input); break;
-    }
-  } catch (const Finding&) {
-    throw;
-  } catch (const ember::RunError& e) {
-    scratch().check_clean_error(e.what());
-    if (error) *error = e.what();
-    return false;
-  } catch (const ember::ConfigError& e) {
-    scratch().check_clean_error(e.what());
-    if (error) *error = e.what();
-    return false;
-  } catch (const std::exception& e) {
-    throw Finding(std::string("unexpected exception (not a one-line error naming the file): ") + e.what());
-  }
-  return true;
+  return scratch().judge(
+      [&] {
+        switch (kind) {
+          case 0: safetensors_one(input); break;
+          case 1: tokenizer_one(input); break;
+          case 2: gpt_config_one(input); break;
+          case 3: bert_config_one(input); break;
+          default: vocab_one(input); break;
+        }
+      },
+      error);
 }
 
 }  // namespace ember::fuzz

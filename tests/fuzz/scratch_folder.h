@@ -12,6 +12,8 @@
 #include <string>
 #include <string_view>
 
+#include <ember/error.h>
+
 #include "fuzz_inputs.h"
 
 namespace ember::fuzz {
@@ -41,14 +43,34 @@ class ScratchFolder {
     return file;
   }
 
-  // A clean error of a reader: one line that names the file it read (a path in this folder).
-  void check_clean_error(const std::string& what) const {
-    if (what.empty()) throw Finding("an error with an empty message");
-    if (what.find('\n') != std::string::npos) throw Finding("an error spans several lines: " + what);
-    if (what.find(path_.string()) == std::string::npos) throw Finding("the error does not name the file: " + what);
+  // Runs `read` (a harness reading the file it wrote here): true when the file is accepted, false
+  // for a clean error (its message in *error when given): ember::RunError or ConfigError, one line,
+  // naming the file. Anything else is a Finding.
+  template <class Read>
+  bool judge(Read read, std::string* error) const {
+    try {
+      read();
+    } catch (const Finding&) {
+      throw;
+    } catch (const ember::RunError& e) {
+      return clean(e.what(), error);
+    } catch (const ember::ConfigError& e) {
+      return clean(e.what(), error);
+    } catch (const std::exception& e) {
+      throw Finding(std::string("unexpected exception (not a one-line error naming the file): ") + e.what());
+    }
+    return true;
   }
 
  private:
+  bool clean(const std::string& what, std::string* error) const {
+    if (what.empty()) throw Finding("an error with an empty message");
+    if (what.find('\n') != std::string::npos) throw Finding("an error spans several lines: " + what);
+    if (what.find(path_.string()) == std::string::npos) throw Finding("the error does not name the file: " + what);
+    if (error) *error = what;
+    return false;
+  }
+
   std::filesystem::path path_;
 };
 
