@@ -82,6 +82,14 @@ constexpr bool kIsolateLibraries = false;
 constexpr bool kIsolateLibraries = true;
 #endif
 
+// LibTorch's flag read as its byte: where nothing isolates a clashing library (sanitizer builds)
+// the byte it left need not be a valid bool, and loading it as one is undefined (UBSan said so).
+unsigned char fatal_enforce_flag_byte() {
+  unsigned char byte = 0;
+  std::memcpy(&byte, &FLAGS_caffe2_use_fatal_for_enforce, 1);
+  return byte;
+}
+
 void isolate_clashing_libraries() {
   if (!kIsolateLibraries) return;
   static std::once_flag once;
@@ -152,7 +160,7 @@ EmberBuildFingerprint engine_fingerprint() {
 const EmberPluginDescriptor* load_descriptor(const fs::path& file, const std::string& expected_name) {
   const std::string where = "plugin '" + expected_name + "' (" + file.string() + ")";
   isolate_clashing_libraries();
-  const bool fatal_enforce_before = FLAGS_caffe2_use_fatal_for_enforce;
+  const unsigned char fatal_enforce_before = fatal_enforce_flag_byte();
   auto* lib = new boost::dll::shared_library();
   boost::dll::fs::error_code ec;
   lib->load(file, boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local, ec);
@@ -168,7 +176,7 @@ const EmberPluginDescriptor* load_descriptor(const fs::path& file, const std::st
   keep_loaded().push_back(lib);
   // The clash above, with a library not yet known to clash: refused rather than run with
   // LibTorch's memory overwritten.
-  if (kIsolateLibraries && FLAGS_caffe2_use_fatal_for_enforce != fatal_enforce_before)
+  if (kIsolateLibraries && fatal_enforce_flag_byte() != fatal_enforce_before)
     throw PluginError(where + " loaded a library whose static constructors overwrote LibTorch's own flags (an exported symbol of "
                       "the same name as one of libc10's, such as FLAGS_minloglevel): add it to isolate_clashing_libraries() in "
                       "engine/src/registry/plugin_registry.cpp, or link the plugin against a build of it that hides its symbols");
