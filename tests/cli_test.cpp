@@ -433,6 +433,52 @@ num_workers = 2
   EXPECT_GT(std::stod(r.out.substr(pos + 8)), 0.6) << r.out;
 }
 
+namespace {
+
+// idx files as the Debian package holds them, but written uncompressed (gzread passes them through):
+// big-endian magic and counts, then the bytes.
+std::string idx_file(uint32_t magic, std::vector<uint32_t> header, size_t data_bytes, unsigned char fill = 0) {
+  std::string out;
+  header.insert(header.begin(), magic);
+  for (uint32_t v : header)
+    for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<char>((v >> shift) & 0xff));
+  out.append(data_bytes, static_cast<char>(fill));
+  return out;
+}
+
+}  // namespace
+
+TEST(Cli, FashionMnistFilesThatAreWrongAreOneLineNamingTheFile) {
+  TempDir dir("cli");
+  write_file(dir / "run.toml", "[trainer]\nmax_epochs = 1\n[model]\nname = \"mlp\"\nhidden = [8]\n[data]\nname = \"fashion_mnist\"\nroot = \"idx\"\n");
+  std::filesystem::create_directories(dir / "idx");
+  const std::string images = "idx/train-images-idx3-ubyte.gz", labels = "idx/train-labels-idx1-ubyte.gz";
+  struct Case {
+    std::string images, labels, expect;
+  } cases[] = {
+      {idx_file(2049, {2, 28, 28}, 2 * 784), "", images + ": bad magic number 2049 (expected 2051 for idx3 images)"},
+      {idx_file(2051, {2, 32, 32}, 2 * 1024), "", images + ": holds 2 images of 32x32, expected at least one image of 28x28"},
+      // A count of four billion images would ask for 3 TB before reading a pixel: the file's size
+      // bounds what its header may count.
+      {idx_file(2051, {4000000000u, 28, 28}, 784), "", images + ": truncated: its header counts 4000000000 images (3136000000000 bytes of pixels), more than the file can hold"},
+      {idx_file(2051, {3, 28, 28}, 2 * 784), "", images + ": truncated: expected 2352 bytes of pixels, found 1568"},
+      {idx_file(2051, {2, 28, 28}, 3 * 784), "", images + ": more data than its header's count of images"},
+      {idx_file(2051, {2, 28, 28}, 2 * 784), idx_file(2049, {3}, 3), labels + ": holds 3 labels but " + images + " holds 2 images"},
+      {idx_file(2051, {2, 28, 28}, 2 * 784), idx_file(2049, {2}, 2, 10), labels + ": label 10 at index 0 is outside [0, "},
+  };
+  for (const auto& c : cases) {
+    write_file(dir / images, c.images);
+    std::filesystem::remove(dir / labels);
+    if (!c.labels.empty()) write_file(dir / labels, c.labels);
+    auto r = run_engine({"run.toml"}, dir.path());
+    EXPECT_NE(r.exit_code, 0) << c.expect;
+    EXPECT_NE(r.err.find(c.expect), std::string::npos) << c.expect << "\n" << r.err;
+    size_t errors = 0;
+    for (size_t pos = r.err.find("] error "); pos != std::string::npos; pos = r.err.find("] error ", pos + 1)) ++errors;
+    EXPECT_EQ(errors, 1u) << r.err;
+  }
+}
+
 TEST(Cli, ProgressDoesNotFloodLogsWhenNotATerminal) {
   TempDir dir("cli");
   write_file(dir / "run.toml", std::string(kQuick) + "\n");

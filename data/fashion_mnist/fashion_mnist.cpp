@@ -79,6 +79,15 @@ class GzFile {
 
   const std::string& path() const { return path_; }
 
+  // The most bytes the file can decompress to: deflate never expands its input more than
+  // 1032-fold, and gzread passes a file that is not gzip through as it is. A header counting more
+  // than this is refused before anything is allocated for it.
+  uint64_t max_decompressed_bytes() const {
+    std::error_code ec;
+    const uintmax_t size = std::filesystem::file_size(path_, ec);
+    return ec ? UINT64_MAX : static_cast<uint64_t>(size) * 1032;
+  }
+
   // Reads up to `size` bytes (in chunks: gzread counts in int) and returns how many it got.
   size_t read_some(void* out, size_t size) {
     auto* bytes = static_cast<unsigned char*>(out);
@@ -150,6 +159,11 @@ Samples load(const std::filesystem::path& root, const char* images_file, const c
     if (count == 0 || rows != kSide || cols != kSide) {
       throw ember::RunError(c10::str(f.path(), ": holds ", count, " images of ", rows, "x", cols,
                                      ", expected at least one image of ", kSide, "x", kSide));
+    }
+    const uint64_t pixels = static_cast<uint64_t>(count) * kSide * kSide;
+    if (pixels > f.max_decompressed_bytes()) {
+      throw ember::RunError(c10::str(f.path(), ": truncated: its header counts ", count, " images (", pixels,
+                                     " bytes of pixels), more than the file can hold: reinstall dataset-fashion-mnist"));
     }
     s.images = torch::empty({count, 1, kSide, kSide}, torch::kUInt8);
     f.read(s.images.data_ptr<uint8_t>(), static_cast<size_t>(s.images.numel()), "pixels");
