@@ -321,6 +321,17 @@ TEST(WebDataset, HttpShardsAreDownloadedOnceIntoTheCache) {
   int kept = 0;
   for (const auto& e : fs::directory_iterator(dir / "small")) kept += e.path().extension() == ".tar";
   EXPECT_EQ(kept, 1);
+  // A compressed shard on the server: downloaded, decompressed, and only the decompressed copy kept.
+  ASSERT_EQ(run_process({EMBER_TEST_PYTHON, "-c", "import gzip; open('sh/train-000002.tar.gz', 'wb').write(gzip.compress(open('sh/train-000002.tar', 'rb').read()))"},
+                        dir.path(), {}, 30).exit_code, 0);
+  run_engine_ok(dir, probe({"run.toml", "--set", "data.train=[\"http://127.0.0.1:" + std::to_string(port) + "/train-000002.tar.gz\"]", "--set",
+                            "data.cache_dir=\"gz\"", "--set", "data.shuffle=false", "--set", "trainer.max_epochs=1"},
+                           "gz.txt"));
+  EXPECT_EQ(epoch_ids(steps(dir / "gz.txt"), 0), (std::vector<int64_t>{14, 15, 16}));
+  std::vector<std::string> gz_cache;
+  for (const auto& e : fs::directory_iterator(dir / "gz")) gz_cache.push_back(e.path().filename().string());
+  ASSERT_EQ(gz_cache.size(), 1u);
+  EXPECT_TRUE(gz_cache[0].size() > 17 && gz_cache[0].substr(gz_cache[0].size() - 17) == "-train-000002.tar") << gz_cache[0];
   server.stop();
   EXPECT_EQ(epoch_ids(steps(dir / "remote.txt"), 0), ref["ids"].get<std::vector<int64_t>>());
   run_engine_ok(dir, probe(remote, "again.txt"));
@@ -332,6 +343,69 @@ TEST(WebDataset, HttpShardsAreDownloadedOnceIntoTheCache) {
   EXPECT_NE(gone.err.find("webdataset: cannot download shard http://127.0.0.1:" + std::to_string(port) + "/missing-0.tar"), std::string::npos) << gone.err;
   for (const auto& e : fs::directory_iterator(dir / "cache"))
     EXPECT_EQ(e.path().filename().string().find("missing"), std::string::npos) << "a failed download leaves nothing: " << e.path();
+}
+
+// Compressed shards (gzip, xz, bzip2: whatever Python's tarfile reads with "r|*") are decompressed
+// once into the cache and read from there, in the same order with the same samples; a later run
+// reuses the copies, a rewritten shard is decompressed again, and a corrupt or cut-short shard is
+// one line (gzip's CRC-32 checked) that leaves nothing in the cache.
+TEST(WebDataset, CompressedShardsAreReadFromDecompressedCopies) {
+  TempDir dir("webdataset");
+  const auto ref = write_arrays(dir);
+  ASSERT_EQ(run_process({EMBER_TEST_PYTHON, "-c",
+                         "import bz2, gzip, io, lzma, os, tarfile\n"
+                         "os.makedirs('z')\n"
+                         "for k, (ext, pack) in enumerate((('gz', gzip.compress), ('xz', lzma.compress), ('bz2', bz2.compress))):\n"
+                         "    open(f'z/train-00000{k}.tar.{ext}', 'wb').write(pack(open(f'sh/train-00000{k}.tar', 'rb').read()))\n"
+                         "g = bytearray(gzip.compress(open('sh/train-000002.tar', 'rb').read()))\n"
+                         "g[-6] ^= 0xff\n"  // the CRC-32 in the trailer: the data decompresses, the check fails
+                         "open('z/crc.tar.gz', 'wb').write(bytes(g))\n"
+                         "buf = io.BytesIO()\n"  // a shard large enough to be cut short past its first block
+                         "with tarfile.open(fileobj=buf, mode='w') as t:\n"
+                         "    data = os.urandom(1 << 20); info = tarfile.TarInfo('big.npy'); info.size = len(data); t.addfile(info, io.BytesIO(data))\n"
+                         "g = gzip.compress(buf.getvalue())\n"
+                         "open('z/cut.tar.gz', 'wb').write(g[:len(g) // 2])\n"},
+                        dir.path(), {}, 60).exit_code,
+            0);
+  write_file(dir / "run.toml", kArraysToml);
+  const std::vector<std::string> args = {"run.toml", "--set", "data.train=[\"z/train-000000.tar.gz\", \"z/train-000001.tar.xz\", \"z/train-000002.tar.bz2\"]",
+                                         "--set", "data.cache_dir=\"cache\"", "--set", "data.shuffle=false", "--set", "trainer.max_epochs=1"};
+  auto r = run_engine_ok(dir, probe(args));
+  EXPECT_NE(r.err.find("webdataset: 3 train shards (17 samples), 0 val (0), 0 test (0); 3 compressed shards read from decompressed copies in cache"),
+            std::string::npos) << r.err;
+  EXPECT_EQ(epoch_ids(steps(dir / "position.txt"), 0), ref["ids"].get<std::vector<int64_t>>());
+  auto copies = [&] {
+    std::map<std::string, fs::file_time_type> out;
+    for (const auto& e : fs::directory_iterator(dir / "cache")) out[e.path().filename().string()] = fs::last_write_time(e.path());
+    return out;
+  };
+  const auto first = copies();
+  ASSERT_EQ(first.size(), 3u);
+  for (const auto& [name, time] : first) EXPECT_EQ(fs::path(name).extension(), ".tar") << name;
+  // Each copy is the shard's own tar, byte for byte.
+  for (int k = 0; k < 3; ++k) {
+    const std::string tar = "train-00000" + std::to_string(k) + ".tar";
+    bool found = false;
+    for (const auto& [name, time] : first)
+      if (name.size() > tar.size() && name.substr(name.size() - tar.size()) == tar) found = read_file(dir / "cache" / name) == read_file(dir / "sh" / tar);
+    EXPECT_TRUE(found) << tar;
+  }
+  // A later run reads the same copies; a rewritten shard gets a new one.
+  run_engine_ok(dir, probe(args, "again.txt"));
+  EXPECT_EQ(copies(), first);
+  EXPECT_EQ(epoch_ids(steps(dir / "again.txt"), 0), ref["ids"].get<std::vector<int64_t>>());
+  fs::last_write_time(dir / "z/train-000000.tar.gz", fs::last_write_time(dir / "z/train-000000.tar.gz") + std::chrono::seconds(10));
+  run_engine_ok(dir, probe(args, "rewritten.txt"));
+  EXPECT_EQ(copies().size(), 4u);
+  EXPECT_EQ(epoch_ids(steps(dir / "rewritten.txt"), 0), ref["ids"].get<std::vector<int64_t>>());
+  for (const auto& [shard, expected] : {std::pair<std::string, std::string>{"z/crc.tar.gz", "webdataset: shard z/crc.tar.gz is corrupt or cut short (gzip: "},
+                                        {"z/cut.tar.gz", "webdataset: shard z/cut.tar.gz is corrupt or cut short (gzip: "}}) {
+    auto bad = run_engine({"run.toml", "--set", "data.train=[\"" + shard + "\"]", "--set", "data.cache_dir=\"cache\"", "--set", "data.fields=[\"npy\"]"},
+                          dir.path(), {}, 120);
+    EXPECT_NE(bad.exit_code, 0) << shard;
+    EXPECT_NE(bad.err.find(expected), std::string::npos) << bad.err;
+    EXPECT_EQ(copies().size(), 4u) << "a failed decompression leaves nothing in the cache";
+  }
 }
 
 // Bad shards and settings: one line each, naming the shard (and the sample), or the key's file:line.
@@ -357,9 +431,10 @@ TEST(WebDataset, BadShardsAreOneLineNamingThem) {
   fails({"--set", "data.train=[\"{0..999}{0..999}{0..999}.tar\"]"}, "shard pattern expands to more than 1000000 shard names");
   write_file(dir / "not.tar", std::string(2000, 'x'));
   fails({"--set", "data.train=[\"not.tar\"]"}, "webdataset: shard not.tar is not a readable tar file");
-  ASSERT_EQ(run_process({EMBER_TEST_PYTHON, "-c", "import gzip; open('sh/train-000002.tar.gz', 'wb').write(gzip.compress(open('sh/train-000002.tar', 'rb').read()))"},
+  ASSERT_EQ(run_process({EMBER_TEST_PYTHON, "-c", "import gzip; open('twice.tar.gz', 'wb').write(gzip.compress(gzip.compress(open('sh/train-000002.tar', 'rb').read())))"},
                         dir.path(), {}, 30).exit_code, 0);
-  fails({"--set", "data.train=[\"sh/train-000002.tar.gz\"]"}, "webdataset: shard sh/train-000002.tar.gz is compressed (gzip)");
+  fails({"--set", "data.train=[\"twice.tar.gz\"]", "--set", "data.cache_dir=\"cache\""},
+        "webdataset: shard twice.tar.gz is compressed twice (gzip, then gzip): write it as a tar compressed once, or not at all");
   // A list that miscounts a shard is found when the shard is first read.
   write_file(dir / "wrong.json", R"({"shardlist": [{"url": "sh/train-000002.tar", "nsamples": 4}]})");
   fails({"--set", "data.train=[\"wrong.json\"]"}, "holds 3 complete samples, its shard list says 4");

@@ -4,9 +4,17 @@
 
 #include <archive.h>
 #include <archive_entry.h>
+#include <zlib.h>
+
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <memory>
+#include <stdexcept>
+#include <vector>
 
 namespace ember_webdataset {
 
@@ -34,10 +42,16 @@ ShardIndex index_shard(const std::string& path, const std::string& name, const s
   std::unique_ptr<archive, int (*)(archive*)> a(archive_read_new(), archive_read_free);
   archive_read_support_format_tar(a.get());
   archive_read_support_filter_all(a.get());  // to name a compressed shard rather than call it "not a tar"
+  // (A compressed shard cut short within its first block fails here too: "truncated gzip input".)
   if (archive_read_open_filename(a.get(), path.c_str(), 1 << 16) != ARCHIVE_OK)
     throw ember::RunError("webdataset: shard " + name + " is not a readable tar file (" + archive_error_string(a.get()) +
                           "): write shards with webdataset's ShardWriter or `engine data pack`");
   ShardIndex out;
+  // The filter is known once the file is open (libarchive bids on its first bytes).
+  if (archive_filter_code(a.get(), 0) != ARCHIVE_FILTER_NONE) {
+    out.compression = archive_filter_name(a.get(), 0);
+    return out;
+  }
   Members current;
   auto close_sample = [&] {
     if (current.key.empty()) return;
@@ -63,9 +77,6 @@ ShardIndex index_shard(const std::string& path, const std::string& name, const s
   archive_entry* entry = nullptr;
   int rc;
   while ((rc = archive_read_next_header(a.get(), &entry)) == ARCHIVE_OK) {
-    if (archive_filter_code(a.get(), 0) != ARCHIVE_FILTER_NONE)
-      throw ember::RunError("webdataset: shard " + name + " is compressed (" + archive_filter_name(a.get(), 0) +
-                            "): samples are read at random, which needs an uncompressed tar (decompress it, e.g. gunzip)");
     if (archive_entry_filetype(entry) != AE_IFREG) continue;
     const std::string member = archive_entry_pathname(entry);
     std::string key, extension;
@@ -81,6 +92,61 @@ ShardIndex index_shard(const std::string& path, const std::string& name, const s
                           "): write shards with webdataset's ShardWriter or `engine data pack`");
   close_sample();
   return out;
+}
+
+namespace {
+
+ember::RunError cut_short(const std::string& name, const std::string& filter, const std::string& why) {
+  return ember::RunError("webdataset: shard " + name + " is corrupt or cut short (" + filter + ": " + why + ")");
+}
+
+ember::RunError write_failed(const std::string& target) {
+  return ember::RunError("webdataset: writing " + target + " failed (" + std::strerror(errno) + "): is data.cache_dir's disk full?");
+}
+
+}  // namespace
+
+void decompress_shard(const std::string& path, const std::string& target, const std::string& name) {
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> out(std::fopen(target.c_str(), "wb"), std::fclose);
+  if (!out) throw ember::RunError("webdataset: cannot write " + target + " to decompress shard " + name + ": " + std::strerror(errno) + " (set data.cache_dir to a writable folder)");
+  std::vector<char> buffer(1 << 20);
+  auto write = [&](size_t n) {
+    if (std::fwrite(buffer.data(), 1, n, out.get()) != n) throw write_failed(target);
+  };
+  std::unique_ptr<archive, int (*)(archive*)> a(archive_read_new(), archive_read_free);
+  archive_read_support_filter_all(a.get());
+  archive_read_support_format_raw(a.get());  // the decompressed stream as it is, whatever it holds
+  archive_entry* entry = nullptr;
+  if (archive_read_open_filename(a.get(), path.c_str(), 1 << 16) != ARCHIVE_OK || archive_read_next_header(a.get(), &entry) != ARCHIVE_OK)
+    throw ember::RunError("webdataset: cannot decompress shard " + name + " (" + archive_error_string(a.get()) + ")");
+  if (archive_filter_code(a.get(), 0) == ARCHIVE_FILTER_GZIP) {
+    // zlib rather than libarchive for gzip: libarchive skips the trailer's CRC-32 and length, and
+    // a corrupt shard must not train on wrong bytes. Concatenated members are read as gzip does.
+    a.reset();
+    gzFile gz = gzopen(path.c_str(), "rb");
+    if (gz == nullptr) throw ember::RunError("webdataset: cannot open shard " + name + ": " + std::strerror(errno));
+    std::unique_ptr<gzFile_s, int (*)(gzFile)> closer(gz, gzclose);
+    while (true) {
+      const int n = gzread(gz, buffer.data(), static_cast<unsigned>(buffer.size()));
+      int code = Z_OK;
+      if (n < 0) throw cut_short(name, "gzip", gzerror(gz, &code));
+      if (n == 0) {
+        // gzread ends quietly where the file ends; Z_BUF_ERROR says it ended inside a stream.
+        gzerror(gz, &code);
+        if (code == Z_BUF_ERROR) throw cut_short(name, "gzip", "the file ends inside the compressed stream");
+        break;
+      }
+      write(static_cast<size_t>(n));
+    }
+  } else {
+    while (true) {
+      const la_ssize_t n = archive_read_data(a.get(), buffer.data(), buffer.size());
+      if (n < 0) throw cut_short(name, archive_filter_name(a.get(), 0), archive_error_string(a.get()));
+      if (n == 0) break;
+      write(static_cast<size_t>(n));
+    }
+  }
+  if (std::fflush(out.get()) != 0 || ::fsync(fileno(out.get())) != 0) throw write_failed(target);
 }
 
 }  // namespace ember_webdataset

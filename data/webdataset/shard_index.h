@@ -27,6 +27,9 @@ struct IndexedSample {
 };
 
 struct ShardIndex {
+  // Set when the file is a compressed tar (libarchive's name of its filter: "gzip", "bzip2", "xz",
+  // "zstd"...): nothing is indexed then; decompress_shard makes a copy that can be.
+  std::string compression;
   std::vector<IndexedSample> samples;
   int64_t incomplete = 0;      // samples left out for a missing field (skip_incomplete)
   std::string first_incomplete;
@@ -34,8 +37,14 @@ struct ShardIndex {
 
 // Indexes the tar file at `path`; `name` (the shard as listed) opens error messages. A sample
 // without one of `fields` stops with an ember::RunError naming the shard, the key and the field,
-// or (skip_incomplete) is left out and counted. A compressed tar is refused (no random access).
+// or (skip_incomplete) is left out and counted. A compressed tar is only named (`compression`): its
+// members cannot be read at their offsets.
 ShardIndex index_shard(const std::string& path, const std::string& name, const std::vector<FieldSpec>& fields, bool skip_incomplete);
+
+// Writes the decompressed bytes of the file at `path` (any filter libarchive reads: gzip, bzip2,
+// xz, zstd, lz4...) to `target`, flushed to disk. A corrupt or truncated stream throws an
+// ember::RunError naming the shard as `name`; `target` may then hold part of the data.
+void decompress_shard(const std::string& path, const std::string& target, const std::string& name);
 
 // Splits a member name into WebDataset's key and extension ("a/b/0001.seg.png" -> "a/b/0001",
 // "seg.png"); false when the last component has no dot.

@@ -2,11 +2,14 @@
 
 #include <ember/error.h>
 
+#include "shard_index.h"
+
 #include <curl/curl.h>
 #include <glob.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -195,6 +198,62 @@ fs::path ShardCache::fetch(const std::string& url) {
     }
   }
   if (!fs::exists(target)) download(url, dir_, target);
+  remember(target);
+  return target;
+}
+
+fs::path ShardCache::decompressed(const std::string& source) {
+  // "a.tar.gz" -> "a.tar", "a.tgz" -> "a.tar": the copy is named as the tar it is.
+  std::string base = is_remote(source) ? source.substr(source.find_last_of('/') + 1) : fs::path(source).filename().string();
+  for (const char* suffix : {".gz", ".tgz", ".bz2", ".tbz2", ".xz", ".txz", ".zst", ".tzst", ".lz4", ".lzma"})
+    if (base.size() > std::strlen(suffix) && base.compare(base.size() - std::strlen(suffix), std::string::npos, suffix) == 0) {
+      base.resize(base.size() - std::strlen(suffix));
+      break;
+    }
+  if (base.size() < 4 || base.compare(base.size() - 4, 4, ".tar") != 0) base += ".tar";
+  std::string key = "decompressed:" + source;
+  if (!is_remote(source)) {
+    std::error_code ec;
+    const fs::path absolute = fs::absolute(source, ec);
+    const auto size = fs::file_size(source, ec);
+    const auto mtime = fs::last_write_time(source, ec).time_since_epoch().count();
+    key = "decompressed:" + absolute.string() + ":" + std::to_string(size) + ":" + std::to_string(mtime);
+  }
+  const fs::path target = dir_ / (std::to_string(std::hash<std::string>{}(key)) + "-" + base);
+  {
+    std::lock_guard lock(mutex_);
+    if (auto it = entries_.find(target.string()); it != entries_.end()) {
+      it->second.last_use = ++clock_;
+      return target;
+    }
+  }
+  if (!fs::exists(target)) {
+    const fs::path input = is_remote(source) ? fetch(source) : fs::path(source);
+    std::error_code ec;
+    fs::create_directories(dir_, ec);
+    if (ec) throw ember::RunError("webdataset: cannot create the shard cache " + dir_.string() + ": " + ec.message() + " (set data.cache_dir)");
+    // A temporary name per process and thread, as for downloads: never taken for a whole copy.
+    const fs::path partial = target.string() + ".partial." + std::to_string(::getpid()) + "." +
+                             std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+    try {
+      decompress_shard(input.string(), partial.string(), source);
+    } catch (...) {
+      fs::remove(partial, ec);
+      throw;
+    }
+    fs::rename(partial, target, ec);
+    if (ec) throw ember::RunError("webdataset: cannot move " + partial.string() + " to " + target.string() + ": " + ec.message());
+    // The compressed download is not read again: only the copy stays.
+    if (is_remote(source)) {
+      forget(input);
+      fs::remove(input, ec);
+    }
+  }
+  remember(target);
+  return target;
+}
+
+void ShardCache::remember(const fs::path& target) {
   std::error_code ec;
   const auto bytes = static_cast<int64_t>(fs::file_size(target, ec));
   std::lock_guard lock(mutex_);
@@ -210,7 +269,6 @@ fs::path ShardCache::fetch(const std::string& url) {
     total_ -= oldest->second.bytes;
     entries_.erase(oldest);
   }
-  return target;
 }
 
 void ShardCache::forget(const fs::path& copy) {

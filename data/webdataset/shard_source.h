@@ -40,10 +40,18 @@ class ShardCache {
   // The local copy of `url`, downloaded when missing. Throws ember::RunError with the URL and the
   // HTTP status or libcurl's error.
   std::filesystem::path fetch(const std::string& url);
+  // An uncompressed copy of the compressed shard `source` (a local path, or a URL: downloaded
+  // first, and that download deleted once decompressed), made once under a temporary name and
+  // kept, counted and evicted like a download. A local shard's copy is named by its path, size and
+  // modification time, so a rewritten shard is decompressed again.
+  std::filesystem::path decompressed(const std::string& source);
   // Forgets a copy that disappeared (deleted by another process sharing the folder).
   void forget(const std::filesystem::path& copy);
 
  private:
+  // Counts the copy at `target` (a download or a decompressed shard) and deletes the least
+  // recently used others while the copies exceed the limit.
+  void remember(const std::filesystem::path& target);
   struct Entry {
     int64_t bytes = 0;
     uint64_t last_use = 0;

@@ -1,7 +1,8 @@
 // webdataset: samples stored in WebDataset's tar shards (files of one sample share a key:
 // 000001.jpg + 000001.cls), as webdataset's ShardWriter, MosaicML-style pipelines and `engine data
 // pack` write them. Shards are local files, brace ranges, globs, HTTP(S) URLs (downloaded once
-// into data.cache_dir) or JSON shard lists. Each shard's tar headers are indexed (libarchive), so
+// into data.cache_dir) or JSON shard lists, plain or compressed tars (gzip, xz, zstd...: decompressed
+// once into data.cache_dir, as random access needs). Each shard's tar headers are indexed (libarchive), so
 // any sample can be read at random: the engine's loader then orders every epoch shard by shard
 // (ember::ISampleGroups: the shards permuted by seed and epoch, the samples of data.shuffle_groups
 // shards shuffled together, each rank one contiguous part), which makes the order the same on any
@@ -25,6 +26,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -46,8 +48,8 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::StringList("val", "[]", "Validation shards (as train); empty = no validation split."),
     ember::key::StringList("test", "[]", "Test shards (as train); empty = no test split."),
     ember::key::StringList("fields", "[\"jpg;jpeg;png\", \"cls\"]", "The batch's tensors, in order (webdataset's to_tuple): each the member with the first of its ;-separated extensions: jpg/jpeg/png = an image (the transform keys below), cls/cls2/index/label = an integer class, npy = a NumPy array (the same shape in every sample)."),
-    ember::key::String("cache_dir", "\"\"", "Where http(s) shards are downloaded to (once; reused by later runs); empty = $EMBER_CACHE/webdataset, else ~/.cache/ember/webdataset."),
-    ember::key::Float("cache_limit_gb", "0.0", "Keep at most this many GB of downloaded shards: the least recently used go (and are fetched again when needed); 0 = keep every shard.").at_least(0.0),
+    ember::key::String("cache_dir", "\"\"", "Where http(s) shards are downloaded to and compressed shards decompressed to (once; reused by later runs); empty = $EMBER_CACHE/webdataset, else ~/.cache/ember/webdataset."),
+    ember::key::Float("cache_limit_gb", "0.0", "Keep at most this many GB of downloaded and decompressed shards: the least recently used go (and are fetched again when needed); 0 = keep every shard.").at_least(0.0),
     ember::key::String("incomplete_samples", "\"stop\"", "A sample without one of the fields: stop (one line naming the shard and key) or skip (left out, counted in the log).").choices("stop|skip"),
     EMBER_IMAGE_TRANSFORM_KEYS,
 };
@@ -66,7 +68,8 @@ struct Shard {
   int64_t first = 0, count = 0;
   std::once_flag indexed;
   std::exception_ptr error;
-  std::mutex fetch;  // one download of a remote shard at a time
+  std::mutex fetch;  // one download (or decompression) of a shard at a time
+  std::string compression;  // found when indexed: then its samples are read from a decompressed copy
   std::vector<IndexedSample> samples;
 };
 
@@ -132,6 +135,7 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
                                          " samples), " + std::to_string(splits_[1].size()) + " val (" + std::to_string(sizes_[1]) + "), " +
                                          std::to_string(splits_[2].size()) + " test (" + std::to_string(sizes_[2]) + ")" +
                                          (incomplete_ > 0 ? ", " + std::to_string(incomplete_) + " incomplete samples skipped (first: " + first_incomplete_ + ")" : "") +
+                                         (decompressed_ > 0 ? "; " + std::to_string(decompressed_.load()) + " compressed shards read from decompressed copies in " + cache_dir_.string() : "") +
                                          (any_remote() ? "; http(s) shards cached in " + cache_dir_.string() +
                                                              (cache_limit_bytes_ > 0 ? " (at most " + c10::str(static_cast<double>(cache_limit_bytes_) / 1e9) + " GB)" : "")
                                                        : ""));
@@ -217,6 +221,16 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
     std::call_once(shard.indexed, [&] {
       try {
         auto index = index_shard(local_file(shard).string(), shard.location.source, specs_, skip_incomplete_);
+        // A compressed shard cannot be read at its members' offsets: it is decompressed once into
+        // the cache, and its copy indexed and read instead.
+        if (!index.compression.empty()) {
+          shard.compression = index.compression;
+          index = index_shard(local_file(shard).string(), shard.location.source, specs_, skip_incomplete_);
+          if (!index.compression.empty())
+            throw ember::RunError("webdataset: shard " + shard.location.source + " is compressed twice (" + shard.compression + ", then " +
+                                  index.compression + "): write it as a tar compressed once, or not at all");
+          ++decompressed_;
+        }
         if (shard.location.samples >= 0 && static_cast<int64_t>(index.samples.size()) != shard.location.samples)
           throw ember::RunError("webdataset: shard " + shard.location.source + " holds " + std::to_string(index.samples.size()) +
                                 " complete samples, its shard list says " + std::to_string(shard.location.samples) + ": fix the list's \"nsamples\"");
@@ -253,11 +267,12 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
     return {&shard, &shard.samples[static_cast<size_t>(index - shard.first)]};
   }
 
-  // The shard's file: the path as listed, or the cache's copy of a URL (fetched when missing).
+  // The shard's tar file: the path as listed, the cache's copy of a URL (fetched when missing), or
+  // the cache's decompressed copy of a compressed shard (made when missing).
   fs::path local_file(Shard& shard) const {
-    if (!is_remote(shard.location.source)) return shard.location.source;
+    if (shard.compression.empty() && !is_remote(shard.location.source)) return shard.location.source;
     std::lock_guard lock(shard.fetch);
-    return cache_->fetch(shard.location.source);
+    return shard.compression.empty() ? cache_->fetch(shard.location.source) : cache_->decompressed(shard.location.source);
   }
 
   // The bytes [offset, offset + size) of the shard's file. A cached copy deleted meanwhile (by
@@ -266,7 +281,7 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
     std::string bytes(static_cast<size_t>(size), '\0');
     fs::path path = local_file(shard);
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0 && errno == ENOENT && is_remote(shard.location.source)) {
+    if (fd < 0 && errno == ENOENT && (is_remote(shard.location.source) || !shard.compression.empty())) {
       cache_->forget(path);
       path = local_file(shard);
       fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -333,6 +348,7 @@ class WebDataset final : public ember::IDataModule, public ember::ISampleGroups,
   std::vector<FieldSpec> specs_;  // the fields' extensions, what the shard index needs
   int64_t cache_limit_bytes_;
   fs::path cache_dir_;
+  mutable std::atomic<int64_t> decompressed_{0};  // compressed shards indexed (their copies made or found)
   std::unique_ptr<ShardCache> cache_;
   std::array<std::vector<std::string>, 3> lists_;
   std::array<std::string, 3> wheres_;

@@ -6,7 +6,7 @@ usage: make_data_file_seeds.py OUT_DIR
 Each seed is one kind byte (tests/fuzz/data_file_inputs.h) followed by the file's bytes:
   0 .npy (numpy.save, format versions 1 and 2), 1 JPEG and PNG (Pillow: RGB, grayscale, palette,
   RGBA, progressive JPEG), 2 CSV (with quoting), 3 JSON Lines, 4 a WebDataset tar shard (tarfile:
-  .npy and .cls members, one sample without .cls). Run once with the LibTorch venv's Python
+  .npy and .cls members, one sample without .cls; plain, gzip and xz). Run once with the LibTorch venv's Python
   (scripts/setup.sh installs numpy and Pillow there); the seeds are committed."""
 import io
 import os
@@ -71,6 +71,12 @@ def main():
                 add(f"train/{i:04d}.cls", str(i).encode())
         add("__meta__.json", b"{}")
     write(out, "shard.tar", 4, buf.getvalue())
+    # Compressed shards are decompressed into the cache first (zlib for gzip, libarchive for xz).
+    import gzip
+    import lzma
+
+    write(out, "shard.tar.gz", 4, gzip.compress(buf.getvalue(), mtime=0))
+    write(out, "shard.tar.xz", 4, lzma.compress(buf.getvalue()))
 
 
 if __name__ == "__main__":
