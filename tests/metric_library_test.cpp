@@ -260,8 +260,14 @@ TEST(Metrics, EveryBuiltInEqualsScikitLearnIncludingEdgeCases) {
       spec.num_classes = c["classes"].get<int64_t>();
       auto cm = m::make_metric(spec);
       cm->update(preds, target);
-      const at::Tensor expected = at::tensor(c["confusion_matrix"].get<std::vector<int64_t>>(), at::kLong).reshape({spec.num_classes, -1});
-      EXPECT_TRUE(at::equal(dynamic_cast<m::ConfusionMatrix&>(*cm).matrix(), expected)) << name << ": confusion matrix";
+      if (spec.task == m::Task::multilabel) {
+        // scikit-learn's multilabel_confusion_matrix: [L, 2, 2] = [[tn, fp], [fn, tp]] per label.
+        const at::Tensor expected = at::tensor(c["confusion_matrix"].get<std::vector<int64_t>>(), at::kLong).reshape({spec.num_classes, 2, 2});
+        EXPECT_TRUE(at::equal(dynamic_cast<m::MultilabelConfusionMatrix&>(*cm).matrix(), expected)) << name << ": confusion matrices";
+      } else {
+        const at::Tensor expected = at::tensor(c["confusion_matrix"].get<std::vector<int64_t>>(), at::kLong).reshape({spec.num_classes, -1});
+        EXPECT_TRUE(at::equal(dynamic_cast<m::ConfusionMatrix&>(*cm).matrix(), expected)) << name << ": confusion matrix";
+      }
       ++compared;
     }
   }

@@ -1,10 +1,12 @@
 // mlp: a multi-layer perceptron on flattened inputs, for classification (cross-entropy on class
-// indices) or regression (mean squared error on float targets).
+// indices), regression (mean squared error on float targets) or multilabel classification (binary
+// cross-entropy on 0/1 targets, one independent label per output).
 //
 //   flatten -> [linear -> activation -> dropout] per hidden width -> linear(num_classes)
 //
 // Batch: tensors[0] = inputs [N, ...] (flattened to [N, input_size]); tensors[1] = labels int64
-// [N] for classification, float targets [N, num_classes] for regression.
+// [N] for classification, float targets [N, num_classes] for regression, 0/1 targets [N, num_classes]
+// (any dtype) for multilabel.
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -37,11 +39,11 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::String("activation", "\"relu\"", "Nonlinearity after each hidden layer.").choices("relu|gelu|tanh"),
     ember::key::Float("dropout", "0.0", "Dropout probability after each hidden activation, in [0, 1); 0 adds no dropout.").at_least(0.0).below(1.0),
     ember::key::Int("num_classes", "10", "Output width: the number of classes, or of regression targets.").at_least(1),
-    ember::key::String("task", "\"classification\"", "Cross-entropy on class labels, or mean squared error on float targets.").choices("classification|regression"),
+    ember::key::String("task", "\"classification\"", "Cross-entropy on class labels, mean squared error on float targets (regression), or binary cross-entropy on 0/1 targets [N, num_classes] (multilabel: each output an independent label).").choices("classification|regression|multilabel"),
 };
 
 enum class Activation { relu, gelu, tanh };
-enum class Task { classification, regression };
+enum class Task { classification, regression, multilabel };
 
 struct MlpOptions {
   int64_t input_size = 0;
@@ -129,7 +131,8 @@ MlpOptions read_options(const ember::IConfig& cfg) {
   o.activation = activation == "gelu" ? Activation::gelu : activation == "tanh" ? Activation::tanh : Activation::relu;
   o.dropout = ember_models::read_dropout(cfg, "dropout");
   o.num_classes = cfg.get_int("num_classes");
-  o.task = cfg.get_string("task") == "regression" ? Task::regression : Task::classification;
+  const std::string task = cfg.get_string("task");
+  o.task = task == "regression" ? Task::regression : task == "multilabel" ? Task::multilabel : Task::classification;
 
   // Constraints between keys, which the schema cannot express.
   const std::string s = c10::str("[", cfg.section(), "] ");
@@ -161,10 +164,11 @@ class Mlp final : public ember::IModel, public ember::IModelFlops, public ember:
     if (std::strcmp(iid, ember::kPredictingModelIid) == 0) return static_cast<ember::IPredictingModel*>(this);
     return unit_model_interface(iid);
   }
-  // Classification: class probabilities; regression: the outputs.
+  // Classification: class probabilities; multilabel: each label's probability; regression: the outputs.
   at::Tensor predict_step(const ember::Batch& batch) override {
     at::Tensor out = outputs(batch);
-    return opts_.task == Task::classification ? out.to(at::kFloat).softmax(1) : out;
+    if (opts_.task == Task::classification) return out.to(at::kFloat).softmax(1);
+    return opts_.task == Task::multilabel ? out.to(at::kFloat).sigmoid() : out;
   }
   bool predicts_classes() const override { return opts_.task == Task::classification; }
   // Per linear layer: forward and weight gradient 2*n*in*out each, the input gradient again
@@ -201,6 +205,7 @@ class Mlp final : public ember::IModel, public ember::IModelFlops, public ember:
     if (opts_.task == Task::classification) {
       return ember_models::classification_step(out, batch[1], phase, ctx, "mlp");
     }
+    if (opts_.task == Task::multilabel) return multilabel_step(out, batch[1], phase, ctx);
     return regression_step(out, batch[1], phase, ctx);
   }
 
@@ -239,6 +244,21 @@ class Mlp final : public ember::IModel, public ember::IModelFlops, public ember:
     return loss;
   }
 
+  // Binary cross-entropy on the logits against 0/1 targets [N, num_classes]; logs <phase>_loss, and
+  // hands logits and targets to the run's [metrics] table (task = "multilabel": F1, AUROC, the
+  // confusion matrix per label...).
+  at::Tensor multilabel_step(const at::Tensor& out, const at::Tensor& targets, Phase phase, ember::IStepContext& ctx) const {
+    if (targets.dim() != 2 || targets.size(0) != out.size(0) || targets.size(1) != opts_.num_classes) {
+      throw ember::RunError(c10::str("mlp: multilabel needs 0/1 targets of shape [", out.size(0), ", ", opts_.num_classes, "], got ",
+                                     targets.scalar_type(), " ", targets.sizes(), ": set [", section_,
+                                     "] num_classes to the number of labels, or task = \"classification\" for one class index per sample"));
+    }
+    at::Tensor loss = torch::binary_cross_entropy_with_logits(out.to(torch::kFloat), targets.to(out.device(), torch::kFloat));
+    ctx.log(std::string(ember_models::phase_name(phase)) + "_loss", loss.detach(), ember_models::loss_log_options(phase));
+    ctx.update_metrics(out.detach(), targets);
+    return loss;
+  }
+
   MlpOptions opts_;
   std::string section_;
   std::shared_ptr<MlpNet> net_;
@@ -249,5 +269,5 @@ ember::IModel* make(ember::IHost& host, const ember::IConfig& cfg) { return new 
 }  // namespace
 
 EMBER_PLUGIN(ember::IModel, "mlp", "0.1.0", "Apache-2.0",
-             "A multi-layer perceptron on flattened inputs, for classification or regression.",
+             "A multi-layer perceptron on flattened inputs, for classification, multilabel classification or regression.",
              EMBER_CONFIG_KEYS(kKeys), make)

@@ -122,7 +122,9 @@ def multilabel_case(name, n, labels):
         e[f"auroc {avg}"] = skm.roc_auc_score(y, probs, average=avg)
         e[f"average_precision {avg}"] = skm.average_precision_score(y, probs, average=avg)
     cases.append({"name": name, "task": "multilabel", "classes": labels, "preds": probs.ravel().tolist(), "pred_shape": [n, labels],
-                  "target": y.ravel().tolist(), "target_shape": [n, labels], "expect": e})
+                  "target": y.ravel().tolist(), "target_shape": [n, labels], "expect": e,
+                  # [L, 2, 2]: [[tn, fp], [fn, tp]] per label
+                  "confusion_matrix": skm.multilabel_confusion_matrix(y, pred).ravel().tolist()})
 
 
 multiclass_case("multiclass", 517, 5)

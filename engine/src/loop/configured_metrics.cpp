@@ -180,7 +180,10 @@ ConfiguredMetrics::EpochValues ConfiguredMetrics::finish(Split split, const Metr
   const std::string prefix = kSplitNames[static_cast<int>(split)];
   for (const auto& [name, metric] : m.collection.metrics()) {
     if (name == "confusion_matrix") {
-      out.confusion_matrix = static_cast<const metrics::ConfusionMatrix&>(*metric).matrix();
+      if (const auto* labels = dynamic_cast<const metrics::MultilabelConfusionMatrix*>(metric.get()))
+        out.confusion_matrix = labels->matrix();
+      else
+        out.confusion_matrix = static_cast<const metrics::ConfusionMatrix&>(*metric).matrix();
       continue;
     }
     const std::string key = prefix + "_" + name + (split == Split::train && on_step_ ? "_epoch" : "");
@@ -242,6 +245,44 @@ ConfusionMatrixImage draw_confusion_matrix(const at::Tensor& matrix, const std::
   cairo_stroke(cr);
   return {canvas.png_bytes(), canvas.width(), canvas.height()};
 }
+
+// Multilabel: one 2 x 2 panel per label ([[tn, fp], [fn, tp]]), shaded as above, ten to a row; at
+// most the first 100 labels (the CSV has them all).
+ConfusionMatrixImage draw_label_matrices(const at::Tensor& matrices, const std::string& split) {
+  namespace chart = ember::support::chart;
+  const int64_t labels = matrices.size(0), drawn = std::min<int64_t>(labels, 100);
+  const int64_t per_row = std::min<int64_t>(drawn, 10), rows = (drawn + per_row - 1) / per_row;
+  const int cell = 36, panel = 2 * cell, gap = 30, left = 16, top = 56;
+  // Wide enough for the title whatever the number of labels.
+  chart::Canvas canvas(static_cast<int>(std::max<int64_t>(left + per_row * (panel + gap), 600)), static_cast<int>(top + rows * (panel + gap) + 8));
+  cairo_t* cr = canvas.cr();
+  cairo_set_font_size(cr, 14);
+  chart::set_color(cr, {0.1, 0.1, 0.1});
+  chart::draw_text(cr, split + " confusion matrix per label (rows: target 0 / 1, columns: predicted 0 / 1)", 8, 20);
+  if (drawn < labels) chart::draw_text(cr, "labels 0-99 of " + std::to_string(labels) + "; the CSV has them all", 8, 38);
+  for (int64_t l = 0; l < drawn; ++l) {
+    const double x = left + static_cast<double>(l % per_row) * (panel + gap), y = top + static_cast<double>(l / per_row) * (panel + gap);
+    const at::Tensor m = matrices[l].to(at::kDouble);
+    const at::Tensor share = m / m.sum(1, true).clamp_min(1);
+    cairo_set_font_size(cr, 11);
+    chart::set_color(cr, {0.2, 0.2, 0.2});
+    chart::draw_text(cr, "label " + std::to_string(l), x + panel / 2.0, y - 6, 0.5);
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 2; ++j) {
+        const double v = share[i][j].item<double>();
+        cairo_set_source_rgb(cr, 1 - 0.85 * v, 1 - 0.55 * v, 1 - 0.2 * v);
+        cairo_rectangle(cr, x + j * cell, y + i * cell, cell, cell);
+        cairo_fill(cr);
+        chart::set_color(cr, v > 0.5 ? chart::Rgb{1, 1, 1} : chart::Rgb{0.1, 0.1, 0.1});
+        chart::draw_text(cr, std::to_string(matrices[l][i][j].item<int64_t>()), x + j * cell + cell / 2.0, y + i * cell + cell * 0.62, 0.5);
+      }
+    cairo_set_source_rgb(cr, 0.6, 0.6, 0.6);
+    cairo_set_line_width(cr, 1);
+    cairo_rectangle(cr, x + 0.5, y + 0.5, panel, panel);
+    cairo_stroke(cr);
+  }
+  return {canvas.png_bytes(), canvas.width(), canvas.height()};
+}
 }  // namespace
 #endif
 
@@ -249,19 +290,27 @@ ConfusionMatrixImage write_confusion_matrix(const at::Tensor& matrix, const std:
   ConfusionMatrixImage image;
   const int64_t c = matrix.size(0);
   std::ostringstream csv;
-  csv << "target\\predicted";
-  for (int64_t j = 0; j < c; ++j) csv << ',' << j;
-  csv << '\n';
-  for (int64_t i = 0; i < c; ++i) {
-    csv << i;
-    for (int64_t j = 0; j < c; ++j) csv << ',' << matrix[i][j].item<int64_t>();
+  if (matrix.dim() == 3) {
+    // Multilabel: a row per label with its four counts.
+    csv << "label,tn,fp,fn,tp\n";
+    for (int64_t l = 0; l < c; ++l)
+      csv << l << ',' << matrix[l][0][0].item<int64_t>() << ',' << matrix[l][0][1].item<int64_t>() << ',' << matrix[l][1][0].item<int64_t>() << ','
+          << matrix[l][1][1].item<int64_t>() << '\n';
+  } else {
+    csv << "target\\predicted";
+    for (int64_t j = 0; j < c; ++j) csv << ',' << j;
     csv << '\n';
+    for (int64_t i = 0; i < c; ++i) {
+      csv << i;
+      for (int64_t j = 0; j < c; ++j) csv << ',' << matrix[i][j].item<int64_t>();
+      csv << '\n';
+    }
   }
   const std::string text = csv.str();
   const auto path = dir / (split + "_confusion_matrix.csv");
   atomic_write(path, text.data(), text.size());
 #ifdef EMBER_WITH_CAIRO
-  image = draw_confusion_matrix(matrix, split);
+  image = matrix.dim() == 3 ? draw_label_matrices(matrix, split) : draw_confusion_matrix(matrix, split);
   if (image.png.empty()) throw RunError("cairo could not encode " + (dir / (split + "_confusion_matrix.png")).string());
   atomic_write(dir / (split + "_confusion_matrix.png"), image.png.data(), image.png.size());
 #endif

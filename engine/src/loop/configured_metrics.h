@@ -53,7 +53,7 @@ class ConfiguredMetrics {
   // <split>_<name>_<class> for average = "none"; and the confusion matrix when one is asked.
   struct EpochValues {
     std::vector<std::pair<std::string, double>> values;
-    at::Tensor confusion_matrix;  // [C, C] on the CPU (rows: targets), or undefined
+    at::Tensor confusion_matrix;  // [C, C] on the CPU (rows: targets), multilabel [L, 2, 2], or undefined
   };
   EpochValues finish(Split split, const MetricRanks& ranks, bool ran_batches);
   // After a split's first batch: throws finish's error at once when the split computes metrics and
@@ -83,8 +83,9 @@ class ConfiguredMetrics {
   bool step_window_used_ = false;
 };
 
-// Writes `matrix` as <dir>/<split>_confusion_matrix.csv (rows: targets, columns: predictions; and
-// a .png where the build has cairo), each atomically. Returns the image (empty without cairo) for
+// Writes `matrix` as <dir>/<split>_confusion_matrix.csv (rows: targets, columns: predictions; a
+// multilabel [L, 2, 2] as a row per label: label,tn,fp,fn,tp; and a .png where the build has
+// cairo), each atomically. Returns the image (empty without cairo) for
 // the loggers that take images.
 struct ConfusionMatrixImage {
   std::string png;

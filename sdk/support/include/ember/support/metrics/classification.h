@@ -231,6 +231,10 @@ class LabelScore : public Metric {
            std::to_string(static_cast<int>(scores_));
   }
 
+ protected:
+  // tp, fp, fn, tn per label: int64 [labels, 4], on the CPU.
+  at::Tensor counts() const { return state(counts_).to(at::kCPU); }
+
  private:
   ScoreKind kind_;
   Task task_;
@@ -239,6 +243,20 @@ class LabelScore : public Metric {
   double threshold_, beta_;
   Scores scores_;
   size_t counts_ = 0;
+};
+
+// The multilabel confusion matrices: one 2 x 2 per label, [L, 2, 2] = [[tn, fp], [fn, tp]] (rows:
+// target 0 / 1, columns: predicted 0 / 1), as scikit-learn's multilabel_confusion_matrix and
+// torchmetrics' MultilabelConfusionMatrix lay them out. It keeps LabelScore's counts (one compute
+// group with the multilabel precision, recall, F1...); compute() is the micro label accuracy.
+class MultilabelConfusionMatrix : public LabelScore {
+ public:
+  explicit MultilabelConfusionMatrix(int64_t num_labels, double threshold = 0.5, Scores scores = Scores::automatic)
+      : LabelScore(ScoreKind::accuracy, Task::multilabel, num_labels, Average::micro, threshold, 1.0, scores) {}
+  at::Tensor matrix() const {
+    const at::Tensor c = counts();  // tp, fp, fn, tn
+    return at::stack({c.select(1, 3), c.select(1, 1), c.select(1, 2), c.select(1, 0)}, 1).reshape({-1, 2, 2});
+  }
 };
 
 // Multiclass top-k accuracy (scikit-learn's top_k_accuracy_score for micro): a sample counts when

@@ -85,7 +85,7 @@ inline std::unique_ptr<Metric> make_metric(const MetricSpec& spec) {
   if (n == "confusion_matrix") {
     if (spec.task == Task::binary) return ConfusionMatrix::binary(spec.threshold, spec.scores);
     if (multiclass) return std::make_unique<ConfusionMatrix>(spec.num_classes, spec.ignore_index);
-    return refuse("a multilabel task has one 2 x 2 matrix per label: use precision / recall with average = \"none\"");
+    return std::make_unique<MultilabelConfusionMatrix>(spec.num_classes, spec.threshold, spec.scores);
   }
   if (n == "mae") return std::make_unique<Regression>(Regression::Kind::mae);
   if (n == "mse") return std::make_unique<Regression>(Regression::Kind::mse);
