@@ -211,15 +211,19 @@ fs::path ShardCache::decompressed(const std::string& source) {
       break;
     }
   if (base.size() < 4 || base.compare(base.size() - 4, 4, ".tar") != 0) base += ".tar";
-  std::string key = "decompressed:" + source;
+  // A URL's copy is named by the URL; a local shard's by its path, then its size and modification
+  // time, so that a rewritten shard gets a new copy and the old one (same path part) can go.
+  std::string owner = std::to_string(std::hash<std::string>{}("decompressed:" + source)) + "-";
+  std::string name = owner + base;
   if (!is_remote(source)) {
     std::error_code ec;
     const fs::path absolute = fs::absolute(source, ec);
     const auto size = fs::file_size(source, ec);
     const auto mtime = fs::last_write_time(source, ec).time_since_epoch().count();
-    key = "decompressed:" + absolute.string() + ":" + std::to_string(size) + ":" + std::to_string(mtime);
+    owner = std::to_string(std::hash<std::string>{}("decompressed:" + absolute.string())) + "-";
+    name = owner + std::to_string(std::hash<std::string>{}(std::to_string(size) + ":" + std::to_string(mtime))) + "-" + base;
   }
-  const fs::path target = dir_ / (std::to_string(std::hash<std::string>{}(key)) + "-" + base);
+  const fs::path target = dir_ / name;
   {
     std::lock_guard lock(mutex_);
     if (auto it = entries_.find(target.string()); it != entries_.end()) {
@@ -247,6 +251,17 @@ fs::path ShardCache::decompressed(const std::string& source) {
     if (is_remote(source)) {
       forget(input);
       fs::remove(input, ec);
+    } else {
+      // Copies of earlier versions of this shard (it was rewritten since) are stale: deleted.
+      std::vector<fs::path> stale;
+      for (const auto& e : fs::directory_iterator(dir_, ec)) {
+        const std::string other = e.path().filename().string();
+        if (other != name && other.rfind(owner, 0) == 0 && other.find(".partial.") == std::string::npos) stale.push_back(e.path());
+      }
+      for (const auto& old : stale) {
+        forget(old);
+        fs::remove(old, ec);
+      }
     }
   }
   remember(target);
