@@ -338,6 +338,98 @@ TEST(TextClassification, TrainsAndTestsATinyBertThroughTheEngine) {
   EXPECT_TRUE(tested);
 }
 
+// Multi-label texts (data.multilabel: labels separated in one field; model.problem_type =
+// "multi_label_classification": binary cross-entropy): the labels are the union of the training
+// file's, the targets one 0/1 row per text (no label at all included), the [metrics] table's
+// per-label confusion matrices count every test text, predictions are each label's probability,
+// and the exported folder tells transformers the problem type. Mixed-up settings are one line.
+TEST(TextClassification, MultiLabelTextsTrainWithBinaryCrossEntropy) {
+  TempDir dir("text_multilabel");
+  write_tiny_task(dir);
+  std::string csv = "text,tags\n";
+  const char* texts[][2] = {{"the food is great!", "food;praise"}, {"great, great food.", "praise ; food"}, {"hello world", "greet"},
+                            {"hello, the food is bad", "food;greet"}, {"bad. not great", ""},                 {"hello! great", "greet;praise"}};
+  for (int rep = 0; rep < 4; ++rep)
+    for (const auto& t : texts) csv += "\"" + std::string(t[0]) + "\"," + t[1] + "\n";
+  write_file(dir / "tags.csv", csv);
+  std::string run = tiny_run(dir, "multilabel = true\nlabel_column = \"tags\"\n");
+  for (const char* file : {"train.csv", "test.jsonl"}) run.replace(run.find(file), std::strlen(file), "tags.csv");
+  write_file(dir / "run.toml", run + "[metrics]\nnames = [\"f1\", \"confusion_matrix\"]\ntask = \"multilabel\"\nsplits = [\"test\"]\n");
+  const std::vector<std::string> multi = {"--set", "model.problem_type=\"multi_label_classification\"", "--set", "model.num_classes=3"};
+  std::vector<std::string> args = {"run.toml"};
+  args.insert(args.end(), multi.begin(), multi.end());
+  auto r = run_engine(args, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("18 train, 6 val, 24 test texts; labels food=0, greet=1, praise=2 (multilabel)"), std::string::npos) << r.err;
+  const auto rows = read_csv(dir / "runs/run/version_0/metrics.csv");
+  bool tested = false;
+  for (const auto& row : rows) tested |= row.count("test_f1") && !row.at("test_f1").empty();
+  EXPECT_TRUE(tested);
+  // Every test text in each label's 2 x 2, and the targets as written: food on 12 texts of 24,
+  // greet on 12, praise on 12 (tn + fp = texts without the label).
+  std::istringstream matrix(read_file(dir / "runs/run/version_0/test_confusion_matrix.csv"));
+  std::string line;
+  std::getline(matrix, line);
+  EXPECT_EQ(line, "label,tn,fp,fn,tp");
+  int labels = 0;
+  for (; std::getline(matrix, line); ++labels) {
+    int64_t label, tn, fp, fn, tp;
+    char comma;
+    std::istringstream cells(line);
+    cells >> label >> comma >> tn >> comma >> fp >> comma >> fn >> comma >> tp;
+    EXPECT_EQ(fn + tp, 12) << line;
+    EXPECT_EQ(tn + fp, 12) << line;
+  }
+  EXPECT_EQ(labels, 3);
+  // Predictions: each label's probability (sigmoid), not a distribution over classes.
+  std::vector<std::string> predict = {"predict", "--ckpt", "last", "run.toml", "--set", "data.predict_split=\"test\""};
+  predict.insert(predict.end(), multi.begin(), multi.end());
+  r = run_engine(predict, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto predictions = read_csv(dir / "runs/run/version_1/predictions.csv");
+  ASSERT_EQ(predictions.size(), 24u);
+  for (const auto& row : predictions) {
+    double sum = 0;
+    for (const char* column : {"out_food", "out_greet", "out_praise"}) {  // named by the labels
+      ASSERT_TRUE(row.count(column)) << column << ": " << read_file(dir / "runs/run/version_1/predictions.csv").substr(0, 200);
+      const double p = std::stod(row.at(column));
+      EXPECT_TRUE(p > 0 && p < 1) << p;
+      sum += p;
+    }
+    EXPECT_GT(std::abs(sum - 1.0), 1e-6) << "independent labels do not sum to 1";
+  }
+  fs::path ckpt;
+  for (const auto& e : fs::directory_iterator(dir / "runs/run/version_0/checkpoints")) ckpt = e.path();
+  ASSERT_FALSE(ckpt.empty());
+  r = run_engine({"export", ckpt.string(), "exported"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto config = nlohmann::json::parse(read_file(dir / "exported/config.json"));
+  EXPECT_EQ(config["problem_type"], "multi_label_classification");
+  EXPECT_EQ(config["id2label"]["2"], "praise");
+#ifdef EMBER_TEST_PYTHON
+  // transformers loads the folder and gives each label's probability engine predict wrote.
+  r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/text/reference.py").string(), "export-check", (dir / "exported").string(),
+                   (dir / "tags.csv").string(), (dir / "runs/run/version_1/predictions.csv").string(), "mean", "8", "multilabel"},
+                  dir.path(), {}, 600);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("24 texts"), std::string::npos) << r.out << r.err;
+#endif
+  // Multi-label data without the problem type, and the problem type without multi-label data.
+  r = run_engine({"run.toml", "--set", "model.num_classes=3"}, dir.path());
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find(", 3] are 0/1 per label (multi-label data): set [model] problem_type = \"multi_label_classification\""),
+            std::string::npos) << r.err;
+  std::string single = tiny_run(dir);
+  single.replace(single.find("test.jsonl"), 10, "train.csv");
+  write_file(dir / "single.toml", single);
+  args = {"single.toml"};
+  args.insert(args.end(), multi.begin(), multi.end());
+  r = run_engine(args, dir.path());
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find(", 3], got Long [6]: set [data] multilabel = true (labels separated in one field), and [model] num_classes to the number of labels"),
+            std::string::npos) << r.err;
+}
+
 // data.group_by_length: each epoch's first batch holds the longest text (Hugging Face's rule) and
 // an epoch pads far fewer tokens than the plain shuffled order, in a real engine run.
 TEST(TextClassification, GroupByLengthBatchesTextsOfSimilarLength) {

@@ -48,6 +48,8 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::String("text_column", "\"text\"", "Column (CSV) or field (JSONL) holding the text."),
     ember::key::String("label_column", "\"label\"", "Column or field holding the label (a name, or an integer)."),
     ember::key::StringList("labels", "[]", "Label names in id order; empty: the training file's names, sorted."),
+    ember::key::Bool("multilabel", "false", "Each text has any number of labels (none included), separated by label_separator in its label field: the targets are 0/1 per label [N, labels] (bert: problem_type = \"multi_label_classification\")."),
+    ember::key::String("label_separator", "\";\"", "What separates a multilabel text's labels (\"sports;politics\"); spaces around each label are dropped."),
     ember::key::Float("val_split", "0.1", "Fraction of train_file held out for validation when val_file is empty, in [0, 1).").at_least(0.0).below(1.0),
     ember::key::String("tokenizer_dir", "\"all-minilm-l6-v2\"", "Folder with the model's vocab.txt (and tokenizer_config.json); a bare name is a folder in the Ember cache."),
     ember::key::Int("max_length", "128", "Most tokens per text, [CLS] and [SEP] included; longer texts are cut.").at_least(2),
@@ -89,8 +91,22 @@ std::vector<Row> read_rows(const std::string& path, const std::string& text_col,
 struct Samples {
   std::vector<std::vector<int64_t>> ids;
   std::vector<std::string> origins;  // "<file>:<line>" of each text: its id in predictions
-  at::Tensor labels;  // int64 [N]
+  at::Tensor labels;  // int64 [N], or 0/1 int64 [N, labels] (multilabel)
 };
+
+// A multilabel field's labels: split at `separator`, each trimmed, empty ones dropped.
+std::vector<std::string> split_labels(const std::string& field, const std::string& separator) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= field.size()) {
+    const size_t end = std::min(field.find(separator, start), field.size());
+    std::string label = field.substr(start, end - start);
+    const size_t first = label.find_first_not_of(" \t"), last = label.find_last_not_of(" \t");
+    if (first != std::string::npos) out.push_back(label.substr(first, last - first + 1));
+    start = end + separator.size();
+  }
+  return out;
+}
 
 class TextClassification final : public ember::IDataModule, public ember::IPredictionNames, public ember::ISampleLengths {
  public:
@@ -113,6 +129,11 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
     const auto tok_dir = ember_text::resolve_asset(cfg.get_string("tokenizer_dir"));
     tokenizer_.emplace(ember_text::WordPieceTokenizer::from_folder(tok_dir.string()));
     labels_ = cfg.get_string_list("labels");
+    multilabel_ = cfg.get_bool("multilabel");
+    separator_ = cfg.get_string("label_separator");
+    if (multilabel_ && separator_.empty())
+      throw ember::ConfigError(c10::str("[", cfg.section(), "] label_separator (", cfg.where("label_separator"),
+                                        ") is empty: a multilabel field needs a separator between its labels, e.g. \";\""));
     for (size_t i = 0; i < labels_.size(); ++i)
       for (size_t j = 0; j < i; ++j)
         if (labels_[i] == labels_[j])
@@ -124,13 +145,17 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
     const std::vector<Row> train_rows = read_rows(train_file_, text_column_, label_column_);
     if (labels_.empty()) {
       std::set<std::string> names;
-      for (const auto& r : train_rows) names.insert(r.label);
+      for (const auto& r : train_rows) {
+        if (!multilabel_) names.insert(r.label);
+        else
+          for (auto& l : split_labels(r.label, separator_)) names.insert(std::move(l));
+      }
       labels_.assign(names.begin(), names.end());
     }
     for (size_t i = 0; i < labels_.size(); ++i) label_ids_[labels_[i]] = static_cast<int64_t>(i);
     if (labels_.size() < 2)
       throw ember::RunError(c10::str(train_file_, ": holds ", labels_.size(), " label(s) in column \"", label_column_,
-                                     "\": classification needs at least two (check label_column)"));
+                                     "\": classification needs at least two (check label_column", multilabel_ ? " and label_separator" : "", ")"));
     Samples train = encode(train_rows, train_file_);
     if (!val_file_.empty()) {
       slot(ember::Split::val) = encode(read_rows(val_file_, text_column_, label_column_), val_file_);
@@ -152,7 +177,8 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
     for (size_t i = 0; i < labels_.size(); ++i) names += c10::str(i ? ", " : "", labels_[i], "=", i);
     host_.log(ember::LogLevel::info,
               c10::str("text_classification: ", size(ember::Split::train), " train, ", size(ember::Split::val), " val, ",
-                       size(ember::Split::test), " test texts; labels ", names, "; ", truncated_, " text(s) cut to ", max_length_, " tokens"));
+                       size(ember::Split::test), " test texts; labels ", names, multilabel_ ? " (multilabel)" : "", "; ", truncated_,
+                       " text(s) cut to ", max_length_, " tokens"));
   }
 
   void* query_interface(const char* iid) override {
@@ -199,11 +225,22 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
   Samples encode(const std::vector<Row>& rows, const std::string& path) {
     Samples s;
     std::vector<int64_t> labels;
-    for (const auto& r : rows) {
-      const auto it = label_ids_.find(r.label);
+    auto id_of = [&](const std::string& label, const Row& r) {
+      const auto it = label_ids_.find(label);
       if (it == label_ids_.end())
-        throw ember::RunError(c10::str(path, ":", r.line, ": label \"", r.label,
+        throw ember::RunError(c10::str(path, ":", r.line, ": label \"", label,
                                        "\" is not among the labels (", c10::Join(", ", labels_), "): add it to [", section_, "] labels"));
+      return it->second;
+    };
+    for (const auto& r : rows) {
+      if (multilabel_) {
+        // One 0/1 row per text: its labels' columns set.
+        const size_t row = labels.size();
+        labels.resize(row + labels_.size(), 0);
+        for (const auto& l : split_labels(r.label, separator_)) labels[row + static_cast<size_t>(id_of(l, r))] = 1;
+      } else {
+        labels.push_back(id_of(r.label, r));
+      }
       std::vector<int64_t> full = tokenizer_->encode(r.text);
       if (static_cast<int64_t>(full.size()) > max_length_) {
         ++truncated_;
@@ -211,9 +248,9 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
       }
       s.ids.push_back(std::move(full));
       s.origins.push_back(c10::str(std::filesystem::path(path).filename().string(), ":", r.line));
-      labels.push_back(it->second);
     }
     s.labels = torch::tensor(labels, torch::kLong);
+    if (multilabel_) s.labels = s.labels.reshape({-1, static_cast<int64_t>(labels_.size())});
     return s;
   }
   static Samples subset(const Samples& from, const int64_t* idx, int64_t n) {
@@ -235,6 +272,8 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
   std::optional<ember_text::WordPieceTokenizer> tokenizer_;
   std::vector<std::string> labels_;
   std::map<std::string, int64_t> label_ids_;
+  bool multilabel_ = false;
+  std::string separator_;
   int64_t truncated_ = 0;
   std::array<Samples, 3> splits_;  // indexed by ember::Split
 };

@@ -1,6 +1,7 @@
 // bert: a pretrained BERT-family encoder (BERT, MiniLM, DistilBERT: models/text/bert_net.h) with
 // mean, [CLS] or pooler pooling and a linear classification head, fine-tuned on token ids.
-// Batch: tensors[0] = input_ids int64 [N, S], tensors[1] = labels int64 [N], tensors[2] (optional)
+// Batch: tensors[0] = input_ids int64 [N, S], tensors[1] = labels int64 [N] (multi-label: 0/1
+// [N, num_classes], model.problem_type = "multi_label_classification"), tensors[2] (optional)
 // = attention_mask [N, S] (1 = token, 0 = padding; without it, ids equal to pad_token_id are padding),
 // as the text_classification data module yields them.
 #include <cstring>
@@ -36,7 +37,8 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::String("model_dir", "\"all-minilm-l6-v2\"", "Folder with config.json and model.safetensors (Hugging Face layout); a bare name is a folder in the Ember cache ($EMBER_CACHE, default ~/.cache/ember), where scripts/setup.sh installs all-minilm-l6-v2."),
     ember::key::Bool("pretrained", "true", "Load model.safetensors; false starts from a random initialisation of config.json's architecture."),
     ember::key::String("pooling", "\"mean\"", "Sentence vector: mean of the token states (padding excluded), the [CLS] state, or the checkpoint's pooler (tanh(dense([CLS])); DistilBERT: relu(pre_classifier([CLS])))." ).choices("mean|cls|pooler"),
-    ember::key::Int("num_classes", "2", "Classes: the width of the classification head.").at_least(2),
+    ember::key::Int("num_classes", "2", "Classes (or labels, multi-label): the width of the classification head.").at_least(2),
+    ember::key::String("problem_type", "\"single_label_classification\"", "transformers' problem_type: one class per text (cross-entropy on class indices), or any number of labels per text (binary cross-entropy on 0/1 targets [N, num_classes]; text_classification's multilabel = true).").choices("single_label_classification|multi_label_classification"),
     ember::key::Float("classifier_dropout", "0.1", "Dropout before the classification head, in [0, 1).").at_least(0.0).below(1.0),
     ember::key::Bool("freeze_encoder", "false", "Train only the classification head (a frozen-encoder baseline, linear probing)."),
     ember::key::String("unpad", "\"auto\"", "Leave a batch's padding out of the encoder's per-token work (projections, feed-forward, LayerNorm: only the attention product sees the padded layout, masked): auto = when at least 5% of the batch's token slots are padding, true = always, false = never. The same outputs either way (to rounding); less time and memory the more the texts of a batch differ in length.").choices("auto|true|false"),
@@ -67,6 +69,8 @@ class Bert final : public ember::IModel, public ember::UnitModel, public ember::
     head.pooling = parse_pooling(cfg.get_string("pooling"));
     head.num_classes = cfg.get_int("num_classes");
     head.dropout = ember_models::read_dropout(cfg, "classifier_dropout");
+    multilabel_ = cfg.get_string("problem_type") == "multi_label_classification";
+    section_ = cfg.section();
     net_ = std::make_shared<ember_text::BertClassifierNet>(config, head, parse_unpad(cfg.get_string("unpad")));
     if (cfg.get_bool("pretrained")) {
       const std::string weights = (dir / "model.safetensors").string();
@@ -87,8 +91,12 @@ class Bert final : public ember::IModel, public ember::UnitModel, public ember::
     if (std::strcmp(iid, ember::kExportableModelIid) == 0) return static_cast<ember::IExportableModel*>(this);
     return unit_model_interface(iid);
   }
-  at::Tensor predict_step(const ember::Batch& batch) override { return logits(batch).to(at::kFloat).softmax(1); }
-  bool predicts_classes() const override { return true; }
+  // Class probabilities, or each label's (multi-label).
+  at::Tensor predict_step(const ember::Batch& batch) override {
+    const at::Tensor out = logits(batch).to(at::kFloat);
+    return multilabel_ ? out.sigmoid() : out.softmax(1);
+  }
+  bool predicts_classes() const override { return !multilabel_; }
 
   // Export in Hugging Face's layout: the *ForSequenceClassification names, the model folder's
   // config.json saying the architecture and the classes, and its tokenizer files, so that
@@ -120,6 +128,8 @@ class Bert final : public ember::IModel, public ember::UnitModel, public ember::
     j["id2label"] = id2label;
     j["label2id"] = label2id;
     j[distil ? "seq_classif_dropout" : "classifier_dropout"] = head.dropout;
+    // transformers then trains and scores the folder with the same loss (BCE for multi-label).
+    j["problem_type"] = multilabel_ ? "multi_label_classification" : "single_label_classification";
     j["ember_pooling"] = head.pooling == ember_text::Pooling::mean ? "mean" : head.pooling == ember_text::Pooling::cls ? "cls" : "pooler";
     std::vector<std::pair<std::string, std::string>> files{{"config.json", j.dump(2) + "\n"}};
     for (const char* name : {"vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}) {
@@ -153,6 +163,13 @@ class Bert final : public ember::IModel, public ember::UnitModel, public ember::
  private:
   at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
     ember_models::require_inputs_and_targets(batch, "bert");
+    if (multilabel_)
+      return ember_models::multilabel_step(logits(batch), batch[1], phase, ctx, "bert",
+                                           c10::str("set [data] multilabel = true (labels separated in one field), and [", section_,
+                                                    "] num_classes to the number of labels"));
+    if (batch[1].dim() == 2)
+      throw ember::RunError(c10::str("bert: the targets ", batch[1].sizes(), " are 0/1 per label (multi-label data): set [", section_,
+                                     "] problem_type = \"multi_label_classification\""));
     return ember_models::classification_step(logits(batch), batch[1], phase, ctx, "bert");
   }
   at::Tensor logits(const ember::Batch& batch) {
@@ -167,6 +184,8 @@ class Bert final : public ember::IModel, public ember::UnitModel, public ember::
   std::shared_ptr<ember_text::BertClassifierNet> net_;
   std::filesystem::path dir_;
   int64_t pad_id_ = 0;
+  bool multilabel_ = false;
+  std::string section_;
 };
 
 ember::IModel* make(ember::IHost& host, const ember::IConfig& cfg) { return new Bert(host, cfg); }

@@ -205,7 +205,9 @@ class Mlp final : public ember::IModel, public ember::IModelFlops, public ember:
     if (opts_.task == Task::classification) {
       return ember_models::classification_step(out, batch[1], phase, ctx, "mlp");
     }
-    if (opts_.task == Task::multilabel) return multilabel_step(out, batch[1], phase, ctx);
+    if (opts_.task == Task::multilabel)
+      return ember_models::multilabel_step(out, batch[1], phase, ctx, "mlp",
+                                           c10::str("set [", section_, "] num_classes to the number of labels, or task = \"classification\" for one class index per sample"));
     return regression_step(out, batch[1], phase, ctx);
   }
 
@@ -240,21 +242,6 @@ class Mlp final : public ember::IModel, public ember::IModelFlops, public ember:
     ctx.log(std::string(ember_models::phase_name(phase)) + "_loss", loss.detach(),
             ember_models::loss_log_options(phase));
     // Outputs and targets for the run's [metrics] table (mae, rmse, r2).
-    ctx.update_metrics(out.detach(), targets);
-    return loss;
-  }
-
-  // Binary cross-entropy on the logits against 0/1 targets [N, num_classes]; logs <phase>_loss, and
-  // hands logits and targets to the run's [metrics] table (task = "multilabel": F1, AUROC, the
-  // confusion matrix per label...).
-  at::Tensor multilabel_step(const at::Tensor& out, const at::Tensor& targets, Phase phase, ember::IStepContext& ctx) const {
-    if (targets.dim() != 2 || targets.size(0) != out.size(0) || targets.size(1) != opts_.num_classes) {
-      throw ember::RunError(c10::str("mlp: multilabel needs 0/1 targets of shape [", out.size(0), ", ", opts_.num_classes, "], got ",
-                                     targets.scalar_type(), " ", targets.sizes(), ": set [", section_,
-                                     "] num_classes to the number of labels, or task = \"classification\" for one class index per sample"));
-    }
-    at::Tensor loss = torch::binary_cross_entropy_with_logits(out.to(torch::kFloat), targets.to(out.device(), torch::kFloat));
-    ctx.log(std::string(ember_models::phase_name(phase)) + "_loss", loss.detach(), ember_models::loss_log_options(phase));
     ctx.update_metrics(out.detach(), targets);
     return loss;
   }

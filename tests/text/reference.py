@@ -2,8 +2,9 @@
 
   reference.py tokenize TOKENIZER_JSON OUT_JSONL IN_JSONL...   ids of every "review"/"text" field
   reference.py tiny-bert OUT_DIR                               random 2-layer BERT/DistilBERT + logits
-  reference.py export-check FOLDER TEXTS_CSV PREDICTIONS_CSV POOLING MAX_LENGTH
+  reference.py export-check FOLDER TEXTS_CSV PREDICTIONS_CSV POOLING MAX_LENGTH [multilabel]
                                   transformers on `engine export`'s folder == engine predict's probabilities
+                                  (multilabel: each label's sigmoid, and problem_type in the config)
   reference.py length-grouped LENGTHS_FILE BATCH SPLIT_SEED SEED EPOCHS
                                   per epoch, each batch's longest length in transformers' length-grouped order
 """
@@ -73,9 +74,13 @@ def tiny_bert(out_dir):
               open(out / "reference.json", "w"))
 
 
-def export_check(folder, texts_csv, predictions_csv, pooling, max_length):
+def export_check(folder, texts_csv, predictions_csv, pooling, max_length, mode="single"):
     """The folder `engine export` wrote loads in transformers (model, config, tokenizer) and gives
-    the probabilities `engine predict` wrote for every text, to 1e-5."""
+    the probabilities `engine predict` wrote for every text, to 1e-5. Multi-label: the sigmoid of
+    each label's logit (transformers' problem_type = "multi_label_classification", which its
+    sequence-classification models train with BCEWithLogitsLoss)."""
+    multilabel = mode == "multilabel"
+    prefix = "out_" if multilabel else "prob_"
     import csv
     import torch
     from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
@@ -85,13 +90,16 @@ def export_check(folder, texts_csv, predictions_csv, pooling, max_length):
     with open(predictions_csv, newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(texts), (len(rows), len(texts))
-    columns = [k for k in rows[0] if k.startswith("prob_")]  # in class-id order, as predict writes them
+    columns = [k for k in rows[0] if k.startswith(prefix)]  # in class-id order, as predict writes them
     want = torch.tensor([[float(r[k]) for k in columns] for r in rows])
     # The config names the classes as the data did (pipelines print these names).
     from transformers import AutoConfig
-    id2label = AutoConfig.from_pretrained(folder).id2label
+    config = AutoConfig.from_pretrained(folder)
+    if config.problem_type != ("multi_label_classification" if multilabel else "single_label_classification"):
+        sys.exit(f"config.json's problem_type is {config.problem_type}")
+    id2label = config.id2label
     names = [id2label[i] for i in range(len(columns))]
-    if names != [k[len("prob_"):] for k in columns]:
+    if names != [k[len(prefix):] for k in columns]:
         sys.exit(f"config.json's id2label {names} is not the data's classes {columns}")
     tok = AutoTokenizer.from_pretrained(folder)
     if pooling == "pooler":
@@ -111,7 +119,7 @@ def export_check(folder, texts_csv, predictions_csv, pooling, max_length):
                 m = enc["attention_mask"].unsqueeze(-1).float()
                 pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
                 logits = pooled @ head["classifier.weight"].T + head["classifier.bias"]
-            got.append(logits.softmax(-1)[0])
+            got.append(logits.sigmoid()[0] if multilabel else logits.softmax(-1)[0])
     got = torch.stack(got)
     diff = (got - want).abs().max().item()
     print(f"{len(texts)} texts, largest probability difference {diff:.2e}")
@@ -143,7 +151,7 @@ if __name__ == "__main__":
     elif sys.argv[1] == "tiny-bert":
         tiny_bert(sys.argv[2])
     elif sys.argv[1] == "export-check":
-        export_check(*sys.argv[2:7])
+        export_check(*sys.argv[2:8])
     elif sys.argv[1] == "length-grouped":
         length_grouped(*sys.argv[2:7])
     else:

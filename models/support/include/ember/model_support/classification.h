@@ -1,5 +1,6 @@
-// Shared by the cnn and mlp models: the cross-entropy step and the metrics it logs, so both
-// models log the same names with the same options (what callbacks and the progress bar look for).
+// Shared by the classifying models (cnn, mlp, resnet, transformer, bert): the cross-entropy step,
+// the multi-label step and the metrics they log, so the models log the same names with the same
+// options (what callbacks and the progress bar look for).
 // Header-only: each plugin .so compiles its own copy, nothing is shared at run time.
 #pragma once
 #include <cmath>
@@ -129,6 +130,24 @@ inline at::Tensor classification_step(const at::Tensor& logits, const at::Tensor
   else
     ctx.log(prefix + "_acc", (logits.detach().argmax(1) == labels).to(torch::kFloat).mean(), accuracy_log_options(phase));
   // The scores and labels for the run's [metrics] table (F1, AUROC, the confusion matrix...).
+  ctx.update_metrics(logits.detach(), targets);
+  return loss;
+}
+
+// Multi-label classification: binary cross-entropy of `logits` [N, L] against 0/1 `targets`
+// [N, L] (any dtype; one independent label per output, as transformers' problem_type =
+// "multi_label_classification"); logs <phase>_loss and hands logits and targets to the run's
+// [metrics] table (task = "multilabel": F1, AUROC, the confusion matrix per label). `fix`
+// ends the message for targets of another shape.
+inline at::Tensor multilabel_step(const at::Tensor& logits, const at::Tensor& targets, Phase phase, ember::IStepContext& ctx,
+                                  const char* model, const std::string& fix) {
+  if (targets.dim() != 2 || targets.size(0) != logits.size(0) || targets.size(1) != logits.size(1))
+    throw ember::RunError(c10::str(model, ": multilabel needs 0/1 targets of shape [", logits.size(0), ", ", logits.size(1), "], got ",
+                                   targets.scalar_type(), " ", targets.sizes(), ": ", fix));
+  // float32 even after a reduced-precision forward, as for cross-entropy.
+  at::Tensor loss = torch::nn::functional::binary_cross_entropy_with_logits(logits.to(torch::kFloat),
+                                                                             targets.to(logits.device(), torch::kFloat));
+  ctx.log(std::string(phase_name(phase)) + "_loss", loss.detach(), loss_log_options(phase));
   ctx.update_metrics(logits.detach(), targets);
   return loss;
 }
