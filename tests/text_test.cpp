@@ -414,6 +414,30 @@ TEST(TextClassification, MultiLabelTextsTrainWithBinaryCrossEntropy) {
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("24 texts"), std::string::npos) << r.out << r.err;
 #endif
+  // JSON Lines may list the labels ([] for none): the same targets as the CSV's "a;b" fields, so
+  // the checkpoint tests to the same matrices.
+  std::string jsonl;
+  for (int rep = 0; rep < 4; ++rep)
+    for (const auto& t : texts) {
+      nlohmann::json tags = nlohmann::json::array();
+      for (const char* tag : {"food", "greet", "praise"})
+        if (std::string(t[1]).find(tag) != std::string::npos) tags.push_back(tag);
+      jsonl += nlohmann::json{{"text", t[0]}, {"tags", tags}}.dump() + "\n";
+    }
+  write_file(dir / "tags.jsonl", jsonl);
+  std::vector<std::string> test = {"test", "--ckpt", ckpt.string(), "run.toml", "--set", "data.test_file=\"tags.jsonl\""};
+  test.insert(test.end(), multi.begin(), multi.end());
+  r = run_engine(test, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(read_file(dir / "runs/run/version_2/test_confusion_matrix.csv"), read_file(dir / "runs/run/version_0/test_confusion_matrix.csv"));
+  for (const auto& [line, expected] : {std::pair<std::string, std::string>{R"({"text": "great", "tags": ["food;greet"]})",
+                                                                           "tags.jsonl:1: field \"tags\" lists \"food;greet\", which holds the separator \";\""},
+                                       {R"({"text": "great", "tags": [["food"]]})", "tags.jsonl:1: field \"tags\" lists [\"food\"]: a list holds strings or integers"}}) {
+    write_file(dir / "tags.jsonl", line + "\n");
+    r = run_engine(test, dir.path());
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_NE(r.err.find(expected), std::string::npos) << r.err;
+  }
   // Multi-label data without the problem type, and the problem type without multi-label data.
   r = run_engine({"run.toml", "--set", "model.num_classes=3"}, dir.path());
   EXPECT_NE(r.exit_code, 0);

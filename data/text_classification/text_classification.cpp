@@ -48,7 +48,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::String("text_column", "\"text\"", "Column (CSV) or field (JSONL) holding the text."),
     ember::key::String("label_column", "\"label\"", "Column or field holding the label (a name, or an integer)."),
     ember::key::StringList("labels", "[]", "Label names in id order; empty: the training file's names, sorted."),
-    ember::key::Bool("multilabel", "false", "Each text has any number of labels (none included), separated by label_separator in its label field: the targets are 0/1 per label [N, labels] (bert: problem_type = \"multi_label_classification\")."),
+    ember::key::Bool("multilabel", "false", "Each text has any number of labels (none included), separated by label_separator in its label field (JSONL: or a list, [\"sports\", \"politics\"]): the targets are 0/1 per label [N, labels] (bert: problem_type = \"multi_label_classification\")."),
     ember::key::String("label_separator", "\";\"", "What separates a multilabel text's labels (\"sports;politics\"); spaces around each label are dropped."),
     ember::key::Float("val_split", "0.1", "Fraction of train_file held out for validation when val_file is empty, in [0, 1).").at_least(0.0).below(1.0),
     ember::key::String("tokenizer_dir", "\"all-minilm-l6-v2\"", "Folder with the model's vocab.txt (and tokenizer_config.json); a bare name is a folder in the Ember cache."),
@@ -61,9 +61,10 @@ struct Row {
   int64_t line = 0;
 };
 
-std::vector<Row> read_table_rows(const std::string& path, const std::string& text_col, const std::string& label_col) {
+// `separator`: a multilabel label column, where a JSONL array of labels is read as one field.
+std::vector<Row> read_table_rows(const std::string& path, const std::string& text_col, const std::string& label_col, const std::string& separator) {
   std::vector<Row> rows;
-  for (auto& r : ember::support::read_table(path, {{text_col, "text_column"}, {label_col, "label_column"}}))
+  for (auto& r : ember::support::read_table(path, {{text_col, "text_column"}, {label_col, "label_column", separator}}))
     rows.push_back({std::move(r.values[0]), std::move(r.values[1]), r.line});
   return rows;
 }
@@ -82,8 +83,8 @@ std::string data_file(const std::string& key, const ember::IConfig& cfg) {
   return path.string();
 }
 
-std::vector<Row> read_rows(const std::string& path, const std::string& text_col, const std::string& label_col) {
-  std::vector<Row> rows = read_table_rows(path, text_col, label_col);
+std::vector<Row> read_rows(const std::string& path, const std::string& text_col, const std::string& label_col, const std::string& separator) {
+  std::vector<Row> rows = read_table_rows(path, text_col, label_col, separator);
   if (rows.empty()) throw ember::RunError(c10::str(path, ": holds no texts"));
   return rows;
 }
@@ -142,7 +143,7 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
   }
 
   void setup(const ember::DataSetup& setup) override {
-    const std::vector<Row> train_rows = read_rows(train_file_, text_column_, label_column_);
+    const std::vector<Row> train_rows = read_rows(train_file_, text_column_, label_column_, list_separator());
     if (labels_.empty()) {
       std::set<std::string> names;
       for (const auto& r : train_rows) {
@@ -158,7 +159,7 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
                                      "\": classification needs at least two (check label_column", multilabel_ ? " and label_separator" : "", ")"));
     Samples train = encode(train_rows, train_file_);
     if (!val_file_.empty()) {
-      slot(ember::Split::val) = encode(read_rows(val_file_, text_column_, label_column_), val_file_);
+      slot(ember::Split::val) = encode(read_rows(val_file_, text_column_, label_column_, list_separator()), val_file_);
     } else {
       const auto n = static_cast<int64_t>(train.ids.size());
       const auto split = ember::held_out_split(n, val_split_, setup.seed);
@@ -172,7 +173,7 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
       train = subset(train, first.data(), limit_train_);
     }
     slot(ember::Split::train) = std::move(train);
-    if (!test_file_.empty()) slot(ember::Split::test) = encode(read_rows(test_file_, text_column_, label_column_), test_file_);
+    if (!test_file_.empty()) slot(ember::Split::test) = encode(read_rows(test_file_, text_column_, label_column_, list_separator()), test_file_);
     std::string names;
     for (size_t i = 0; i < labels_.size(); ++i) names += c10::str(i ? ", " : "", labels_[i], "=", i);
     host_.log(ember::LogLevel::info,
@@ -263,6 +264,7 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
     return s;
   }
   Samples& slot(ember::Split split) { return splits_.at(static_cast<size_t>(split)); }
+  std::string list_separator() const { return multilabel_ ? separator_ : std::string(); }
 
   ember::IHost& host_;
   std::string section_;

@@ -31,6 +31,17 @@ bool split_member_name(const std::string& name, std::string* key, std::string* e
 
 namespace {
 
+// libarchive's error text and filter name, which may be null (a failed bid sets no text): a null
+// char* appended to a message would crash the reader.
+const char* error_text(archive* a) {
+  const char* e = archive_error_string(a);
+  return e != nullptr ? e : "libarchive gave no reason";
+}
+const char* filter_text(archive* a) {
+  const char* f = archive_filter_name(a, 0);
+  return f != nullptr ? f : "unknown filter";
+}
+
 struct Members {
   std::string key;
   std::vector<std::pair<std::string, MemberSpan>> by_extension;
@@ -44,12 +55,12 @@ ShardIndex index_shard(const std::string& path, const std::string& name, const s
   archive_read_support_filter_all(a.get());  // to name a compressed shard rather than call it "not a tar"
   // (A compressed shard cut short within its first block fails here too: "truncated gzip input".)
   if (archive_read_open_filename(a.get(), path.c_str(), 1 << 16) != ARCHIVE_OK)
-    throw ember::RunError("webdataset: shard " + name + " is not a readable tar file (" + archive_error_string(a.get()) +
+    throw ember::RunError("webdataset: shard " + name + " is not a readable tar file (" + error_text(a.get()) +
                           "): write shards with webdataset's ShardWriter or `engine data pack`");
   ShardIndex out;
   // The filter is known once the file is open (libarchive bids on its first bytes).
   if (archive_filter_code(a.get(), 0) != ARCHIVE_FILTER_NONE) {
-    out.compression = archive_filter_name(a.get(), 0);
+    out.compression = filter_text(a.get());
     return out;
   }
   Members current;
@@ -88,7 +99,7 @@ ShardIndex index_shard(const std::string& path, const std::string& name, const s
     current.by_extension.push_back({extension, {archive_filter_bytes(a.get(), 0), archive_entry_size(entry), extension}});
   }
   if (rc != ARCHIVE_EOF)
-    throw ember::RunError("webdataset: shard " + name + " is not a readable tar file (" + archive_error_string(a.get()) +
+    throw ember::RunError("webdataset: shard " + name + " is not a readable tar file (" + error_text(a.get()) +
                           "): write shards with webdataset's ShardWriter or `engine data pack`");
   close_sample();
   return out;
@@ -118,7 +129,7 @@ void decompress_shard(const std::string& path, const std::string& target, const 
   archive_read_support_format_raw(a.get());  // the decompressed stream as it is, whatever it holds
   archive_entry* entry = nullptr;
   if (archive_read_open_filename(a.get(), path.c_str(), 1 << 16) != ARCHIVE_OK || archive_read_next_header(a.get(), &entry) != ARCHIVE_OK)
-    throw ember::RunError("webdataset: cannot decompress shard " + name + " (" + archive_error_string(a.get()) + ")");
+    throw ember::RunError("webdataset: cannot decompress shard " + name + " (" + error_text(a.get()) + ")");
   if (archive_filter_code(a.get(), 0) == ARCHIVE_FILTER_GZIP) {
     // zlib rather than libarchive for gzip: libarchive skips the trailer's CRC-32 and length, and
     // a corrupt shard must not train on wrong bytes. Concatenated members are read as gzip does.
@@ -141,7 +152,7 @@ void decompress_shard(const std::string& path, const std::string& target, const 
   } else {
     while (true) {
       const la_ssize_t n = archive_read_data(a.get(), buffer.data(), buffer.size());
-      if (n < 0) throw cut_short(name, archive_filter_name(a.get(), 0), archive_error_string(a.get()));
+      if (n < 0) throw cut_short(name, filter_text(a.get()), error_text(a.get()));
       if (n == 0) break;
       write(static_cast<size_t>(n));
     }

@@ -53,7 +53,8 @@ void image_one(std::string_view bytes) {
 
 void table_one(std::string_view bytes, const char* name) {
   const fs::path path = scratch().write(name, bytes);
-  for (const auto& record : ember::support::read_table(path, {{"text", "text_column"}, {"label", "label_column"}})) {
+  // The label a list column, as a multilabel text_classification reads it (JSONL arrays joined).
+  for (const auto& record : ember::support::read_table(path, {{"text", "text_column"}, {"label", "label_column", ";"}})) {
     if (record.values.size() != 2) throw Finding("a record with " + std::to_string(record.values.size()) + " values for 2 columns");
     if (record.line < 1) throw Finding("a record on line " + std::to_string(record.line));
   }

@@ -57,6 +57,7 @@ def main():
 
     write(out, "table.csv", 2, b'text,label,id\n"great, really ""great"" food",good,1\nbad food,poor,2\r\n"two\nlines",good,3\n')
     write(out, "table.jsonl", 3, b'{"text": "great food", "label": "good"}\n\n{"text": "caf\\u00e9", "label": 3}\n')
+    write(out, "table_lists.jsonl", 3, b'{"text": "great food", "label": ["good", 3]}\n{"text": "none", "label": []}\n{"text": "one", "label": "a;b"}\n')
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:

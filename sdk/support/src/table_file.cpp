@@ -36,9 +36,25 @@ std::vector<TableRecord> read_jsonl(const std::filesystem::path& path, const std
     r.line = n;
     for (const auto& c : columns) {
       const auto it = j.find(c.name);
+      auto scalar = [](const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : std::to_string(v.get<int64_t>()); };
+      if (it != j.end() && it->is_array() && !c.list_separator.empty()) {
+        std::string joined;
+        for (const auto& item : *it) {
+          if (!(item.is_string() || item.is_number_integer()))
+            file_error(path, n, "field \"" + c.name + "\" lists " + item.dump() + ": a list holds strings or integers");
+          const std::string value = scalar(item);
+          if (value.find(c.list_separator) != std::string::npos)
+            file_error(path, n, "field \"" + c.name + "\" lists \"" + value + "\", which holds the separator \"" + c.list_separator +
+                                    "\": set another separator");
+          joined += (&item == &it->front() ? "" : c.list_separator) + value;
+        }
+        r.values.push_back(std::move(joined));
+        continue;
+      }
       if (it == j.end() || !(it->is_string() || it->is_number_integer()))
-        file_error(path, n, "no string or integer field \"" + c.name + "\": set " + c.key + " to the field that holds it");
-      r.values.push_back(it->is_string() ? it->get<std::string>() : std::to_string(it->get<int64_t>()));
+        file_error(path, n, "no string or integer field \"" + c.name + "\"" + (c.list_separator.empty() ? "" : " (or list of them)") + ": set " +
+                                c.key + " to the field that holds it");
+      r.values.push_back(scalar(*it));
     }
     out.push_back(std::move(r));
   }

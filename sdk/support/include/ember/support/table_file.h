@@ -16,6 +16,10 @@ namespace ember::support {
 struct TableColumn {
   std::string name;
   std::string key;
+  // Non-empty: the column may hold a list. A JSONL array of strings and integers is read as its
+  // items joined by this separator (an item holding the separator is refused: it would split); a
+  // CSV cell is read as it is (its list already written with the separator).
+  std::string list_separator = {};
 };
 
 // One record: a value per requested column, in their order (a JSONL integer as its decimal text),
@@ -30,7 +34,8 @@ bool is_table_file(const std::filesystem::path& path);
 
 // The requested columns of every record. Throws ember::RunError "PATH:LINE: what is wrong; how to
 // fix it" for an unreadable or malformed file, a missing column, a CSV record with another number
-// of fields than the header, or a JSONL field that is neither a string nor an integer. Blank JSONL
+// of fields than the header, or a JSONL field that is neither a string nor an integer (nor, for a
+// list column, an array of them). Blank JSONL
 // lines are skipped.
 std::vector<TableRecord> read_table(const std::filesystem::path& path, const std::vector<TableColumn>& columns);
 
