@@ -30,7 +30,7 @@ class ShardFile {
   ShardFile(fs::path path) : path_(std::move(path)), partial_(path_.string() + ".partial"), a_(archive_write_new(), archive_write_free) {
     archive_write_set_format_pax_restricted(a_.get());
     if (archive_write_open_filename(a_.get(), partial_.c_str()) != ARCHIVE_OK)
-      throw RunError("engine data pack: cannot write " + partial_.string() + ": " + archive_error_string(a_.get()));
+      throw RunError("engine data pack: cannot write " + partial_.string() + ": " + error_text());
   }
   void add(const std::string& name, const std::string& bytes) {
     std::unique_ptr<archive_entry, void (*)(archive_entry*)> e(archive_entry_new(), archive_entry_free);
@@ -41,12 +41,17 @@ class ShardFile {
     archive_entry_set_mtime(e.get(), 0, 0);  // the same input packs to the same bytes
     if (archive_write_header(a_.get(), e.get()) != ARCHIVE_OK ||
         archive_write_data(a_.get(), bytes.data(), bytes.size()) != static_cast<la_ssize_t>(bytes.size()))
-      throw RunError("engine data pack: writing " + partial_.string() + " failed: " + archive_error_string(a_.get()));
+      throw RunError("engine data pack: writing " + partial_.string() + " failed: " + error_text());
     bytes_ += static_cast<int64_t>(bytes.size()) + 1024;  // the data and about a header's worth
+  }
+  // libarchive's text may be null (then appending it would crash).
+  std::string error_text() const {
+    const char* e = archive_error_string(a_.get());
+    return e != nullptr ? e : "libarchive gave no reason (is the disk full?)";
   }
   void close() {
     if (archive_write_close(a_.get()) != ARCHIVE_OK)
-      throw RunError("engine data pack: writing " + partial_.string() + " failed: " + archive_error_string(a_.get()));
+      throw RunError("engine data pack: writing " + partial_.string() + " failed: " + error_text());
     std::error_code ec;
     fs::rename(partial_, path_, ec);
     if (ec) throw RunError("engine data pack: cannot move " + partial_.string() + " to " + path_.string() + ": " + ec.message());
