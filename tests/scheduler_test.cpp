@@ -110,6 +110,28 @@ TEST(SchedulerFormula, OneCycleMatchesPyTorch) {
   EXPECT_THROW(one_cycle(p, 21), std::out_of_range);  // PyTorch: "Tried to step 21 times"
 }
 
+// linear_lr: transformers' get_linear_schedule_with_warmup (its defaults: from 0, down to 0), and
+// other factors as torch's SequentialLR of two LinearLRs (values both printed).
+TEST(SchedulerFormula, LinearWarmupDecayMatchesTransformersAndPyTorch) {
+  LinearParams p;
+  p.base_lr = 0.1;
+  p.warmup = 4;
+  p.total = 20;
+  expect_all_near({0.0, 0.025, 0.05, 0.07500000000000001, 0.1, 0.09375, 0.08750000000000001, 0.08125, 0.07500000000000001, 0.06875, 0.0625,
+                   0.05625, 0.05, 0.043750000000000004, 0.037500000000000006, 0.03125, 0.025, 0.018750000000000003, 0.0125, 0.00625, 0.0,
+                   0.0, 0.0},
+                  [&](int64_t t) { return linear_warmup_decay(p, t); }, "get_linear_schedule_with_warmup(opt, 4, 20)");
+  p.warmup = 0;
+  p.total = 10;
+  expect_all_near({0.1, 0.09000000000000001, 0.08000000000000002, 0.06999999999999999, 0.06, 0.05, 0.04000000000000001, 0.03,
+                   0.020000000000000004, 0.010000000000000002, 0.0},
+                  [&](int64_t t) { return linear_warmup_decay(p, t); }, "get_linear_schedule_with_warmup(opt, 0, 10)");
+  p = LinearParams{.base_lr = 0.2, .warmup = 3, .total = 10, .warmup_start_factor = 0.25, .end_factor = 0.1};
+  expect_all_near({0.05, 0.1, 0.15000000000000002, 0.2, 0.1742857142857143, 0.14857142857142858, 0.12285714285714286, 0.09714285714285714,
+                   0.07142857142857144, 0.04571428571428572, 0.019999999999999997, 0.019999999999999997},
+                  [&](int64_t t) { return linear_warmup_decay(p, t); }, "SequentialLR(LinearLR(0.25, 1, 3), LinearLR(1, 0.1, 7))");
+}
+
 TEST(SchedulerFormula, CosineWithWarmupStepAndSwalrMatchPyTorch) {
   CosineParams c;
   c.base_lr = 0.1;
@@ -289,7 +311,7 @@ TEST(Scheduler, OneCycleSpansTheEstimatedStepsAndStartsBeforeTheFirstStep) {
   }
 }
 
-TEST(Scheduler, CosineWarmupPerEpochAndStepLrPerEpoch) {
+TEST(Scheduler, CosineWarmupPerEpochStepLrPerEpochAndLinearPerStep) {
   TempDir dir("sched"), dir2("sched");
   auto r = train(dir, "\n[cosine]\ninterval = \"epoch\"\nwarmup = 1\neta_min = 0.01\n[lr_monitor]\nlogging_interval = \"epoch\"\n",
                  "cosine,lr_monitor");
@@ -310,6 +332,20 @@ TEST(Scheduler, CosineWarmupPerEpochAndStepLrPerEpoch) {
   auto s = train(dir2, "\n[step_lr]\nstep_size = 2\ngamma = 0.5\n", "step_lr,lr_monitor");
   ASSERT_EQ(s.result.exit_code, 0) << s.result.err;
   for (const auto& [step, v] : column(s.dir, "lr-SGD")) EXPECT_NEAR(v, step_lr(0.1, 2, 0.5, step / 4), 1e-12) << "step " << step;
+  // linear_lr per step over the whole run (4 epochs x 4 batches, the length read from the run):
+  // the first step at 0 as in transformers, the rate the step used logged at its index.
+  TempDir dir3("sched");
+  auto l = train(dir3, "\n[linear_lr]\nwarmup = 3\n", "linear_lr,lr_monitor");
+  ASSERT_EQ(l.result.exit_code, 0) << l.result.err;
+  LinearParams p{.base_lr = 0.1, .warmup = 3, .total = 16};
+  const auto linear = column(l.dir, "lr-SGD");
+  ASSERT_EQ(linear.size(), 16u);
+  for (const auto& [step, v] : linear) EXPECT_NEAR(v, linear_warmup_decay(p, step), 1e-12) << "step " << step;
+  TempDir dir4("sched");
+  auto too_long = train(dir4, "\n[linear_lr]\nwarmup = 16\n", "linear_lr");
+  EXPECT_NE(too_long.result.exit_code, 0);
+  EXPECT_NE(too_long.result.err.find("[linear_lr] warmup = 16 is not shorter than the run (16 steps): shorten the warmup or set total"),
+            std::string::npos) << too_long.result.err;
 }
 
 TEST(Scheduler, ReduceOnPlateauFollowsTheMonitoredMetric) {
@@ -363,6 +399,7 @@ TEST(Scheduler, EveryScheduleResumesExactly) {
   expect_resume_exact("\n[cyclic_lr]\nmax_lr = 0.3\nstep_size_up = 3\n", "cyclic_lr,lr_monitor");
   expect_resume_exact("\n[one_cycle]\nmax_lr = 0.3\ntotal_steps = 16\n", "one_cycle,lr_monitor");
   expect_resume_exact("\n[cosine]\nwarmup = 3\ntotal = 16\n", "cosine,lr_monitor");
+  expect_resume_exact("\n[linear_lr]\nwarmup = 3\nend_factor = 0.1\ntotal = 16\n", "linear_lr,lr_monitor");
   expect_resume_exact("\n[step_lr]\nstep_size = 5\ninterval = \"step\"\n", "step_lr,lr_monitor");
   expect_resume_exact("\n[hook_recorder]\nscripted_values = [1.0, 0.9, 0.95, 0.97]\n[reduce_on_plateau]\nmonitor = \"score\"\npatience = 0\n",
                       "hook_recorder,reduce_on_plateau,lr_monitor");

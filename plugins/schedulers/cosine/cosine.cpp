@@ -21,38 +21,24 @@ constexpr EmberConfigKey kKeys[] = {
 };
 // clang-format on
 
-class Cosine final : public ClosedFormScheduler {
+class Cosine final : public WarmupScheduler {
  public:
-  Cosine(ember::IHost& host, const ember::IConfig& cfg) : ClosedFormScheduler(host, cfg, read_interval(cfg)) {
+  Cosine(ember::IHost& host, const ember::IConfig& cfg) : WarmupScheduler(host, cfg) {
     p_.eta_min = cfg.get_float("eta_min");
-    p_.warmup = cfg.get_int("warmup");
     p_.warmup_start_factor = cfg.get_float("warmup_start_factor");
-    if (cfg.has("total")) configured_total_ = cfg.get_int("total");
-    if (configured_total_ > 0 && p_.warmup >= configured_total_)
-      config_error(cfg, "warmup", "warmup = " + std::to_string(p_.warmup) + " is not shorter than total = " +
-                                      std::to_string(configured_total_), "make the warmup shorter than the schedule");
   }
 
  protected:
-  void prepare(ember::ITrainer& t) override {
-    if (p_.total <= 0)
-      p_.total = configured_total_ > 0 ? configured_total_ : estimated_total(t, interval(), name(), "total");
-    if (p_.warmup >= p_.total)
-      throw ember::ConfigError("[" + name() + "] warmup = " + std::to_string(p_.warmup) + " is not shorter than the run (" +
-                               std::to_string(p_.total) + (interval() == Interval::step ? " steps" : " epochs") +
-                               "): shorten the warmup or set total");
-  }
   double lr_at(int64_t t, size_t g) const override {
     CosineParams p = p_;
     p.base_lr = base_lrs()[g];
+    p.warmup = warmup();
+    p.total = total();
     return cosine_warmup(p, t);
   }
-  void save_extra(StateDict& d) const override { d.insert("total", p_.total); }
-  void load_extra(const StateReader& r) override { p_.total = r.get_int("total"); }
 
  private:
   CosineParams p_;
-  int64_t configured_total_ = 0;
 };
 
 ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return new Cosine(host, cfg); }

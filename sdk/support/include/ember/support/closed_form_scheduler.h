@@ -1,4 +1,5 @@
-// The common part of the closed-form scheduler plugins (cyclic_lr, one_cycle, cosine, step_lr):
+// The common part of the closed-form scheduler plugins (cyclic_lr, one_cycle, cosine, linear_lr,
+// step_lr):
 // when the learning rate is written, the position counter, base learning rates and the
 // state_dict. A subclass only says what the rate (and momentum) is at position t.
 //
@@ -158,6 +159,35 @@ class ClosedFormScheduler : public ember::Callback {
   std::optional<double> cfg_base_lr_;
   std::vector<double> base_lrs_;
   int64_t count_ = 0;
+};
+
+// A schedule with a warmup inside a length (cosine, linear_lr): the keys `warmup` and `total`
+// (unset = the run's length, estimated_total), checked against each other, the length resolved
+// when training first starts and kept across a resume.
+class WarmupScheduler : public ClosedFormScheduler {
+ public:
+  WarmupScheduler(ember::IHost& host, const ember::IConfig& cfg) : ClosedFormScheduler(host, cfg, read_interval(cfg)) {
+    warmup_ = cfg.get_int("warmup");
+    if (cfg.has("total")) configured_total_ = cfg.get_int("total");
+    if (configured_total_ > 0 && warmup_ >= configured_total_)
+      config_error(cfg, "warmup", "warmup = " + std::to_string(warmup_) + " is not shorter than total = " + std::to_string(configured_total_),
+                   "make the warmup shorter than the schedule");
+  }
+
+ protected:
+  int64_t warmup() const { return warmup_; }
+  int64_t total() const { return total_; }
+  void prepare(ember::ITrainer& t) override {
+    if (total_ <= 0) total_ = configured_total_ > 0 ? configured_total_ : estimated_total(t, interval(), name(), "total");
+    if (warmup_ >= total_)
+      throw ember::ConfigError("[" + name() + "] warmup = " + std::to_string(warmup_) + " is not shorter than the run (" + std::to_string(total_) +
+                               (interval() == Interval::step ? " steps" : " epochs") + "): shorten the warmup or set total");
+  }
+  void save_extra(StateDict& d) const override { d.insert("total", total_); }
+  void load_extra(const StateReader& r) override { total_ = r.get_int("total"); }
+
+ private:
+  int64_t warmup_ = 0, configured_total_ = 0, total_ = 0;
 };
 
 }  // namespace ember::support

@@ -140,6 +140,25 @@ inline double cosine_warmup(const CosineParams& p, int64_t t) {
   return p.eta_min + (p.base_lr - p.eta_min) * (1.0 + std::cos(kPi * progress)) / 2.0;
 }
 
+// ---- Linear warmup, then linear decay -------------------------------------------------------------
+// transformers' get_linear_schedule_with_warmup (the Trainer's default schedule) with its defaults
+// warmup_start_factor = 0 and end_factor = 0: from base_lr * warmup_start_factor up to base_lr over
+// `warmup`, then down to base_lr * end_factor at `total`, and there after it. Other factors give
+// torch SequentialLR([LinearLR(start, 1, warmup), LinearLR(1, end, total - warmup)], [warmup]).
+struct LinearParams {
+  double base_lr = 0.0;
+  int64_t warmup = 0, total = 0;
+  double warmup_start_factor = 0.0, end_factor = 0.0;
+};
+inline double linear_warmup_decay(const LinearParams& p, int64_t t) {
+  if (t < p.warmup)
+    return p.base_lr * (p.warmup_start_factor + (1.0 - p.warmup_start_factor) * static_cast<double>(t) / static_cast<double>(p.warmup));
+  const int64_t span = p.total - p.warmup;
+  if (span <= 0) return p.base_lr;
+  const double progress = std::min(1.0, static_cast<double>(t - p.warmup) / static_cast<double>(span));
+  return p.base_lr * (1.0 + (p.end_factor - 1.0) * progress);
+}
+
 // ---- StepLR --------------------------------------------------------------------------------------
 inline double step_lr(double base_lr, int64_t step_size, double gamma, int64_t t) {
   return base_lr * std::pow(gamma, static_cast<double>(t / step_size));
