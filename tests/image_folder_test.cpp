@@ -328,6 +328,90 @@ open(out + "/large.png", "wb").write(png(13000, 13000))
 // to the list) and a JSONL with integer labels train exactly like the folder itself when they
 // list its images in the same order; a label outside the training classes and a missing column
 // are one line each, naming the file and line.
+// Multilabel lists (data.multilabel: a CSV field "red;blue" or a JSONL array; "" or [] for none)
+// train resnet with task = "multilabel" (binary cross-entropy); the CSV and the JSONL list of the
+// same labels train to the same weights, the per-class confusion matrices count every validation
+// image, predictions are each class's probability, and mixed-up settings are one line.
+TEST(ImageFolder, MultilabelListsTrainResnetWithBinaryCrossEntropy) {
+  TempDir dir("image_folder");
+  auto r = run_process({EMBER_TEST_PYTHON, "-c",
+                        "import json, os, random\n"
+                        "from PIL import Image\n"
+                        "random.seed(0)\n"
+                        "os.makedirs('img')\n"
+                        "csv, jsonl = ['file,colours'], []\n"
+                        "for i in range(24):\n"
+                        "    on = [random.random() < 0.5 for _ in range(3)]\n"
+                        "    Image.new('RGB', (16, 16), tuple(200 if b else 20 for b in on)).save(f'img/{i:02d}.png')\n"
+                        "    names = [n for n, b in zip(('red', 'green', 'blue'), on) if b]\n"
+                        "    csv.append(f'img/{i:02d}.png,' + ';'.join(names))\n"
+                        "    jsonl.append(json.dumps({'path': f'img/{i:02d}.png', 'label': names}))\n"
+                        "open('list.csv', 'w').write('\\n'.join(csv) + '\\n')\n"
+                        "open('list.jsonl', 'w').write('\\n'.join(jsonl) + '\\n')\n"},
+                       dir.path(), {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  write_file(dir / "run.toml", R"([trainer]
+accelerator = "cpu"
+deterministic = true
+max_epochs = 2
+enable_progress_bar = false
+enable_model_summary = false
+num_sanity_val_steps = 0
+[model]
+name = "resnet"
+small_input = true
+num_classes = 3
+task = "multilabel"
+[data]
+name = "image_folder"
+root = "list.csv"
+path_column = "file"
+label_column = "colours"
+multilabel = true
+image_size = 16
+batch_size = 6
+val_split = 0.25
+[metrics]
+names = ["f1", "confusion_matrix"]
+task = "multilabel"
+splits = ["val"]
+)");
+  TempDir from_csv("image_folder"), from_jsonl("image_folder");
+  for (const auto* d : {&from_csv, &from_jsonl}) fs::copy_file(dir / "run.toml", *d / "run.toml");
+  auto c = run_engine_ok(from_csv, {"run.toml", "--set", "data.root=\"" + (dir / "list.csv").string() + "\""});
+  EXPECT_NE(c.err.find("image_folder: 3 classes, 18 train, 6 val, 0 test images (multilabel)"), std::string::npos) << c.err;
+  run_engine_ok(from_jsonl, {"run.toml", "--set", "data.root=\"" + (dir / "list.jsonl").string() + "\"", "--set", "data.path_column=\"path\"",
+                             "--set", "data.label_column=\"label\""});
+  EXPECT_EQ(max_weight_difference(last_checkpoint(from_csv), last_checkpoint(from_jsonl)), 0.0);
+  std::istringstream matrix(slurp(find_file(from_csv.path(), "val_confusion_matrix.csv")));
+  std::string line;
+  std::getline(matrix, line);
+  EXPECT_EQ(line, "label,tn,fp,fn,tp");
+  int classes = 0;
+  for (; std::getline(matrix, line); ++classes) {
+    int64_t label, tn, fp, fn, tp;
+    char comma;
+    std::istringstream cells(line);
+    cells >> label >> comma >> tn >> comma >> fp >> comma >> fn >> comma >> tp;
+    EXPECT_EQ(tn + fp + fn + tp, 6) << line;
+  }
+  EXPECT_EQ(classes, 3);
+  auto p = run_engine_ok(from_csv, {"predict", "--ckpt", last_checkpoint(from_csv).string(), "run.toml", "--set",
+                                    "data.root=\"" + (dir / "list.csv").string() + "\"", "--set", "data.predict_split=\"val\""});
+  const auto rows = csv_rows(find_file(from_csv.path(), "predictions.csv"));
+  ASSERT_EQ(rows.size(), 7u);
+  EXPECT_EQ(rows[0], (std::vector<std::string>{"id", "out_blue", "out_green", "out_red"}));
+  // Folders hold one class per image; single-label resnet on multilabel targets.
+  auto folder = run_engine({"run.toml", "--set", "data.root=\"img\""}, dir.path(), {}, 60);
+  EXPECT_NE(folder.exit_code, 0);
+  EXPECT_NE(folder.err.find("image_folder: root img is a folder, where each image has one class: multilabel images need a .csv or .jsonl list"),
+            std::string::npos) << folder.err;
+  auto single = run_engine({"run.toml", "--set", "model.task=\"classification\""}, dir.path(), {}, 60);
+  EXPECT_NE(single.exit_code, 0);
+  EXPECT_NE(single.err.find("resnet: the targets [6, 3] are 0/1 per class (multilabel data): set [model] task = \"multilabel\""), std::string::npos)
+      << single.err;
+}
+
 TEST(ImageFolder, ListsOfPathAndLabelTrainLikeTheFolder) {
   TempDir dir("image_folder");
   auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/reference/image_folder.py").string(), "resnet", "rn"}, dir.path(), {}, 300);

@@ -38,6 +38,8 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::String("test_root", "\"\"", "Folder (or list) of test images of the same classes; empty = no test split."),
     ember::key::String("path_column", "\"path\"", "Lists: the CSV column / JSONL field holding each image's path."),
     ember::key::String("label_column", "\"label\"", "Lists: the CSV column / JSONL field holding each image's class (a name, or an index 0..C-1 when every label is one)."),
+    ember::key::Bool("multilabel", "false", "Lists: each image has any number of classes (none included), separated by label_separator in its label field (JSONL: or an array): the targets are 0/1 per class [N, classes] (resnet / cnn: task = \"multilabel\")."),
+    ember::key::String("label_separator", "\";\"", "What separates a multilabel image's classes (\"cat;dog\"); spaces around each are dropped."),
     ember::key::Float("val_split", "0.0", "Without val_root: the fraction of root's images held out for validation (chosen by a permutation seeded with trainer.seed).").at_least(0.0).below(1.0),
     ember::key::String("bad_images", "\"stop\"", "A file whose header is not a readable JPEG or PNG: stop (one line naming it) or skip (left out, counted in the log).").choices("stop|skip"),
     EMBER_IMAGE_TRANSFORM_KEYS,
@@ -57,6 +59,11 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
         val_split_(cfg.get_float("val_split")),
         transform_(cfg),
         skip_bad_(cfg.get_string("bad_images") == "skip") {
+    if (cfg.get_bool("multilabel")) {
+      list_options_.label_separator = cfg.get_string("label_separator");
+      if (list_options_.label_separator.empty())
+        throw ember::ConfigError(cfg.where("label_separator") + ": " + section_ + ".label_separator is empty: multilabel lists need a separator, e.g. \";\"");
+    }
     if (!val_root_.empty() && val_split_ > 0)
       throw ember::ConfigError(cfg.where("val_split") + ": " + section_ + ".val_split and val_root both choose the validation images: keep one");
   }
@@ -85,7 +92,8 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
     splits_[0] = std::move(train);
     host_.log(ember::LogLevel::info, "image_folder: " + std::to_string(classes_.size()) + " classes, " + std::to_string(splits_[0].size()) +
                                          " train, " + std::to_string(splits_[1].size()) + " val, " + std::to_string(splits_[2].size()) +
-                                         " test images, " + std::to_string(transform_.size()) + "x" + std::to_string(transform_.size()) +
+                                         " test images" + (multilabel() ? " (multilabel)" : "") + ", " + std::to_string(transform_.size()) + "x" +
+                                         std::to_string(transform_.size()) +
                                          (skipped_ > 0 ? ", " + std::to_string(skipped_) + " unreadable files skipped (first: " + first_skipped_ + ")" : ""));
   }
 
@@ -96,7 +104,8 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
     const auto& samples = splits_[static_cast<size_t>(split)];
     const int64_t side = transform_.size();
     at::Tensor images = at::empty({count, 3, side, side}, at::kFloat);
-    at::Tensor labels = at::empty({count}, at::kLong);
+    // Class indices, or (multilabel) one 0/1 row per image.
+    at::Tensor labels = multilabel() ? at::zeros({count, static_cast<int64_t>(classes_.size())}, at::kLong) : at::empty({count}, at::kLong);
     const bool train = split == ember::Split::train;
     const int64_t epoch = trainer_ != nullptr ? trainer_->current_epoch() : 0;
     at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
@@ -105,7 +114,10 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
         if (index < 0 || index >= static_cast<int64_t>(samples.size())) throw ember::RunError("image_folder: sample index out of range (an engine bug)");
         const Sample& s = samples[static_cast<size_t>(index)];
         images[i].copy_(transform_(ember::image::read_file(s.path), s.path, train, seed_, index, epoch));
-        labels[i] = s.label;
+        if (multilabel())
+          for (int64_t c : s.labels) labels[i][c] = 1;
+        else
+          labels[i] = s.label;
       }
     });
     ember::Batch batch;
@@ -125,6 +137,8 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
   std::string sample_id(ember::Split split, int64_t index) const override { return splits_[static_cast<size_t>(split)].at(static_cast<size_t>(index)).path; }
 
  private:
+  bool multilabel() const { return !list_options_.label_separator.empty(); }
+
   // The samples whose file is an image this plugin reads; the others stop the run with their path
   // (bad_images = "stop") or are counted and left out ("skip").
   std::vector<Sample> readable(std::vector<Sample> out) {

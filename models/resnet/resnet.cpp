@@ -33,6 +33,7 @@ namespace nn = torch::nn;
 constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("depth", "18", "18 (BasicBlock x [2, 2, 2, 2]) or 50 (Bottleneck x [3, 4, 6, 3])."),
     ember::key::Int("num_classes", "1000", "Classes: the width of fc.").at_least(2),
+    ember::key::String("task", "\"classification\"", "One class per image (cross-entropy on class indices), or any number (multilabel: binary cross-entropy on 0/1 targets [N, num_classes]; image_folder's multilabel = true).").choices("classification|multilabel"),
     ember::key::Int("in_channels", "3", "Channels of the input images.").at_least(1),
     ember::key::Bool("small_input", "false", "A 3x3 stride-1 first convolution and no max pooling, for 28-32 pixel images (weights of conv1 then do not come from an ImageNet checkpoint)."),
     ember::key::Bool("zero_init_residual", "false", "Start each block's last batch norm at 0, so every residual block starts as the identity (torchvision's zero_init_residual)."),
@@ -132,7 +133,9 @@ class ResNetModel final : public ember::IModel, public ember::IPredictingModel, 
   ResNetModel(ember::IHost& host, const ember::IConfig& cfg)
       : in_channels_(cfg.get_int("in_channels")),
         sync_batchnorm_(cfg.get_bool("sync_batchnorm"), "resnet"),
-        net_(checked_depth(cfg), cfg.get_int("num_classes"), in_channels_, cfg.get_bool("small_input"), cfg.get_bool("zero_init_residual")) {
+        net_(checked_depth(cfg), cfg.get_int("num_classes"), in_channels_, cfg.get_bool("small_input"), cfg.get_bool("zero_init_residual")),
+        multilabel_(cfg.get_string("task") == "multilabel"),
+        section_(cfg.section()) {
     const std::string weights = cfg.get_string("weights");
     if (!weights.empty()) load(host, cfg, weights);
   }
@@ -148,12 +151,23 @@ class ResNetModel final : public ember::IModel, public ember::IPredictingModel, 
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override { return step(batch, ctx, Phase::train); }
   void validation_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::val); }
   void test_step(const ember::Batch& batch, ember::IStepContext& ctx) override { step(batch, ctx, Phase::test); }
-  at::Tensor predict_step(const ember::Batch& batch) override { return logits(batch).to(at::kFloat).softmax(1); }
-  bool predicts_classes() const override { return true; }
+  // Class probabilities, or each class's own (multilabel).
+  at::Tensor predict_step(const ember::Batch& batch) override {
+    const at::Tensor out = logits(batch).to(at::kFloat);
+    return multilabel_ ? out.sigmoid() : out.softmax(1);
+  }
+  bool predicts_classes() const override { return !multilabel_; }
 
  private:
   at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
     ember_models::require_inputs_and_targets(batch, "resnet");
+    if (multilabel_)
+      return ember_models::multilabel_step(logits(batch), batch[1], phase, ctx, "resnet",
+                                           "set [data] multilabel = true (a list whose label field holds the classes), and [" + section_ +
+                                               "] num_classes to the number of classes");
+    if (batch[1].dim() == 2)
+      throw ember::RunError("resnet: the targets " + std::string(c10::str(batch[1].sizes())) + " are 0/1 per class (multilabel data): set [" +
+                            section_ + "] task = \"multilabel\"");
     return ember_models::classification_step(logits(batch), batch[1], phase, ctx, "resnet");
   }
   at::Tensor logits(const ember::Batch& batch) {
@@ -192,6 +206,8 @@ class ResNetModel final : public ember::IModel, public ember::IPredictingModel, 
   int64_t in_channels_;
   ember::SyncBatchNormSetting sync_batchnorm_;
   ResNet net_;
+  bool multilabel_;
+  std::string section_;
 };
 
 ember::IModel* make(ember::IHost& host, const ember::IConfig& cfg) { return new ResNetModel(host, cfg); }

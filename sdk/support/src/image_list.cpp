@@ -63,33 +63,65 @@ int64_t index_of(const std::string& s) {
 // A list of path and label in its order; paths relative to the list's folder. The training list
 // defines the classes: when every label is an integer they are the class indices (classes
 // "0".."max"), otherwise the sorted names, as torchvision sorts class folders.
+// A label field's labels: one, or (multi-label) those between separators, trimmed, empty ones dropped.
+std::vector<std::string> labels_in(const std::string& field, const std::string& separator) {
+  if (separator.empty()) return {field};
+  std::vector<std::string> out;
+  for (size_t start = 0; start <= field.size();) {
+    const size_t end = std::min(field.find(separator, start), field.size());
+    const std::string label = field.substr(start, end - start);
+    const size_t first = label.find_first_not_of(" \t"), last = label.find_last_not_of(" \t");
+    if (first != std::string::npos) out.push_back(label.substr(first, last - first + 1));
+    start = end + separator.size();
+  }
+  return out;
+}
+
 std::vector<LabelledImage> from_list(const fs::path& list, std::vector<std::string>& classes, const std::string& key, const ImageListOptions& o) {
-  const auto records = ember::support::read_table(list, {{o.path_column, o.section + ".path_column"}, {o.label_column, o.section + ".label_column"}});
+  const auto records = ember::support::read_table(
+      list, {{o.path_column, o.section + ".path_column"}, {o.label_column, o.section + ".label_column", o.label_separator}});
   if (records.empty()) throw ember::RunError("image_folder: " + key + " " + list.string() + " lists no images");
+  std::vector<std::vector<std::string>> names;
+  for (const auto& r : records) names.push_back(labels_in(r.values[1], o.label_separator));
   const bool define = classes.empty();
   if (define) {
-    const bool indices = std::all_of(records.begin(), records.end(), [&](const auto& r) { return index_of(r.values[1]) >= 0; });
+    bool indices = true;
+    for (const auto& n : names) indices = indices && std::all_of(n.begin(), n.end(), [](const auto& l) { return index_of(l) >= 0; });
     if (indices) {
-      int64_t top = 0;
-      for (const auto& r : records) top = std::max(top, index_of(r.values[1]));
+      int64_t top = -1;
+      for (const auto& n : names)
+        for (const auto& l : n) top = std::max(top, index_of(l));
       for (int64_t c = 0; c <= top; ++c) classes.push_back(std::to_string(c));
     } else {
-      for (const auto& r : records) classes.push_back(r.values[1]);
+      for (const auto& n : names) classes.insert(classes.end(), n.begin(), n.end());
       std::sort(classes.begin(), classes.end());
       classes.erase(std::unique(classes.begin(), classes.end()), classes.end());
     }
+    if (classes.empty()) throw ember::RunError("image_folder: " + key + " " + list.string() + " names no label in its column " + o.label_column);
   }
   std::unordered_map<std::string, int64_t> label_of;
   for (size_t c = 0; c < classes.size(); ++c) label_of.emplace(classes[c], static_cast<int64_t>(c));
   std::vector<LabelledImage> out;
   const fs::path base = list.parent_path();
-  for (const auto& r : records) {
-    const auto it = label_of.find(r.values[1]);
-    if (it == label_of.end())
-      throw ember::RunError(list.string() + ":" + std::to_string(r.line) + ": label '" + r.values[1] +
-                            "' is not a class of the training list (every split uses the training classes)");
-    const fs::path image = fs::path(r.values[0]).is_absolute() ? fs::path(r.values[0]) : base / r.values[0];
-    out.push_back({image.string(), it->second});
+  for (size_t k = 0; k < records.size(); ++k) {
+    const auto& r = records[k];
+    LabelledImage image;
+    const fs::path path = fs::path(r.values[0]).is_absolute() ? fs::path(r.values[0]) : base / r.values[0];
+    image.path = path.string();
+    for (const auto& name : names[k]) {
+      const auto it = label_of.find(name);
+      if (it == label_of.end())
+        throw ember::RunError(list.string() + ":" + std::to_string(r.line) + ": label '" + name +
+                              "' is not a class of the training list (every split uses the training classes)");
+      image.labels.push_back(it->second);
+    }
+    if (o.label_separator.empty()) {
+      image.label = image.labels.front();
+      image.labels.clear();
+    } else {
+      image.label = -1;
+    }
+    out.push_back(std::move(image));
   }
   return out;
 }
@@ -97,7 +129,11 @@ std::vector<LabelledImage> from_list(const fs::path& list, std::vector<std::stri
 }  // namespace
 
 std::vector<LabelledImage> list_images(const fs::path& root, std::vector<std::string>& classes, const std::string& key, const ImageListOptions& options) {
-  return ember::support::is_table_file(root) ? from_list(root, classes, key, options) : from_folder(root, classes, key);
+  if (ember::support::is_table_file(root)) return from_list(root, classes, key, options);
+  if (!options.label_separator.empty())
+    throw ember::RunError("image_folder: " + key + " " + root.string() + " is a folder, where each image has one class: multilabel images need a "
+                          ".csv or .jsonl list of path and labels");
+  return from_folder(root, classes, key);
 }
 
 }  // namespace ember::image
