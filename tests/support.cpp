@@ -154,6 +154,17 @@ std::string read_file(const fs::path& p) {
   return s.str();
 }
 
+std::vector<LabelCounts> read_label_counts(const fs::path& csv) {
+  std::vector<LabelCounts> out;
+  for (auto& row : read_csv(csv)) {
+    for (const char* column : {"label", "tn", "fp", "fn", "tp"})
+      if (!row.count(column)) throw std::runtime_error(csv.string() + ": no column " + column);
+    if (std::stoll(row["label"]) != static_cast<int64_t>(out.size())) throw std::runtime_error(csv.string() + ": labels out of order");
+    out.push_back({std::stoll(row["tn"]), std::stoll(row["fp"]), std::stoll(row["fn"]), std::stoll(row["tp"])});
+  }
+  return out;
+}
+
 std::vector<std::map<std::string, std::string>> read_csv(const fs::path& p) {
   std::vector<std::map<std::string, std::string>> rows;
   std::ifstream in(p);

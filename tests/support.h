@@ -65,6 +65,12 @@ class TempDir {
 void write_file(const std::filesystem::path& p, const std::string& text);
 std::string read_file(const std::filesystem::path& p);
 std::vector<std::map<std::string, std::string>> read_csv(const std::filesystem::path& p);
+// A multilabel <split>_confusion_matrix.csv (label,tn,fp,fn,tp): each label's counts, in label
+// order; throws std::runtime_error when the columns or the order are not those.
+struct LabelCounts {
+  int64_t tn = 0, fp = 0, fn = 0, tp = 0;
+};
+std::vector<LabelCounts> read_label_counts(const std::filesystem::path& csv);
 
 // run_engine in `dir` that must succeed (a test failure with the engine's stderr otherwise).
 ProcessResult run_engine_ok(const TempDir& dir, const std::vector<std::string>& args, int timeout_s = 240);

@@ -95,20 +95,6 @@ struct Samples {
   at::Tensor labels;  // int64 [N], or 0/1 int64 [N, labels] (multilabel)
 };
 
-// A multilabel field's labels: split at `separator`, each trimmed, empty ones dropped.
-std::vector<std::string> split_labels(const std::string& field, const std::string& separator) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= field.size()) {
-    const size_t end = std::min(field.find(separator, start), field.size());
-    std::string label = field.substr(start, end - start);
-    const size_t first = label.find_first_not_of(" \t"), last = label.find_last_not_of(" \t");
-    if (first != std::string::npos) out.push_back(label.substr(first, last - first + 1));
-    start = end + separator.size();
-  }
-  return out;
-}
-
 class TextClassification final : public ember::IDataModule, public ember::IPredictionNames, public ember::ISampleLengths {
  public:
   TextClassification(ember::IHost& host, const ember::IConfig& cfg)
@@ -149,7 +135,7 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
       for (const auto& r : train_rows) {
         if (!multilabel_) names.insert(r.label);
         else
-          for (auto& l : split_labels(r.label, separator_)) names.insert(std::move(l));
+          for (auto& l : ember::support::split_list(r.label, separator_)) names.insert(std::move(l));
       }
       labels_.assign(names.begin(), names.end());
     }
@@ -238,7 +224,7 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
         // One 0/1 row per text: its labels' columns set.
         const size_t row = labels.size();
         labels.resize(row + labels_.size(), 0);
-        for (const auto& l : split_labels(r.label, separator_)) labels[row + static_cast<size_t>(id_of(l, r))] = 1;
+        for (const auto& l : ember::support::split_list(r.label, separator_)) labels[row + static_cast<size_t>(id_of(l, r))] = 1;
       } else {
         labels.push_back(id_of(r.label, r));
       }

@@ -63,26 +63,12 @@ int64_t index_of(const std::string& s) {
 // A list of path and label in its order; paths relative to the list's folder. The training list
 // defines the classes: when every label is an integer they are the class indices (classes
 // "0".."max"), otherwise the sorted names, as torchvision sorts class folders.
-// A label field's labels: one, or (multi-label) those between separators, trimmed, empty ones dropped.
-std::vector<std::string> labels_in(const std::string& field, const std::string& separator) {
-  if (separator.empty()) return {field};
-  std::vector<std::string> out;
-  for (size_t start = 0; start <= field.size();) {
-    const size_t end = std::min(field.find(separator, start), field.size());
-    const std::string label = field.substr(start, end - start);
-    const size_t first = label.find_first_not_of(" \t"), last = label.find_last_not_of(" \t");
-    if (first != std::string::npos) out.push_back(label.substr(first, last - first + 1));
-    start = end + separator.size();
-  }
-  return out;
-}
-
 std::vector<LabelledImage> from_list(const fs::path& list, std::vector<std::string>& classes, const std::string& key, const ImageListOptions& o) {
   const auto records = ember::support::read_table(
       list, {{o.path_column, o.section + ".path_column"}, {o.label_column, o.section + ".label_column", o.label_separator}});
   if (records.empty()) throw ember::RunError("image_folder: " + key + " " + list.string() + " lists no images");
   std::vector<std::vector<std::string>> names;
-  for (const auto& r : records) names.push_back(labels_in(r.values[1], o.label_separator));
+  for (const auto& r : records) names.push_back(ember::support::split_list(r.values[1], o.label_separator));
   const bool define = classes.empty();
   if (define) {
     bool indices = true;

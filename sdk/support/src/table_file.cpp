@@ -114,6 +114,19 @@ std::vector<TableRecord> read_csv(const std::filesystem::path& path, const std::
 
 }  // namespace
 
+std::vector<std::string> split_list(const std::string& field, const std::string& separator) {
+  if (separator.empty()) return {field};
+  std::vector<std::string> out;
+  for (size_t start = 0; start <= field.size();) {
+    const size_t end = std::min(field.find(separator, start), field.size());
+    const std::string item = field.substr(start, end - start);
+    const size_t first = item.find_first_not_of(" \t"), last = item.find_last_not_of(" \t");
+    if (first != std::string::npos) out.push_back(item.substr(first, last - first + 1));
+    start = end + separator.size();
+  }
+  return out;
+}
+
 bool is_table_file(const std::filesystem::path& path) {
   const std::string ext = path.extension().string();
   return ext == ".csv" || ext == ".jsonl" || ext == ".ndjson";

@@ -39,4 +39,8 @@ bool is_table_file(const std::filesystem::path& path);
 // lines are skipped.
 std::vector<TableRecord> read_table(const std::filesystem::path& path, const std::vector<TableColumn>& columns);
 
+// A list field's items: split at `separator`, each without the spaces and tabs around it, empty
+// ones left out ("a; b;" -> {"a", "b"}; "" -> {}). With no separator, the field itself.
+std::vector<std::string> split_list(const std::string& field, const std::string& separator);
+
 }  // namespace ember::support
