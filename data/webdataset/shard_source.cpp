@@ -203,6 +203,16 @@ fs::path ShardCache::fetch(const std::string& url) {
 }
 
 fs::path ShardCache::decompressed(const std::string& source) {
+  // Every sample read asks for the copy: once it is made or found, a lookup answers, without the
+  // stat calls naming it takes (and a shard rewritten mid-run keeps this run's copy).
+  {
+    std::lock_guard lock(mutex_);
+    if (auto known = copies_.find(source); known != copies_.end())
+      if (auto it = entries_.find(known->second.string()); it != entries_.end()) {
+        it->second.last_use = ++clock_;
+        return known->second;
+      }
+  }
   // "a.tar.gz" -> "a.tar", "a.tgz" -> "a.tar": the copy is named as the tar it is.
   std::string base = is_remote(source) ? source.substr(source.find_last_of('/') + 1) : fs::path(source).filename().string();
   for (const char* suffix : {".gz", ".tgz", ".bz2", ".tbz2", ".xz", ".txz", ".zst", ".tzst", ".lz4", ".lzma"})
@@ -265,6 +275,8 @@ fs::path ShardCache::decompressed(const std::string& source) {
     }
   }
   remember(target);
+  std::lock_guard lock(mutex_);
+  copies_[source] = target;
   return target;
 }
 

@@ -60,6 +60,7 @@ class ShardCache {
   int64_t limit_;
   mutable std::mutex mutex_;
   std::map<std::string, Entry> entries_;
+  std::map<std::string, std::filesystem::path> copies_;  // a compressed shard -> its copy (valid while in entries_)
   int64_t total_ = 0;
   uint64_t clock_ = 0;
 };
