@@ -402,6 +402,89 @@ splits = ["val"]
       << single.err;
 }
 
+// cnn takes multilabel lists too (task = "multilabel"): it learns which colour channels are lit
+// (val F1 over the three labels above 0.9 after a few epochs, every matrix counting every
+// validation image), predicts each class's probability, and the settings that do not fit
+// multilabel targets are one line each.
+TEST(ImageFolder, MultilabelListsTrainCnnToTellEachColour) {
+  TempDir dir("image_folder");
+  auto r = run_process({EMBER_TEST_PYTHON, "-c",
+                        "import os, random\n"
+                        "from PIL import Image\n"
+                        "random.seed(1)\n"
+                        "os.makedirs('img')\n"
+                        "csv = ['file,colours']\n"
+                        "for i in range(64):\n"
+                        "    on = [random.random() < 0.5 for _ in range(3)]\n"
+                        "    im = Image.new('RGB', (16, 16))\n"
+                        "    im.putdata([tuple((170 if b else 40) + random.randint(-30, 30) for b in on) for _ in range(256)])\n"
+                        "    im.save(f'img/{i:02d}.png')\n"
+                        "    csv.append(f'img/{i:02d}.png,' + ';'.join(n for n, b in zip(('red', 'green', 'blue'), on) if b))\n"
+                        "open('list.csv', 'w').write('\\n'.join(csv) + '\\n')\n"},
+                       dir.path(), {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  write_file(dir / "run.toml", R"([trainer]
+accelerator = "cpu"
+deterministic = true
+max_epochs = 6
+enable_progress_bar = false
+enable_model_summary = false
+num_sanity_val_steps = 0
+[model]
+name = "cnn"
+in_channels = 3
+image_size = 16
+num_classes = 3
+hidden = 32
+task = "multilabel"
+[data]
+name = "image_folder"
+root = "list.csv"
+path_column = "file"
+label_column = "colours"
+multilabel = true
+image_size = 16
+batch_size = 8
+val_split = 0.25
+[metrics]
+names = ["f1", "confusion_matrix"]
+task = "multilabel"
+splits = ["val"]
+)");
+  run_engine_ok(dir, {"run.toml"});
+  const auto metrics = csv_rows(find_file(dir.path(), "metrics.csv"));
+  ASSERT_GE(metrics.size(), 2u);
+  const auto f1_at = std::find(metrics[0].begin(), metrics[0].end(), "val_f1") - metrics[0].begin();
+  ASSERT_LT(static_cast<size_t>(f1_at), metrics[0].size()) << "no val_f1 column";
+  std::vector<double> f1;
+  for (size_t i = 1; i < metrics.size(); ++i)
+    if (static_cast<size_t>(f1_at) < metrics[i].size() && !metrics[i][f1_at].empty()) f1.push_back(std::stod(metrics[i][f1_at]));
+  ASSERT_EQ(f1.size(), 6u);
+  EXPECT_GT(f1.back(), 0.9) << "cnn did not learn the colours: val F1 per epoch ends at " << f1.back();
+  const auto counts = read_label_counts(find_file(dir.path(), "val_confusion_matrix.csv"));
+  ASSERT_EQ(counts.size(), 3u);
+  for (const auto& [tn, fp, fn, tp] : counts) EXPECT_EQ(tn + fp + fn + tp, 16);
+  run_engine_ok(dir, {"predict", "--ckpt", last_checkpoint(dir).string(), "run.toml", "--set", "data.predict_split=\"val\""});
+  const auto rows = csv_rows(find_file(dir.path(), "predictions.csv"));
+  ASSERT_EQ(rows.size(), 17u);
+  EXPECT_EQ(rows[0], (std::vector<std::string>{"id", "out_blue", "out_green", "out_red"}));
+  for (size_t i = 1; i < rows.size(); ++i)
+    for (size_t c = 1; c < rows[i].size(); ++c) {
+      const double p = std::stod(rows[i][c]);
+      EXPECT_TRUE(p >= 0.0 && p <= 1.0) << rows[i][c];
+    }
+  auto single = run_engine({"run.toml", "--set", "model.task=\"classification\""}, dir.path(), {}, 60);
+  EXPECT_NE(single.exit_code, 0);
+  EXPECT_NE(single.err.find("cnn: the targets [8, 3] are 0/1 per class (multilabel data): set [model] task = \"multilabel\""), std::string::npos)
+      << single.err;
+  auto smoothing = run_engine({"run.toml", "--set", "model.label_smoothing=0.1"}, dir.path(), {}, 60);
+  EXPECT_NE(smoothing.exit_code, 0);
+  EXPECT_NE(smoothing.err.find("model.label_smoothing = 0.1 smooths the single-label cross-entropy, and task = \"multilabel\" trains with binary "
+                               "cross-entropy: remove the key"),
+            std::string::npos)
+      << smoothing.err;
+}
+
 TEST(ImageFolder, ListsOfPathAndLabelTrainLikeTheFolder) {
   TempDir dir("image_folder");
   auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/reference/image_folder.py").string(), "resnet", "rn"}, dir.path(), {}, 300);

@@ -9,7 +9,8 @@
 // relu layers of widths w, 2w, 2w, 4w, 4w with a 2x2 max-pool after the 2nd and 4th, a global
 // max-pool and one linear layer (bench/speedrun.py builds the same network in PyTorch).
 //
-// Batch: tensors[0] = images float [N, C, H, W], tensors[1] = labels int64 [N].
+// Batch: tensors[0] = images float [N, C, H, W], tensors[1] = labels int64 [N], or with
+// task = "multilabel" 0/1 targets [N, num_classes] (image_folder's multilabel lists).
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -49,12 +50,13 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("width", "16", "Base width of the speedrun architecture (its layers have width, 2x, 2x, 4x, 4x channels).").at_least(1),
     ember::key::Bool("sync_batchnorm", "false", "Batch norms (speedrun architecture) normalise over every data-parallel rank's batch, not each rank's own (Lightning's sync_batchnorm)."),
     ember::key::Float("label_smoothing", "0.0", "Label smoothing of the training cross-entropy (PyTorch's label_smoothing), in [0, 1).").at_least(0.0).below(1.0),
+    ember::key::String("task", "\"classification\"", "One class per image (cross-entropy on class indices), or any number (multilabel: binary cross-entropy on 0/1 targets [N, num_classes]; image_folder's multilabel = true).").choices("classification|multilabel"),
 };
 
 struct CnnOptions {
   int64_t in_channels, image_size, conv1_channels, conv2_channels, hidden, num_classes, width;
   double dropout_conv, dropout_fc, label_smoothing;
-  bool speedrun, sync_batchnorm;
+  bool speedrun, sync_batchnorm, multilabel;
 };
 
 // Cloneable: clone() gives a deep copy with the same parameter names (it copy-constructs the net,
@@ -138,6 +140,7 @@ CnnOptions read_options(const ember::IConfig& cfg) {
   o.width = cfg.get_int("width");
   o.label_smoothing = cfg.get_float("label_smoothing");
   o.sync_batchnorm = cfg.get_bool("sync_batchnorm");
+  o.multilabel = cfg.get_string("task") == "multilabel";
   if (o.sync_batchnorm && !o.speedrun)
     throw ember::ConfigError(cfg.where("sync_batchnorm") + ": " + cfg.section() +
                              ".sync_batchnorm = true, and the classic architecture has no batch norm; use architecture = \"speedrun\" "
@@ -145,6 +148,10 @@ CnnOptions read_options(const ember::IConfig& cfg) {
   if (o.label_smoothing >= 1.0)
     throw ember::ConfigError(c10::str("[", cfg.section(), "] label_smoothing = ", o.label_smoothing, " (",
                                       cfg.where("label_smoothing"), ") must be below 1: use a value in [0, 1), e.g. 0.1"));
+  // Label smoothing is cross-entropy's; binary cross-entropy on 0/1 targets has none in PyTorch.
+  if (o.multilabel && o.label_smoothing > 0.0)
+    throw ember::ConfigError(cfg.where("label_smoothing") + ": " + cfg.section() + ".label_smoothing = " + c10::str(o.label_smoothing) +
+                             " smooths the single-label cross-entropy, and task = \"multilabel\" trains with binary cross-entropy: remove the key");
   return o;
 }
 
@@ -206,8 +213,12 @@ class Cnn final : public ember::IModel, public ember::IPredictingModel, public e
     }
     return flops;
   }
-  at::Tensor predict_step(const ember::Batch& batch) override { return logits(batch).to(at::kFloat).softmax(1); }
-  bool predicts_classes() const override { return true; }
+  // Class probabilities, or each class's own (multilabel).
+  at::Tensor predict_step(const ember::Batch& batch) override {
+    const at::Tensor out = logits(batch).to(at::kFloat);
+    return opts_.multilabel ? out.sigmoid() : out.softmax(1);
+  }
+  bool predicts_classes() const override { return !opts_.multilabel; }
 
   at::Tensor training_step(const ember::Batch& batch, ember::IStepContext& ctx) override {
     return step(batch, ctx, Phase::train);
@@ -222,6 +233,13 @@ class Cnn final : public ember::IModel, public ember::IPredictingModel, public e
  private:
   at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
     ember_models::require_inputs_and_targets(batch, "cnn");
+    if (opts_.multilabel)
+      return ember_models::multilabel_step(logits(batch), batch[1], phase, ctx, "cnn",
+                                           "set [data] multilabel = true (a list whose label field holds the classes), and [" + section_ +
+                                               "] num_classes to the number of classes");
+    if (batch[1].dim() == 2)
+      throw ember::RunError("cnn: the targets " + std::string(c10::str(batch[1].sizes())) + " are 0/1 per class (multilabel data): set [" +
+                            section_ + "] task = \"multilabel\"");
     return ember_models::classification_step(logits(batch), batch[1], phase, ctx, "cnn",
                                              phase == Phase::train ? opts_.label_smoothing : 0.0);
   }
