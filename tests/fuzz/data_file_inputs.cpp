@@ -90,20 +90,10 @@ void shard_one(std::string_view bytes, bool decompressed = false) {
 }  // namespace
 
 bool data_file_one(std::string_view input, std::string* error) {
-  if (input.empty()) return false;
-  const int kind = static_cast<unsigned char>(input[0]) % 5;
-  input.remove_prefix(1);
-  return scratch().judge(
-      [&] {
-        switch (kind) {
-          case 0: npy_one(input, (scratch().path() / "array.npy").string()); break;
-          case 1: image_one(input); break;
-          case 2: table_one(input, "table.csv"); break;
-          case 3: table_one(input, "table.jsonl"); break;
-          default: shard_one(input); break;
-        }
-      },
-      error);
+  return scratch().judge_by_first_byte(
+      input, error, [](std::string_view in) { npy_one(in, (scratch().path() / "array.npy").string()); }, [](std::string_view in) { image_one(in); },
+      [](std::string_view in) { table_one(in, "table.csv"); }, [](std::string_view in) { table_one(in, "table.jsonl"); },
+      [](std::string_view in) { shard_one(in); });
 }
 
 }  // namespace ember::fuzz

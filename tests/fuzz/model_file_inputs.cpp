@@ -100,20 +100,7 @@ void vocab_one(std::string_view bytes) {
 }  // namespace
 
 bool model_file_one(std::string_view input, std::string* error) {
-  if (input.empty()) return false;
-  const int kind = static_cast<unsigned char>(input[0]) % 5;
-  input.remove_prefix(1);
-  return scratch().judge(
-      [&] {
-        switch (kind) {
-          case 0: safetensors_one(input); break;
-          case 1: tokenizer_one(input); break;
-          case 2: gpt_config_one(input); break;
-          case 3: bert_config_one(input); break;
-          default: vocab_one(input); break;
-        }
-      },
-      error);
+  return scratch().judge_by_first_byte(input, error, safetensors_one, tokenizer_one, gpt_config_one, bert_config_one, vocab_one);
 }
 
 }  // namespace ember::fuzz

@@ -62,6 +62,23 @@ class ScratchFolder {
     return true;
   }
 
+  // The file harnesses' entry: the input's first byte picks one of `readers` (byte % their
+  // count, so a corpus keeps its meaning while the list does not change), the rest is the file's
+  // bytes, judged as above. An empty input is refused without a finding.
+  template <class... Readers>
+  bool judge_by_first_byte(std::string_view input, std::string* error, Readers... readers) const {
+    if (input.empty()) return false;
+    const size_t pick = static_cast<unsigned char>(input[0]) % sizeof...(Readers);
+    input.remove_prefix(1);
+    return judge(
+        [&] {
+          size_t i = 0;
+          // Calls the picked reader only: the fold stops at the first index that matches.
+          (void)((i++ == pick ? (readers(input), true) : false) || ...);
+        },
+        error);
+  }
+
  private:
   bool clean(const std::string& what, std::string* error) const {
     if (what.empty()) throw Finding("an error with an empty message");
