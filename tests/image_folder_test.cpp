@@ -328,54 +328,51 @@ open(out + "/large.png", "wb").write(png(13000, 13000))
 // to the list) and a JSONL with integer labels train exactly like the folder itself when they
 // list its images in the same order; a label outside the training classes and a missing column
 // are one line each, naming the file and line.
+// Multilabel images: `count` 16 x 16 PNGs, each colour channel lit (170) or not (40), each
+// pixel's channels off by up to +-noise, listed with their colours in list.csv (a field
+// "red;blue", "" for none) and list.jsonl (an array).
+void write_colour_lists(const TempDir& dir, int count, int noise) {
+  auto r = run_process({EMBER_TEST_PYTHON, "-c",
+                        "import json, os, random, sys\n"
+                        "count, noise = int(sys.argv[1]), int(sys.argv[2])\n"
+                        "from PIL import Image\n"
+                        "random.seed(1)\n"
+                        "os.makedirs('img')\n"
+                        "csv, jsonl = ['file,colours'], []\n"
+                        "for i in range(count):\n"
+                        "    on = [random.random() < 0.5 for _ in range(3)]\n"
+                        "    im = Image.new('RGB', (16, 16))\n"
+                        "    im.putdata([tuple((170 if b else 40) + random.randint(-noise, noise) for b in on) for _ in range(256)])\n"
+                        "    im.save(f'img/{i:02d}.png')\n"
+                        "    names = [n for n, b in zip(('red', 'green', 'blue'), on) if b]\n"
+                        "    csv.append(f'img/{i:02d}.png,' + ';'.join(names))\n"
+                        "    jsonl.append(json.dumps({'path': f'img/{i:02d}.png', 'label': names}))\n"
+                        "open('list.csv', 'w').write('\\n'.join(csv) + '\\n')\n"
+                        "open('list.jsonl', 'w').write('\\n'.join(jsonl) + '\\n')\n",
+                        std::to_string(count), std::to_string(noise)},
+                       dir.path(), {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+}
+
+// The run of those lists: `model` is the [model] table's keys, a quarter of the images validate
+// with F1 and the per-class confusion matrices.
+std::string colour_run(const std::string& model, int epochs, int batch_size) {
+  return "[trainer]\naccelerator = \"cpu\"\ndeterministic = true\nmax_epochs = " + std::to_string(epochs) +
+         "\nenable_progress_bar = false\nenable_model_summary = false\nnum_sanity_val_steps = 0\n[model]\n" + model +
+         "num_classes = 3\ntask = \"multilabel\"\n"
+         "[data]\nname = \"image_folder\"\nroot = \"list.csv\"\npath_column = \"file\"\nlabel_column = \"colours\"\nmultilabel = true\n"
+         "image_size = 16\nbatch_size = " + std::to_string(batch_size) +
+         "\nval_split = 0.25\n[metrics]\nnames = [\"f1\", \"confusion_matrix\"]\ntask = \"multilabel\"\nsplits = [\"val\"]\n";
+}
+
 // Multilabel lists (data.multilabel: a CSV field "red;blue" or a JSONL array; "" or [] for none)
 // train resnet with task = "multilabel" (binary cross-entropy); the CSV and the JSONL list of the
 // same labels train to the same weights, the per-class confusion matrices count every validation
 // image, predictions are each class's probability, and mixed-up settings are one line.
 TEST(ImageFolder, MultilabelListsTrainResnetWithBinaryCrossEntropy) {
   TempDir dir("image_folder");
-  auto r = run_process({EMBER_TEST_PYTHON, "-c",
-                        "import json, os, random\n"
-                        "from PIL import Image\n"
-                        "random.seed(0)\n"
-                        "os.makedirs('img')\n"
-                        "csv, jsonl = ['file,colours'], []\n"
-                        "for i in range(24):\n"
-                        "    on = [random.random() < 0.5 for _ in range(3)]\n"
-                        "    Image.new('RGB', (16, 16), tuple(200 if b else 20 for b in on)).save(f'img/{i:02d}.png')\n"
-                        "    names = [n for n, b in zip(('red', 'green', 'blue'), on) if b]\n"
-                        "    csv.append(f'img/{i:02d}.png,' + ';'.join(names))\n"
-                        "    jsonl.append(json.dumps({'path': f'img/{i:02d}.png', 'label': names}))\n"
-                        "open('list.csv', 'w').write('\\n'.join(csv) + '\\n')\n"
-                        "open('list.jsonl', 'w').write('\\n'.join(jsonl) + '\\n')\n"},
-                       dir.path(), {}, 120);
-  ASSERT_EQ(r.exit_code, 0) << r.err;
-  write_file(dir / "run.toml", R"([trainer]
-accelerator = "cpu"
-deterministic = true
-max_epochs = 2
-enable_progress_bar = false
-enable_model_summary = false
-num_sanity_val_steps = 0
-[model]
-name = "resnet"
-small_input = true
-num_classes = 3
-task = "multilabel"
-[data]
-name = "image_folder"
-root = "list.csv"
-path_column = "file"
-label_column = "colours"
-multilabel = true
-image_size = 16
-batch_size = 6
-val_split = 0.25
-[metrics]
-names = ["f1", "confusion_matrix"]
-task = "multilabel"
-splits = ["val"]
-)");
+  write_colour_lists(dir, 24, 0);
+  write_file(dir / "run.toml", colour_run("name = \"resnet\"\nsmall_input = true\n", 2, 6));
   TempDir from_csv("image_folder"), from_jsonl("image_folder");
   for (const auto* d : {&from_csv, &from_jsonl}) fs::copy_file(dir / "run.toml", *d / "run.toml");
   auto c = run_engine_ok(from_csv, {"run.toml", "--set", "data.root=\"" + (dir / "list.csv").string() + "\""});
@@ -408,49 +405,8 @@ splits = ["val"]
 // multilabel targets are one line each.
 TEST(ImageFolder, MultilabelListsTrainCnnToTellEachColour) {
   TempDir dir("image_folder");
-  auto r = run_process({EMBER_TEST_PYTHON, "-c",
-                        "import os, random\n"
-                        "from PIL import Image\n"
-                        "random.seed(1)\n"
-                        "os.makedirs('img')\n"
-                        "csv = ['file,colours']\n"
-                        "for i in range(64):\n"
-                        "    on = [random.random() < 0.5 for _ in range(3)]\n"
-                        "    im = Image.new('RGB', (16, 16))\n"
-                        "    im.putdata([tuple((170 if b else 40) + random.randint(-30, 30) for b in on) for _ in range(256)])\n"
-                        "    im.save(f'img/{i:02d}.png')\n"
-                        "    csv.append(f'img/{i:02d}.png,' + ';'.join(n for n, b in zip(('red', 'green', 'blue'), on) if b))\n"
-                        "open('list.csv', 'w').write('\\n'.join(csv) + '\\n')\n"},
-                       dir.path(), {}, 120);
-  ASSERT_EQ(r.exit_code, 0) << r.err;
-  write_file(dir / "run.toml", R"([trainer]
-accelerator = "cpu"
-deterministic = true
-max_epochs = 6
-enable_progress_bar = false
-enable_model_summary = false
-num_sanity_val_steps = 0
-[model]
-name = "cnn"
-in_channels = 3
-image_size = 16
-num_classes = 3
-hidden = 32
-task = "multilabel"
-[data]
-name = "image_folder"
-root = "list.csv"
-path_column = "file"
-label_column = "colours"
-multilabel = true
-image_size = 16
-batch_size = 8
-val_split = 0.25
-[metrics]
-names = ["f1", "confusion_matrix"]
-task = "multilabel"
-splits = ["val"]
-)");
+  write_colour_lists(dir, 64, 30);
+  write_file(dir / "run.toml", colour_run("name = \"cnn\"\nin_channels = 3\nimage_size = 16\nhidden = 32\n", 6, 8));
   run_engine_ok(dir, {"run.toml"});
   const auto metrics = csv_rows(find_file(dir.path(), "metrics.csv"));
   ASSERT_GE(metrics.size(), 2u);

@@ -233,15 +233,8 @@ class Cnn final : public ember::IModel, public ember::IPredictingModel, public e
  private:
   at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
     ember_models::require_inputs_and_targets(batch, "cnn");
-    if (opts_.multilabel)
-      return ember_models::multilabel_step(logits(batch), batch[1], phase, ctx, "cnn",
-                                           "set [data] multilabel = true (a list whose label field holds the classes), and [" + section_ +
-                                               "] num_classes to the number of classes");
-    if (batch[1].dim() == 2)
-      throw ember::RunError("cnn: the targets " + std::string(c10::str(batch[1].sizes())) + " are 0/1 per class (multilabel data): set [" +
-                            section_ + "] task = \"multilabel\"");
-    return ember_models::classification_step(logits(batch), batch[1], phase, ctx, "cnn",
-                                             phase == Phase::train ? opts_.label_smoothing : 0.0);
+    return ember_models::image_classes_step(logits(batch), batch[1], opts_.multilabel, phase, ctx, "cnn", section_,
+                                            phase == Phase::train ? opts_.label_smoothing : 0.0);
   }
 
   at::Tensor logits(const ember::Batch& batch) {

@@ -161,14 +161,7 @@ class ResNetModel final : public ember::IModel, public ember::IPredictingModel, 
  private:
   at::Tensor step(const ember::Batch& batch, ember::IStepContext& ctx, Phase phase) {
     ember_models::require_inputs_and_targets(batch, "resnet");
-    if (multilabel_)
-      return ember_models::multilabel_step(logits(batch), batch[1], phase, ctx, "resnet",
-                                           "set [data] multilabel = true (a list whose label field holds the classes), and [" + section_ +
-                                               "] num_classes to the number of classes");
-    if (batch[1].dim() == 2)
-      throw ember::RunError("resnet: the targets " + std::string(c10::str(batch[1].sizes())) + " are 0/1 per class (multilabel data): set [" +
-                            section_ + "] task = \"multilabel\"");
-    return ember_models::classification_step(logits(batch), batch[1], phase, ctx, "resnet");
+    return ember_models::image_classes_step(logits(batch), batch[1], multilabel_, phase, ctx, "resnet", section_);
   }
   at::Tensor logits(const ember::Batch& batch) {
     if (batch.tensors.empty()) throw ember::RunError("resnet: got a batch without images");

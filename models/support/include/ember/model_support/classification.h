@@ -152,4 +152,20 @@ inline at::Tensor multilabel_step(const at::Tensor& logits, const at::Tensor& ta
   return loss;
 }
 
+// The step of an image classifier whose `task` is "classification" or "multilabel" (resnet,
+// cnn): multilabel trains `multilabel_step` on image_folder's 0/1 rows; single-label refuses
+// those rows in one line (they would otherwise read as a shape error) and trains cross-entropy.
+// `section` is the model's config section, named in the fixes.
+inline at::Tensor image_classes_step(const at::Tensor& logits, const at::Tensor& targets, bool multilabel, Phase phase, ember::IStepContext& ctx,
+                                     const char* model, const std::string& section, double label_smoothing = 0.0) {
+  if (multilabel)
+    return multilabel_step(logits, targets, phase, ctx, model,
+                           "set [data] multilabel = true (a list whose label field holds the classes), and [" + section +
+                               "] num_classes to the number of classes");
+  if (targets.dim() == 2)
+    throw ember::RunError(c10::str(model, ": the targets ", targets.sizes(), " are 0/1 per class (multilabel data): set [", section,
+                                   "] task = \"multilabel\""));
+  return classification_step(logits, targets, phase, ctx, model, label_smoothing);
+}
+
 }  // namespace ember_models
