@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <numeric>
@@ -594,6 +595,61 @@ TEST(TextExport, ConfigNamesTheDataLabels) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("[data] labels (run.toml:"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("names \"good\" twice (ids 0 and 2): list each label once, in id order"), std::string::npos) << r.err;
+}
+
+// A checkpoint's outputs are the classes it was trained on, in their order (`class_names`):
+// data that names them in another order or names others (a label added to the file, another
+// `labels`) is refused in one line when predicting, testing or resuming from it, rather than
+// naming the outputs wrongly. Integer labels are their own ids ("0" .. the largest), as
+// image_folder's lists have them, so 10 sorts after 9 and not after 1.
+TEST(TextClassification, CheckpointsRefuseDataThatNamesOtherClasses) {
+  TempDir dir("text_class_names");
+  write_tiny_task(dir);
+  std::string run = tiny_run(dir, "labels = [\"poor\", \"good\"]\n");
+  run.replace(run.find("max_epochs = 2"), 14, "max_epochs = 1");
+  run.replace(run.find("test.jsonl"), 10, "train.csv");
+  write_file(dir / "run.toml", run);
+  auto r = run_engine({"run.toml"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  fs::path ckpt;
+  for (const auto& e : fs::directory_iterator(dir / "runs/run/version_0/checkpoints")) ckpt = e.path();
+  ASSERT_FALSE(ckpt.empty());
+  r = run_engine({"predict", "--ckpt", ckpt.string(), "run.toml"}, dir.path());
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::string swapped = "checkpoint " + ckpt.string() +
+                              " was trained on 2 classes (poor, good) and the text_classification data names 2 (good, poor): output 0 is "
+                              "'poor' there and 'good' here: give the data the checkpoint's classes in its order (text_classification: "
+                              "[data] labels; `engine checkpoint info` lists them), or train anew";
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"predict", "--ckpt", ckpt.string(), "run.toml"},
+                                               std::vector<std::string>{"test", "--ckpt", ckpt.string(), "run.toml"},
+                                               std::vector<std::string>{"run.toml", "--resume", ckpt.string(), "--set", "trainer.max_epochs=2"}}) {
+    std::vector<std::string> with = args;
+    with.insert(with.end(), {"--set", "data.labels=[\"good\", \"poor\"]"});
+    r = run_engine(with, dir.path());
+    EXPECT_EQ(r.exit_code, 1) << args[0] << ": " << r.err;
+    EXPECT_NE(r.err.find(swapped), std::string::npos) << args[0] << ": " << r.err;
+  }
+  // `engine checkpoint info` lists them as a TOML array, ready for `labels`.
+  r = run_engine({"checkpoint", "info", ckpt.string()}, dir.path());
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("classes (2, in output order): [\"poor\", \"good\"]\n"), std::string::npos) << r.out;
+  r = run_engine({"predict", "--ckpt", ckpt.string(), "run.toml", "--set", "data.labels=[\"poor\", \"good\", \"meh\"]"}, dir.path());
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("was trained on 2 classes (poor, good) and the text_classification data names 3 (poor, good, meh): give the data"),
+            std::string::npos)
+      << r.err;
+
+  // Twelve integer labels: ids are the integers.
+  std::string csv = "text,label\n";
+  for (int i = 0; i < 24; ++i) csv += std::string(i % 2 ? "the food is great" : "the food is bad") + "," + std::to_string(i % 12) + "\n";
+  write_file(dir / "numbers.csv", csv);
+  std::string numbers = tiny_run(dir);
+  numbers.replace(numbers.find("max_epochs = 2"), 14, "max_epochs = 1");
+  for (const char* file : {"train.csv", "test.jsonl"}) numbers.replace(numbers.find(file), std::strlen(file), "numbers.csv");
+  write_file(dir / "numbers.toml", numbers);
+  r = run_engine({"numbers.toml", "--set", "model.num_classes=12"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("labels 0=0, 1=1, 2=2, 3=3, 4=4, 5=5, 6=6, 7=7, 8=8, 9=9, 10=10, 11=11;"), std::string::npos) << r.err;
 }
 
 #ifdef EMBER_TEST_PYTHON

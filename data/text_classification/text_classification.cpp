@@ -2,8 +2,9 @@
 // model's WordPiece vocabulary (models/text/wordpiece.h) and cut to max_length.
 //
 // Files: CSV with a header row (RFC 4180 quoting, read by libcsv) or JSONL (one JSON object a
-// line), picked by the file's extension. Label names map to ids in the order of `labels`, or
-// sorted when it is not given. Splits: train; val from val_file, else val_split of train (a
+// line), picked by the file's extension. Label names map to ids in the order of `labels`; when it
+// is not given, integer labels are their own ids ("0" .. the largest) and names are sorted
+// (ember::support::label_classes, as image_folder's lists). Splits: train; val from val_file, else val_split of train (a
 // permutation seeded with trainer.seed); test from test_file (optional).
 // Batch: tensors[0] = input_ids int64 [N, L], tensors[1] = labels int64 [N],
 // tensors[2] = attention_mask int64 [N, L], where L is the longest sequence of the batch.
@@ -18,7 +19,6 @@
 #include <map>
 #include <numeric>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -47,7 +47,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::String("test_file", "\"\"", "Test texts; empty: no test split."),
     ember::key::String("text_column", "\"text\"", "Column (CSV) or field (JSONL) holding the text."),
     ember::key::String("label_column", "\"label\"", "Column or field holding the label (a name, or an integer)."),
-    ember::key::StringList("labels", "[]", "Label names in id order; empty: the training file's names, sorted."),
+    ember::key::StringList("labels", "[]", "Label names in id order; empty: the training file's, as ids 0 .. the largest when every label is an integer, else the names sorted."),
     ember::key::Bool("multilabel", "false", "Each text has any number of labels (none included), separated by label_separator in its label field (JSONL: or a list, [\"sports\", \"politics\"]): the targets are 0/1 per label [N, labels] (bert: problem_type = \"multi_label_classification\")."),
     ember::key::String("label_separator", "\";\"", "What separates a multilabel text's labels (\"sports;politics\"); spaces around each label are dropped."),
     ember::key::Float("val_split", "0.1", "Fraction of train_file held out for validation when val_file is empty, in [0, 1).").at_least(0.0).below(1.0),
@@ -131,13 +131,13 @@ class TextClassification final : public ember::IDataModule, public ember::IPredi
   void setup(const ember::DataSetup& setup) override {
     const std::vector<Row> train_rows = read_rows(train_file_, text_column_, label_column_, list_separator());
     if (labels_.empty()) {
-      std::set<std::string> names;
+      std::vector<std::string> names;
       for (const auto& r : train_rows) {
-        if (!multilabel_) names.insert(r.label);
+        if (!multilabel_) names.push_back(r.label);
         else
-          for (auto& l : ember::support::split_list(r.label, separator_)) names.insert(std::move(l));
+          for (auto& l : ember::support::split_list(r.label, separator_)) names.push_back(std::move(l));
       }
-      labels_.assign(names.begin(), names.end());
+      labels_ = ember::support::label_classes(names);
     }
     for (size_t i = 0; i < labels_.size(); ++i) label_ids_[labels_[i]] = static_cast<int64_t>(i);
     if (labels_.size() < 2)

@@ -23,6 +23,24 @@ namespace ember::engine {
 namespace {
 
 // A value short enough for one line: numbers, strings, booleans; "" for anything else.
+// A TOML basic string: a class list printed this way pastes into a data module's `labels`.
+std::string toml_string(const std::string& s) {
+  std::string out = "\"";
+  for (const unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20 || c == 0x7f) {
+      char hex[16];
+      std::snprintf(hex, sizeof hex, "\\u%04x", c);
+      out += hex;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
 std::string scalar_text(const c10::IValue& v) {
   if (v.isString()) return v.toStringRef();
   if (v.isInt()) return std::to_string(v.toInt());
@@ -154,6 +172,15 @@ int checkpoint_info(const std::string& checkpoint, std::ostream& out) {
   if (const auto* omitted = entry(d, "omitted_parameters"); omitted != nullptr && omitted->isGenericDict())
     if (const auto* names = entry(omitted->toGenericDict(), "names"); names != nullptr && names->isList())
       out << "frozen weights left out: " << names->toList().size() << " (taken from the model when it loads)\n";
+  if (const auto* classes = entry(d, "class_names"); classes != nullptr && classes->isList()) {
+    const auto names = classes->toList();
+    out << "classes (" << names.size() << ", in output order): [";
+    for (size_t i = 0; i < names.size(); ++i) {
+      const c10::IValue name = names.get(i);
+      out << (i ? ", " : "") << (name.isString() ? toml_string(name.toStringRef()) : "?");
+    }
+    out << "]\n";
+  }
   print_states(out, "plugins", entry(d, "plugins"));
   print_states(out, "callbacks", entry(d, "callbacks"));
   print_states(out, "loggers", entry(d, "loggers"));

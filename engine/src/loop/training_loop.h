@@ -203,6 +203,8 @@ class TrainingLoop final : public ITrainer,
   bool validation_enabled() const;
   c10::IValue plugin_states() const;
   c10::impl::GenericDict checkpoint_meta(bool weights_only) const;
+  // Throws when the data's class names are not the ones `ck` was trained on, in their order.
+  void check_class_names(const c10::impl::GenericDict& ck, const std::string& where) const;
 
   IHost& host_;
   const ResolvedConfig& config_;

@@ -94,10 +94,52 @@ void TrainingLoop::write_consolidated(const std::string& path, c10::impl::Generi
 
 void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only) { restore(file, weights_only, true); }
 
+namespace {
+
+std::string listed(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < 8; ++i) out += (i ? ", " : "") + names[i];
+  return names.size() > 8 ? out + ", ... (" + std::to_string(names.size()) + ")" : out;
+}
+
+}  // namespace
+
+// A checkpoint's outputs are its classes in the order it was trained on (`class_names`). Data that
+// names other classes, or the same in another order (a class folder added, a label file with a
+// new label, another label order), would give those outputs the wrong names with no error, in
+// predictions, metrics and a resumed run alike: refused in one line. Checkpoints written before
+// the names were kept, and data without names, are not checked.
+void TrainingLoop::check_class_names(const c10::impl::GenericDict& ck, const std::string& where) const {
+  if (!ck.contains("class_names") || !ck.at("class_names").isList()) return;
+  const auto* names = static_cast<IPredictionNames*>(plugins_.data.object->query_interface(kPredictionNamesIid));
+  if (names == nullptr) return;
+  const std::vector<std::string> data = names->class_names();
+  if (data.empty()) return;
+  std::vector<std::string> trained;
+  for (const auto& v : ck.at("class_names").toList()) {
+    const c10::IValue name = v;
+    if (!name.isString()) return;  // not Ember's layout: `engine checkpoint verify` speaks for it
+    trained.push_back(name.toStringRef());
+  }
+  if (trained == data) return;
+  std::string differ;
+  if (trained.size() == data.size())
+    for (size_t i = 0; i < data.size(); ++i)
+      if (trained[i] != data[i]) {
+        differ = ": output " + std::to_string(i) + " is '" + trained[i] + "' there and '" + data[i] + "' here";
+        break;
+      }
+  throw RunError(where + " was trained on " + std::to_string(trained.size()) + " classes (" + listed(trained) + ") and the " +
+                 plugins_.data.name + " data names " + std::to_string(data.size()) + " (" + listed(data) + ")" + differ +
+                 ": give the data the checkpoint's classes in its order (text_classification: [data] labels; `engine checkpoint info` lists "
+                 "them), or train anew");
+}
+
 void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only, bool announce, bool loggers_too) {
   const std::string where = "checkpoint " + file.string();
   using Part = Runtime::Part;
   auto ck = runtime_->load_checkpoint(file, Part::required, weights_only ? Part::skip : Part::required);
+  check_class_names(ck, where);
   if (weights_only) return;
   if (!ck.contains("loops")) throw RunError(where + " holds weights only (save_weights_only); it can be tested but not resumed");
   pos_ = TrainingState::from_ivalue(ck.at("loops").toGenericDict());

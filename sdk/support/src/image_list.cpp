@@ -55,14 +55,10 @@ std::vector<LabelledImage> from_folder(const fs::path& root, std::vector<std::st
   return out;
 }
 
-int64_t index_of(const std::string& s) {
-  if (s.empty() || s.size() > 9 || !std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); })) return -1;
-  return std::stoll(s);
-}
-
 // A list of path and label in its order; paths relative to the list's folder. The training list
-// defines the classes: when every label is an integer they are the class indices (classes
-// "0".."max"), otherwise the sorted names, as torchvision sorts class folders.
+// defines the classes (ember::support::label_classes): when every label is an integer they are
+// the class indices (classes "0".."max"), otherwise the sorted names, as torchvision sorts class
+// folders.
 std::vector<LabelledImage> from_list(const fs::path& list, std::vector<std::string>& classes, const std::string& key, const ImageListOptions& o) {
   const auto records = ember::support::read_table(
       list, {{o.path_column, o.section + ".path_column"}, {o.label_column, o.section + ".label_column", o.label_separator}});
@@ -71,18 +67,9 @@ std::vector<LabelledImage> from_list(const fs::path& list, std::vector<std::stri
   for (const auto& r : records) names.push_back(ember::support::split_list(r.values[1], o.label_separator));
   const bool define = classes.empty();
   if (define) {
-    bool indices = true;
-    for (const auto& n : names) indices = indices && std::all_of(n.begin(), n.end(), [](const auto& l) { return index_of(l) >= 0; });
-    if (indices) {
-      int64_t top = -1;
-      for (const auto& n : names)
-        for (const auto& l : n) top = std::max(top, index_of(l));
-      for (int64_t c = 0; c <= top; ++c) classes.push_back(std::to_string(c));
-    } else {
-      for (const auto& n : names) classes.insert(classes.end(), n.begin(), n.end());
-      std::sort(classes.begin(), classes.end());
-      classes.erase(std::unique(classes.begin(), classes.end()), classes.end());
-    }
+    std::vector<std::string> all;
+    for (const auto& n : names) all.insert(all.end(), n.begin(), n.end());
+    classes = ember::support::label_classes(all);
     if (classes.empty()) throw ember::RunError("image_folder: " + key + " " + list.string() + " names no label in its column " + o.label_column);
   }
   std::unordered_map<std::string, int64_t> label_of;

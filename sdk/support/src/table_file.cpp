@@ -5,6 +5,8 @@
 #include <csv.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdint>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -125,6 +127,32 @@ std::vector<std::string> split_list(const std::string& field, const std::string&
     start = end + separator.size();
   }
   return out;
+}
+
+namespace {
+
+// A label that is a class index: digits, at most 9 of them, no leading zero ("007" is a name).
+int64_t class_index(const std::string& s) {
+  if (s.empty() || s.size() > 9 || (s.size() > 1 && s[0] == '0') ||
+      !std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c) != 0; }))
+    return -1;
+  return std::stoll(s);
+}
+
+}  // namespace
+
+std::vector<std::string> label_classes(const std::vector<std::string>& labels) {
+  std::vector<std::string> classes;
+  if (std::all_of(labels.begin(), labels.end(), [](const std::string& l) { return class_index(l) >= 0; })) {
+    int64_t top = -1;
+    for (const auto& l : labels) top = std::max(top, class_index(l));
+    for (int64_t c = 0; c <= top; ++c) classes.push_back(std::to_string(c));
+    return classes;
+  }
+  classes = labels;
+  std::sort(classes.begin(), classes.end());
+  classes.erase(std::unique(classes.begin(), classes.end()), classes.end());
+  return classes;
 }
 
 bool is_table_file(const std::filesystem::path& path) {

@@ -43,4 +43,10 @@ std::vector<TableRecord> read_table(const std::filesystem::path& path, const std
 // ones left out ("a; b;" -> {"a", "b"}; "" -> {}). With no separator, the field itself.
 std::vector<std::string> split_list(const std::string& field, const std::string& separator);
 
+// The classes a training file's labels define, in id order (SDK 2.21): when every label is an
+// integer (digits, at most 9, no leading zero) they are class indices, "0" .. the largest, so output i is
+// label i as in a Hugging Face dataset's integer labels (a class no text names keeps its id);
+// otherwise the distinct names, sorted (torchvision sorts class folders). Empty for no labels.
+std::vector<std::string> label_classes(const std::vector<std::string>& labels);
+
 }  // namespace ember::support
