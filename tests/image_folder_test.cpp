@@ -441,6 +441,67 @@ TEST(ImageFolder, MultilabelListsTrainCnnToTellEachColour) {
       << smoothing.err;
 }
 
+// data.classes fixes the classes and their output order (a checkpoint's, a pretrained head's):
+// the folder's images take the listed order, a checkpoint trained so is refused in one line by
+// data in the sorted order and accepted with the same list, and a class folder outside the list,
+// or a class listed twice, is one line.
+TEST(ImageFolder, ClassesSetTheOutputOrderAndACheckpointKeepsIt) {
+  TempDir dir("image_folder");
+  auto r = run_process({EMBER_TEST_PYTHON, "-c",
+                        "import os\n"
+                        "from PIL import Image\n"
+                        "for c, colour in (('a', (200, 20, 20)), ('b', (20, 20, 200))):\n"
+                        "    os.makedirs(f'img/{c}')\n"
+                        "    for i in range(4): Image.new('RGB', (16, 16), colour).save(f'img/{c}/{i}.png')\n"},
+                       dir.path(), {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  write_file(dir / "run.toml", R"([trainer]
+accelerator = "cpu"
+max_epochs = 6
+enable_progress_bar = false
+enable_model_summary = false
+num_sanity_val_steps = 0
+[model]
+name = "cnn"
+in_channels = 3
+image_size = 16
+num_classes = 2
+[data]
+name = "image_folder"
+root = "img"
+classes = ["b", "a"]
+image_size = 16
+batch_size = 4
+predict_split = "train"
+)");
+  run_engine_ok(dir, {"run.toml"});
+  const fs::path ckpt = last_checkpoint(dir);
+  run_engine_ok(dir, {"predict", "--ckpt", ckpt.string(), "run.toml"});
+  const auto rows = csv_rows(find_file(dir.path(), "predictions.csv"));
+  ASSERT_EQ(rows.size(), 9u);
+  EXPECT_EQ(rows[0], (std::vector<std::string>{"id", "prediction", "prob_b", "prob_a"})) << "the listed order, not the sorted one";
+  // The images come class by class in the listed order (b's four first, as torchvision walks its
+  // classes), and each is predicted as its own folder's class.
+  for (size_t i = 1; i < rows.size(); ++i) EXPECT_EQ(rows[i][1], i <= 4 ? "b" : "a") << i;
+  auto sorted = run_engine({"predict", "--ckpt", ckpt.string(), "run.toml", "--set", "data.classes=[]"}, dir.path(), {}, 60);
+  EXPECT_EQ(sorted.exit_code, 1);
+  EXPECT_NE(sorted.err.find("was trained on 2 classes (b, a) and the image_folder data names 2 (a, b): output 0 is 'b' there and 'a' here"),
+            std::string::npos)
+      << sorted.err;
+  fs::create_directories(dir / "img/c");
+  fs::copy_file(dir / "img/a/0.png", dir / "img/c/0.png");
+  auto outside = run_engine({"predict", "--ckpt", ckpt.string(), "run.toml"}, dir.path(), {}, 60);
+  EXPECT_NE(outside.exit_code, 0);
+  EXPECT_NE(outside.err.find("img/c is a class that the training images do not have: every split needs the training classes (the training "
+                             "root's sorted sub-folders, or [data] classes)"),
+            std::string::npos)
+      << outside.err;
+  auto twice = run_engine({"run.toml", "--set", "data.classes=[\"a\", \"b\", \"a\"]"}, dir.path(), {}, 60);
+  EXPECT_EQ(twice.exit_code, 2);
+  EXPECT_NE(twice.err.find("data.classes names \"a\" twice (outputs 0 and 2): list each class once, in output order"), std::string::npos)
+      << twice.err;
+}
+
 TEST(ImageFolder, ListsOfPathAndLabelTrainLikeTheFolder) {
   TempDir dir("image_folder");
   auto r = run_process({EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/reference/image_folder.py").string(), "resnet", "rn"}, dir.path(), {}, 300);

@@ -619,7 +619,7 @@ TEST(TextClassification, CheckpointsRefuseDataThatNamesOtherClasses) {
   const std::string swapped = "checkpoint " + ckpt.string() +
                               " was trained on 2 classes (poor, good) and the text_classification data names 2 (good, poor): output 0 is "
                               "'poor' there and 'good' here: give the data the checkpoint's classes in its order (text_classification: "
-                              "[data] labels; `engine checkpoint info` lists them), or train anew";
+                              "[data] labels, image_folder: [data] classes; `engine checkpoint info` lists them), or train anew";
   for (const std::vector<std::string>& args : {std::vector<std::string>{"predict", "--ckpt", ckpt.string(), "run.toml"},
                                                std::vector<std::string>{"test", "--ckpt", ckpt.string(), "run.toml"},
                                                std::vector<std::string>{"run.toml", "--resume", ckpt.string(), "--set", "trainer.max_epochs=2"}}) {

@@ -40,6 +40,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::String("label_column", "\"label\"", "Lists: the CSV column / JSONL field holding each image's class (a name, or an index 0..C-1 when every label is one)."),
     ember::key::Bool("multilabel", "false", "Lists: each image has any number of classes (none included), separated by label_separator in its label field (JSONL: or an array): the targets are 0/1 per class [N, classes] (resnet / cnn: task = \"multilabel\")."),
     ember::key::String("label_separator", "\";\"", "What separates a multilabel image's classes (\"cat;dog\"); spaces around each are dropped."),
+    ember::key::StringList("classes", "[]", "The classes in output order (a checkpoint's: `engine checkpoint info` lists them); empty: the training root's sorted sub-folders, or its list's labels (0..C-1 when every label is an integer, else sorted). A folder or label outside them is one line."),
     ember::key::Float("val_split", "0.0", "Without val_root: the fraction of root's images held out for validation (chosen by a permutation seeded with trainer.seed).").at_least(0.0).below(1.0),
     ember::key::String("bad_images", "\"stop\"", "A file whose header is not a readable JPEG or PNG: stop (one line naming it) or skip (left out, counted in the log).").choices("stop|skip"),
     EMBER_IMAGE_TRANSFORM_KEYS,
@@ -64,6 +65,12 @@ class ImageFolder final : public ember::IDataModule, public ember::ITrainerAware
       if (list_options_.label_separator.empty())
         throw ember::ConfigError(cfg.where("label_separator") + ": " + section_ + ".label_separator is empty: multilabel lists need a separator, e.g. \";\"");
     }
+    classes_ = cfg.get_string_list("classes");
+    for (size_t i = 0; i < classes_.size(); ++i)
+      for (size_t j = 0; j < i; ++j)
+        if (classes_[i] == classes_[j])
+          throw ember::ConfigError(cfg.where("classes") + ": " + section_ + ".classes names \"" + classes_[i] + "\" twice (outputs " +
+                                   std::to_string(j) + " and " + std::to_string(i) + "): list each class once, in output order");
     if (!val_root_.empty() && val_split_ > 0)
       throw ember::ConfigError(cfg.where("val_split") + ": " + section_ + ".val_split and val_root both choose the validation images: keep one");
   }

@@ -131,8 +131,8 @@ void TrainingLoop::check_class_names(const c10::impl::GenericDict& ck, const std
       }
   throw RunError(where + " was trained on " + std::to_string(trained.size()) + " classes (" + listed(trained) + ") and the " +
                  plugins_.data.name + " data names " + std::to_string(data.size()) + " (" + listed(data) + ")" + differ +
-                 ": give the data the checkpoint's classes in its order (text_classification: [data] labels; `engine checkpoint info` lists "
-                 "them), or train anew");
+                 ": give the data the checkpoint's classes in its order (text_classification: [data] labels, image_folder: [data] "
+                 "classes; `engine checkpoint info` lists them), or train anew");
 }
 
 void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only, bool announce, bool loggers_too) {

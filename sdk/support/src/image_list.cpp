@@ -21,7 +21,7 @@ namespace {
 
 // torchvision's make_dataset: for each class in order, its folder walked (sorted directories,
 // sorted file names) for files with an image extension.
-std::vector<LabelledImage> from_folder(const fs::path& root, std::vector<std::string>& classes, const std::string& key) {
+std::vector<LabelledImage> from_folder(const fs::path& root, std::vector<std::string>& classes, const std::string& key, const std::string& section) {
   if (!fs::is_directory(root))
     throw ember::RunError("image_folder: " + key + " " + root.string() + " is not a folder or a .csv/.jsonl list: give a folder of one "
                           "sub-folder per class, or a list of path and label");
@@ -34,7 +34,7 @@ std::vector<LabelledImage> from_folder(const fs::path& root, std::vector<std::st
     for (const auto& e : fs::directory_iterator(root))
       if (e.is_directory() && std::find(classes.begin(), classes.end(), e.path().filename().string()) == classes.end())
         throw ember::RunError("image_folder: " + e.path().string() + " is a class that the training images do not have: every split "
-                              "needs the training classes (labels are their sorted order)");
+                              "needs the training classes (the training root's sorted sub-folders, or [" + section + "] classes)");
   }
   std::vector<LabelledImage> out;
   for (size_t c = 0; c < classes.size(); ++c) {
@@ -85,7 +85,7 @@ std::vector<LabelledImage> from_list(const fs::path& list, std::vector<std::stri
       const auto it = label_of.find(name);
       if (it == label_of.end())
         throw ember::RunError(list.string() + ":" + std::to_string(r.line) + ": label '" + name +
-                              "' is not a class of the training list (every split uses the training classes)");
+                              "' is not a class of the training list (every split uses the training list's classes, or [" + o.section + "] classes)");
       image.labels.push_back(it->second);
     }
     if (o.label_separator.empty()) {
@@ -106,7 +106,7 @@ std::vector<LabelledImage> list_images(const fs::path& root, std::vector<std::st
   if (!options.label_separator.empty())
     throw ember::RunError("image_folder: " + key + " " + root.string() + " is a folder, where each image has one class: multilabel images need a "
                           ".csv or .jsonl list of path and labels");
-  return from_folder(root, classes, key);
+  return from_folder(root, classes, key, options.section);
 }
 
 }  // namespace ember::image
