@@ -137,6 +137,65 @@ TEST(CheckpointRun, StepAndEpochTriggersAndTheRunsOwnConfigTrainsAgain) {
   EXPECT_EQ(again.exit_code, 0) << again.err;
 }
 
+// checkpoint.save_on_exception (Lightning's): training that fails with an error saves the state it
+// had reached to on_exception.ckpt, and `--resume last` continues from it to the weights of a run
+// that never failed. A failure inside an optimizer update or an accumulation window (weights,
+// optimizer and position disagree there), or after nothing was trained since the last save,
+// saves nothing, and the log says why; the run's own error is what it reports either way.
+TEST(CheckpointRun, SaveOnExceptionKeepsTheStateAFailedRunReached) {
+  auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const std::vector<std::string> chaos = {"--plugin-path", test_plugin_dir("good").string(), "--plugins", "chaos",
+                                          "--set",         "chaos.rank=0",                   "--set",     "chaos.action=\"throw\""};
+  {
+    TempDir dir("ckpt_exception");
+    write_file(dir / "run.toml", tiny_mlp_run(2, "batch_size = 8\n[checkpoint]\nsave_on_exception = true\n"));
+    // Fails at the start of step 6's batch (epoch 1, batch 2); last.ckpt holds epoch 0 (step 4).
+    auto failed = run_engine(with({"run.toml", "--set", "chaos.step=6"}, chaos), dir.path());
+    EXPECT_EQ(failed.exit_code, 1) << failed.err;
+    EXPECT_NE(failed.err.find("chaos: thrown at step 6, batch 2 (on_train_batch_start)"), std::string::npos) << failed.err;
+    const fs::path saved = fs::absolute(dir / "runs/run/version_0/checkpoints/on_exception.ckpt").lexically_normal();
+    EXPECT_NE(failed.err.find("checkpoint: training failed at step 6; its state is in " + saved.string() + " (--resume last continues from it)"),
+              std::string::npos)
+        << failed.err;
+    ASSERT_TRUE(fs::exists(saved));
+    EXPECT_EQ(ember::engine::load_checkpoint_file(saved).at("global_step").toInt(), 6);
+    auto resumed = run_engine_ok(dir, {"run.toml", "--resume", "last"});
+    EXPECT_NE(resumed.err.find("at epoch 1, step 6 (batch 2 of the epoch)"), std::string::npos) << resumed.err;
+    run_engine_ok(dir, {"run.toml"});  // version_1: the same two epochs without a failure
+    expect_identical_weights(last_checkpoint(dir, 1), last_checkpoint(dir, 0));
+  }
+  struct Refused {
+    std::vector<std::string> args;
+    std::string why;
+  };
+  for (const Refused& c :
+       {Refused{{"--set", "chaos.step=6", "--set", "chaos.hook=\"on_before_optimizer_step\""},
+                "checkpoint: save_on_exception: the run failed inside an optimizer update or an accumulation window, where weights, optimizer "
+                "and position disagree, so it is not saved: the last checkpoint stands"},
+        // Batches 2 and 3 make step 2's window: the failure comes at its second batch.
+        Refused{{"--set", "chaos.step=1", "--set", "chaos.batch=3", "--set", "trainer.accumulate_grad_batches=2"},
+                "checkpoint: save_on_exception: the run failed inside an optimizer update or an accumulation window"},
+        Refused{{"--set", "chaos.step=4"}, "checkpoint: nothing trained since the last checkpoint (step 4), so none is saved on exception"}}) {
+    SCOPED_TRACE(c.args[1]);
+    TempDir dir("ckpt_exception");
+    write_file(dir / "run.toml", tiny_mlp_run(2, "batch_size = 8\n[checkpoint]\nsave_on_exception = true\n"));
+    auto failed = run_engine(with(with({"run.toml"}, c.args), chaos), dir.path());
+    EXPECT_EQ(failed.exit_code, 1) << failed.err;
+    EXPECT_NE(failed.err.find("chaos: thrown at step"), std::string::npos) << failed.err;
+    EXPECT_NE(failed.err.find(c.why), std::string::npos) << failed.err;
+    EXPECT_FALSE(fs::exists(dir / "runs/run/version_0/checkpoints/on_exception.ckpt"));
+  }
+  // Off by default.
+  TempDir dir("ckpt_exception");
+  write_file(dir / "run.toml", tiny_mlp_run(2, "batch_size = 8\n"));
+  auto failed = run_engine(with({"run.toml", "--set", "chaos.step=6"}, chaos), dir.path());
+  EXPECT_EQ(failed.exit_code, 1) << failed.err;
+  EXPECT_FALSE(fs::exists(dir / "runs/run/version_0/checkpoints/on_exception.ckpt"));
+}
+
 // The checkpoint files' names in a run's checkpoints folder, sorted.
 std::vector<std::string> checkpoint_names(const TempDir& dir, const std::string& version) {
   std::vector<std::string> names;

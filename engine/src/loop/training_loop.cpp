@@ -139,6 +139,7 @@ void TrainingLoop::publish(const std::vector<std::pair<std::string, double>>& va
 // Lightning's order: callbacks (non-monitoring, then monitoring), then the model; except in
 // on_train_epoch_end, where the model runs between the two groups (docs/hooks.md).
 void TrainingLoop::call_hook(Hook hook) {
+  if (hook == Hook::on_before_optimizer_step) resumable_ = false;  // the update begins
   if (steps_->quiet()) return;
   struct Current {
     Hook& slot;
@@ -231,12 +232,16 @@ void TrainingLoop::train_epoch() {
       ++batches_skipped_;
       pos_.batches_done = b + 1;
       ++pos_.total_batch_idx;
+      resumable_ = !skipping_window_;
       continue;
     }
     const bool do_step = Cadence::steps_after(b, n, accum);
     const bool first_in_window = Cadence::opens_window(b, start, accum);
     step_taken_ = do_step;
     step_skipped_ = false;
+    // Nothing accumulated yet at a window's first batch: the state is the last step's until the
+    // update begins (on_before_optimizer_step).
+    resumable_ = first_in_window;
     if (do_step) {
       step_skipped_ = !steps_->optimizer_step(current_batch_, b, first_in_window);
       ++pos_.global_step;
@@ -245,6 +250,7 @@ void TrainingLoop::train_epoch() {
     }
     pos_.batches_done = b + 1;
     ++pos_.total_batch_idx;
+    resumable_ = do_step;  // a closed window: this batch's step and position agree
     // Decided before on_train_batch_end: a checkpoint saved there records that this batch's
     // validation is still to run, and a resume from it runs that validation first.
     pos_.validation_pending = cadence_.validates_after_batch(pos_, val_every, validation_enabled());

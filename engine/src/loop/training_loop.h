@@ -203,6 +203,8 @@ class TrainingLoop final : public ITrainer,
   bool validation_enabled() const;
   c10::IValue plugin_states() const;
   c10::impl::GenericDict checkpoint_meta(bool weights_only) const;
+  // Throws when a plugin saves during on_exception a state that cannot resume exactly.
+  void check_saving_after_failure() const;
   // Throws when the data's class names are not the ones `ck` was trained on, in their order.
   void check_class_names(const c10::impl::GenericDict& ck, const std::string& where) const;
 
@@ -234,6 +236,12 @@ class TrainingLoop final : public ITrainer,
   // ITrainerRecovery: a skip asked for in on_train_batch_start and the rest of its window; a
   // rollback asked for in on_train_batch_end, done once that hook was dispatched.
   bool skip_requested_ = false, skipping_window_ = false, rolled_back_ = false;
+  // Whether the weights, optimizer and position agree now, so a checkpoint taken here resumes
+  // exactly where the run was: false from the moment an optimizer update begins until the
+  // position counts its batch, and inside an accumulation window (its gradients are not in a
+  // checkpoint). A save during on_exception is refused when false, or with several ranks
+  // (failing_: the others may be stuck in a collective).
+  bool resumable_ = true, failing_ = false;
   int64_t batches_skipped_ = 0;
   std::string rollback_path_;
   bool attached_ = false;

@@ -67,13 +67,27 @@ c10::impl::GenericDict TrainingLoop::checkpoint_meta(bool weights_only) const {
   return ck;
 }
 
+// The saves a plugin asks for in on_exception (the checkpoint callback's save_on_exception): only
+// of a state a resume can continue from exactly, and only in a one-process run.
+void TrainingLoop::check_saving_after_failure() const {
+  if (!failing_) return;
+  if (runtime_->world_size() > 1)
+    throw RunError("a failed run of " + std::to_string(runtime_->world_size()) +
+                   " ranks is not saved: the other ranks may be waiting in a collective the save would need");
+  if (!resumable_)
+    throw RunError("the run failed inside an optimizer update or an accumulation window, where weights, optimizer and position "
+                   "disagree, so it is not saved: the last checkpoint stands");
+}
+
 void TrainingLoop::save_checkpoint(const std::string& path, bool weights_only) {
+  check_saving_after_failure();
   call_hook(Hook::on_save_checkpoint);
   // A file gathered on rank 0, or one part per rank when the strategy's checkpoints are sharded.
   runtime_->save_checkpoint(path, /*with_model=*/true, /*with_optimizer=*/!weights_only, [&] { return checkpoint_meta(weights_only); });
 }
 
 void TrainingLoop::save_checkpoint_async(const std::vector<std::string>& paths, bool weights_only, std::function<void()> committed) {
+  check_saving_after_failure();
   call_hook(Hook::on_save_checkpoint);
   runtime_->save_checkpoint_async(paths, /*with_model=*/true, /*with_optimizer=*/!weights_only,
                                   [&] { return checkpoint_meta(weights_only); }, std::move(committed));

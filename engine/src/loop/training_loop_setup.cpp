@@ -163,6 +163,7 @@ void TrainingLoop::setup_loggers(bool resuming) {
 }
 
 void TrainingLoop::notify_exception() {
+  failing_ = true;
   try {
     call_hook(Hook::on_exception);
   } catch (const std::exception& e) {

@@ -75,7 +75,8 @@ fs::path resumable_last(const std::vector<std::string>& candidates) {
   if (chosen != preferred)
     log::warn("--resume last: " + chosen.string() + " holds step " + std::to_string(chosen_step) + " and was written after " +
               preferred.string() + " (step " + std::to_string(*probe.global_step) +
-              "): a save was cut short before that file was updated, so the run resumes from the newer state");
+              "), so the run resumes from the newer state (a save cut short before that file was updated, or the state a failed "
+              "run saved: checkpoint.save_on_exception)");
   return chosen;
 }
 }  // namespace

@@ -197,6 +197,31 @@ class ModelCheckpoint final : public ember::Callback, public ember::ICheckpointL
 
   void on_train_end(ember::ITrainer&) override { training_ = false; }
 
+  // save_on_exception (Lightning's ModelCheckpoint.save_on_exception, its OnExceptionCheckpoint's
+  // file name): the state a failed training run reached, when it trained anything since the last
+  // save. The engine refuses a state that would not resume exactly (inside an optimizer update or
+  // an accumulation window) and a run of several ranks; the reason is logged, the run's own error
+  // is what the run reports either way.
+  void on_exception(ember::ITrainer& trainer) override {
+    if (!settings_.save_on_exception || !training_) return;
+    training_ = false;
+    if (trainer.global_step() == last_global_step_saved_) {
+      host_.log(ember::LogLevel::info, "checkpoint: nothing trained since the last checkpoint (step " + std::to_string(trainer.global_step()) +
+                                           "), so none is saved on exception");
+      return;
+    }
+    const std::string path = (fs::path(dirpath_) / "on_exception.ckpt").string();
+    try {
+      std::error_code ec;
+      fs::create_directories(dirpath_, ec);
+      ember::trainer_service<ember::ITrainerCheckpoints>(trainer, "checkpoint").save_checkpoint(path, settings_.save_weights_only);
+      host_.log(ember::LogLevel::warn, "checkpoint: training failed at step " + std::to_string(trainer.global_step()) + "; its state is in " +
+                                           path + " (--resume last continues from it)");
+    } catch (const std::exception& e) {
+      host_.log(ember::LogLevel::warn, std::string("checkpoint: save_on_exception: ") + e.what());
+    }
+  }
+
   // Saving by epoch, Lightning's rule (save_on_train_epoch_end unset): after each validation that
   // runs in mid-epoch (val_check_interval < 1) or every few epochs, then the monitored metric is
   // fresh; at the end of the epoch when validation runs right before it (then the epoch's

@@ -57,6 +57,10 @@ inline constexpr EmberConfigKey kKeys[] = {
     ember::key::Bool("async", "false",
         "Write checkpoints in the background: the state is copied to the host and training goes on while a thread writes it "
         "(one write at a time; files that leave the top k are deleted only once the new one is on disk; a failed write stops the run)."),
+    ember::key::Bool("save_on_exception", "false",
+        "When training fails with an error (a bad file in the data, running out of memory), save the state it had reached to "
+        "on_exception.ckpt in dirpath, from which --resume last continues: only in a one-process run, and only where weights, "
+        "optimizer and position agree (not inside an optimizer update or an accumulation window); otherwise the log says why not."),
     // Lightning's names of earlier releases, and what they are now.
     ember::key::Elsewhere("period", "Lightning 1.x's period is every_n_epochs"),
     ember::key::Elsewhere("every_n_val_epochs", "Lightning 1.4's every_n_val_epochs is every_n_epochs"),
@@ -126,6 +130,7 @@ struct Settings {
   bool verbose = false;
   bool async = false;
   bool enable_version_counter = true;
+  bool save_on_exception = false;
 };
 
 inline Settings read_settings(const ember::IConfig& cfg) {
@@ -142,6 +147,7 @@ inline Settings read_settings(const ember::IConfig& cfg) {
   s.verbose = cfg.get_bool("verbose");
   s.async = cfg.get_bool("async");
   s.enable_version_counter = cfg.get_bool("enable_version_counter");
+  s.save_on_exception = cfg.get_bool("save_on_exception");
   if (cfg.has("save_on_train_epoch_end")) {
     s.save_on_train_epoch_end = cfg.get_bool("save_on_train_epoch_end");
     s.save_on_train_epoch_end_where = cfg.section() + ".save_on_train_epoch_end (" + cfg.where("save_on_train_epoch_end") + ")";
