@@ -568,21 +568,29 @@ TEST(TextClassification, ATokenizerThatIsNotTheModelsIsOneLine) {
   EXPECT_EQ(r.err.find("index out of range"), std::string::npos) << r.err;
 }
 
-// The data's label names reach the exported Hugging Face config through the checkpoint
-// (`class_names`): id2label/label2id say "good"/"poor", in the ids the data gave them (here the
-// order [data] labels sets, not the sorted one), so transformers' pipelines print them.
-TEST(TextExport, ConfigNamesTheDataLabels) {
-  TempDir dir("text_export_labels");
+// One epoch of the tiny task with [data] labels = ["poor", "good"] (not the sorted order), tested on
+// the training file; its checkpoint.
+static fs::path train_poor_good(const TempDir& dir) {
   write_tiny_task(dir);
   std::string run = tiny_run(dir, "labels = [\"poor\", \"good\"]\n");
   run.replace(run.find("max_epochs = 2"), 14, "max_epochs = 1");
   run.replace(run.find("test.jsonl"), 10, "train.csv");
   write_file(dir / "run.toml", run);
-  auto r = run_engine({"run.toml"}, dir.path());
-  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto r = run_engine({"run.toml"}, dir.path());
+  EXPECT_EQ(r.exit_code, 0) << r.err;
   fs::path ckpt;
   for (const auto& e : fs::directory_iterator(dir / "runs/run/version_0/checkpoints")) ckpt = e.path();
+  return ckpt;
+}
+
+// The data's label names reach the exported Hugging Face config through the checkpoint
+// (`class_names`): id2label/label2id say "good"/"poor", in the ids the data gave them (here the
+// order [data] labels sets, not the sorted one), so transformers' pipelines print them.
+TEST(TextExport, ConfigNamesTheDataLabels) {
+  TempDir dir("text_export_labels");
+  const fs::path ckpt = train_poor_good(dir);
   ASSERT_FALSE(ckpt.empty());
+  ember::test::ProcessResult r;
   r = run_engine({"export", ckpt.string(), "--format", "safetensors", "exported"}, dir.path());
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto config = nlohmann::json::parse(read_file(dir / "exported/config.json"));
@@ -604,16 +612,9 @@ TEST(TextExport, ConfigNamesTheDataLabels) {
 // image_folder's lists have them, so 10 sorts after 9 and not after 1.
 TEST(TextClassification, CheckpointsRefuseDataThatNamesOtherClasses) {
   TempDir dir("text_class_names");
-  write_tiny_task(dir);
-  std::string run = tiny_run(dir, "labels = [\"poor\", \"good\"]\n");
-  run.replace(run.find("max_epochs = 2"), 14, "max_epochs = 1");
-  run.replace(run.find("test.jsonl"), 10, "train.csv");
-  write_file(dir / "run.toml", run);
-  auto r = run_engine({"run.toml"}, dir.path());
-  ASSERT_EQ(r.exit_code, 0) << r.err;
-  fs::path ckpt;
-  for (const auto& e : fs::directory_iterator(dir / "runs/run/version_0/checkpoints")) ckpt = e.path();
+  const fs::path ckpt = train_poor_good(dir);
   ASSERT_FALSE(ckpt.empty());
+  ember::test::ProcessResult r;
   r = run_engine({"predict", "--ckpt", ckpt.string(), "run.toml"}, dir.path());
   EXPECT_EQ(r.exit_code, 0) << r.err;
   const std::string swapped = "checkpoint " + ckpt.string() +
