@@ -1,6 +1,8 @@
 // The command line: discovery, plugin listing and info, config printing, and the exit codes and
 // one-line errors of bad input.
 #include <gtest/gtest.h>
+
+#include <regex>
 #include <torch/cuda.h>
 
 #include <sstream>
@@ -369,6 +371,19 @@ TEST(Cli, MissingDataFileNamesPathAndPackage) {
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("/nonexistent/fm/"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("dataset-fashion-mnist"), std::string::npos) << r.err;
+}
+
+// A model with fewer outputs than the data has classes (num_classes left at its default, say):
+// one line naming the label and the setting, not LibTorch's "Target 9 is out of bounds.".
+TEST(Cli, LabelsBeyondTheModelsClassesAreOneLine) {
+  TempDir dir("cli");
+  write_file(dir / "run.toml", tiny_mlp_toml(1, "num_train = 64\nnum_classes = 10\n"));
+  auto r = run_engine({"run.toml", "--set", "model.num_classes=3"}, dir.path());
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  const std::regex line("mlp: the data's label ([3-9]) is outside the model's 3 outputs \\(classes 0 \\.\\. 2\\): set \\[model\\] num_classes to "
+                        "the number of classes the data has \\(its set-up line says how many\\)");
+  EXPECT_TRUE(std::regex_search(r.err, line)) << r.err;
+  EXPECT_EQ(r.err.find("out of bounds"), std::string::npos) << r.err;
 }
 
 // `engine generate` with a model that cannot generate says so before it looks for the checkpoint:

@@ -22,7 +22,6 @@ namespace fs = std::filesystem;
 namespace ember::engine {
 namespace {
 
-// A value short enough for one line: numbers, strings, booleans; "" for anything else.
 // A TOML basic string: a class list printed this way pastes into a data module's `labels`.
 std::string toml_string(const std::string& s) {
   std::string out = "\"";
@@ -41,6 +40,7 @@ std::string toml_string(const std::string& s) {
   return out + "\"";
 }
 
+// A value short enough for one line: numbers, strings, booleans; "" for anything else.
 std::string scalar_text(const c10::IValue& v) {
   if (v.isString()) return v.toStringRef();
   if (v.isInt()) return std::to_string(v.toInt());

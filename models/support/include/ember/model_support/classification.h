@@ -114,6 +114,18 @@ inline at::Tensor classification_step(const at::Tensor& logits, const at::Tensor
                                    "], got ", labels.scalar_type(), " ", labels.sizes(),
                                    ": use a data module whose targets are class indices (float targets need a regression model)"));
   }
+  // A label outside the outputs (num_classes below the data's classes) would end the run with
+  // LibTorch's "Target 5 is out of bounds.", which names no setting. Checked where it costs
+  // nothing, labels on the host; on a GPU it would cost a sync per step (and cannot run inside a
+  // CUDA graph's capture), so there LibTorch's device-side assert stands.
+  if (labels.is_cpu() && labels.numel() > 0 && logits.dim() == 2) {
+    const auto [lowest, highest] = at::aminmax(labels);
+    const int64_t lo = lowest.item<int64_t>(), hi = highest.item<int64_t>();
+    if (lo < 0 || hi >= logits.size(1))
+      throw ember::RunError(c10::str(model, ": the data's label ", lo < 0 ? lo : hi, " is outside the model's ", logits.size(1),
+                                     " outputs (classes 0 .. ", logits.size(1) - 1,
+                                     "): set [model] num_classes to the number of classes the data has (its set-up line says how many)"));
+  }
   // The loss is computed in float32 even when the forward ran in reduced precision: the
   // log-softmax is where half precision loses the most.
   const at::Tensor targets = labels.to(torch::kLong);
