@@ -18,6 +18,7 @@
 
 #include "checkpoint_support.h"
 #include <ember/support/image_decode.h>
+#include <ember/support/table_file.h>
 #include "support.h"
 
 using namespace ember::test;
@@ -328,6 +329,22 @@ open(out + "/large.png", "wb").write(png(13000, 13000))
 // to the list) and a JSONL with integer labels train exactly like the folder itself when they
 // list its images in the same order; a label outside the training classes and a missing column
 // are one line each, naming the file and line.
+// The classes a training list's labels define (Ember::table_file's label_classes, shared with
+// text_classification): dense integers are ids "0" .. the largest; sparse integers (codes) and
+// integers written with a leading zero are names, the codes in numeric order, so a label of
+// 999999999 is one class and not a billion; anything else is sorted names.
+TEST(TableFile, LabelClassesAreIdsForDenseIntegersAndNamesOtherwise) {
+  using ember::support::label_classes;
+  using V = std::vector<std::string>;
+  EXPECT_EQ(label_classes({"2", "10", "0", "2"}), (V{"0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10"}));
+  EXPECT_EQ(label_classes({"1"}), (V{"0", "1"}));
+  EXPECT_EQ(label_classes({"20417", "3", "999999999", "3"}), (V{"3", "20417", "999999999"}));
+  EXPECT_EQ(label_classes({"007", "1"}), (V{"007", "1"}));
+  EXPECT_EQ(label_classes({"dog", "cat", "10", "dog"}), (V{"10", "cat", "dog"}));
+  EXPECT_EQ(label_classes({"1234567890", "1"}), (V{"1", "1234567890"})) << "ten digits: a name";
+  EXPECT_TRUE(label_classes({}).empty());
+}
+
 // Multilabel images: `count` 16 x 16 PNGs, each colour channel lit (170) or not (40), each
 // pixel's channels off by up to +-noise, listed with their colours in list.csv (a field
 // "red;blue", "" for none) and list.jsonl (an array).

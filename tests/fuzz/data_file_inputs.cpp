@@ -10,6 +10,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "fuzz_inputs.h"
 #include "scratch_folder.h"
@@ -54,10 +57,20 @@ void image_one(std::string_view bytes) {
 void table_one(std::string_view bytes, const char* name) {
   const fs::path path = scratch().write(name, bytes);
   // The label a list column, as a multilabel text_classification reads it (JSONL arrays joined).
+  std::vector<std::string> labels;
   for (const auto& record : ember::support::read_table(path, {{"text", "text_column"}, {"label", "label_column", ";"}})) {
     if (record.values.size() != 2) throw Finding("a record with " + std::to_string(record.values.size()) + " values for 2 columns");
     if (record.line < 1) throw Finding("a record on line " + std::to_string(record.line));
+    for (auto& l : ember::support::split_list(record.values[1], ";")) labels.push_back(std::move(l));
   }
+  // The classes the labels define: every label among them once, and never more than 4 per
+  // distinct label (integers as ids only when dense).
+  const auto classes = ember::support::label_classes(labels);
+  const std::set<std::string> distinct(labels.begin(), labels.end()), unique(classes.begin(), classes.end());
+  if (unique.size() != classes.size()) throw Finding("label_classes gave a class twice");
+  if (classes.size() > 4 * distinct.size()) throw Finding(std::to_string(classes.size()) + " classes for " + std::to_string(distinct.size()) + " labels");
+  for (const auto& l : distinct)
+    if (!unique.count(l)) throw Finding("label '" + l + "' is not among its classes");
 }
 
 void shard_one(std::string_view bytes, bool decompressed = false) {

@@ -142,16 +142,22 @@ int64_t class_index(const std::string& s) {
 }  // namespace
 
 std::vector<std::string> label_classes(const std::vector<std::string>& labels) {
-  std::vector<std::string> classes;
-  if (std::all_of(labels.begin(), labels.end(), [](const std::string& l) { return class_index(l) >= 0; })) {
-    int64_t top = -1;
-    for (const auto& l : labels) top = std::max(top, class_index(l));
+  std::vector<std::string> classes = labels;
+  std::sort(classes.begin(), classes.end());
+  classes.erase(std::unique(classes.begin(), classes.end()), classes.end());
+  if (classes.empty() || !std::all_of(classes.begin(), classes.end(), [](const std::string& l) { return class_index(l) >= 0; }))
+    return classes;
+  int64_t top = 0;
+  for (const auto& l : classes) top = std::max(top, class_index(l));
+  // Dense integers are ids: "0" .. the largest. Sparse ones (codes such as 20417 among a few
+  // labels) would make a class of every unused number below the largest, up to a billion: they
+  // stay names, in numeric order.
+  if (top + 1 <= 4 * static_cast<int64_t>(classes.size())) {
+    classes.clear();
     for (int64_t c = 0; c <= top; ++c) classes.push_back(std::to_string(c));
     return classes;
   }
-  classes = labels;
-  std::sort(classes.begin(), classes.end());
-  classes.erase(std::unique(classes.begin(), classes.end()), classes.end());
+  std::sort(classes.begin(), classes.end(), [](const std::string& a, const std::string& b) { return class_index(a) < class_index(b); });
   return classes;
 }
 

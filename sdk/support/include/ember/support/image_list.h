@@ -28,8 +28,8 @@ struct ImageListOptions {
 bool image_extension(const std::filesystem::path& path);
 
 // The images of `root` (a folder or a .csv / .jsonl list). With `classes` empty the root defines
-// them (the sorted sub-folders; for a list, the sorted labels, or 0..max when every label is an
-// integer) and they are stored there; otherwise every class must be one of them (a later split of
+// them (the sorted sub-folders; for a list, ember::support::label_classes of its labels: 0..max
+// for dense integers, else sorted names) and they are stored there; otherwise every class must be one of them (a later split of
 // the same classes, or the classes a config lists; multi-label: the classes of every label field). `key` names the setting in
 // messages ("root", "val_root"). Throws
 // ember::RunError naming the folder, file or list line.

@@ -44,9 +44,11 @@ std::vector<TableRecord> read_table(const std::filesystem::path& path, const std
 std::vector<std::string> split_list(const std::string& field, const std::string& separator);
 
 // The classes a training file's labels define, in id order (SDK 2.21): when every label is an
-// integer (digits, at most 9, no leading zero) they are class indices, "0" .. the largest, so output i is
-// label i as in a Hugging Face dataset's integer labels (a class no text names keeps its id);
-// otherwise the distinct names, sorted (torchvision sorts class folders). Empty for no labels.
+// integer (digits, at most 9, no leading zero) and they are dense (the largest below 4x the
+// number of distinct labels) they are class indices, "0" .. the largest, so output i is label i
+// as in a Hugging Face dataset's integer labels (a class no row names keeps its id); sparse
+// integers (codes) are names in numeric order; otherwise the distinct names, sorted
+// (torchvision sorts class folders). Empty for no labels.
 std::vector<std::string> label_classes(const std::vector<std::string>& labels);
 
 }  // namespace ember::support
