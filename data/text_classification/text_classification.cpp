@@ -3,9 +3,10 @@
 //
 // Files: CSV with a header row (RFC 4180 quoting, read by libcsv) or JSONL (one JSON object a
 // line), picked by the file's extension. Label names map to ids in the order of `labels`; when it
-// is not given, integer labels are their own ids ("0" .. the largest) and names are sorted
-// (ember::support::label_classes, as image_folder's lists). Splits: train; val from val_file, else val_split of train (a
-// permutation seeded with trainer.seed); test from test_file (optional).
+// is not given, dense integer labels are their own ids ("0" .. the largest), sparse ones and
+// names are sorted (ember::support::label_classes, as image_folder's lists). Splits: train; val
+// from val_file, else val_split of train (a permutation seeded with trainer.seed); test from
+// test_file (optional).
 // Batch: tensors[0] = input_ids int64 [N, L], tensors[1] = labels int64 [N],
 // tensors[2] = attention_mask int64 [N, L], where L is the longest sequence of the batch.
 // Reports each text's token count (ember::ISampleLengths) for data.group_by_length.
@@ -47,7 +48,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::String("test_file", "\"\"", "Test texts; empty: no test split."),
     ember::key::String("text_column", "\"text\"", "Column (CSV) or field (JSONL) holding the text."),
     ember::key::String("label_column", "\"label\"", "Column or field holding the label (a name, or an integer)."),
-    ember::key::StringList("labels", "[]", "Label names in id order; empty: the training file's, as ids 0 .. the largest when every label is an integer, else the names sorted."),
+    ember::key::StringList("labels", "[]", "Label names in id order; empty: the training file's, as ids 0 .. the largest when every label is an integer and they are dense, else the names sorted (integers in numeric order)."),
     ember::key::Bool("multilabel", "false", "Each text has any number of labels (none included), separated by label_separator in its label field (JSONL: or a list, [\"sports\", \"politics\"]): the targets are 0/1 per label [N, labels] (bert: problem_type = \"multi_label_classification\")."),
     ember::key::String("label_separator", "\";\"", "What separates a multilabel text's labels (\"sports;politics\"); spaces around each label are dropped."),
     ember::key::Float("val_split", "0.1", "Fraction of train_file held out for validation when val_file is empty, in [0, 1).").at_least(0.0).below(1.0),
