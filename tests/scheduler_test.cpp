@@ -311,6 +311,41 @@ TEST(Scheduler, OneCycleSpansTheEstimatedStepsAndStartsBeforeTheFirstStep) {
   }
 }
 
+// A rate configured for a scheduler (one_cycle's max_lr, cosine's base_lr) is the first param
+// group's, and so is the rate lr_find sets; a group that trains at another rate
+// (optimizer.backbone at lr x 0.1) keeps its ratio.
+TEST(Scheduler, ConfiguredRatesAreTheFirstGroupsAndOtherGroupsKeepTheirRatio) {
+  const std::string backbone = "\n[optimizer]\nname = \"adam\"\nlr = 0.001\nbackbone = [\"fc1\"]\nbackbone_lr_scale = 0.1\n";
+  TempDir dir("sched"), dir2("sched");
+  auto r = train(dir, "\n[one_cycle]\nmax_lr = 0.5\n" + backbone, "one_cycle,lr_monitor");
+  ASSERT_EQ(r.result.exit_code, 0) << r.result.err;
+  OneCycleParams p;
+  p.max_lr = 0.5;
+  p.total_steps = 16;
+  auto head = column(r.dir, "lr-Adam/pg1"), fc1 = column(r.dir, "lr-Adam/pg2");
+  ASSERT_EQ(head.size(), 16u);
+  ASSERT_EQ(fc1.size(), 16u);
+  for (const auto& [step, v] : head) {
+    EXPECT_NEAR(v, one_cycle(p, step).lr, 1e-12) << "step " << step;
+    EXPECT_NEAR(fc1.at(step), 0.1 * one_cycle(p, step).lr, 1e-12) << "step " << step;
+  }
+  auto c = train(dir2, "\n[cosine]\nbase_lr = 0.2\n" + backbone, "cosine,lr_monitor");
+  ASSERT_EQ(c.result.exit_code, 0) << c.result.err;
+  head = column(c.dir, "lr-Adam/pg1"), fc1 = column(c.dir, "lr-Adam/pg2");
+  ASSERT_EQ(head.size(), 16u);
+  EXPECT_NEAR(head.at(0), 0.2, 1e-12);
+  for (const auto& [step, v] : head) EXPECT_NEAR(fc1.at(step), 0.1 * v, 1e-12) << "step " << step;
+  // lr_find sweeps and sets the first group's rate; the backbone keeps a tenth of it.
+  TempDir dir3("sched");
+  auto f = train(dir3, "\n[lr_find]\nnum_training_steps = 30\nearly_stop_threshold = 0\n" + backbone, "lr_find,lr_monitor");
+  ASSERT_EQ(f.result.exit_code, 0) << f.result.err;
+  ASSERT_NE(f.result.err.find("lr_find: learning rate set to "), std::string::npos) << f.result.err;
+  head = column(f.dir, "lr-Adam/pg1"), fc1 = column(f.dir, "lr-Adam/pg2");
+  ASSERT_EQ(head.size(), 16u);
+  EXPECT_NE(head.at(0), 0.001) << "the suggestion is in use";
+  for (const auto& [step, v] : head) EXPECT_NEAR(fc1.at(step), 0.1 * v, 1e-15) << "step " << step;
+}
+
 TEST(Scheduler, CosineWarmupPerEpochStepLrPerEpochAndLinearPerStep) {
   TempDir dir("sched"), dir2("sched");
   auto r = train(dir, "\n[cosine]\ninterval = \"epoch\"\nwarmup = 1\neta_min = 0.01\n[lr_monitor]\nlogging_interval = \"epoch\"\n",

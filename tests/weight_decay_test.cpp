@@ -1,7 +1,13 @@
+// The parameter groups the engine builds.
+//
 // optimizer.no_weight_decay and no_weight_decay_1d: the parameters they name form a second group
 // with weight_decay = 0, for every optimizer, fused or not, on a rank holding either group alone;
 // the same weights as single_device under sharded (a directory checkpoint resumed), tensor and
 // pipeline parallelism; and bad settings are one line with their place and the fix.
+//
+// optimizer.backbone (Lightning's BackboneFinetuning): its parameters form groups of their own at
+// lr x backbone_lr_scale, frozen before backbone_unfreeze_at_epoch (or for the whole run); a
+// resumed run and ddp ranks end where single_device does.
 #include <gtest/gtest.h>
 
 #include <ember/error.h>
@@ -252,4 +258,180 @@ TEST_F(WeightDecayRanks, ShardsSlicesAndStagesMatchSingleDevice) {
   EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(tensor)), 1e-5) << "tensor parallel";
   train(stages, ranks("ddp", {"--set", "parallelism.pipeline_parallel=2"}));
   EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(stages)), 1e-5) << "pipeline parallel";
+}
+
+namespace {
+
+double group_lr(torch::optim::Optimizer& o, size_t g) { return o.param_groups().at(g).options().get_lr(); }
+double group_decay(torch::optim::Optimizer& o, size_t g) {
+  return static_cast<torch::optim::AdamWOptions&>(o.param_groups().at(g).options()).weight_decay();
+}
+
+}  // namespace
+
+// The head's groups first, then the backbone's at lr x backbone_lr_scale, each split by weight
+// decay when some parameters take none.
+TEST(Backbone, FormsGroupsOfItsOwnAtTheScaledRate) {
+  {
+    const auto rc = optimizer_config("name = \"adamw\"\nlr = 0.1\nweight_decay = 0.5\nno_weight_decay_1d = true\n"
+                                     "backbone = [\"wte\", \"ln\"]\nbackbone_lr_scale = 0.25\n");
+    NetModel model;
+    OptimizerFactory factory(model, "net", rc.section("optimizer"));
+    auto o = factory.build(model.named());
+    ASSERT_EQ(o->param_groups().size(), 4u);
+    EXPECT_EQ(group_names(*o, 0, model), (std::set<std::string>{"fc.weight"}));
+    EXPECT_EQ(group_names(*o, 1, model), (std::set<std::string>{"fc.bias"}));
+    EXPECT_EQ(group_names(*o, 2, model), (std::set<std::string>{"wte.weight"}));
+    EXPECT_EQ(group_names(*o, 3, model), (std::set<std::string>{"ln.weight", "ln.bias"}));
+    const std::vector<double> lrs = {0.1, 0.1, 0.025, 0.025}, decays = {0.5, 0.0, 0.5, 0.0};
+    for (size_t g = 0; g < 4; ++g) {
+      EXPECT_DOUBLE_EQ(group_lr(*o, g), lrs[g]) << "group " << g;
+      EXPECT_DOUBLE_EQ(group_decay(*o, g), decays[g]) << "group " << g;
+    }
+    EXPECT_EQ(factory.backbone(), (std::set<std::string>{"wte.weight", "ln.weight", "ln.bias"}));
+    EXPECT_NE(factory.backbone_summary().find("backbone of 3 parameters (48 elements, e.g. 'wte.weight') trains at lr x 0.25; the other 2 at lr"),
+              std::string::npos)
+        << factory.backbone_summary();
+  }
+  // A parameter's name and a regular expression; no weight-decay split: two groups.
+  const auto rc = optimizer_config("name = \"sgd\"\nlr = 0.1\nbackbone = [\"fc.bias\", \"w.*\"]\nbackbone_unfreeze_at_epoch = 3\n");
+  NetModel model;
+  OptimizerFactory factory(model, "net", rc.section("optimizer"));
+  auto o = factory.build(model.named());
+  ASSERT_EQ(o->param_groups().size(), 2u);
+  EXPECT_EQ(group_names(*o, 1, model), (std::set<std::string>{"fc.bias", "wte.weight"}));
+  EXPECT_DOUBLE_EQ(group_lr(*o, 1), 0.1 * 0.1) << "Lightning's initial_denom_lr = 10 by default";
+  EXPECT_EQ(factory.backbone_unfreeze_at_epoch(), 3);
+  EXPECT_NE(factory.backbone_summary().find(", frozen until epoch 3;"), std::string::npos) << factory.backbone_summary();
+  for (const auto& p : model.module().named_parameters()) EXPECT_TRUE(p.value().requires_grad()) << p.key() << ": frozen in the epochs only";
+}
+
+// backbone_unfreeze_at_epoch = -1: the backbone never trains, so it is frozen before any strategy
+// sees the model and is in no group.
+TEST(Backbone, FrozenForTheWholeRunLeavesTheOptimizer) {
+  const auto rc = optimizer_config("name = \"adamw\"\nbackbone = [\"wte\", \"fc\"]\nbackbone_unfreeze_at_epoch = -1\n");
+  NetModel model;
+  OptimizerFactory factory(model, "net", rc.section("optimizer"));
+  std::vector<ember::NamedTensor> trained;
+  for (const auto& p : model.named())
+    if (p.tensor.requires_grad()) trained.push_back(p);
+  ASSERT_EQ(trained.size(), 2u) << "ln.weight and ln.bias";
+  auto o = factory.build(trained);
+  ASSERT_EQ(o->param_groups().size(), 1u) << "the head's group alone";
+  EXPECT_EQ(group_names(*o, 0, model), (std::set<std::string>{"ln.weight", "ln.bias"}));
+  EXPECT_NE(factory.backbone_summary().find("backbone of 3 parameters (60 elements, e.g. 'wte.weight') frozen for the whole run; the other 2 train"),
+            std::string::npos)
+      << factory.backbone_summary();
+}
+
+TEST(Backbone, BadSettingsAreOneLineWithTheirPlace) {
+  std::string e = factory_error("backbone = [\"encoder\"]\n");
+  EXPECT_NE(e.find("run.toml:2:"), std::string::npos) << e;
+  EXPECT_NE(e.find("optimizer.backbone entry \"encoder\" names no module or parameter among model 'net''s 5 trained parameters ('wte.weight', "
+                   "'fc.weight', 'fc.bias', 'ln.weight', ...): give a module's name"),
+            std::string::npos)
+      << e;
+  e = factory_error("backbone = [\"fc.w\"]\n");
+  EXPECT_NE(e.find("entry \"fc.w\" names no module"), std::string::npos) << "a module's name is whole: " << e;
+  e = factory_error("backbone = [\"wte\", \"fc\", \"ln\"]\n");
+  EXPECT_NE(e.find("takes every one of model 'net''s 5 trained parameters, leaving no head to train: name only the pretrained part, or scale "
+                   "optimizer.lr instead"),
+            std::string::npos)
+      << e;
+  e = factory_error("backbone_unfreeze_at_epoch = 2\n");
+  EXPECT_NE(e.find("run.toml:2:"), std::string::npos) << e;
+  EXPECT_NE(e.find("optimizer.backbone_unfreeze_at_epoch is set but optimizer.backbone names no parameters"), std::string::npos) << e;
+  e = factory_error("backbone_lr_scale = 0.5\n");
+  EXPECT_NE(e.find("optimizer.backbone_lr_scale is set but optimizer.backbone names no parameters"), std::string::npos) << e;
+  e = factory_error("backbone = [\"wte\"]\nbackbone_unfreeze_at_epoch = -1\nbackbone_lr_scale = 0.5\n");
+  EXPECT_NE(e.find("run.toml:4:"), std::string::npos) << e;
+  EXPECT_NE(e.find("frozen for the whole run (backbone_unfreeze_at_epoch = -1), so it has no learning rate"), std::string::npos) << e;
+  e = factory_error("backbone = [\"wte\"]\n", true);
+  EXPECT_NE(e.find("builds its own optimizer (configure_optimizers), whose parameter groups set the learning rates: remove optimizer.backbone"),
+            std::string::npos)
+      << e;
+  // Parameters a plugin or the model froze are not trained: naming only them matches nothing.
+  e = factory_error("backbone = [\"fc\"]\n", false, true);
+  EXPECT_NE(e.find("names no module or parameter among model 'net''s 3 trained parameters"), std::string::npos) << e;
+}
+
+namespace {
+
+// The transformer run above (layer1, layer2, head) with the backbone = both layers.
+ProcessResult finetune(const TempDir& dir, const std::string& unfreeze_at, std::vector<std::string> extra) {
+  write_file(dir / "run.toml", kRun);
+  std::vector<std::string> args = {"run.toml", "--set", "optimizer.backbone=[\"layer1\", \"layer2\"]", "--set",
+                                   "optimizer.backbone_unfreeze_at_epoch=" + unfreeze_at};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return run_engine_ok(dir, args, 300);
+}
+
+// The largest difference between two checkpoints' backbone (or head) tensors.
+double part_difference(const fs::path& a, const fs::path& b, bool backbone) {
+  auto wa = ember::test::weights(a), wb = ember::test::weights(b);
+  double worst = -1;
+  for (const auto& [name, t] : wa)
+    if ((name.rfind("layer", 0) == 0) == backbone) worst = std::max(worst, (t - wb.at(name)).abs().max().item<double>());
+  EXPECT_GE(worst, 0) << "no such tensors in " << a;
+  return worst;
+}
+
+}  // namespace
+
+// Frozen in epoch 0 (the backbone ends it as it started: as in a run where it never trains),
+// trained in epoch 1 at lr x 0.1; resumed from the end of epoch 0 it ends bit for bit where the
+// whole run does; backbone_lr_scale = 1 from the start is the same as no backbone (to rounding).
+TEST(BackboneRuns, FrozenUntilItsEpochThenTrainedAndResumedExactly) {
+  TempDir whole("backbone"), first("backbone"), never("backbone"), resumed("backbone");
+  auto r = finetune(whole, "1", {});
+  EXPECT_NE(r.err.find("optimizer: backbone of 24 parameters"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("epoch 0: the backbone (24 parameters) is frozen until epoch 1"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("epoch 1: the backbone (24 parameters) trains from now on, at lr x 0.1"), std::string::npos) << r.err;
+  finetune(first, "1", {"--set", "trainer.max_epochs=1"});
+  r = finetune(never, "-1", {});
+  EXPECT_NE(r.err.find("frozen for the whole run; the other 2 train"), std::string::npos) << r.err;
+  EXPECT_EQ(part_difference(last_checkpoint(first), last_checkpoint(never), true), 0.0) << "the backbone moved while frozen";
+  EXPECT_GT(part_difference(last_checkpoint(first), last_checkpoint(never), false), 1e-3) << "the head did not train";
+  EXPECT_GT(part_difference(last_checkpoint(whole), last_checkpoint(first), true), 1e-4) << "the backbone did not train in epoch 1";
+
+  finetune(resumed, "1", {"--resume", last_checkpoint(first).string()});
+  EXPECT_EQ(max_weight_difference(last_checkpoint(whole), last_checkpoint(resumed)), 0.0) << "resumed";
+
+  TempDir plain("backbone"), unscaled("backbone");
+  write_file(plain / "run.toml", kRun);
+  run_engine_ok(plain, {"run.toml"}, 300);
+  finetune(unscaled, "0", {"--set", "optimizer.backbone_lr_scale=1.0"});
+  // Within rounding: gradient clipping sums the norm over the groups' tensors in their new order.
+  EXPECT_LE(max_weight_difference(last_checkpoint(plain), last_checkpoint(unscaled)), 1e-6) << "unscaled";
+}
+
+class BackboneRanks : public ::testing::Test {
+ protected:
+  void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
+};
+
+// ddp on 2 CPU ranks (half the batch each) ends where single_device does: its gradient buckets
+// leave the frozen parameters out, then take them in. A sharding strategy trains shards, not the
+// module's parameters: freezing for some epochs is refused in one line, freezing for the whole
+// run trains.
+TEST_F(BackboneRanks, DdpMatchesSingleDeviceAndShardingIsRefusedInOneLine) {
+  TempDir single("backbone"), ddp("backbone"), sharded("backbone"), probe("backbone");
+  finetune(single, "1", {});
+  auto rank_args = [](const std::string& strategy) {
+    return std::vector<std::string>{"--plugins", strategy, "--set", strategy + ".timeout=60.0", "--set", "trainer.devices=2",
+                                    "--set", "data.batch_size=6"};
+  };
+  finetune(ddp, "1", rank_args("ddp"));
+  EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(ddp)), 1e-5);
+
+  write_file(sharded / "run.toml", kRun);
+  std::vector<std::string> args = {"run.toml", "--set", "optimizer.backbone=[\"layer1\"]", "--set", "optimizer.backbone_unfreeze_at_epoch=1"};
+  for (const auto& a : rank_args("sharded")) args.push_back(a);
+  auto r = run_engine(args, sharded.path(), {}, 300);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("optimizer.backbone_unfreeze_at_epoch = 1: under strategy 'sharded' the optimizer trains shards or copies of the "
+                       "parameters"),
+            std::string::npos)
+      << r.err;
+  finetune(probe, "-1", rank_args("sharded"));
 }

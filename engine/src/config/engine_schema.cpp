@@ -74,6 +74,9 @@ constexpr EmberConfigKey kOptimizerKeys[] = {
     Float("weight_decay", nullptr, "L2 penalty (decoupled for adamw); unset = the optimizer's default (0, or 0.01 for adamw).").at_least(0),
     StringList("no_weight_decay", "[]", "Parameters that take no weight decay: those whose name ends with an entry at a '.' (\"bias\", \"ln_f.weight\") or matches an entry as a regular expression (\".*norm.*\"), e.g. Hugging Face's [\"bias\", \"LayerNorm.weight\"]. They form a second parameter group with weight_decay = 0; every entry must match a trained parameter."),
     Bool("no_weight_decay_1d", "false", "Parameters with fewer than 2 dimensions (biases, LayerNorm and RMSNorm scales) take no weight decay, as nanoGPT and timm do; matrices, convolution kernels and embeddings keep optimizer.weight_decay. A second parameter group with weight_decay = 0 (with no_weight_decay, the same group)."),
+    StringList("backbone", "[]", "The pretrained part of the model, fine-tuned more gently than the rest (Lightning's BackboneFinetuning, ULMFiT's discriminative rates): modules or parameters by name, an entry naming a module (\"layer1\", \"encoder\" takes encoder.*) or matching whole parameter names as a regular expression. Its parameters form their own groups, trained at lr x backbone_lr_scale (schedulers scale that rate as they scale lr); every entry must match a trained parameter."),
+    Float("backbone_lr_scale", "0.1", "The backbone's learning rate as a fraction of lr (Lightning's 1 / initial_denom_lr).").above(0),
+    Int("backbone_unfreeze_at_epoch", "0", "The backbone is frozen (no gradients, no updates) for the epochs before this one and trains from it on (Lightning's unfreeze_at_epoch); 0 = never frozen; -1 = frozen for the whole run (linear probing: it leaves the optimizer, under every strategy). Freezing for some epochs needs a strategy that trains the module's own parameters (single_device, ddp).").at_least(-1),
     Float("momentum", nullptr, "Momentum (sgd, rmsprop); unset = 0.").at_least(0),
     Float("dampening", nullptr, "Dampening of momentum (sgd); unset = 0.").at_least(0),
     Bool("nesterov", nullptr, "Nesterov momentum (sgd); unset = false."),
@@ -217,17 +220,19 @@ void refuse_eps_float16_cannot_hold(const Section& s, const std::string& name, c
 
 namespace {
 
-// One parameter group over `params`, or two: `params` with the options as set, then `*no_decay`
-// with weight_decay = 0.
+// One torch parameter group per planned group, with the options as set, its lr scaled and, where
+// it takes none, weight_decay = 0. A single plain group is built as torch builds one from a list
+// of tensors.
 template <class Optim, class Options>
-std::shared_ptr<torch::optim::Optimizer> with_groups(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>* no_decay,
-                                                     const Options& options) {
-  if (no_decay == nullptr) return std::make_shared<Optim>(params, options);
+std::shared_ptr<torch::optim::Optimizer> with_groups(const std::vector<ParamGroupPlan>& plan, const Options& options) {
+  if (plan.size() == 1 && plan[0].lr_scale == 1.0 && plan[0].weight_decay) return std::make_shared<Optim>(plan[0].params, options);
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(params, std::make_unique<Options>(options));
-  auto undecayed = std::make_unique<Options>(options);
-  undecayed->weight_decay(0.0);
-  groups.emplace_back(*no_decay, std::move(undecayed));
+  for (const auto& g : plan) {
+    auto o = std::make_unique<Options>(options);
+    o->lr(options.lr() * g.lr_scale);
+    if (!g.weight_decay) o->weight_decay(0.0);
+    groups.emplace_back(g.params, std::move(o));
+  }
   return std::make_shared<Optim>(std::move(groups), options);
 }
 
@@ -235,6 +240,12 @@ std::shared_ptr<torch::optim::Optimizer> with_groups(const std::vector<at::Tenso
 
 std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const std::vector<at::Tensor>& params,
                                                         const std::vector<at::Tensor>* no_decay) {
+  std::vector<ParamGroupPlan> plan{{params, 1.0, true}};
+  if (no_decay != nullptr) plan.push_back({*no_decay, 1.0, false});
+  return make_optimizer(s, plan);
+}
+
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const std::vector<ParamGroupPlan>& plan) {
   const std::string name = s.get_string("name");
   static const std::map<std::string, std::set<std::string>> uses = {
       {"sgd", {"weight_decay", "momentum", "dampening", "nesterov"}},
@@ -243,14 +254,14 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const 
       {"rmsprop", {"weight_decay", "momentum", "eps", "alpha", "centered"}},
       {"adagrad", {"weight_decay", "eps", "lr_decay"}}};
   for (const auto& k : s.schema().keys) {
-    if (k.key == "name" || k.key == "lr" || k.key == "fused" || k.key == "no_weight_decay" || k.key == "no_weight_decay_1d" || !s.has(k.key))
-      continue;
+    static const std::set<std::string> every_optimizer = {"name", "lr", "fused", "no_weight_decay", "no_weight_decay_1d",
+                                                          "backbone", "backbone_lr_scale", "backbone_unfreeze_at_epoch"};
+    if (every_optimizer.count(k.key) || !s.has(k.key)) continue;
     if (!uses.at(name).count(k.key))
       throw UsageError(s.where(k.key) + ": optimizer." + k.key + " does not apply to " + name +
                        " (remove it, or choose an optimizer that uses it)");
   }
-  refuse_eps_float16_cannot_hold(s, name, params);
-  if (no_decay != nullptr) refuse_eps_float16_cannot_hold(s, name, *no_decay);
+  for (const auto& g : plan) refuse_eps_float16_cannot_hold(s, name, g.params);
   const double lr = s.get_float("lr");
   const bool fused = s.get_bool("fused");
   auto betas = [&] {
@@ -266,8 +277,8 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const 
     if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
     if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0))
       throw UsageError(s.where("nesterov") + ": optimizer.nesterov needs momentum > 0 and dampening = 0");
-    if (fused) return with_groups<ember::optim::FusedSGD>(params, no_decay, o);
-    return with_groups<torch::optim::SGD>(params, no_decay, o);
+    if (fused) return with_groups<ember::optim::FusedSGD>(plan, o);
+    return with_groups<torch::optim::SGD>(plan, o);
   }
   if (name == "adam" || name == "adamw") {
     auto fill = [&](auto o) {
@@ -278,11 +289,11 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const 
       return o;
     };
     if (name == "adam") {
-      if (fused) return with_groups<ember::optim::FusedAdam>(params, no_decay, fill(torch::optim::AdamOptions(lr)));
-      return with_groups<torch::optim::Adam>(params, no_decay, fill(torch::optim::AdamOptions(lr)));
+      if (fused) return with_groups<ember::optim::FusedAdam>(plan, fill(torch::optim::AdamOptions(lr)));
+      return with_groups<torch::optim::Adam>(plan, fill(torch::optim::AdamOptions(lr)));
     }
-    if (fused) return with_groups<ember::optim::FusedAdamW>(params, no_decay, fill(torch::optim::AdamWOptions(lr)));
-    return with_groups<torch::optim::AdamW>(params, no_decay, fill(torch::optim::AdamWOptions(lr)));
+    if (fused) return with_groups<ember::optim::FusedAdamW>(plan, fill(torch::optim::AdamWOptions(lr)));
+    return with_groups<torch::optim::AdamW>(plan, fill(torch::optim::AdamWOptions(lr)));
   }
   if (name == "rmsprop") {
     torch::optim::RMSpropOptions o(lr);
@@ -291,13 +302,13 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const 
     if (s.has("alpha")) o.alpha(s.get_float("alpha"));
     if (s.has("centered")) o.centered(s.get_bool("centered"));
     if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
-    return with_groups<torch::optim::RMSprop>(params, no_decay, o);
+    return with_groups<torch::optim::RMSprop>(plan, o);
   }
   torch::optim::AdagradOptions o(lr);
   if (s.has("eps")) o.eps(s.get_float("eps"));
   if (s.has("lr_decay")) o.lr_decay(s.get_float("lr_decay"));
   if (s.has("weight_decay")) o.weight_decay(s.get_float("weight_decay"));
-  return with_groups<torch::optim::Adagrad>(params, no_decay, o);
+  return with_groups<torch::optim::Adagrad>(plan, o);
 }
 
 }  // namespace ember::engine

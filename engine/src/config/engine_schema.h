@@ -25,6 +25,19 @@ std::vector<KeySchema> data_base_keys();
 // input unchanged when it is already a plugin name.
 std::string precision_plugin_for(const std::string& precision);
 
+// One parameter group the engine builds: its tensors (empty where a rank trains none of them),
+// its learning rate as a fraction of [optimizer] lr, and whether it takes the weight decay.
+struct ParamGroupPlan {
+  std::vector<at::Tensor> params;
+  double lr_scale = 1.0;
+  bool weight_decay = true;
+};
+
+// Builds the optimizer of the [optimizer] section with these groups, in this order (every group
+// kept, even empty, so that every rank's optimizer has the same groups). Throws UsageError when a
+// key is set that the chosen optimizer does not use.
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& section, const std::vector<ParamGroupPlan>& groups);
+
 // Builds the optimizer of the [optimizer] section over `params` in one parameter group, or, with
 // `no_decay`, in two: `params` with the section's options, then `*no_decay` with weight_decay = 0
 // (either may be empty where a rank trains part of the model). Throws UsageError when a key is

@@ -200,6 +200,7 @@ void TrainingLoop::train_epoch() {
   pos_.batches_done = start;
   pos_.epoch_finished = false;
   module().train();
+  if (const std::string change = backbone_freeze_.apply(pos_.epoch); !change.empty() && rank() == 0) log::info(change);
   progress_.start(epoch_label(pos_.epoch, settings_.max_epochs), n);
   call_hook(Hook::on_train_epoch_start);
   // Read after on_train_epoch_start: an accumulation schedule sets the factor there.

@@ -24,6 +24,7 @@
 #include "config/run_config.h"
 #include "data/data_loader.h"
 #include "data/device_feed.h"
+#include "loop/backbone_freeze.h"
 #include "loop/cadence.h"
 #include "loop/configured_metrics.h"
 #include "loop/data_plan.h"
@@ -245,6 +246,7 @@ class TrainingLoop final : public ITrainer,
   int64_t batches_skipped_ = 0;
   std::string rollback_path_;
   bool attached_ = false;
+  BackboneFreeze backbone_freeze_;  // optimizer.backbone_unfreeze_at_epoch
   // How a step runs (micro-batches, the optimizer step, the CUDA graph, a step's logging); last:
   // it refers to the runtime, the model, the metric stores and the settings above.
   std::unique_ptr<StepRunner> steps_;

@@ -52,7 +52,15 @@ void TrainingLoop::setup() {
   apply_activation_checkpointing(model);
   OptimizerFactory factory(model, plugins_.model.name, config_.section("optimizer"));
   if (rank() == 0 && !factory.weight_decay_summary().empty()) log::info(factory.weight_decay_summary());
+  if (rank() == 0 && !factory.backbone_summary().empty()) log::info(factory.backbone_summary());
   rt.setup(model, factory);
+  const auto& optimizer = config_.section("optimizer");
+  backbone_freeze_.setup(model.module(), rt.optimizer(), factory.backbone(), factory.backbone_unfreeze_at_epoch(),
+                         optimizer.get_float("backbone_lr_scale"), optimizer.where("backbone_unfreeze_at_epoch"), rt.strategy().name);
+  if (backbone_freeze_.active() && settings_.cuda_graph)
+    throw UsageError(config_.section("trainer").where("cuda_graph") +
+                     ": trainer.cuda_graph = true: a captured step keeps the gradients it was captured with, and "
+                     "optimizer.backbone_unfreeze_at_epoch changes which parameters get one: drop one of them");
   place_data(d);
   if (settings_.cuda_graph) setup_cuda_graph();
   attach_plugins(this);

@@ -8,6 +8,8 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <optional>
+#include <regex>
 #include <set>
 #include <unordered_map>
 
@@ -26,6 +28,104 @@ std::string decayed_weight(const Section& s) {
 
 OptimizerFactory::OptimizerFactory(IModel& model, std::string model_name, const Section& optimizer_section)
     : model_(model), model_name_(std::move(model_name)), section_(optimizer_section) {
+  // First: a backbone frozen for the whole run leaves the optimizer, and no_weight_decay then
+  // names only what trains.
+  resolve_backbone();
+  resolve_weight_decay();
+}
+
+namespace {
+
+// optimizer.backbone's rule: an entry names a module (every parameter under it) or a parameter,
+// or matches whole parameter names as an ECMAScript regular expression.
+class ModulePatterns {
+ public:
+  explicit ModulePatterns(const std::vector<std::string>& entries) : entries_(entries) {
+    for (const auto& e : entries) {
+      try {
+        expressions_.emplace_back(std::regex(e, std::regex::ECMAScript));
+      } catch (const std::regex_error&) {
+        expressions_.emplace_back(std::nullopt);
+      }
+    }
+  }
+  bool matches(const std::string& name, size_t i) const {
+    const std::string& e = entries_[i];
+    if (name == e || (name.size() > e.size() && name.compare(0, e.size(), e) == 0 && name[e.size()] == '.')) return true;
+    return expressions_[i] && std::regex_match(name, *expressions_[i]);
+  }
+
+ private:
+  const std::vector<std::string>& entries_;
+  std::vector<std::optional<std::regex>> expressions_;
+};
+
+std::string first_names(const std::vector<std::string>& names) {
+  std::string e;
+  for (size_t i = 0; i < names.size() && i < 4; ++i) e += (i ? "', '" : "'") + names[i];
+  return e.empty() ? std::string("none") : e + "'" + (names.size() > 4 ? ", ..." : "");
+}
+
+}  // namespace
+
+void OptimizerFactory::resolve_backbone() {
+  const std::vector<std::string> entries = section_.get_string_list("backbone");
+  const bool scale_set = section_.where("backbone_lr_scale") != "default";
+  unfreeze_at_ = section_.get_int("backbone_unfreeze_at_epoch");
+  if (entries.empty()) {
+    for (const char* key : {"backbone_lr_scale", "backbone_unfreeze_at_epoch"})
+      if (section_.where(key) != "default")
+        throw UsageError(section_.where(key) + ": optimizer." + key +
+                         " is set but optimizer.backbone names no parameters: list the backbone's modules, e.g. backbone = "
+                         "[\"encoder\"], or remove optimizer." + key);
+    unfreeze_at_ = 0;
+    return;
+  }
+  const std::string where = section_.where("backbone") + ": optimizer.backbone";
+  const ModulePatterns patterns(entries);
+  std::vector<bool> matched(entries.size(), false);
+  std::vector<std::string> trained, backbone;
+  int64_t elements = 0;
+  for (const auto& p : model_.module().named_parameters()) {
+    if (!p.value().requires_grad()) continue;  // frozen by the model or a plugin (lora): not trained anyway
+    trained.push_back(p.key());
+    bool in = false;
+    for (size_t i = 0; i < entries.size(); ++i)
+      if (patterns.matches(p.key(), i)) in = matched[i] = true;
+    if (!in) continue;
+    backbone.push_back(p.key());
+    elements += p.value().numel();
+  }
+  for (size_t i = 0; i < entries.size(); ++i)
+    if (!matched[i])
+      throw UsageError(where + " entry \"" + entries[i] + "\" names no module or parameter among model '" + model_name_ + "''s " +
+                       std::to_string(trained.size()) + " trained parameters (" + first_names(trained) +
+                       "): give a module's name (\"encoder\" takes encoder.*), or a regular expression matching whole names");
+  if (backbone.size() == trained.size())
+    throw UsageError(where + " takes every one of model '" + model_name_ + "''s " + std::to_string(trained.size()) +
+                     " trained parameters, leaving no head to train: name only the pretrained part" +
+                     (unfreeze_at_ == -1 ? std::string() : ", or scale optimizer.lr instead"));
+  if (unfreeze_at_ == -1 && scale_set)
+    throw UsageError(section_.where("backbone_lr_scale") +
+                     ": optimizer.backbone_lr_scale is set but the backbone is frozen for the whole run (backbone_unfreeze_at_epoch = "
+                     "-1), so it has no learning rate: remove one of them");
+  backbone_.insert(backbone.begin(), backbone.end());
+  scale_ = section_.get_float("backbone_lr_scale");
+  const std::string what = "optimizer: backbone of " + std::to_string(backbone.size()) + " parameters (" + std::to_string(elements) +
+                           " elements, e.g. '" + backbone.front() + "')";
+  if (unfreeze_at_ == -1) {
+    // Linear probing: not trained, so no strategy holds, reduces or shards it.
+    for (auto& p : model_.module().named_parameters())
+      if (backbone_.count(p.key())) p.value().set_requires_grad(false);
+    backbone_summary_ = what + " frozen for the whole run; the other " + std::to_string(trained.size() - backbone.size()) + " train";
+    return;
+  }
+  backbone_summary_ = what + " trains at lr x " + c10::str(scale_) +
+                      (unfreeze_at_ > 0 ? ", frozen until epoch " + std::to_string(unfreeze_at_) : std::string()) + "; the other " +
+                      std::to_string(trained.size() - backbone.size()) + " at lr";
+}
+
+void OptimizerFactory::resolve_weight_decay() {
   const std::vector<std::string> entries = section_.get_string_list("no_weight_decay");
   const bool by_dimensions = section_.get_bool("no_weight_decay_1d");
   if (entries.empty() && !by_dimensions) return;
@@ -49,11 +149,7 @@ OptimizerFactory::OptimizerFactory(IModel& model, std::string model_name, const 
     if (out) no_decay_.insert(p.key());
     (out ? undecayed_elements : decayed_elements) += p.value().numel();
   }
-  auto examples = [&] {
-    std::string e;
-    for (size_t i = 0; i < names.size() && i < 4; ++i) e += (i ? "', '" : "'") + names[i];
-    return e.empty() ? std::string("none") : e + "'" + (names.size() > 4 ? ", ..." : "");
-  };
+  auto examples = [&] { return first_names(names); };
   for (size_t i = 0; i < entries.size(); ++i)
     if (!matched[i])
       throw UsageError(section_.where("no_weight_decay") + ": optimizer.no_weight_decay entry \"" + entries[i] + "\" matches none of model '" +
@@ -78,11 +174,27 @@ std::shared_ptr<torch::optim::Optimizer> OptimizerFactory::build(const std::vect
       throw RunError("the strategy named parameter '" + p.name + "' twice when building the optimizer (a strategy bug)");
   auto optimizer = model_.configure_optimizers();
   if (!optimizer) {
-    std::vector<at::Tensor> decayed, undecayed;
-    decayed.reserve(params.size());
-    for (const auto& p : params) (no_decay_.count(p.name) ? undecayed : decayed).push_back(p.tensor);
-    return make_optimizer(section_, decayed, split_ ? &undecayed : nullptr);
+    // The head (or the whole model) first, then the backbone; each split by weight decay when
+    // some parameters take none. Every rank builds every group, empty or not.
+    const bool backbone_groups = !backbone_.empty() && unfreeze_at_ != -1;
+    std::vector<ParamGroupPlan> plan;
+    for (const bool backbone : {false, true}) {
+      if (backbone && !backbone_groups) continue;
+      const double scale = backbone ? scale_ : 1.0;
+      plan.push_back({{}, scale, true});
+      if (split_) plan.push_back({{}, scale, false});
+    }
+    const size_t per_part = split_ ? 2 : 1;
+    for (const auto& p : params) {
+      const size_t g = (backbone_groups && backbone_.count(p.name) ? per_part : 0) + (no_decay_.count(p.name) ? 1 : 0);
+      plan[g].params.push_back(p.tensor);
+    }
+    return make_optimizer(section_, plan);
   }
+  if (!backbone_.empty())
+    throw UsageError(section_.where("backbone") + ": optimizer.backbone: model '" + model_name_ +
+                     "' builds its own optimizer (configure_optimizers), whose parameter groups set the learning rates: remove "
+                     "optimizer.backbone and its keys");
   if (split_)
     throw UsageError(where_ + ": model '" + model_name_ +
                      "' builds its own optimizer (configure_optimizers), whose parameter groups set the weight decay: remove "

@@ -5,6 +5,7 @@
 // <run_dir>/lr_find.csv and lr_find.png, logs the suggested rate and, with update_attr, trains
 // with it.
 #include <ember/support/callback_base.h>
+#include <ember/support/param_groups.h>
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>
@@ -60,8 +61,10 @@ std::string sci(double v) {
   return buf;
 }
 
-void set_lr(torch::optim::Optimizer& opt, double lr) {
-  for (auto& group : opt.param_groups()) group.options().set_lr(lr);
+// `lr` is the first group's; the others keep the ratio `ratios` (to the first group's) they had
+// before the sweep (optimizer.backbone trains at lr x backbone_lr_scale).
+void set_lr(torch::optim::Optimizer& opt, double lr, const std::vector<double>& ratios) {
+  for (size_t g = 0; g < opt.param_groups().size(); ++g) opt.param_groups()[g].options().set_lr(lr * ratios.at(g));
 }
 
 class LrFind final : public ember::Callback {
@@ -92,6 +95,7 @@ class LrFind final : public ember::Callback {
                             "set [optimizer] lr");
     if (t.num_batches(ember::Split::train) == 0) throw ember::RunError("lr_find: the run has no training batches");
 
+    ratios_ = ember::support::rates_keeping_ratios(t.optimizer(), 1.0);
     const fs::path tmp = fs::path(t.run_dir()) / (".lr_find." + std::to_string(::getpid()) + ".ckpt");
     checkpoints(t).save_checkpoint(tmp.string());
     std::vector<double> lrs, losses, smoothed;
@@ -116,7 +120,7 @@ class LrFind final : public ember::Callback {
     host_.log(ember::LogLevel::info, "lr_find: suggested learning rate " + sci(*suggestion_) + " (step " +
                                          std::to_string(*best) + " of " + std::to_string(lrs.size()) + ")");
     if (update_attr_) {
-      set_lr(t.optimizer(), *suggestion_);
+      set_lr(t.optimizer(), *suggestion_, ratios_);
       host_.log(ember::LogLevel::info, "lr_find: learning rate set to " + sci(*suggestion_));
     }
   }
@@ -152,7 +156,7 @@ class LrFind final : public ember::Callback {
       const size_t before = lrs.size();
       passes(t).for_each_batch(ember::Split::train, steps_ - static_cast<int64_t>(lrs.size()), [&](const ember::Batch& batch) {
         const double lr = lf::lr_at(mode_, min_lr_, max_lr_, static_cast<int64_t>(lrs.size()), steps_);
-        set_lr(opt, lr);
+        set_lr(opt, lr, ratios_);
         const double loss = passes(t).run_trial_step(batch).item<double>();
         lrs.push_back(lr);
         losses.push_back(loss);
@@ -212,6 +216,7 @@ class LrFind final : public ember::Callback {
   bool update_attr_;
   bool done_ = false;
   std::optional<double> suggestion_;
+  std::vector<double> ratios_;  // each group's rate over the first's, before the sweep
 };
 
 ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return new LrFind(host, cfg); }

@@ -46,6 +46,7 @@ class CyclicLr final : public ClosedFormScheduler {
   double lr_at(int64_t t, size_t g) const override {
     CyclicParams p = p_;
     p.base_lr = base_lrs()[g];
+    p.max_lr = p_.max_lr * ratio(g);  // max_lr is the first group's; the others keep their ratio
     return cyclic_lr(p, t);
   }
   bool cycles_momentum() const override { return cycle_momentum_; }

@@ -52,7 +52,8 @@ class OneCycle final : public ClosedFormScheduler {
       throw ember::ConfigError("[" + name() + "] total_steps = " + std::to_string(p_.total_steps) + " with pct_start = " +
                                std::to_string(p_.pct_start) + " leaves a phase without steps: use more steps or another pct_start");
   }
-  double lr_at(int64_t t, size_t) const override { return at(t).lr; }
+  // max_lr is the first group's; the others keep the ratio their rates started with.
+  double lr_at(int64_t t, size_t g) const override { return at(t).lr * ratio(g); }
   void save_extra(StateDict& d) const override { d.insert("total_steps", p_.total_steps); }
   void load_extra(const StateReader& r) override { p_.total_steps = r.get_int("total_steps"); }
   bool cycles_momentum() const override { return cycle_momentum_; }

@@ -71,7 +71,7 @@ class ReduceOnPlateau final : public ember::Callback {
       throw ember::ConfigError("[" + name_ + "] min_lr has " + std::to_string(p_.min_lrs.size()) + " values but the optimizer has " +
                                std::to_string(num_groups(opt)) + " param groups: give one value, or one per group");
     if (lrs_.empty()) {
-      for (size_t g = 0; g < num_groups(opt); ++g) lrs_.push_back(base_lr_ ? *base_lr_ : get_lr(opt, g));
+      lrs_ = base_lr_ ? rates_keeping_ratios(opt, *base_lr_) : get_lrs(opt);  // base_lr is the first group's
     } else if (lrs_.size() != num_groups(opt)) {
       throw ember::RunError(name_ + ": the checkpoint has " + std::to_string(lrs_.size()) + " param groups, the optimizer " +
                             std::to_string(num_groups(opt)) + "; resume with the same model and optimizer");

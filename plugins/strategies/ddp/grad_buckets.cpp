@@ -50,20 +50,29 @@ void GradBuckets::build() {
   close();
   ready_.assign(params_.size(), false);
   stats_.buckets = static_cast<int64_t>(buckets_.size());
+  accumulators_.assign(params_.size(), nullptr);
+  hook_trained();
+}
+
+// A parameter frozen for now (optimizer.backbone_unfreeze_at_epoch) has no AccumulateGrad node:
+// it is hooked once it trains. The node stays the same across later freezes, as it is kept here.
+void GradBuckets::hook_trained() {
   for (size_t k = 0; k < params_.size(); ++k) {
+    if (accumulators_[k] || !params_[k].requires_grad()) continue;
     auto acc = torch::autograd::impl::grad_accumulator(params_[k]);
-    if (!acc) throw std::runtime_error("ddp: parameter " + std::to_string(k) + " is not a leaf tensor that requires grad");
+    if (!acc) throw std::runtime_error("ddp: parameter '" + names_.at(k) + "' is not a leaf tensor");
     acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [this, k](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list& /*inputs*/) {
           on_ready(k);
           return outputs;
         }));
-    accumulators_.push_back(std::move(acc));
+    accumulators_[k] = std::move(acc);
   }
 }
 
 void GradBuckets::begin(bool sync) {
   if (!built_) build();
+  else hook_trained();
   // Alone in the group, a gradient's all-reduce is the gradient itself: skip the copies and the
   // collective (what makes ddp with one rank cost what single_device costs).
   syncing_ = sync && world_ > 1;
@@ -78,6 +87,9 @@ void GradBuckets::begin(bool sync) {
   }
   next_ = 0;
   pending_params_ = params_.size();
+  // Frozen for now: the same on every rank (it follows the epoch), so a bucket need not wait for them.
+  for (size_t k = 0; k < params_.size(); ++k)
+    if (!params_[k].requires_grad()) on_ready(k);
 }
 
 void GradBuckets::on_ready(size_t k) {
@@ -105,8 +117,8 @@ void GradBuckets::launch(size_t index) {
     const auto& g = p.grad();
     if (g.defined()) slice.copy_(g.reshape({-1}));
     else {
-      slice.zero_();  // unused on this rank: contributes zero
-      missing_.push_back(k);
+      slice.zero_();  // unused on this rank, or frozen: contributes zero
+      if (p.requires_grad()) missing_.push_back(k);
     }
     b.flat.narrow(0, b.numel + i++, 1).fill_(g.defined() ? 1.0 : 0.0);
     offset += p.numel();
@@ -138,6 +150,7 @@ void GradBuckets::finish() {
       auto slice = b.flat.narrow(0, offset, p.numel()).view(p.sizes());
       offset += p.numel();
       if (find_unused_ && used[i++].item<double>() == 0.0) continue;  // no rank used it: no gradient
+      if (!p.requires_grad()) continue;                               // frozen: no gradient
       if (p.grad().defined()) p.mutable_grad().copy_(slice);
       else p.mutable_grad() = slice.clone();
     }

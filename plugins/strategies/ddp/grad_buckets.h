@@ -49,6 +49,7 @@ class GradBuckets {
     c10::intrusive_ptr<c10d::Work> work;
   };
   void build();
+  void hook_trained();
   void on_ready(size_t param);
   void launch(size_t bucket);
 

@@ -81,8 +81,9 @@ class ClosedFormScheduler : public ember::Callback {
   void on_train_start(ember::ITrainer& t) override {
     auto& opt = t.optimizer();
     if (base_lrs_.empty()) {
-      // The optimizer's rate at the start of the first fit ([optimizer] lr), unless configured.
-      for (size_t g = 0; g < num_groups(opt); ++g) base_lrs_.push_back(cfg_base_lr_ ? *cfg_base_lr_ : get_lr(opt, g));
+      // The optimizer's rate at the start of the first fit ([optimizer] lr), unless configured:
+      // then it is the first group's, and the others keep their ratio to it.
+      base_lrs_ = cfg_base_lr_ ? rates_keeping_ratios(opt, *cfg_base_lr_) : get_lrs(opt);
     } else if (base_lrs_.size() != num_groups(opt)) {
       throw ember::RunError(name_ + ": the checkpoint has " + std::to_string(base_lrs_.size()) +
                             " param groups, the optimizer " + std::to_string(num_groups(opt)) +
@@ -133,6 +134,9 @@ class ClosedFormScheduler : public ember::Callback {
   // Called at on_train_start, once base_lrs() are known: resolve totals, check settings.
   virtual void prepare(ember::ITrainer& t) = 0;
   virtual double lr_at(int64_t t, size_t group) const = 0;
+  // Group g's base rate over group 0's: what a rate configured for the whole optimizer (max_lr) is
+  // multiplied by for group g.
+  double ratio(size_t g) const { return base_lrs_.empty() || base_lrs_[0] <= 0 ? 1.0 : base_lrs_.at(g) / base_lrs_[0]; }
   virtual bool cycles_momentum() const { return false; }
   virtual double momentum_at(int64_t /*t*/, size_t /*group*/) const { return 0.0; }
   // Settings resolved at the first fit that a resumed run must keep (e.g. the cycle length).

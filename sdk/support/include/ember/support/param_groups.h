@@ -42,6 +42,17 @@ inline std::vector<double> get_lrs(const torch::optim::Optimizer& o) {
   return out;
 }
 
+// `rate` for group 0 and, for each other group, `rate` times the ratio its rate has to group 0's
+// now: a rate a plugin is configured with (a scheduler's base_lr or max_lr, lr_find's sweep) is
+// the first group's, and groups that train at another rate (optimizer.backbone at
+// lr x backbone_lr_scale, a model's own groups) keep that ratio.
+inline std::vector<double> rates_keeping_ratios(const torch::optim::Optimizer& o, double rate) {
+  std::vector<double> out;
+  const double first = num_groups(o) > 0 ? get_lr(o, 0) : 0.0;
+  for (size_t g = 0; g < num_groups(o); ++g) out.push_back(first > 0 ? rate * (get_lr(o, g) / first) : rate);
+  return out;
+}
+
 // Momentum of group g (beta1 for Adam/AdamW), or nullopt when the optimizer has none.
 inline std::optional<double> get_momentum(const torch::optim::Optimizer& o, size_t g) {
   const auto& opts = o.param_groups().at(g).options();

@@ -1,0 +1,53 @@
+#include "loop/backbone_freeze.h"
+
+#include <ember/error.h>
+
+#include <c10/util/StringUtil.h>
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <unordered_set>
+
+#include "config/run_config.h"
+
+namespace ember::engine {
+
+void BackboneFreeze::setup(torch::nn::Module& module, const torch::optim::Optimizer& optimizer, const std::set<std::string>& names,
+                           int64_t unfreeze_at, double lr_scale, const std::string& where, const std::string& strategy) {
+  params_.clear();
+  unfreeze_at_ = 0;
+  frozen_ = false;
+  if (unfreeze_at <= 0 || names.empty()) return;
+  std::unordered_set<const void*> trained;
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& t : group.params()) trained.insert(t.unsafeGetTensorImpl());
+  for (const auto& p : module.named_parameters()) {
+    if (!names.count(p.key())) continue;
+    if (!trained.count(p.value().unsafeGetTensorImpl()))
+      throw UsageError(where + ": optimizer.backbone_unfreeze_at_epoch = " + std::to_string(unfreeze_at) + ": under strategy '" + strategy +
+                       "' the optimizer trains shards or copies of the parameters (e.g. of '" + p.key() +
+                       "'), not the module's own, so the backbone cannot be frozen for some epochs and trained after: use single_device "
+                       "or ddp (without tensor or pipeline parallelism), or set backbone_unfreeze_at_epoch = -1 (frozen for the whole "
+                       "run) or 0");
+    params_.push_back(p.value());
+  }
+  unfreeze_at_ = unfreeze_at;
+  lr_scale_ = lr_scale;
+}
+
+std::string BackboneFreeze::apply(int64_t epoch) {
+  if (!active()) return "";
+  const bool frozen = epoch < unfreeze_at_;
+  if (frozen == frozen_) return "";
+  frozen_ = frozen;
+  for (auto& p : params_) {
+    p.set_requires_grad(!frozen);
+    if (frozen) p.mutable_grad() = at::Tensor();  // nothing left over for the optimizer to apply
+  }
+  const std::string what = "the backbone (" + std::to_string(params_.size()) + " parameters)";
+  if (frozen) return "epoch " + std::to_string(epoch) + ": " + what + " is frozen until epoch " + std::to_string(unfreeze_at_);
+  return "epoch " + std::to_string(epoch) + ": " + what + " trains from now on, at lr x " + c10::str(lr_scale_);
+}
+
+}  // namespace ember::engine
