@@ -70,11 +70,13 @@ std::string first_names(const std::vector<std::string>& names) {
 
 void OptimizerFactory::resolve_backbone() {
   const std::vector<std::string> entries = section_.get_string_list("backbone");
-  const bool scale_set = section_.where("backbone_lr_scale") != "default";
+  // By value, not by where a key was set: a run folder's config.toml lists every default.
+  constexpr double kDefaultScale = 0.1;
+  const bool scale_set = section_.get_float("backbone_lr_scale") != kDefaultScale;
   unfreeze_at_ = section_.get_int("backbone_unfreeze_at_epoch");
   if (entries.empty()) {
-    for (const char* key : {"backbone_lr_scale", "backbone_unfreeze_at_epoch"})
-      if (section_.where(key) != "default")
+    for (const auto& [key, set] : {std::pair<const char*, bool>{"backbone_lr_scale", scale_set}, {"backbone_unfreeze_at_epoch", unfreeze_at_ != 0}})
+      if (set)
         throw UsageError(section_.where(key) + ": optimizer." + key +
                          " is set but optimizer.backbone names no parameters: list the backbone's modules, e.g. backbone = "
                          "[\"encoder\"], or remove optimizer." + key);
