@@ -140,7 +140,7 @@ int checkpoint_info(const std::string& checkpoint, std::ostream& out) {
   }
   if (!position.empty()) out << "position: " << position << "\n";
   out << "resumable: "
-      << (only_weights ? "no, weights only (save_weights_only): it can be tested, exported or fine-tuned from"
+      << (only_weights ? "no, weights only (save_weights_only): it can be tested, exported, or trained on from ([model] init_checkpoint)"
                        : entry(d, "optimizer") != nullptr || sharded ? "yes (weights, optimizer, loops, random state)"
                                                                      : "no optimizer state")
       << "\n";

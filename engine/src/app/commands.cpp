@@ -72,7 +72,9 @@ int run_training(const RunRequest& req) {
 
 int evaluate_checkpoint(const RunRequest& req, Split split, const std::string& checkpoint, bool predict) {
   require_checkpoint_argument(checkpoint);
-  RunSession session(req);
+  RunRequest with_ckpt = req;
+  with_ckpt.weights_from_ckpt = !checkpoint.empty();
+  RunSession session(with_ckpt);
   if (!session.is_rank()) return session.launcher_exit_code();
   if (predict) {
     session.predict(checkpoint);
@@ -86,7 +88,9 @@ int evaluate_checkpoint(const RunRequest& req, Split split, const std::string& c
 
 int generate_text(const RunRequest& req, const std::string& checkpoint, const GenerationOptions& options) {
   require_checkpoint_argument(checkpoint);
-  RunSession session(req);
+  RunRequest with_ckpt = req;
+  with_ckpt.weights_from_ckpt = !checkpoint.empty();
+  RunSession session(with_ckpt);
   if (!session.is_rank()) return session.launcher_exit_code();
   session.generate(checkpoint, options, std::cout);
   session.finish("success");

@@ -32,6 +32,9 @@ struct RunRequest {
   std::vector<std::string> argv;          // the program's own command line (launchers re-run it)
   // `engine checkpoint consolidate`: restore `resume` (a sharded directory), write this file, stop.
   std::string consolidate_to;
+  // `engine validate|test|predict|generate --ckpt`: the weights come from that checkpoint, so
+  // [model] init_checkpoint is not read.
+  bool weights_from_ckpt = false;
   ProvidedObjects provided;
   // Stop signals are process-wide: the `engine` command installs them, a library user opts in.
   bool stop_signal_handlers = true;

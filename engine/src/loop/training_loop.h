@@ -75,6 +75,10 @@ class TrainingLoop final : public ITrainer,
   void setup();
   // Restores a checkpoint written by save_checkpoint (weights, optimizer, loops, RNG, plugin states).
   void restore(const std::filesystem::path& checkpoint, bool weights_only);
+  // [model] init_checkpoint, when set: the model's weights from that file (init_exclude keeps
+  // this run's own), logged; before fit, in place of a resume. Throws UsageError for a missing
+  // file or an init_exclude entry that names nothing, RunError for a state that does not fit.
+  void load_init_checkpoint();
   void fit();
   // Runs the test split; returns the test metrics.
   std::vector<std::pair<std::string, double>> test() { return evaluate_split(Split::test); }

@@ -3,6 +3,8 @@
 // saving it through the strategy's state contract, and restoring it.
 #include "loop/training_loop.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -13,6 +15,7 @@
 #include "checkpoint/checkpoint_io.h"
 #include "config/engine_schema.h"
 #include "common/log.h"
+#include "common/module_patterns.h"
 
 namespace ember::engine {
 
@@ -107,6 +110,41 @@ void TrainingLoop::write_consolidated(const std::string& path, c10::impl::Generi
 }
 
 void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only) { restore(file, weights_only, true); }
+
+void TrainingLoop::load_init_checkpoint() {
+  const auto& m = config_.section("model");
+  if (!m.has("init_checkpoint") || m.get_string("init_checkpoint").empty()) {
+    if (!m.get_string_list("init_exclude").empty())
+      throw UsageError(m.where("init_exclude") + ": model.init_exclude is set but model.init_checkpoint is not: set the checkpoint to start "
+                       "from, or remove init_exclude");
+    return;
+  }
+  const std::filesystem::path file = m.get_string("init_checkpoint");
+  const std::string where = m.where("init_checkpoint") + ": model.init_checkpoint = \"" + file.string() + "\"";
+  std::error_code ec;
+  if (!std::filesystem::exists(file, ec))
+    throw UsageError(where + ": no such file (give the path of a .ckpt an earlier run wrote, e.g. runs/NAME/version_0/checkpoints/last.ckpt)");
+  const ModulePatterns exclude(m.get_string_list("init_exclude"));
+  std::vector<std::string> names;
+  for (const auto& p : module().named_parameters()) names.push_back(p.key());
+  for (const auto& b : module().named_buffers()) names.push_back(b.key());
+  for (size_t i = 0; i < exclude.size(); ++i)
+    if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return exclude.matches(n, i); }))
+      throw UsageError(m.where("init_exclude") + ": model.init_exclude entry \"" + exclude.entry(i) + "\" names no module or tensor of model '" +
+                       plugins_.model.name + "' (e.g. '" + (names.empty() ? std::string("none") : names.front()) +
+                       "'): give a module's name (\"head\" takes head.*), or a regular expression matching whole names");
+  std::vector<std::string> kept;
+  runtime_->load_initial_weights(file, [&](const std::string& name) {
+    if (!exclude.matches(name)) return false;
+    kept.push_back(name);
+    return true;
+  });
+  if (rank() != 0) return;
+  std::string line = "model: weights from " + file.string();
+  if (!kept.empty())
+    line += " except " + std::to_string(kept.size()) + " tensors that keep their initial values here (e.g. '" + kept.front() + "')";
+  log::info(line + "; the optimizer and the schedule start afresh");
+}
 
 namespace {
 

@@ -8,11 +8,10 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
-#include <optional>
-#include <regex>
 #include <set>
 #include <unordered_map>
 
+#include "common/module_patterns.h"
 #include "config/engine_schema.h"
 
 namespace ember::engine {
@@ -35,30 +34,6 @@ OptimizerFactory::OptimizerFactory(IModel& model, std::string model_name, const 
 }
 
 namespace {
-
-// optimizer.backbone's rule: an entry names a module (every parameter under it) or a parameter,
-// or matches whole parameter names as an ECMAScript regular expression.
-class ModulePatterns {
- public:
-  explicit ModulePatterns(const std::vector<std::string>& entries) : entries_(entries) {
-    for (const auto& e : entries) {
-      try {
-        expressions_.emplace_back(std::regex(e, std::regex::ECMAScript));
-      } catch (const std::regex_error&) {
-        expressions_.emplace_back(std::nullopt);
-      }
-    }
-  }
-  bool matches(const std::string& name, size_t i) const {
-    const std::string& e = entries_[i];
-    if (name == e || (name.size() > e.size() && name.compare(0, e.size(), e) == 0 && name[e.size()] == '.')) return true;
-    return expressions_[i] && std::regex_match(name, *expressions_[i]);
-  }
-
- private:
-  const std::vector<std::string>& entries_;
-  std::vector<std::optional<std::regex>> expressions_;
-};
 
 std::string first_names(const std::vector<std::string>& names) {
   std::string e;

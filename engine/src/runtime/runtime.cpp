@@ -296,6 +296,60 @@ c10::Dict<std::string, at::Tensor> Runtime::saved_model_state(const c10::Dict<st
   return kept;
 }
 
+c10::Dict<std::string, at::Tensor> Runtime::model_state_of(const c10::impl::GenericDict& ck, const std::string& where) {
+  auto state = c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict());
+  if (ck.contains("omitted_parameters")) {
+    // Left out when it was saved (frozen: LoRA's base): this run's own values, gathered.
+    const auto omitted = OmittedParameters::from_ivalue(ck.at("omitted_parameters"), where);
+    const auto own = strategy_.object->full_model_state(/*rank0_only=*/false);
+    fill_omitted(state, omitted, [&](const std::string& name) -> std::optional<at::Tensor> {
+      if (!own.contains(name)) return std::nullopt;
+      return own.at(name);
+    }, where);
+  }
+  return state;
+}
+
+c10::impl::GenericDict Runtime::load_initial_weights(const std::filesystem::path& path, const std::function<bool(const std::string&)>& keep_own) {
+  const std::string where = "checkpoint " + path.string();
+  if (is_sharded_checkpoint(path))
+    throw RunError(where + " is a sharded checkpoint directory: make one file of it first (engine checkpoint consolidate " + path.string() +
+                   " OUT.ckpt) and start from that file");
+  auto ck = load_checkpoint_file(path);
+  if (!ck.contains("state_dict")) throw RunError(where + " has no state_dict");
+  auto saved = model_state_of(ck, where);
+  // Every rank takes the same whole state; the strategy keeps its part of it.
+  const auto own = strategy_.object->full_model_state(/*rank0_only=*/false);
+  c10::Dict<std::string, at::Tensor> state;
+  for (const auto& e : own) {
+    const std::string& name = e.key();
+    if (keep_own(name)) {
+      state.insert(name, e.value());
+      continue;
+    }
+    auto it = saved.find(name);
+    if (it == saved.end()) continue;  // reported below, with every other one
+    if (it->value().sizes() != e.value().sizes())
+      throw RunError(where + ": '" + name + "' has shape " + c10::str(it->value().sizes()) + " there and " + c10::str(e.value().sizes()) +
+                     " in this model: list what changed (a new head for other classes) in [model] init_exclude to keep its own initial "
+                     "values, or start from a checkpoint of this model");
+    state.insert(name, it->value());
+  }
+  std::vector<std::string> missing;
+  for (const auto& e : own)
+    if (!state.contains(e.key())) missing.push_back(e.key());
+  if (!missing.empty())
+    throw RunError(where + " lacks " + std::to_string(missing.size()) + " of this model's tensors, e.g. '" + missing.front() +
+                   "': list the model's new parts in [model] init_exclude to keep their own initial values, or start from a checkpoint of "
+                   "this model");
+  try {
+    strategy_.object->load_full_model_state(state);
+  } catch (const RunError& e) {
+    throw RunError(where + ": " + e.what());
+  }
+  return ck;
+}
+
 c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& path, Part model, Part optimizer,
                                                 const std::string& optimizer_fix) {
   finish_background_save();  // the file being written may be the one asked for
@@ -320,16 +374,7 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
   }
   auto ck = load_checkpoint_file(path);
   if (model != Part::skip && ck.contains("state_dict")) {
-    auto state = c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict());
-    if (ck.contains("omitted_parameters")) {
-      // Left out when it was saved (frozen: LoRA's base): this run's own values, gathered.
-      const auto omitted = OmittedParameters::from_ivalue(ck.at("omitted_parameters"), where);
-      const auto own = strategy_.object->full_model_state(/*rank0_only=*/false);
-      fill_omitted(state, omitted, [&](const std::string& name) -> std::optional<at::Tensor> {
-        if (!own.contains(name)) return std::nullopt;
-        return own.at(name);
-      }, where);
-    }
+    auto state = model_state_of(ck, where);
     try {
       strategy_.object->load_full_model_state(state);
     } catch (const RunError& e) {

@@ -188,6 +188,12 @@ class Runtime {
   // [optimizer] settings" for the engine's runs).
   c10::impl::GenericDict load_checkpoint(const std::filesystem::path& path, Part model, Part optimizer,
                                          const std::string& optimizer_fix = "resume with the same [optimizer] settings");
+  // [model] init_checkpoint: the model's state from checkpoint file `path` (full or weights only;
+  // its optimizer, loop and plugin states are not read), except the tensors `keep_own` selects,
+  // which keep this run's own initial values. Returns the document's other tables. Throws RunError
+  // starting with "checkpoint PATH" for a sharded directory (consolidate it first), a file without
+  // a model state, or a state that lacks or misfits a tensor that is not kept.
+  c10::impl::GenericDict load_initial_weights(const std::filesystem::path& path, const std::function<bool(const std::string&)>& keep_own);
   // Checkpoint files written from here on leave out these (frozen) parameters, recording them
   // (omitted_parameters.h); loading such a file takes them from this run's model. Sharded
   // directories and `engine checkpoint consolidate` keep everything.
@@ -210,6 +216,9 @@ class Runtime {
   void teardown();
 
  private:
+  // A checkpoint document's model state, with the parameters it left out (omitted_parameters)
+  // filled from this run's own model.
+  c10::Dict<std::string, at::Tensor> model_state_of(const c10::impl::GenericDict& ck, const std::string& where);
   // Declaration order is destruction order reversed: the strategy outlives the precision handler
   // and the optimizer it placed.
   Named<IStrategy> strategy_;

@@ -194,6 +194,8 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
     loop_->setup();
     log_setup_memory();
     if (!folder_.checkpoint.empty()) loop_->restore(folder_.checkpoint, /*weights_only=*/false);
+    // A resumed run's own state already holds what it started from; --ckpt brings its own weights.
+    else if (!req.weights_from_ckpt) loop_->load_init_checkpoint();
   });
 }
 
