@@ -115,6 +115,21 @@ TEST(NamePatterns, SuffixAtADotOrAWholeRegularExpression) {
   EXPECT_FALSE(p.matches("h.0.ln_1.weight_"));
 }
 
+// NameRule::module (optimizer.backbone, model.init_exclude): a module's name takes what is under it.
+TEST(NamePatterns, ModuleRuleTakesEverythingUnderAModule) {
+  const ember::NamePatterns p({"encoder", "head.bias", "layer[1-2]\\..*"}, ember::NameRule::module);
+  EXPECT_EQ(p.size(), 3u);
+  EXPECT_TRUE(p.matches("encoder.layer.0.weight"));
+  EXPECT_TRUE(p.matches("encoder"));
+  EXPECT_FALSE(p.matches("encoder_2.weight")) << "a module's name is whole";
+  EXPECT_FALSE(p.matches("text.encoder.weight")) << "from the start of the name";
+  EXPECT_TRUE(p.matches("head.bias"));
+  EXPECT_FALSE(p.matches("head.weight"));
+  EXPECT_FALSE(p.matches("x.head.bias")) << "not a suffix";
+  EXPECT_TRUE(p.matches("layer2.0.conv1.weight"));
+  EXPECT_FALSE(p.matches("layer3.0.conv1.weight"));
+}
+
 // The groups: the 2-d parameters with the weight decay, the 1-d ones (or those named) without.
 TEST(WeightDecay, ExcludedParametersFormASecondGroupWithoutDecay) {
   struct Case {

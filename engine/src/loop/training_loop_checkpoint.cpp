@@ -10,12 +10,12 @@
 #include <torch/optim/optimizer.h>
 
 #include <ember/predict.h>
+#include <ember/support/name_patterns.h>
 
 #include "checkpoint/checkpoint_document.h"
 #include "checkpoint/checkpoint_io.h"
 #include "config/engine_schema.h"
 #include "common/log.h"
-#include "common/module_patterns.h"
 
 namespace ember::engine {
 
@@ -124,13 +124,13 @@ void TrainingLoop::load_init_checkpoint() {
   std::error_code ec;
   if (!std::filesystem::exists(file, ec))
     throw UsageError(where + ": no such file (give the path of a .ckpt an earlier run wrote, e.g. runs/NAME/version_0/checkpoints/last.ckpt)");
-  const ModulePatterns exclude(m.get_string_list("init_exclude"));
+  const NamePatterns exclude(m.get_string_list("init_exclude"), NameRule::module);
   std::vector<std::string> names;
   for (const auto& p : module().named_parameters()) names.push_back(p.key());
   for (const auto& b : module().named_buffers()) names.push_back(b.key());
   for (size_t i = 0; i < exclude.size(); ++i)
     if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return exclude.matches(n, i); }))
-      throw UsageError(m.where("init_exclude") + ": model.init_exclude entry \"" + exclude.entry(i) + "\" names no module or tensor of model '" +
+      throw UsageError(m.where("init_exclude") + ": model.init_exclude entry \"" + exclude.entries()[i] + "\" names no module or tensor of model '" +
                        plugins_.model.name + "' (e.g. '" + (names.empty() ? std::string("none") : names.front()) +
                        "'): give a module's name (\"head\" takes head.*), or a regular expression matching whole names");
   std::vector<std::string> kept;

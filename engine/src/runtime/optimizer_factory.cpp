@@ -11,7 +11,6 @@
 #include <set>
 #include <unordered_map>
 
-#include "common/module_patterns.h"
 #include "config/engine_schema.h"
 
 namespace ember::engine {
@@ -59,7 +58,7 @@ void OptimizerFactory::resolve_backbone() {
     return;
   }
   const std::string where = section_.where("backbone") + ": optimizer.backbone";
-  const ModulePatterns patterns(entries);
+  const NamePatterns patterns(entries, NameRule::module);
   std::vector<bool> matched(entries.size(), false);
   std::vector<std::string> trained, backbone;
   int64_t elements = 0;
