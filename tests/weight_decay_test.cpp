@@ -356,6 +356,8 @@ TEST(Backbone, BadSettingsAreOneLineWithTheirPlace) {
   e = factory_error("backbone_unfreeze_at_epoch = 2\n");
   EXPECT_NE(e.find("run.toml:2:"), std::string::npos) << e;
   EXPECT_NE(e.find("optimizer.backbone_unfreeze_at_epoch is set but optimizer.backbone names no parameters"), std::string::npos) << e;
+  e = factory_error("backbone_train_bn = false\n");
+  EXPECT_NE(e.find("optimizer.backbone_train_bn is set but optimizer.backbone names no parameters"), std::string::npos) << e;
   e = factory_error("backbone_lr_scale = 0.5\n");
   EXPECT_NE(e.find("optimizer.backbone_lr_scale is set but optimizer.backbone names no parameters"), std::string::npos) << e;
   e = factory_error("backbone = [\"wte\"]\nbackbone_unfreeze_at_epoch = -1\nbackbone_lr_scale = 0.5\n");
@@ -449,4 +451,58 @@ TEST_F(BackboneRanks, DdpMatchesSingleDeviceAndShardingIsRefusedInOneLine) {
             std::string::npos)
       << r.err;
   finetune(probe, "-1", rank_args("sharded"));
+}
+
+// backbone_train_bn (Lightning's train_bn, on by default): in a frozen epoch the backbone's
+// batch-norm weights and biases train while its convolutions stay as they were built; off, they
+// stay too. (cnn's speedrun layers: conv1, bn1, ..., conv5, bn5, fc.)
+TEST(BackboneRuns, BatchNormLayersTrainInFrozenEpochsUnlessAsked) {
+  const std::string run = R"([trainer]
+max_epochs = 1
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+[model]
+name = "cnn"
+architecture = "speedrun"
+width = 4
+image_size = 16
+num_classes = 4
+[data]
+name = "synthetic"
+shape = [1, 16, 16]
+num_classes = 4
+num_train = 64
+num_val = 16
+num_test = 0
+batch_size = 16
+[optimizer]
+name = "sgd"
+lr = 0.1
+backbone = ["conv1", "bn1", "conv2", "bn2"]
+)";
+  TempDir never("backbone"), bn_trains("backbone"), bn_frozen("backbone");
+  auto train = [&](const TempDir& dir, const std::string& keys) {
+    write_file(dir / "run.toml", run + keys);
+    return run_engine_ok(dir, {"run.toml"}, 300);
+  };
+  train(never, "backbone_unfreeze_at_epoch = -1\n");
+  auto r = train(bn_trains, "backbone_unfreeze_at_epoch = 1\n");
+  EXPECT_NE(r.err.find("epoch 0: the backbone (2 parameters) is frozen until epoch 1 (its 4 batch-norm parameters train on: backbone_train_bn)"),
+            std::string::npos)
+      << r.err;
+  train(bn_frozen, "backbone_unfreeze_at_epoch = 1\nbackbone_train_bn = false\n");
+  const auto built = ember::test::weights(last_checkpoint(never));
+  auto moved = [&](const TempDir& dir, const std::string& name) {
+    return (ember::test::weights(last_checkpoint(dir)).at(name) - built.at(name)).abs().max().item<double>();
+  };
+  for (const std::string name : {"conv1.weight", "conv2.weight"}) {
+    EXPECT_EQ(moved(bn_trains, name), 0.0) << name;
+    EXPECT_EQ(moved(bn_frozen, name), 0.0) << name;
+  }
+  for (const std::string name : {"bn1.weight", "bn2.bias"}) {
+    EXPECT_GT(moved(bn_trains, name), 1e-4) << name << " did not train";
+    EXPECT_EQ(moved(bn_frozen, name), 0.0) << name << " trained though backbone_train_bn = false";
+  }
+  EXPECT_GT(moved(bn_trains, "fc.weight"), 1e-4) << "the head did not train";
 }

@@ -77,6 +77,7 @@ constexpr EmberConfigKey kOptimizerKeys[] = {
     StringList("backbone", "[]", "The pretrained part of the model, fine-tuned more gently than the rest (Lightning's BackboneFinetuning, ULMFiT's discriminative rates): modules or parameters by name, an entry naming a module (\"layer1\", \"encoder\" takes encoder.*) or matching whole parameter names as a regular expression. Its parameters form their own groups, trained at lr x backbone_lr_scale (schedulers scale that rate as they scale lr); every entry must match a trained parameter."),
     Float("backbone_lr_scale", "0.1", "The backbone's learning rate as a fraction of lr (Lightning's 1 / initial_denom_lr).").above(0),
     Int("backbone_unfreeze_at_epoch", "0", "The backbone is frozen (no gradients, no updates) for the epochs before this one and trains from it on (Lightning's unfreeze_at_epoch); 0 = never frozen; -1 = frozen for the whole run (linear probing: it leaves the optimizer, under every strategy). Freezing for some epochs needs a strategy that trains the module's own parameters (single_device, ddp).").at_least(-1),
+    Bool("backbone_train_bn", "true", "In the frozen epochs before backbone_unfreeze_at_epoch, the backbone's batch-norm layers (BatchNorm1d/2d/3d, sync_batchnorm's too) keep training their weight and bias, as Lightning's train_bn; false freezes them with the rest. Their running statistics update in training mode either way. backbone_unfreeze_at_epoch = -1 freezes everything backbone names: leave batch-norm layers out of it to train them."),
     Float("momentum", nullptr, "Momentum (sgd, rmsprop); unset = 0.").at_least(0),
     Float("dampening", nullptr, "Dampening of momentum (sgd); unset = 0.").at_least(0),
     Bool("nesterov", nullptr, "Nesterov momentum (sgd); unset = false."),
@@ -257,7 +258,7 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const Section& s, const 
       {"adagrad", {"weight_decay", "eps", "lr_decay"}}};
   for (const auto& k : s.schema().keys) {
     static const std::set<std::string> every_optimizer = {"name", "lr", "fused", "no_weight_decay", "no_weight_decay_1d",
-                                                          "backbone", "backbone_lr_scale", "backbone_unfreeze_at_epoch"};
+                                                          "backbone", "backbone_lr_scale", "backbone_unfreeze_at_epoch", "backbone_train_bn"};
     if (every_optimizer.count(k.key) || !s.has(k.key)) continue;
     if (!uses.at(name).count(k.key))
       throw UsageError(s.where(k.key) + ": optimizer." + k.key + " does not apply to " + name +

@@ -5,6 +5,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/optim/optimizer.h>
 
 #include <unordered_set>
@@ -14,11 +15,19 @@
 namespace ember::engine {
 
 void BackboneFreeze::setup(torch::nn::Module& module, const torch::optim::Optimizer& optimizer, const std::set<std::string>& names,
-                           int64_t unfreeze_at, double lr_scale, const std::string& where, const std::string& strategy) {
+                           int64_t unfreeze_at, double lr_scale, bool train_bn, const std::string& where, const std::string& strategy) {
   params_.clear();
+  batch_norm_ = 0;
   unfreeze_at_ = 0;
   frozen_ = false;
   if (unfreeze_at <= 0 || names.empty()) return;
+  // Lightning's train_bn: BatchNorm layers (ember's SyncBatchNorm derives from them) keep training.
+  std::unordered_set<const void*> batch_norm;
+  if (train_bn)
+    for (const auto& m : module.modules())
+      if (dynamic_cast<torch::nn::BatchNorm1dImpl*>(m.get()) || dynamic_cast<torch::nn::BatchNorm2dImpl*>(m.get()) ||
+          dynamic_cast<torch::nn::BatchNorm3dImpl*>(m.get()))
+        for (const auto& p : m->parameters(/*recurse=*/false)) batch_norm.insert(p.unsafeGetTensorImpl());
   std::unordered_set<const void*> trained;
   for (const auto& group : optimizer.param_groups())
     for (const auto& t : group.params()) trained.insert(t.unsafeGetTensorImpl());
@@ -30,7 +39,8 @@ void BackboneFreeze::setup(torch::nn::Module& module, const torch::optim::Optimi
                        "'), not the module's own, so the backbone cannot be frozen for some epochs and trained after: use single_device "
                        "or ddp (without tensor or pipeline parallelism), or set backbone_unfreeze_at_epoch = -1 (frozen for the whole "
                        "run) or 0");
-    params_.push_back(p.value());
+    if (batch_norm.count(p.value().unsafeGetTensorImpl())) ++batch_norm_;
+    else params_.push_back(p.value());
   }
   unfreeze_at_ = unfreeze_at;
   lr_scale_ = lr_scale;
@@ -46,7 +56,9 @@ std::string BackboneFreeze::apply(int64_t epoch) {
     if (frozen) p.mutable_grad() = at::Tensor();  // nothing left over for the optimizer to apply
   }
   const std::string what = "the backbone (" + std::to_string(params_.size()) + " parameters)";
-  if (frozen) return "epoch " + std::to_string(epoch) + ": " + what + " is frozen until epoch " + std::to_string(unfreeze_at_);
+  if (frozen)
+    return "epoch " + std::to_string(epoch) + ": " + what + " is frozen until epoch " + std::to_string(unfreeze_at_) +
+           (batch_norm_ > 0 ? " (its " + std::to_string(batch_norm_) + " batch-norm parameters train on: backbone_train_bn)" : std::string());
   return "epoch " + std::to_string(epoch) + ": " + what + " trains from now on, at lr x " + c10::str(lr_scale_);
 }
 

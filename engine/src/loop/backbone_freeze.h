@@ -23,15 +23,17 @@ class BackboneFreeze {
   // optimizer does not train the module's own tensors for these parameters (a sharding strategy,
   // tensor or pipeline parallelism, a precision's master copies): their requires_grad would not
   // decide what trains. Nothing to do when `unfreeze_at` <= 0.
+  // With `train_bn`, the parameters of batch-norm layers among them stay trained throughout.
   void setup(torch::nn::Module& module, const torch::optim::Optimizer& optimizer, const std::set<std::string>& names, int64_t unfreeze_at,
-             double lr_scale, const std::string& where, const std::string& strategy);
+             double lr_scale, bool train_bn, const std::string& where, const std::string& strategy);
   bool active() const { return unfreeze_at_ > 0; }
   // At the start of training epoch `epoch`: frozen before unfreeze_at, trained from it on. Returns
   // the line to log when that changed ("" otherwise).
   std::string apply(int64_t epoch);
 
  private:
-  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> params_;  // frozen in the epochs before unfreeze_at_
+  size_t batch_norm_ = 0;           // batch-norm parameters of the backbone trained throughout (train_bn)
   int64_t unfreeze_at_ = 0;
   double lr_scale_ = 1.0;
   bool frozen_ = false;

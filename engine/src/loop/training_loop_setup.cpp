@@ -56,7 +56,8 @@ void TrainingLoop::setup() {
   rt.setup(model, factory);
   const auto& optimizer = config_.section("optimizer");
   backbone_freeze_.setup(model.module(), rt.optimizer(), factory.backbone(), factory.backbone_unfreeze_at_epoch(),
-                         optimizer.get_float("backbone_lr_scale"), optimizer.where("backbone_unfreeze_at_epoch"), rt.strategy().name);
+                         optimizer.get_float("backbone_lr_scale"), optimizer.get_bool("backbone_train_bn"),
+                         optimizer.where("backbone_unfreeze_at_epoch"), rt.strategy().name);
   if (backbone_freeze_.active() && settings_.cuda_graph)
     throw UsageError(config_.section("trainer").where("cuda_graph") +
                      ": trainer.cuda_graph = true: a captured step keeps the gradients it was captured with, and "

@@ -49,7 +49,8 @@ void OptimizerFactory::resolve_backbone() {
   const bool scale_set = section_.get_float("backbone_lr_scale") != kDefaultScale;
   unfreeze_at_ = section_.get_int("backbone_unfreeze_at_epoch");
   if (entries.empty()) {
-    for (const auto& [key, set] : {std::pair<const char*, bool>{"backbone_lr_scale", scale_set}, {"backbone_unfreeze_at_epoch", unfreeze_at_ != 0}})
+    for (const auto& [key, set] : {std::pair<const char*, bool>{"backbone_lr_scale", scale_set}, {"backbone_unfreeze_at_epoch", unfreeze_at_ != 0},
+                                   {"backbone_train_bn", !section_.get_bool("backbone_train_bn")}})
       if (set)
         throw UsageError(section_.where(key) + ": optimizer." + key +
                          " is set but optimizer.backbone names no parameters: list the backbone's modules, e.g. backbone = "
