@@ -1,0 +1,239 @@
+// The pruning plugin (Lightning's ModelPruning): its masks against PyTorch's torch.nn.utils.prune
+// for every method, pruned weights held at zero while training goes on, exact resume, ddp on two
+// CPU ranks, and its one-line errors.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "callback_runs.h"
+#include "checkpoint_support.h"
+#include "support.h"
+
+using namespace ember::test;
+namespace cr = ember::test::callback_runs;
+
+namespace {
+
+// The mlp (fc1 23x32, fc2 17x23, head 4x17, with biases) on synthetic data: 3 batches per epoch,
+// AdamW with weight decay and gradient clipping, so a pruned entry would move back away from zero
+// if its gradient or optimizer state were left alone. A checkpoint at every epoch's last step is
+// taken before that epoch's pruning (on_train_batch_end comes before on_train_epoch_end).
+constexpr const char* kRun = R"(plugins = ["pruning", "checkpoint"]
+[trainer]
+max_epochs = 4
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+log_every_n_steps = 1
+gradient_clip_val = 0.5
+[model]
+name = "mlp"
+input_size = 32
+hidden = [23, 17]
+num_classes = 4
+[data]
+name = "synthetic"
+shape = [32]
+num_classes = 4
+num_train = 72
+num_val = 24
+num_test = 0
+batch_size = 24
+shuffle = true
+[optimizer]
+name = "adamw"
+lr = 0.01
+weight_decay = 0.1
+[checkpoint]
+every_n_train_steps = 3
+save_top_k = -1
+[pruning]
+epochs = [0, 1, 2]
+)";
+
+std::filesystem::path step_checkpoint(const TempDir& dir, int epoch) {
+  return dir / ("runs/run/version_0/checkpoints/epoch=" + std::to_string(epoch) + "-step=" + std::to_string(3 * (epoch + 1)) + ".ckpt");
+}
+
+ProcessResult train(const TempDir& dir, std::vector<std::string> args) {
+  write_file(dir / "run.toml", kRun);
+  args.insert(args.begin(), "run.toml");
+  return run_engine_ok(dir, args, 300);
+}
+
+std::map<std::string, at::Tensor> masks(const std::filesystem::path& ckpt) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& e : cr::callback_state(ckpt, "pruning").at("masks").toGenericDict())
+    out[e.key().toStringRef()] = e.value().toTensor();
+  return out;
+}
+
+}  // namespace
+
+// Every method, with fractions and counts, each parameter alone or all together: the masks after
+// each of three prunings are the ones PyTorch's own pruning functions compute from the same
+// weights and earlier masks (tests/reference/pruning_masks.py), random methods included (the same
+// seed, the same generator).
+TEST(Pruning, MasksAreTheOnesPyTorchComputes) {
+#ifndef EMBER_TEST_PYTHON
+  GTEST_SKIP() << "no Python with torch next to this LibTorch";
+#else
+  struct Variant {
+    std::string method, amount, global, dim, norm, seed;
+    std::vector<std::string> extra;
+  };
+  const std::vector<Variant> variants = {
+      {"l1_unstructured", "0.3", "true", "0", "2", "0", {}},
+      {"l1_unstructured", "0.35", "false", "0", "2", "0", {"--set", "pruning.use_global_unstructured=false"}},
+      {"l1_unstructured", "40", "true", "0", "2", "0", {}},
+      {"random_unstructured", "0.25", "true", "0", "2", "7", {"--set", "pruning.seed=7"}},
+      {"random_unstructured", "0.4", "false", "0", "2", "3", {"--set", "pruning.seed=3", "--set", "pruning.use_global_unstructured=false"}},
+      {"ln_structured", "0.2", "false", "0", "2", "0", {"--set", "pruning.pruning_dim=0", "--set", "pruning.pruning_norm=2.0"}},
+      {"ln_structured", "3", "false", "1", "inf", "0", {"--set", "pruning.pruning_dim=1", "--set", "pruning.pruning_norm=inf"}},
+      {"random_structured", "0.25", "false", "-1", "2", "5", {"--set", "pruning.pruning_dim=-1", "--set", "pruning.seed=5"}},
+  };
+  for (const auto& v : variants) {
+    SCOPED_TRACE(v.method + " amount " + v.amount + (v.global == "true" ? " global" : ""));
+    TempDir dir("pruning");
+    std::vector<std::string> args = {"--set", "pruning.pruning_fn=\"" + v.method + "\"", "--set", "pruning.amount=" + v.amount};
+    if (v.method.find("structured") != std::string::npos && v.method.find("unstructured") == std::string::npos)
+      args.insert(args.end(), {"--set", "pruning.use_global_unstructured=false", "--set", "pruning.parameter_names=[\"weight\"]"});
+    args.insert(args.end(), v.extra.begin(), v.extra.end());
+    const auto r = train(dir, args);
+    EXPECT_EQ(cr::count(r.err, "pruning: epoch "), 3u) << r.err;
+    std::vector<std::string> py = {EMBER_TEST_PYTHON, "-W", "ignore", (source_dir() / "tests/reference/pruning_masks.py").string(),
+                                   v.method, v.amount, v.global, v.dim, v.norm, v.seed};
+    for (int e = 0; e < 4; ++e) py.push_back(step_checkpoint(dir, e).string());
+    const auto ref = run_process(py, dir.path(), {}, 300);
+    EXPECT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+    const size_t compared = v.global == "true" || v.method.find("unstructured") != std::string::npos ? 18 : 9;
+    EXPECT_NE(ref.out.find("ok " + std::to_string(compared)), std::string::npos) << ref.out << ref.err;
+  }
+#endif
+}
+
+// After the last pruning (epoch 1) two more epochs train: the pruned entries stay exactly zero
+// (AdamW's decay, its moments and clipping included) while the others move, the log and metrics
+// say how much is pruned, and a run stopped after epoch 1 and resumed ends bit for bit where the
+// whole run does.
+TEST(Pruning, PrunedWeightsStayZeroAndAResumeGoesOnExactly) {
+  TempDir whole("pruning"), resumed("pruning");
+  const std::vector<std::string> keys = {"--set", "pruning.epochs=[0, 1]", "--set", "pruning.amount=0.4"};
+  auto r = train(whole, keys);
+  EXPECT_NE(r.err.find("pruning: epoch 0: l1_unstructured (global) pruned 496 more of 1,239 entries in 6 parameters: 0 (0.00%) -> 496 "
+                       "(40.03%)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("pruning: epoch 1: l1_unstructured (global) pruned 297 more of 1,239 entries in 6 parameters: 496 (40.03%) -> 793 "
+                       "(64.00%)"),
+            std::string::npos)
+      << r.err;
+  const auto sparsity = cr::column(whole / "runs/run/version_0", "pruning_sparsity");
+  ASSERT_EQ(sparsity.size(), 2u);
+  EXPECT_NEAR(sparsity[0], 496.0 / 1239.0, 1e-6);
+  EXPECT_NEAR(sparsity[1], 793.0 / 1239.0, 1e-6);
+
+  const auto after_epoch_2 = step_checkpoint(whole, 2), end = step_checkpoint(whole, 3);
+  const auto m2 = masks(after_epoch_2), m3 = masks(end);
+  const auto w2 = weights(after_epoch_2), w3 = weights(end);
+  int64_t pruned = 0;
+  double kept_moved = 0.0;
+  for (const auto& [name, mask] : m3) {
+    SCOPED_TRACE(name);
+    EXPECT_TRUE(at::equal(mask, m2.at(name)));
+    const at::Tensor gone = mask.logical_not();
+    pruned += gone.sum().item<int64_t>();
+    EXPECT_EQ(w3.at(name).masked_select(gone).abs().max().item<double>(), 0.0);
+    EXPECT_EQ(w2.at(name).masked_select(gone).abs().max().item<double>(), 0.0);
+    // Every kept entry is non-zero: the zeros are exactly the pruned ones.
+    EXPECT_EQ(w3.at(name).masked_select(mask).eq(0).sum().item<int64_t>(), 0);
+    if (mask.any().item<bool>())
+      kept_moved = std::max(kept_moved, (w3.at(name) - w2.at(name)).masked_select(mask).abs().max().item<double>());
+  }
+  EXPECT_EQ(pruned, 793);
+  EXPECT_GT(kept_moved, 1e-4) << "the kept weights did not train";
+
+  // Stopped at the end of epoch 1 (its last checkpoint was taken before that epoch's pruning,
+  // which the resumed run does), then resumed for epochs 2 and 3.
+  train(resumed, {"--set", "pruning.epochs=[0, 1]", "--set", "pruning.amount=0.4", "--set", "trainer.max_epochs=2"});
+  r = train(resumed, {"--set", "pruning.epochs=[0, 1]", "--set", "pruning.amount=0.4", "--resume", "last"});
+  expect_identical_weights(step_checkpoint(resumed, 3), end);
+  expect_identical_weights(last_checkpoint(resumed), last_checkpoint(whole));
+  EXPECT_TRUE(at::equal(masks(last_checkpoint(resumed)).at("fc1.weight"), m3.at("fc1.weight")));
+}
+
+// Mistakes are one line that names the key, where it was set and the fix, before any training
+// where they can be known then.
+TEST(Pruning, BadSettingsAreOneLineWithTheirPlace) {
+  TempDir dir("pruning");
+  write_file(dir / "run.toml", kRun);
+  auto fails = [&](std::vector<std::string> args, const std::string& line) {
+    args.insert(args.begin(), "run.toml");
+    const auto r = run_engine(args, dir.path(), {}, 120);
+    EXPECT_NE(r.exit_code, 0) << line;
+    EXPECT_NE(r.err.find(line), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("pruning: epoch 0"), std::string::npos) << "trained before refusing:\n" << r.err;
+  };
+  fails({"--set", "pruning.amount=1.5"},
+        "[pruning] amount = 1.500000 (--set pruning.amount=1.5) is outside [0, 1]: a float is the fraction of the entries not pruned yet");
+  fails({"--set", "pruning.amount=-2"}, "[pruning] amount = -2 (--set pruning.amount=-2) is negative");
+  fails({"--set", "pruning.amount=2000"},
+        "[pruning] amount = 2000 (--set pruning.amount=2000) is more than the 1239 entries of the chosen parameters together: give a smaller "
+        "count or a fraction (a float)");
+  fails({"--set", "pruning.pruning_fn=\"ln_structured\""}, "prunes each parameter's channels on its own: set use_global_unstructured = false");
+  fails({"--set", "pruning.pruning_fn=\"ln_structured\"", "--set", "pruning.use_global_unstructured=false", "--set", "pruning.pruning_dim=0"},
+        "[pruning] pruning_fn = \"ln_structured\" needs pruning_norm: the norm that ranks the channels, e.g. pruning_norm = 2.0");
+  fails({"--set", "pruning.pruning_fn=\"random_structured\"", "--set", "pruning.use_global_unstructured=false", "--set", "pruning.pruning_dim=1"},
+        "[pruning] pruning_dim = 1 does not fit 'fc1.bias' of shape [23] (structured pruning needs a dimension of a tensor of at least two)");
+  fails({"--set", "pruning.pruning_dim=0"}, "[pruning] pruning_dim (--set pruning.pruning_dim=0) applies to structured methods only");
+  fails({"--set", "pruning.modules=[\"fc1\", \"encoder\"]"},
+        "[pruning] modules (--set pruning.modules=[\"fc1\", \"encoder\"]): 'encoder' names no module of this model; its parameters are "
+        "fc1.weight, fc1.bias, fc2.weight");
+  fails({"--set", "pruning.parameter_names=[\"kernel\"]"}, "no chosen module has a parameter named 'kernel'");
+  fails({"--set", "pruning.make_pruning_permanent=true"}, "the weights always hold their zeros, so there is nothing to make permanent");
+  // A count the first prunings can take but a later one cannot ends the run at that pruning, in
+  // one line (its checkpoints stay as they were).
+  write_file(dir / "run.toml", kRun);
+  const auto r = run_engine({"run.toml", "--set", "pruning.amount=3", "--set", "pruning.use_global_unstructured=false", "--set",
+                             "pruning.modules=[\"head\"]"},
+                            dir.path(), {}, 120);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("[pruning] at the end of epoch 1: 'head.bias': amount = 3 is more than the 1 not pruned yet (amount, --set "
+                       "pruning.amount=3)"),
+            std::string::npos)
+      << r.err;
+}
+
+class PruningRanks : public ::testing::Test {
+ protected:
+  void SetUp() override { EMBER_SKIP_WITHOUT_MPI(); }
+};
+
+// ddp on two CPU ranks (half the batch each) prunes what single_device prunes and ends where it
+// does; a sharding strategy trains shards, which pruning cannot rank: one line, naming the way out.
+TEST_F(PruningRanks, DdpMatchesSingleDeviceAndShardingIsRefusedInOneLine) {
+  TempDir single("pruning"), ddp("pruning"), sharded("pruning");
+  train(single, {"--set", "trainer.accelerator=\"cpu\""});
+  const std::vector<std::string> ranks = {"--set", "trainer.accelerator=\"cpu\"", "--set", "trainer.devices=2", "--set", "data.batch_size=12"};
+  auto args = ranks;
+  args.insert(args.end(), {"--plugins", "ddp", "--set", "ddp.timeout=60.0"});
+  train(ddp, args);
+  EXPECT_LE(max_weight_difference(step_checkpoint(single, 3), step_checkpoint(ddp, 3)), 1e-5);
+  const auto ms = masks(step_checkpoint(single, 3)), md = masks(step_checkpoint(ddp, 3));
+  ASSERT_EQ(ms.size(), 6u);
+  for (const auto& [name, m] : ms) EXPECT_TRUE(at::equal(m, md.at(name))) << name;
+
+  write_file(sharded / "run.toml", kRun);
+  args = ranks;
+  args.insert(args.begin(), "run.toml");
+  args.insert(args.end(), {"--plugins", "sharded", "--set", "sharded.timeout=60.0"});
+  const auto r = run_engine(args, sharded.path(), {}, 300);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("pruning: the strategy trains 'fc1.weight' as a tensor of shape [368], not [23, 32] (a shard or slice of it): "
+                       "pruning ranks whole tensors, so use single_device or ddp"),
+            std::string::npos)
+      << r.err;
+}
