@@ -491,7 +491,11 @@ backbone = ["conv1", "bn1", "conv2", "bn2"]
   EXPECT_NE(r.err.find("epoch 0: the backbone (2 parameters) is frozen until epoch 1 (its 4 batch-norm parameters train on: backbone_train_bn)"),
             std::string::npos)
       << r.err;
-  train(bn_frozen, "backbone_unfreeze_at_epoch = 1\nbackbone_train_bn = false\n");
+  r = train(bn_frozen, "backbone_unfreeze_at_epoch = 1\nbackbone_train_bn = false\n");
+  EXPECT_NE(r.err.find("epoch 0: the backbone (6 parameters) is frozen until epoch 1 (its 2 batch-norm layers keep their running "
+                       "statistics)"),
+            std::string::npos)
+      << r.err;
   const auto built = ember::test::weights(last_checkpoint(never));
   auto moved = [&](const TempDir& dir, const std::string& name) {
     return (ember::test::weights(last_checkpoint(dir)).at(name) - built.at(name)).abs().max().item<double>();
@@ -505,4 +509,16 @@ backbone = ["conv1", "bn1", "conv2", "bn2"]
     EXPECT_EQ(moved(bn_frozen, name), 0.0) << name << " trained though backbone_train_bn = false";
   }
   EXPECT_GT(moved(bn_trains, "fc.weight"), 1e-4) << "the head did not train";
+  // Their running statistics: updated by the batches when the layers train; kept as built (mean 0,
+  // variance 1) when they are frozen too (Lightning's track_running_stats = False), until the
+  // backbone trains again.
+  auto statistic = [&](const TempDir& dir, const std::string& name) { return ember::test::weights(last_checkpoint(dir)).at(name); };
+  EXPECT_GT(statistic(bn_trains, "bn1.running_mean").abs().max().item<double>(), 1e-4);
+  EXPECT_TRUE(at::equal(statistic(bn_frozen, "bn1.running_mean"), at::zeros_like(statistic(bn_frozen, "bn1.running_mean"))));
+  EXPECT_TRUE(at::equal(statistic(bn_frozen, "bn2.running_var"), at::ones_like(statistic(bn_frozen, "bn2.running_var"))));
+  EXPECT_GT(statistic(bn_frozen, "bn3.running_mean").abs().max().item<double>(), 1e-4) << "bn3 is not in the backbone";
+  TempDir unfrozen("backbone");
+  write_file(unfrozen / "run.toml", run + "backbone_unfreeze_at_epoch = 1\nbackbone_train_bn = false\n");
+  run_engine_ok(unfrozen, {"run.toml", "--set", "trainer.max_epochs=2"}, 300);
+  EXPECT_GT(statistic(unfrozen, "bn1.running_mean").abs().max().item<double>(), 1e-4) << "epoch 1 did not update them";
 }

@@ -7,11 +7,13 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
-namespace torch::nn { class Module; }
+namespace torch::nn { class Module; struct BatchNormOptions; }
 namespace torch::optim { class Optimizer; }
 
 namespace ember::engine {
@@ -23,7 +25,8 @@ class BackboneFreeze {
   // optimizer does not train the module's own tensors for these parameters (a sharding strategy,
   // tensor or pipeline parallelism, a precision's master copies): their requires_grad would not
   // decide what trains. Nothing to do when `unfreeze_at` <= 0.
-  // With `train_bn`, the parameters of batch-norm layers among them stay trained throughout.
+  // With `train_bn`, the parameters of batch-norm layers among them stay trained throughout;
+  // without, those layers also keep their running statistics while frozen.
   void setup(torch::nn::Module& module, const torch::optim::Optimizer& optimizer, const std::set<std::string>& names, int64_t unfreeze_at,
              double lr_scale, bool train_bn, const std::string& where, const std::string& strategy);
   bool active() const { return unfreeze_at_ > 0; }
@@ -34,6 +37,8 @@ class BackboneFreeze {
  private:
   std::vector<at::Tensor> params_;  // frozen in the epochs before unfreeze_at_
   size_t batch_norm_ = 0;           // batch-norm parameters of the backbone trained throughout (train_bn)
+  // Without train_bn: the backbone's batch-norm layers and their own momenta, 0 while frozen.
+  std::vector<std::pair<torch::nn::BatchNormOptions*, std::optional<double>>> statistics_;
   int64_t unfreeze_at_ = 0;
   double lr_scale_ = 1.0;
   bool frozen_ = false;
