@@ -165,6 +165,33 @@ TEST(Pruning, PrunedWeightsStayZeroAndAResumeGoesOnExactly) {
   EXPECT_TRUE(at::equal(masks(last_checkpoint(resumed)).at("fc1.weight"), m3.at("fc1.weight")));
 }
 
+// final_sparsity (automated gradual pruning): three prunings of all chosen parameters together
+// follow the cubic schedule 0.9 x (1 - (1 - j/3)^3), each a fraction of what is left, and end at
+// 0.9 of the 1,239 entries; linear, each parameter on its own, reaches 0.6 in even steps.
+TEST(Pruning, FinalSparsityIsReachedGradually) {
+  TempDir cubic("pruning"), linear("pruning");
+  auto r = train(cubic, {"--set", "pruning.final_sparsity=0.9"});
+  for (const std::string step : {"0 (0.00%) -> 785 (63.36%); pruning 1 of 3 towards final_sparsity 90.00%",
+                                 "785 (63.36%) -> 1,074 (86.68%); pruning 2 of 3 towards final_sparsity 90.00%",
+                                 "1,074 (86.68%) -> 1,115 (89.99%); pruning 3 of 3 towards final_sparsity 90.00%"})
+    EXPECT_NE(r.err.find(step), std::string::npos) << step << "\n" << r.err;
+  int64_t pruned = 0;
+  for (const auto& [name, mask] : masks(step_checkpoint(cubic, 3))) pruned += mask.logical_not().sum().item<int64_t>();
+  EXPECT_EQ(pruned, 1115);
+
+  r = train(linear, {"--set", "pruning.final_sparsity=0.6", "--set", "pruning.sparsity_schedule=\"linear\"", "--set",
+                     "pruning.use_global_unstructured=false"});
+  for (const auto& [name, mask] : masks(step_checkpoint(linear, 3))) {
+    const double kept = mask.to(at::kDouble).mean().item<double>();
+    // Each parameter on its own, within the rounding of its three prunings (half an entry each).
+    EXPECT_NEAR(1.0 - kept, 0.6, 1.5 / static_cast<double>(mask.numel()) + 1e-9) << name;
+  }
+  const auto sparsity = cr::column(linear / "runs/run/version_0", "pruning_sparsity");
+  ASSERT_EQ(sparsity.size(), 3u);
+  EXPECT_NEAR(sparsity[0], 0.2, 0.01);
+  EXPECT_NEAR(sparsity[1], 0.4, 0.01);
+}
+
 // Mistakes are one line that names the key, where it was set and the fix, before any training
 // where they can be known then.
 TEST(Pruning, BadSettingsAreOneLineWithTheirPlace) {
@@ -193,6 +220,13 @@ TEST(Pruning, BadSettingsAreOneLineWithTheirPlace) {
         "[pruning] modules (--set pruning.modules=[\"fc1\", \"encoder\"]): 'encoder' names no module of this model; its parameters are "
         "fc1.weight, fc1.bias, fc2.weight");
   fails({"--set", "pruning.parameter_names=[\"kernel\"]"}, "no chosen module has a parameter named 'kernel'");
+  fails({"--set", "pruning.amount=0.2", "--set", "pruning.final_sparsity=0.8"},
+        "[pruning] amount (--set pruning.amount=0.2) and final_sparsity (--set pruning.final_sparsity=0.8) both say how much to prune: keep one");
+  fails({"--set", "pruning.sparsity_schedule=\"linear\""},
+        "[pruning] sparsity_schedule (--set pruning.sparsity_schedule=\"linear\") shapes the way to final_sparsity, which is not set");
+  fails({"--set", "pruning.final_sparsity=0.8", "--set", "pruning.epochs=[]", "--set", "trainer.max_epochs=-1", "--set", "trainer.max_steps=30"},
+        "[pruning] final_sparsity is reached over the prunings of a known number of epochs, and trainer.max_epochs is unlimited: list the "
+        "epochs to prune at in epochs");
   fails({"--set", "pruning.make_pruning_permanent=true"}, "the weights always hold their zeros, so there is nothing to make permanent");
   // A count the first prunings can take but a later one cannot ends the run at that pruning, in
   // one line (its checkpoints stay as they were).

@@ -1,7 +1,8 @@
 // Plugin "pruning": Lightning's ModelPruning. At the end of chosen epochs it prunes the chosen
 // parameters with one of PyTorch's methods (pruning_methods.h): L1 or random, entry by entry
 // (each parameter on its own, or all of them ranked together), or whole channels by their Ln norm
-// or at random. Training goes on with the pruned entries held at zero.
+// or at random. Training goes on with the pruned entries held at zero. How much: `amount` at each
+// pruning, or `final_sparsity` reached over the prunings on a cubic (or linear) schedule.
 //
 // PyTorch keeps a pruned parameter as weight_orig x weight_mask. Here the weights themselves hold
 // the zeros, so checkpoints, `engine export` and every reader see the pruned model as it is, and
@@ -65,6 +66,11 @@ constexpr EmberConfigKey kKeys[] = {
         "empty: every module."),
     ember::key::Int("pruning_dim", nullptr, "Structured methods: the dimension whose slices are pruned whole (0: output channels)."),
     ember::key::Float("pruning_norm", nullptr, "ln_structured: the norm that ranks the channels (1, 2, inf, ...)."),
+    ember::key::Float("final_sparsity", nullptr,
+        "Instead of amount: the fraction pruned after the last pruning, reached gradually (Zhu & Gupta's automated gradual pruning): "
+        "after the j-th of n prunings final_sparsity x (1 - (1 - j/n)^3) is pruned (sparsity_schedule = \"cubic\").").above(0).at_most(1),
+    ember::key::String("sparsity_schedule", "\"cubic\"", "With final_sparsity: cubic (prunes most early) or linear (final_sparsity x j/n).")
+        .choices("cubic|linear"),
     ember::key::IntList("epochs", "[]", "Epochs (from 0) at whose end to prune; empty: every epoch."),
     ember::key::Bool("prune_on_train_epoch_end", "true",
         "Prune at the end of the training epoch; false: at the end of each validation of a chosen epoch during fit."),
@@ -116,6 +122,16 @@ class Pruning final : public ember::Callback {
         where_modules_(cfg.where("modules")),
         where_names_(cfg.where("parameter_names")) {
     const std::string key = "[" + name_ + "] ";
+    if (cfg.has("final_sparsity")) {
+      if (where_amount_ != "default")
+        throw ember::ConfigError(key + "amount (" + where_amount_ + ") and final_sparsity (" + cfg.where("final_sparsity") +
+                                 ") both say how much to prune: keep one");
+      final_sparsity_ = cfg.get_float("final_sparsity");
+      cubic_ = cfg.get_string("sparsity_schedule") == "cubic";
+    } else if (cfg.where("sparsity_schedule") != "default") {
+      throw ember::ConfigError(key + "sparsity_schedule (" + cfg.where("sparsity_schedule") + ") shapes the way to final_sparsity, "
+                               "which is not set: set final_sparsity, or remove it");
+    }
     if (cfg.is_integer("amount")) {
       amount_.is_count = true;
       amount_.count = cfg.get_int("amount");
@@ -161,6 +177,20 @@ class Pruning final : public ember::Callback {
   void on_fit_start(ember::ITrainer& t) override {
     fitting_ = true;
     prepare(t);
+    if (final_sparsity_ > 0.0) {
+      scheduled_ = static_cast<int64_t>(epochs_.size());
+      if (epochs_.empty()) {
+        if (t.max_epochs() < 0)
+          throw ember::ConfigError("[" + name_ + "] final_sparsity is reached over the prunings of a known number of epochs, and "
+                                   "trainer.max_epochs is unlimited: list the epochs to prune at in epochs, e.g. epochs = [0, 1, 2, 3]");
+        scheduled_ = t.max_epochs();
+      }
+    }
+    const int64_t last = t.max_epochs() < 0 ? -1 : *std::max_element(epochs_.begin(), epochs_.end());
+    if (!epochs_.empty() && t.max_epochs() >= 0 && last >= t.max_epochs() && t.is_global_zero())
+      host_.log(ember::LogLevel::warn, "[" + name_ + "] epochs lists epoch " + std::to_string(last) + ", but trainer.max_epochs = " +
+                                           std::to_string(t.max_epochs()) + " ends the run before it: that pruning will not happen" +
+                                           (final_sparsity_ > 0.0 ? ", and final_sparsity will not be reached" : ""));
   }
   void on_fit_end(ember::ITrainer&) override { fitting_ = false; }
 
@@ -300,7 +330,7 @@ class Pruning final : public ember::Callback {
       throw ember::ConfigError("[" + name_ + "] chooses no floating-point parameter to prune: check modules (" + where_modules_ +
                                ") and parameter_names (" + where_names_ + ")");
     // A count larger than what the first pruning can take is refused now, not after an epoch.
-    if (amount_.is_count && prunings_ == 0) {
+    if (final_sparsity_ == 0.0 && amount_.is_count && prunings_ == 0) {
       int64_t smallest = -1;
       std::string which;
       for (const auto& target : targets_) {
@@ -319,6 +349,7 @@ class Pruning final : public ember::Callback {
     prepare(t);
     auto trained = weights(t).trained_parameters();
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed_ + prunings_));
+    const pr::Amount amount = amount_now();
     const int64_t before = pruned_count();
     std::vector<int64_t> before_each;
     for (const auto& target : targets_) before_each.push_back(target.mask.numel() - target.mask.sum().item<int64_t>());
@@ -329,13 +360,13 @@ class Pruning final : public ember::Callback {
           values.push_back(trained[target.index].tensor);
           masks.push_back(target.mask);
         }
-        pr::prune_global_unstructured(method_, values, masks, amount_, gen);
+        pr::prune_global_unstructured(method_, values, masks, amount, gen);
       } else {
         for (auto& target : targets_) {
           const at::Tensor& w = trained[target.index].tensor;
           try {
-            if (pr::is_structured(method_)) pr::prune_structured(method_, w, target.mask, amount_, dim_, norm_, gen);
-            else pr::prune_unstructured(method_, w, target.mask, amount_, gen);
+            if (pr::is_structured(method_)) pr::prune_structured(method_, w, target.mask, amount, dim_, norm_, gen);
+            else pr::prune_unstructured(method_, w, target.mask, amount, gen);
           } catch (const std::invalid_argument& e) {
             throw std::invalid_argument("'" + target.name + "': " + e.what());
           }
@@ -370,7 +401,10 @@ class Pruning final : public ember::Callback {
                                          (pr::is_structured(method_) ? "" : global_ ? " (global)" : " (per parameter)") + " pruned " +
                                          thousands(after - before) + " more of " + thousands(total) + " entries in " +
                                          std::to_string(targets_.size()) + " parameters: " + thousands(before) + " (" +
-                                         percent(before, total) + ") -> " + thousands(after) + " (" + percent(after, total) + ")");
+                                         percent(before, total) + ") -> " + thousands(after) + " (" + percent(after, total) + ")" +
+                                         (final_sparsity_ > 0.0 ? "; pruning " + std::to_string(prunings_) + " of " + std::to_string(scheduled_) +
+                                                                      " towards final_sparsity " + percent_of(final_sparsity_)
+                                                                : std::string()));
     if (verbose_ < 2) return;
     for (size_t i = 0; i < targets_.size(); ++i) {
       const auto& target = targets_[i];
@@ -378,6 +412,29 @@ class Pruning final : public ember::Callback {
       host_.log(ember::LogLevel::info, name_ + ":   " + target.name + ": " + thousands(before_each[i]) + " (" + percent(before_each[i], n) +
                                            ") -> " + thousands(now) + " (" + percent(now, n) + ") of " + thousands(n));
     }
+  }
+
+  // The fraction pruned after the j-th of the scheduled prunings (0 before the first).
+  double scheduled_sparsity(int64_t j) const {
+    if (j <= 0) return 0.0;
+    const double progress = std::min(1.0, static_cast<double>(j) / static_cast<double>(scheduled_));
+    return final_sparsity_ * (cubic_ ? 1.0 - (1.0 - progress) * (1.0 - progress) * (1.0 - progress) : progress);
+  }
+
+  // What this pruning takes: `amount`, or the step of the schedule towards final_sparsity as a
+  // fraction of what is not pruned yet (so each parameter, or all of them together, follows it).
+  pr::Amount amount_now() const {
+    if (final_sparsity_ == 0.0) return amount_;
+    pr::Amount a;
+    const double was = scheduled_sparsity(prunings_), next = scheduled_sparsity(prunings_ + 1);
+    a.fraction = was >= 1.0 ? 0.0 : std::clamp((next - was) / (1.0 - was), 0.0, 1.0);
+    return a;
+  }
+
+  static std::string percent_of(double fraction) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2f%%", 100.0 * fraction);
+    return buf;
   }
 
   int64_t pruned_count() const {
@@ -403,6 +460,9 @@ class Pruning final : public ember::Callback {
   int64_t verbose_, seed_;
   std::string where_amount_, where_modules_, where_names_;
   pr::Amount amount_;
+  double final_sparsity_ = 0.0;  // 0: prune `amount` each time
+  bool cubic_ = true;
+  int64_t scheduled_ = 0;        // prunings the schedule spreads final_sparsity over
   int64_t dim_ = 0;
   double norm_ = 2.0;
 
