@@ -192,6 +192,60 @@ TEST(Pruning, FinalSparsityIsReachedGradually) {
   EXPECT_NEAR(sparsity[1], 0.4, 0.01);
 }
 
+// use_lottery_ticket_hypothesis: after each pruning the kept weights start again from their values
+// at the start of training, which the checkpoint keeps, so a resumed run rewinds to the same ones.
+// The start is what a run at lr 1e-30 still holds after an epoch (AdamW's step is far below
+// float32's resolution there). Checkpoints are taken at each epoch's end, after its pruning.
+TEST(Pruning, LotteryTicketRewindsTheKeptWeightsToTheirStart) {
+  std::string run = kRun;
+  const std::string steps = "every_n_train_steps = 3\n";
+  run.replace(run.find(steps), steps.size(), "every_n_epochs = 1\nsave_on_train_epoch_end = true\n");
+  TempDir start("pruning"), lottery("pruning"), resumed("pruning");
+  auto go = [&](const TempDir& dir, std::vector<std::string> args) {
+    write_file(dir / "run.toml", run);
+    args.insert(args.begin(), "run.toml");
+    return run_engine_ok(dir, args, 300);
+  };
+  auto at_end_of = [](const TempDir& dir, int epoch) {
+    return dir / ("runs/run/version_0/checkpoints/epoch=" + std::to_string(epoch) + "-step=" + std::to_string(3 * (epoch + 1)) + ".ckpt");
+  };
+  go(start, {"--set", "optimizer.lr=1e-30", "--set", "trainer.max_epochs=1", "--set", "pruning.epochs=[5]"});
+  const auto initial = weights(at_end_of(start, 0));
+  const std::vector<std::string> keys = {"--set", "pruning.use_lottery_ticket_hypothesis=true", "--set", "pruning.epochs=[0, 1]",
+                                         "--set", "trainer.max_epochs=2"};
+  go(lottery, keys);
+  const auto kept = cr::callback_state(at_end_of(lottery, 0), "pruning").at("initial").toGenericDict();
+  ASSERT_EQ(kept.size(), 6u);
+  for (int epoch : {0, 1}) {
+    SCOPED_TRACE("epoch " + std::to_string(epoch));
+    const auto w = weights(at_end_of(lottery, epoch));
+    int64_t pruned = 0;
+    for (const auto& [name, mask] : masks(at_end_of(lottery, epoch))) {
+      pruned += mask.logical_not().sum().item<int64_t>();
+      EXPECT_TRUE(at::equal(w.at(name), initial.at(name) * mask)) << name << " is not its start times its mask";
+      EXPECT_TRUE(at::equal(kept.at(name).toTensor(), initial.at(name))) << name;
+    }
+    EXPECT_EQ(pruned, epoch == 0 ? 620 : 930);
+  }
+  // Stopped after epoch 0 and resumed: the rewind at epoch 1 takes the start from the checkpoint.
+  auto first = keys;
+  first.back() = "trainer.max_epochs=1";
+  go(resumed, first);
+  auto again = keys;
+  again.insert(again.end(), {"--resume", "last"});
+  go(resumed, again);
+  expect_identical_weights(at_end_of(resumed, 1), at_end_of(lottery, 1));
+  // A run written without it has no start to rewind to: one line.
+  const auto r = run_engine({"run.toml", "--set", "pruning.use_lottery_ticket_hypothesis=true", "--set", "trainer.max_epochs=2", "--resume",
+                             "last"},
+                            start.path(), {}, 120);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("pruning: use_lottery_ticket_hypothesis rewinds to the weights the run started with, and the checkpoint this run "
+                       "resumes was written without them: resume without it, or start the run anew"),
+            std::string::npos)
+      << r.err;
+}
+
 // Mistakes are one line that names the key, where it was set and the fix, before any training
 // where they can be known then.
 TEST(Pruning, BadSettingsAreOneLineWithTheirPlace) {

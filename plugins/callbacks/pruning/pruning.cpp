@@ -15,6 +15,9 @@
 //     Adagrad, weight decay included.
 // The masks are this plugin's checkpoint state, so a resumed run goes on with them exactly.
 //
+// With use_lottery_ticket_hypothesis each pruning also resets the kept entries to their values at the
+// start of training (Lightning resets weight_orig the same way; its optimizer state is kept too).
+//
 // Every rank computes the same masks from the same weights (the random methods draw from a
 // generator seeded by `seed` and the number of prunings so far). Pruning ranks a whole tensor, so
 // it needs the strategy to train whole tensors: single_device and ddp; under a sharding strategy
@@ -76,6 +79,9 @@ constexpr EmberConfigKey kKeys[] = {
         "Prune at the end of the training epoch; false: at the end of each validation of a chosen epoch during fit."),
     ember::key::Int("verbose", "1", "0: no log lines; 1: one line per pruning; 2: a line per parameter too.").at_least(0).at_most(2),
     ember::key::Int("seed", "0", "Seed of the random methods (the n-th pruning draws from a generator seeded with seed + n)."),
+    ember::key::Bool("use_lottery_ticket_hypothesis", "false",
+        "After each pruning, reset the kept entries to their values when training started (Frankle & Carbin's rewinding; "
+        "Lightning's default is true). Keeps a copy of the chosen parameters in host memory and in checkpoints."),
     ember::key::Elsewhere("make_pruning_permanent", "the weights always hold their zeros, so there is nothing to make permanent"),
     ember::key::Elsewhere("parameters_to_prune", "choose them with modules and parameter_names"),
     ember::key::Elsewhere("apply_pruning", "list the epochs at whose end to prune in epochs"),
@@ -118,6 +124,7 @@ class Pruning final : public ember::Callback {
         on_train_epoch_end_(cfg.get_bool("prune_on_train_epoch_end")),
         verbose_(cfg.get_int("verbose")),
         seed_(cfg.get_int("seed")),
+        lottery_(cfg.get_bool("use_lottery_ticket_hypothesis")),
         where_amount_(cfg.where("amount")),
         where_modules_(cfg.where("modules")),
         where_names_(cfg.where("parameter_names")) {
@@ -177,6 +184,13 @@ class Pruning final : public ember::Callback {
   void on_fit_start(ember::ITrainer& t) override {
     fitting_ = true;
     prepare(t);
+    if (lottery_ && initial_.empty()) {
+      if (state_loaded_)
+        throw ember::RunError(name_ + ": use_lottery_ticket_hypothesis rewinds to the weights the run started with, and the checkpoint "
+                              "this run resumes was written without them: resume without it, or start the run anew");
+      auto trained = weights(t).trained_parameters();
+      for (const auto& target : targets_) initial_.push_back(trained[target.index].tensor.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+    }
     if (final_sparsity_ > 0.0) {
       scheduled_ = static_cast<int64_t>(epochs_.size());
       if (epochs_.empty()) {
@@ -223,6 +237,11 @@ class Pruning final : public ember::Callback {
     if (prunings_ > 0)
       for (const auto& target : targets_) masks.insert(target.name, target.mask.to(at::kCPU).clone());
     d.insert("masks", masks);
+    if (lottery_) {
+      c10::Dict<std::string, at::Tensor> initial;
+      for (size_t i = 0; i < initial_.size() && i < targets_.size(); ++i) initial.insert(targets_[i].name, initial_[i]);
+      d.insert("initial", initial);
+    }
     return d;
   }
 
@@ -234,7 +253,13 @@ class Pruning final : public ember::Callback {
     if (!masks.isGenericDict()) r.fail("'masks' is a " + std::string(masks.tagKind()) + ", not a dict");
     loaded_.clear();
     for (const auto& entry : masks.toGenericDict()) loaded_[entry.key().toStringRef()] = entry.value().toTensor();
-    have_loaded_ = true;
+    loaded_initial_.clear();
+    if (lottery_ && r.has("initial")) {
+      const c10::IValue initial = r.get("initial");
+      if (!initial.isGenericDict()) r.fail("'initial' is a " + std::string(initial.tagKind()) + ", not a dict");
+      for (const auto& entry : initial.toGenericDict()) loaded_initial_[entry.key().toStringRef()] = entry.value().toTensor();
+    }
+    have_loaded_ = state_loaded_ = true;
   }
 
  private:
@@ -254,7 +279,25 @@ class Pruning final : public ember::Callback {
     if (!selected_) select(t);
     if (!have_loaded_) return;
     have_loaded_ = false;
-    if (prunings_ == 0) return;
+    if (lottery_ && !loaded_initial_.empty()) {
+      initial_.clear();
+      for (const auto& target : targets_) {
+        auto it = loaded_initial_.find(target.name);
+        if (it == loaded_initial_.end() || it->second.sizes() != target.mask.sizes())
+          throw ember::RunError(name_ + ": the checkpoint's starting weights for use_lottery_ticket_hypothesis lack '" + target.name +
+                                "' in its shape " + shape_text(target.mask.sizes()) + ": resume with the same model, modules and parameter_names");
+        initial_.push_back(it->second);
+      }
+      loaded_initial_.clear();
+    }
+    if (prunings_ == 0) {  // e.g. a rollback to before the first pruning: everything is kept again
+      for (auto& target : targets_) {
+        target.mask.fill_(true);
+        target.pruned = target.mask.logical_not();
+      }
+      loaded_.clear();
+      return;
+    }
     std::set<std::string> ours;
     for (auto& target : targets_) {
       ours.insert(target.name);
@@ -392,6 +435,14 @@ class Pruning final : public ember::Callback {
         throw ember::RunError(name_ + ": cannot zero the pruned entries of '" + target.name + "' in the optimizer's state: " + e.what());
       }
     }
+    if (lottery_) {
+      // Frankle & Carbin's step 4: the kept entries start again from their values at the start.
+      for (size_t i = 0; i < targets_.size(); ++i) {
+        at::Tensor w = trained[targets_[i].index].tensor;
+        w.copy_(initial_.at(i));
+        w.masked_fill_(targets_[i].pruned, 0);
+      }
+    }
     weights(t).parameters_changed();
     ++prunings_;
     const int64_t after = pruned_count(), total = total_count();
@@ -458,6 +509,7 @@ class Pruning final : public ember::Callback {
   std::vector<int64_t> epochs_;
   bool on_train_epoch_end_;
   int64_t verbose_, seed_;
+  bool lottery_;
   std::string where_amount_, where_modules_, where_names_;
   pr::Amount amount_;
   double final_sparsity_ = 0.0;  // 0: prune `amount` each time
@@ -470,7 +522,9 @@ class Pruning final : public ember::Callback {
   std::vector<Target> targets_;
   int64_t prunings_ = 0;
   std::map<std::string, at::Tensor> loaded_;
-  bool have_loaded_ = false;
+  bool have_loaded_ = false, state_loaded_ = false;
+  std::vector<at::Tensor> initial_;  // use_lottery_ticket_hypothesis: the chosen parameters at the start, on the host
+  std::map<std::string, at::Tensor> loaded_initial_;
 };
 
 ember::ICallback* make(ember::IHost& host, const ember::IConfig& cfg) { return new Pruning(host, cfg); }
