@@ -183,6 +183,50 @@ TEST_F(Sharded, TricksUnderStage3MatchSingleDevice) {
   EXPECT_LE(max_weight_difference(last_checkpoint(swa_single), last_checkpoint(swa_dir)), 1e-5);
 }
 
+// Weight averaging keeps this rank's shards of its average and of the model's own weights, so a
+// checkpoint holds each rank's state (callbacks_by_rank) and a resume gives each rank its own: a
+// run stopped after epoch 1 and resumed ends bit for bit where the whole run does, in a file and in
+// a sharded directory. (Before, every rank took rank 0's shards: a size error with these uneven
+// shards, silently wrong weights with even ones.) Another number of ranks is one line.
+TEST_F(Sharded, WeightAveragingResumesEveryRanksOwnShards) {
+  struct Variant {
+    std::string name;
+    std::vector<std::string> keys;
+  };
+  const std::vector<Variant> variants = {
+      {"ema, file", {"--plugins", "ema,checkpoint", "--set", "ema.decay=0.9"}},
+      {"ema, sharded directory", {"--plugins", "ema,checkpoint", "--set", "ema.decay=0.9", "--set", "sharded.state_dict_type=\"sharded\""}},
+      {"swa, file", {"--plugins", "swa,checkpoint", "--set", "swa.swa_epoch_start=1", "--set", "swa.swa_lrs=[0.05]"}},
+  };
+  for (const auto& v : variants) {
+    SCOPED_TRACE(v.name);
+    TempDir whole("sharded"), resumed("sharded");
+    auto keys = v.keys;
+    keys.insert(keys.end(), {"--set", "trainer.max_epochs=3"});
+    sharded(whole, 2, 2, keys);
+    auto first = v.keys;
+    first.insert(first.end(), {"--set", "trainer.max_epochs=2"});
+    sharded(resumed, 2, 2, first);
+    keys.insert(keys.end(), {"--resume", "last"});
+    sharded(resumed, 2, 2, keys);
+    expect_identical_weights(last_checkpoint(resumed), last_checkpoint(whole));
+  }
+  TempDir dir("sharded");
+  sharded(dir, 2, 2, {"--plugins", "ema,checkpoint", "--set", "trainer.max_epochs=1"});
+  const auto ck = ember::engine::load_checkpoint_file(last_checkpoint(dir));
+  EXPECT_EQ(ck.at("callbacks_by_rank").toGenericDict().at("world_size").toInt(), 2);
+  EXPECT_EQ(ck.at("callbacks_by_rank").toGenericDict().at("states").toGenericDict().size(), 1u) << "only ema's state differs per rank";
+  write_run(dir);
+  const auto r = run_engine({"--plugins", "sharded,ema,checkpoint", "run.toml", "--set", "sharded.timeout=30.0", "--set", "trainer.devices=3",
+                             "--set", "data.batch_size=8", "--set", "trainer.max_epochs=2", "--resume", "last"},
+                            dir.path(), {}, 120);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("callback 'ema' saved a state of its own on each of the 2 ranks that wrote it (its part of the strategy's shards), "
+                       "and this run has 3: resume with 2 ranks, or without 'ema'"),
+            std::string::npos)
+      << r.err;
+}
+
 TEST_F(Sharded, BadSettingsAreOneClearLine) {
   TempDir dir("sharded");
   write_run(dir);

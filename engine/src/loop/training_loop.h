@@ -210,6 +210,7 @@ class TrainingLoop final : public ITrainer,
   c10::impl::GenericDict checkpoint_meta(bool weights_only) const;
   // Throws when a plugin saves during on_exception a state that cannot resume exactly.
   void check_saving_after_failure() const;
+  void gather_rank_states(bool weights_only);
   // Throws when the data's class names are not the ones `ck` was trained on, in their order.
   void check_class_names(const c10::impl::GenericDict& ck, const std::string& where) const;
 
@@ -247,6 +248,9 @@ class TrainingLoop final : public ITrainer,
   // checkpoint). A save during on_exception is refused when false, or with several ranks
   // (failing_: the others may be stuck in a collective).
   bool resumable_ = true, failing_ = false;
+  // During a save: the callback states that differ between ranks (loop/rank_states.h), for
+  // checkpoint_meta on rank 0; None otherwise.
+  c10::IValue rank_states_;
   int64_t batches_skipped_ = 0;
   std::string rollback_path_;
   bool attached_ = false;

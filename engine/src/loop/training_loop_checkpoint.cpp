@@ -16,6 +16,7 @@
 #include "checkpoint/checkpoint_io.h"
 #include "config/engine_schema.h"
 #include "common/log.h"
+#include "loop/rank_states.h"
 
 namespace ember::engine {
 
@@ -61,6 +62,8 @@ c10::impl::GenericDict TrainingLoop::checkpoint_meta(bool weights_only) const {
     if (!s.isNone()) callbacks.insert(c.name, s);
   }
   ck.insert("callbacks", callbacks);
+  // States that differ between ranks (rank_states.h), gathered by the save that asked for this.
+  if (rank_states_.isGenericDict() && !rank_states_.toGenericDict().empty()) ck.insert("callbacks_by_rank", rank_states_);
   auto loggers = checkpoint_dict();
   for (const auto& l : plugins_.loggers) {
     auto s = l.object->state_dict();
@@ -82,18 +85,43 @@ void TrainingLoop::check_saving_after_failure() const {
                    "disagree, so it is not saved: the last checkpoint stands");
 }
 
+// Collective, after on_save_checkpoint (weight averaging swaps its states there): the callback
+// states that differ between ranks, for checkpoint_meta on rank 0.
+void TrainingLoop::gather_rank_states(bool weights_only) {
+  rank_states_ = c10::IValue();
+  if (weights_only || runtime_->world_size() <= 1) return;
+  std::vector<std::pair<std::string, c10::IValue>> states;
+  for (const auto& c : plugins_.callbacks) states.emplace_back(c.name, c.object->state_dict());
+  RankCollectives collectives;
+  collectives.rank = runtime_->rank();
+  collectives.world = runtime_->world_size();
+  collectives.device = runtime_->root_device();
+  collectives.reduce = [this](const at::Tensor& t, ReduceOp op) { return runtime_->reduce(t, op); };
+  collectives.broadcast = [this](const at::Tensor& t, int64_t src) { return runtime_->broadcast(t, src); };
+  // Whether the strategy trains shards (or slices) of the parameters rather than whole ones.
+  bool trains_shards = false;
+  const auto trained = runtime_->state().trained_parameters();
+  const auto params = module().named_parameters();
+  for (size_t i = 0; i < trained.size() && i < params.size(); ++i) trains_shards = trains_shards || trained[i].tensor.sizes() != params[i].value().sizes();
+  rank_states_ = gather_differing_states(states, trains_shards || trained.size() != params.size(), collectives);
+}
+
 void TrainingLoop::save_checkpoint(const std::string& path, bool weights_only) {
   check_saving_after_failure();
   call_hook(Hook::on_save_checkpoint);
+  gather_rank_states(weights_only);
   // A file gathered on rank 0, or one part per rank when the strategy's checkpoints are sharded.
   runtime_->save_checkpoint(path, /*with_model=*/true, /*with_optimizer=*/!weights_only, [&] { return checkpoint_meta(weights_only); });
+  rank_states_ = c10::IValue();
 }
 
 void TrainingLoop::save_checkpoint_async(const std::vector<std::string>& paths, bool weights_only, std::function<void()> committed) {
   check_saving_after_failure();
   call_hook(Hook::on_save_checkpoint);
+  gather_rank_states(weights_only);
   runtime_->save_checkpoint_async(paths, /*with_model=*/true, /*with_optimizer=*/!weights_only,
                                   [&] { return checkpoint_meta(weights_only); }, std::move(committed));
+  rank_states_ = c10::IValue();
 }
 
 void TrainingLoop::finish_checkpoints() { runtime_->finish_background_save(); }
@@ -208,8 +236,12 @@ void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only,
   restore_one("model", *plugins_.model.object);
   restore_one("data", *plugins_.data.object);
   auto callbacks = ck.at("callbacks").toGenericDict();
-  for (auto& c : plugins_.callbacks)
-    if (callbacks.contains(c.name)) c.object->load_state_dict(callbacks.at(c.name));
+  const auto by_rank = ck.contains("callbacks_by_rank") ? ck.at("callbacks_by_rank").toGenericDict() : checkpoint_dict();
+  for (auto& c : plugins_.callbacks) {
+    const c10::IValue shared = callbacks.contains(c.name) ? callbacks.at(c.name) : c10::IValue();
+    const c10::IValue state = state_for_rank(c.name, shared, by_rank, runtime_->rank(), runtime_->world_size(), where);
+    if (!state.isNone()) c.object->load_state_dict(state);
+  }
   auto loggers = ck.at("loggers").toGenericDict();
   for (auto& l : plugins_.loggers)
     if (loggers_too && loggers.contains(l.name)) l.object->load_state_dict(loggers.at(l.name));
