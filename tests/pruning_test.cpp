@@ -301,9 +301,11 @@ class PruningRanks : public ::testing::Test {
 };
 
 // ddp on two CPU ranks (half the batch each) prunes what single_device prunes and ends where it
-// does; a sharding strategy trains shards, which pruning cannot rank: one line, naming the way out.
-TEST_F(PruningRanks, DdpMatchesSingleDeviceAndShardingIsRefusedInOneLine) {
-  TempDir single("pruning"), ddp("pruning"), sharded("pruning");
+// does. So does sharded (stages 2 and 3): each rank holds its shards' masks, the entries are ranked
+// across the ranks, and a resumed run gives each rank its own masks back (callbacks_by_rank). A
+// random method prunes exactly its amount there too; a structured one needs whole tensors.
+TEST_F(PruningRanks, DdpAndShardedMatchSingleDeviceAndResumeExactly) {
+  TempDir single("pruning"), ddp("pruning");
   train(single, {"--set", "trainer.accelerator=\"cpu\""});
   const std::vector<std::string> ranks = {"--set", "trainer.accelerator=\"cpu\"", "--set", "trainer.devices=2", "--set", "data.batch_size=12"};
   auto args = ranks;
@@ -314,14 +316,37 @@ TEST_F(PruningRanks, DdpMatchesSingleDeviceAndShardingIsRefusedInOneLine) {
   ASSERT_EQ(ms.size(), 6u);
   for (const auto& [name, m] : ms) EXPECT_TRUE(at::equal(m, md.at(name))) << name;
 
-  write_file(sharded / "run.toml", kRun);
-  args = ranks;
+  auto sharded = [&](int stage, std::vector<std::string> extra = {}) {
+    auto a = ranks;
+    a.insert(a.end(), {"--plugins", "sharded", "--set", "sharded.timeout=60.0", "--set", "sharded.stage=" + std::to_string(stage)});
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const auto ws = weights(step_checkpoint(single, 3));
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    TempDir whole("pruning"), resumed("pruning");
+    train(whole, sharded(stage));
+    EXPECT_LE(max_weight_difference(step_checkpoint(single, 3), step_checkpoint(whole, 3)), 1e-5);
+    // The whole weights a sharded checkpoint holds are zero exactly where single_device pruned.
+    const auto w = weights(step_checkpoint(whole, 3));
+    for (const auto& [name, m] : ms) EXPECT_TRUE(at::equal(w.at(name).ne(0), m)) << name;
+    train(resumed, sharded(stage, {"--set", "trainer.max_epochs=2"}));
+    train(resumed, sharded(stage, {"--resume", "last"}));
+    expect_identical_weights(step_checkpoint(resumed, 3), step_checkpoint(whole, 3));
+  }
+  TempDir random("pruning"), structured("pruning");
+  auto r = train(random, sharded(2, {"--set", "pruning.pruning_fn=\"random_unstructured\"", "--set", "pruning.amount=0.25"}));
+  EXPECT_NE(r.err.find("pruning: epoch 0: random_unstructured (global) pruned 310 more of 1,239 entries in 6 parameters"), std::string::npos)
+      << r.err;
+  write_file(structured / "run.toml", kRun);
+  args = sharded(2, {"--set", "pruning.pruning_fn=\"ln_structured\"", "--set", "pruning.use_global_unstructured=false", "--set",
+                     "pruning.pruning_dim=0", "--set", "pruning.pruning_norm=2.0", "--set", "pruning.parameter_names=[\"weight\"]"});
   args.insert(args.begin(), "run.toml");
-  args.insert(args.end(), {"--plugins", "sharded", "--set", "sharded.timeout=60.0"});
-  const auto r = run_engine(args, sharded.path(), {}, 300);
+  r = run_engine(args, structured.path(), {}, 300);
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.err.find("pruning: the strategy trains 'fc1.weight' as a tensor of shape [368], not [23, 32] (a shard or slice of it): "
-                       "pruning ranks whole tensors, so use single_device or ddp"),
+  EXPECT_NE(r.err.find("[pruning] pruning_fn = \"ln_structured\" prunes whole channels, and the strategy trains 'fc1.weight' as shards of "
+                       "shape [368], not [23, 32]: use an unstructured method, or single_device or ddp"),
             std::string::npos)
       << r.err;
 }

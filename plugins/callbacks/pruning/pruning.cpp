@@ -18,10 +18,12 @@
 // With use_lottery_ticket_hypothesis each pruning also resets the kept entries to their values at the
 // start of training (Lightning resets weight_orig the same way; its optimizer state is kept too).
 //
-// Every rank computes the same masks from the same weights (the random methods draw from a
-// generator seeded by `seed` and the number of prunings so far). Pruning ranks a whole tensor, so
-// it needs the strategy to train whole tensors: single_device and ddp; under a sharding strategy
-// each rank trains a shard of each tensor, which is refused in one line.
+// Under replicating strategies (single_device, ddp) every rank computes the same masks from the
+// same weights (the random methods draw from a generator seeded by `seed` and the number of
+// prunings so far). Under a sharding strategy (sharded, offload) each rank trains a shard of each
+// tensor: the unstructured methods rank the entries across the ranks (prune_sharded_unstructured)
+// and each rank keeps the masks of its shards, which checkpoints hold per rank. Structured methods
+// need whole tensors, and tensor or pipeline parallelism whole ones across the ranks: refused.
 #include <ember/config.h>
 #include <ember/error.h>
 #include <ember/host.h>
@@ -268,6 +270,7 @@ class Pruning final : public ember::Callback {
     size_t index = 0;   // in named_parameters() and trained_parameters()
     at::Tensor mask;    // bool, true = kept; on the trained tensor's device
     at::Tensor pruned;  // its negation, for masked_fill_
+    int64_t numel = 0;  // of the whole parameter (a mask under a sharding strategy covers this rank's shard)
   };
 
   static ember::ITrainerWeights& weights(ember::ITrainer& t) { return ember::trainer_service<ember::ITrainerWeights>(t, "pruning"); }
@@ -342,9 +345,16 @@ class Pruning final : public ember::Callback {
       const at::Tensor& p = params[i].value();
       const at::Tensor& w = trained[i].tensor;
       if (!p.is_floating_point()) continue;
-      if (w.sizes() != p.sizes())
-        throw ember::RunError(name_ + ": the strategy trains '" + full + "' as a tensor of shape " + shape_text(w.sizes()) + ", not " +
-                              shape_text(p.sizes()) + " (a shard or slice of it): pruning ranks whole tensors, so use single_device or ddp");
+      if (w.sizes() != p.sizes()) {
+        if (pr::is_structured(method_))
+          throw ember::ConfigError("[" + name_ + "] pruning_fn = \"" + method_name_ + "\" prunes whole channels, and the strategy trains '" +
+                                   full + "' as shards of shape " + shape_text(w.sizes()) + ", not " + shape_text(p.sizes()) +
+                                   ": use an unstructured method, or single_device or ddp");
+        if (w.dim() != 1 || w.numel() > p.numel())
+          throw ember::RunError(name_ + ": the strategy trains '" + full + "' as a tensor of shape " + shape_text(w.sizes()) + ", neither " +
+                                shape_text(p.sizes()) + " nor a 1-D shard of it");
+        sharded_ = true;
+      }
       if (pr::is_structured(method_) && (w.dim() < 2 || dim_ < -w.dim() || dim_ >= w.dim()))
         throw ember::ConfigError("[" + name_ + "] pruning_dim = " + std::to_string(dim_) + " does not fit '" + full + "' of shape " +
                                  shape_text(w.sizes()) + " (structured pruning needs a dimension of a tensor of at least two): " +
@@ -352,6 +362,7 @@ class Pruning final : public ember::Callback {
       Target target;
       target.name = full;
       target.index = i;
+      target.numel = p.numel();
       target.mask = at::ones(w.sizes(), w.options().dtype(at::kBool));
       target.pruned = target.mask.logical_not();
       targets_.push_back(std::move(target));
@@ -372,12 +383,26 @@ class Pruning final : public ember::Callback {
     if (targets_.empty())
       throw ember::ConfigError("[" + name_ + "] chooses no floating-point parameter to prune: check modules (" + where_modules_ +
                                ") and parameter_names (" + where_names_ + ")");
+    if (t.world_size() > 1) {
+      // The same decision on every rank (a rank's shard of a one-element parameter may be whole),
+      // and shards that make whole tensors over all ranks: data-parallel sharding only.
+      auto& ranks = ember::trainer_service<ember::ITrainerCollectives>(t, "pruning");
+      sharded_ = ranks.any_rank(sharded_);
+      if (sharded_) {
+        const auto one = at::ones({1}, at::TensorOptions().dtype(at::kDouble).device(t.root_device()));
+        const int64_t holders = static_cast<int64_t>(ranks.reduce(one, ember::ReduceOp::sum).item<double>());
+        if (holders != t.world_size())
+          throw ember::RunError(name_ + ": the parameters are sharded over " + std::to_string(holders) + " data-parallel ranks of " +
+                                std::to_string(t.world_size()) + " (tensor or pipeline parallelism): pruning ranks whole tensors; use "
+                                "sharded or ddp without tensor or pipeline parallelism");
+      }
+    }
     // A count larger than what the first pruning can take is refused now, not after an epoch.
     if (final_sparsity_ == 0.0 && amount_.is_count && prunings_ == 0) {
       int64_t smallest = -1;
       std::string which;
       for (const auto& target : targets_) {
-        const int64_t n = pr::is_structured(method_) ? target.mask.size(dim_ < 0 ? dim_ + target.mask.dim() : dim_) : target.mask.numel();
+        const int64_t n = pr::is_structured(method_) ? target.mask.size(dim_ < 0 ? dim_ + target.mask.dim() : dim_) : target.numel;
         if (smallest < 0 || n < smallest) smallest = n, which = target.name;
       }
       if (!pr::is_structured(method_) && global_) smallest = total_count(), which = "the chosen parameters together";
@@ -391,13 +416,23 @@ class Pruning final : public ember::Callback {
   void prune(ember::ITrainer& t) {
     prepare(t);
     auto trained = weights(t).trained_parameters();
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed_ + prunings_));
+    // Under a sharding strategy each rank draws its own numbers for its own shards.
+    const uint64_t stream = sharded_ ? 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(t.rank() + 1) : 0;
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed_ + prunings_) + stream);
     const pr::Amount amount = amount_now();
-    const int64_t before = pruned_count();
-    std::vector<int64_t> before_each;
-    for (const auto& target : targets_) before_each.push_back(target.mask.numel() - target.mask.sum().item<int64_t>());
+    const auto before_each = counts(t);
     try {
-      if (!pr::is_structured(method_) && global_) {
+      if (sharded_) {
+        std::vector<at::Tensor> values, masks;
+        for (auto& target : targets_) {
+          values.push_back(trained[target.index].tensor);
+          masks.push_back(target.mask);
+        }
+        auto& ranks = ember::trainer_service<ember::ITrainerCollectives>(t, "pruning");
+        const c10::Device root = t.root_device();
+        pr::ShardedRanks across{t.rank(), t.world_size(), [&](const at::Tensor& x) { return ranks.reduce(x.to(root), ember::ReduceOp::sum); }};
+        pr::prune_sharded_unstructured(method_, values, masks, amount, global_, gen, across);
+      } else if (!pr::is_structured(method_) && global_) {
         std::vector<at::Tensor> values, masks;
         for (auto& target : targets_) {
           values.push_back(trained[target.index].tensor);
@@ -445,7 +480,10 @@ class Pruning final : public ember::Callback {
     }
     weights(t).parameters_changed();
     ++prunings_;
-    const int64_t after = pruned_count(), total = total_count();
+    const auto after_each = counts(t);
+    int64_t before = 0, after = 0;
+    for (size_t i = 0; i < targets_.size(); ++i) before += before_each[i], after += after_each[i];
+    const int64_t total = total_count();
     t.log_metric(name_ + "_sparsity", total > 0 ? static_cast<double>(after) / static_cast<double>(total) : 0.0);
     if (verbose_ == 0 || !t.is_global_zero()) return;
     host_.log(ember::LogLevel::info, name_ + ": epoch " + std::to_string(t.current_epoch()) + ": " + method_name_ +
@@ -459,7 +497,7 @@ class Pruning final : public ember::Callback {
     if (verbose_ < 2) return;
     for (size_t i = 0; i < targets_.size(); ++i) {
       const auto& target = targets_[i];
-      const int64_t n = target.mask.numel(), now = n - target.mask.sum().item<int64_t>();
+      const int64_t n = target.numel, now = after_each[i];
       host_.log(ember::LogLevel::info, name_ + ":   " + target.name + ": " + thousands(before_each[i]) + " (" + percent(before_each[i], n) +
                                            ") -> " + thousands(now) + " (" + percent(now, n) + ") of " + thousands(n));
     }
@@ -488,14 +526,20 @@ class Pruning final : public ember::Callback {
     return buf;
   }
 
-  int64_t pruned_count() const {
-    int64_t n = 0;
-    for (const auto& target : targets_) n += target.mask.numel() - target.mask.sum().item<int64_t>();
-    return n;
+  // Pruned entries of each chosen parameter, over all ranks' shards under a sharding strategy
+  // (collective there).
+  std::vector<int64_t> counts(ember::ITrainer& t) const {
+    std::vector<at::Tensor> local;
+    for (const auto& target : targets_) local.push_back(target.pruned.sum().to(at::kCPU));
+    at::Tensor all = at::stack(local);
+    if (sharded_) all = ember::trainer_service<ember::ITrainerCollectives>(t, "pruning").reduce(all.to(t.root_device()), ember::ReduceOp::sum).to(at::kCPU);
+    std::vector<int64_t> out;
+    for (int64_t i = 0; i < all.numel(); ++i) out.push_back(all[i].item<int64_t>());
+    return out;
   }
   int64_t total_count() const {
     int64_t n = 0;
-    for (const auto& target : targets_) n += target.mask.numel();
+    for (const auto& target : targets_) n += target.numel;
     return n;
   }
 
@@ -519,6 +563,7 @@ class Pruning final : public ember::Callback {
   double norm_ = 2.0;
 
   bool selected_ = false, fitting_ = false;
+  bool sharded_ = false;  // the strategy trains shards of the chosen parameters
   std::vector<Target> targets_;
   int64_t prunings_ = 0;
   std::map<std::string, at::Tensor> loaded_;

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cfenv>
 #include <cmath>
 #include <stdexcept>
@@ -78,6 +79,82 @@ void prune_global_unstructured(Method method, const std::vector<at::Tensor>& val
   for (auto& m : masks) {
     m.view(-1).copy_(all_masks.narrow(0, offset, m.numel()));
     offset += m.numel();
+  }
+}
+
+void prune_sharded_unstructured(Method method, const std::vector<at::Tensor>& values, std::vector<at::Tensor>& masks, const Amount& amount,
+                                bool global, at::Generator& gen, const ShardedRanks& ranks) {
+  at::NoGradGuard no_grad;
+  const size_t n = values.size();
+  if (n == 0) return;
+  // Scores as float32 bit patterns, which order non-negative floats as integers; a NaN counts as
+  // inf; entries pruned before are out of the ranking (kOut is above every score).
+  constexpr int64_t kTop = 0x7f800000;  // +inf
+  constexpr int64_t kOut = 0x7fffffff;
+  std::vector<at::Tensor> bits(n);
+  std::vector<size_t> group_of(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor flat = values[i].detach().reshape(-1);
+    const at::Tensor score = method == Method::l1_unstructured
+                                 ? flat.abs().to(at::kFloat).contiguous()
+                                 : draws(flat.numel(), at::kFloat, gen).to(flat.device());
+    bits[i] = score.view(at::kInt).to(at::kLong).clamp_max(kTop).masked_fill(masks[i].reshape(-1).logical_not(), kOut);
+    group_of[i] = global ? 0 : i;
+  }
+  const size_t groups = global ? 1 : n;
+  const c10::Device device = values.front().device();
+  // One count per tensor from every rank, summed: a vector of n numbers on the host.
+  auto summed = [&](const std::function<at::Tensor(size_t)>& count) {
+    std::vector<at::Tensor> c;
+    for (size_t i = 0; i < n; ++i) c.push_back(count(i).to(device));
+    const at::Tensor total = ranks.sum(at::stack(c)).to(at::kCPU);
+    std::vector<int64_t> out(n);
+    for (size_t i = 0; i < n; ++i) out[i] = total[static_cast<int64_t>(i)].item<int64_t>();
+    return out;
+  };
+  auto per_group = [&](const std::vector<int64_t>& per_tensor) {
+    std::vector<int64_t> out(groups, 0);
+    for (size_t i = 0; i < n; ++i) out[group_of[i]] += per_tensor[i];
+    return out;
+  };
+  const auto available = per_group(summed([&](size_t i) { return bits[i].ne(kOut).sum(); }));
+  std::vector<int64_t> k(groups), lo(groups, -1), hi(groups, kTop);
+  for (size_t g = 0; g < groups; ++g) k[g] = amount.of(available[g]);
+  // Bisection: the smallest t with at least k scores <= t (count(hi) >= k > count(lo) throughout).
+  for (;;) {
+    bool open = false;
+    std::vector<int64_t> mid(groups);
+    for (size_t g = 0; g < groups; ++g) {
+      mid[g] = lo[g] + (hi[g] - lo[g]) / 2;
+      open = open || (k[g] > 0 && hi[g] - lo[g] > 1);
+    }
+    if (!open) break;
+    const auto at_most = per_group(summed([&](size_t i) { return bits[i].le(mid[group_of[i]]).sum(); }));
+    for (size_t g = 0; g < groups; ++g) {
+      if (k[g] == 0 || hi[g] - lo[g] <= 1) continue;
+      (at_most[g] >= k[g] ? hi[g] : lo[g]) = mid[g];
+    }
+  }
+  // Everything below t is pruned; of the scores equal to t, as many as k still needs, first by
+  // tensor, then by rank, then by index. Each rank's ties per tensor, summed in its own column.
+  const auto below = summed([&](size_t i) { return bits[i].lt(hi[group_of[i]]).sum(); });
+  at::Tensor ties_here = at::zeros({static_cast<int64_t>(n), ranks.world}, at::kLong);
+  for (size_t i = 0; i < n; ++i) ties_here[static_cast<int64_t>(i)][ranks.rank] = bits[i].eq(hi[group_of[i]]).sum().to(at::kCPU);
+  const at::Tensor ties = ranks.sum(ties_here.to(device)).to(at::kCPU);
+  std::vector<int64_t> needed(groups);
+  const auto below_per_group = per_group(below);
+  for (size_t g = 0; g < groups; ++g) needed[g] = k[g] - below_per_group[g];
+  for (size_t i = 0; i < n; ++i) {
+    const size_t g = group_of[i];
+    if (k[g] == 0) continue;
+    const int64_t ti = static_cast<int64_t>(i);
+    const int64_t take = std::min(needed[g], ties[ti].sum().item<int64_t>());
+    needed[g] -= take;
+    const int64_t before = ties[ti].narrow(0, 0, ranks.rank).sum().item<int64_t>();
+    const int64_t mine = std::clamp(take - before, int64_t{0}, ties[ti][ranks.rank].item<int64_t>());
+    at::Tensor flat_mask = masks[i].view(-1);
+    flat_mask.masked_fill_(bits[i].lt(hi[g]), false);
+    if (mine > 0) flat_mask.index_fill_(0, bits[i].eq(hi[g]).nonzero().squeeze(1).narrow(0, 0, mine), false);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,22 @@ void prune_unstructured(Method method, const at::Tensor& values, at::Tensor& mas
 // Unstructured methods over several tensors as one (torch.nn.utils.prune.global_unstructured).
 void prune_global_unstructured(Method method, const std::vector<at::Tensor>& values, std::vector<at::Tensor>& masks,
                                const Amount& amount, at::Generator& gen);
+
+// What pruning across ranks needs: this rank's place, and an element-wise sum over the ranks that
+// hold the parts of the tensors (every rank, under a sharding strategy).
+struct ShardedRanks {
+  int64_t rank = 0, world = 1;
+  std::function<at::Tensor(const at::Tensor&)> sum;
+};
+
+// Unstructured methods when this rank holds a part (a 1-D shard) of each tensor, all ranks' parts
+// in rank order making the flattened whole. The scores (magnitudes; for random, uniform draws from
+// `gen`, which each rank seeds differently) are ranked across the ranks by bisection over their
+// float32 bit patterns (about 32 sums per pruning), and the k smallest are pruned, ties broken by
+// position (tensor, then rank, then index). For l1 that is the choice prune_unstructured and
+// prune_global_unstructured make on the whole tensors wherever no two magnitudes tie.
+void prune_sharded_unstructured(Method method, const std::vector<at::Tensor>& values, std::vector<at::Tensor>& masks, const Amount& amount,
+                                bool global, at::Generator& gen, const ShardedRanks& ranks);
 
 // Structured methods: whole slices along `dim` (output channels for dim 0), ranked by their
 // L`norm` norm over the other dimensions (ln) or at random. Channels pruned before are left out.
