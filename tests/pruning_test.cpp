@@ -246,6 +246,19 @@ TEST(Pruning, LotteryTicketRewindsTheKeptWeightsToTheirStart) {
       << r.err;
 }
 
+// prune_on_train_epoch_end = false: at the end of each validation of a chosen epoch during fit,
+// twice per epoch with val_check_interval = 0.5 (4 batches: validation after 2 and 4), as Lightning's
+// on_validation_epoch_end does; never in the sanity check, and not again at the epoch's end.
+TEST(Pruning, AtValidationEndWhenAsked) {
+  TempDir dir("pruning");
+  const auto r = train(dir, {"--set", "pruning.prune_on_train_epoch_end=false", "--set", "pruning.epochs=[1]", "--set",
+                             "trainer.val_check_interval=0.5", "--set", "trainer.num_sanity_val_steps=2", "--set", "pruning.amount=0.5", "--set",
+                             "data.num_train=96"});
+  EXPECT_EQ(cr::count(r.err, "pruning: epoch 1: "), 2u) << r.err;
+  EXPECT_EQ(cr::count(r.err, "pruning: epoch "), 2u) << r.err;
+  EXPECT_NE(r.err.find("620 (50.04%) -> 930 (75.06%)"), std::string::npos) << r.err;
+}
+
 // Mistakes are one line that names the key, where it was set and the fix, before any training
 // where they can be known then.
 TEST(Pruning, BadSettingsAreOneLineWithTheirPlace) {

@@ -225,6 +225,18 @@ TEST_F(Sharded, WeightAveragingResumesEveryRanksOwnShards) {
                        "and this run has 3: resume with 2 ranks, or without 'ema'"),
             std::string::npos)
       << r.err;
+  // A state without tensors that differs per rank (a timer's clock) is not shaped by the ranks:
+  // every rank of a run with another number of them takes rank 0's.
+  TempDir clock("sharded");
+  const std::vector<std::string> timer = {"--plugins", "timer,checkpoint", "--set", "timer.duration=\"00:01:00:00\""};
+  auto first = timer;
+  first.insert(first.end(), {"--set", "trainer.max_epochs=1"});
+  sharded(clock, 2, 2, first);
+  EXPECT_TRUE(ember::engine::load_checkpoint_file(last_checkpoint(clock)).at("callbacks_by_rank").toGenericDict().at("states")
+                  .toGenericDict().contains("timer"));
+  auto more = timer;
+  more.insert(more.end(), {"--set", "trainer.max_epochs=2", "--resume", "last"});
+  sharded(clock, 2, 3, more);
 }
 
 TEST_F(Sharded, BadSettingsAreOneClearLine) {

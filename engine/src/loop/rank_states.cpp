@@ -51,6 +51,7 @@ c10::impl::GenericDict gather_differing_states(const std::vector<std::pair<std::
   const at::Tensor extremes = c.reduce(digests.to(c.device), ReduceOp::max).to(at::kCPU);
   auto e = extremes.accessor<int64_t, 2>();
   auto per_rank = checkpoint_dict();
+  c10::List<std::string> with_tensors;
   for (int64_t i = 0; i < n; ++i) {
     bool differs = false;
     for (int64_t j = 0; j < kDigest; ++j) differs = differs || e[0][i * kDigest + j] != -e[1][i * kDigest + j];
@@ -72,11 +73,19 @@ c10::impl::GenericDict gather_differing_states(const std::vector<std::pair<std::
       const char* data = static_cast<const char*>(got.data_ptr()) + 8;
       list.push_back(size == 0 ? c10::IValue() : torch::jit::pickle_load(std::vector<char>(data, data + size)));
     }
-    if (c.rank == 0) per_rank.insert(states[static_cast<size_t>(i)].first, list);
+    if (c.rank != 0) continue;
+    per_rank.insert(states[static_cast<size_t>(i)].first, list);
+    bool tensors = false;
+    states[static_cast<size_t>(i)].second.visit([&](const c10::IValue& v) {
+      tensors = tensors || v.isTensor();
+      return tensors;
+    });
+    if (tensors) with_tensors.push_back(states[static_cast<size_t>(i)].first);
   }
   if (c.rank != 0 || per_rank.empty()) return out;
   out.insert("world_size", c.world);
   out.insert("trains_shards", trains_shards);
+  out.insert("with_tensors", with_tensors);
   out.insert("states", per_rank);
   return out;
 }
@@ -87,7 +96,18 @@ c10::IValue state_for_rank(const std::string& name, const c10::IValue& shared, c
   const auto states = by_rank.at("states").toGenericDict();
   if (!states.contains(name)) return shared;
   const int64_t saved = by_rank.at("world_size").toInt();
-  if (saved != world && !(by_rank.contains("trains_shards") && by_rank.at("trains_shards").toBool())) return shared;
+  if (saved != world) {
+    // Tensors in a state that differs per rank under a sharding strategy are that rank's shards
+    // (weight averaging, pruning masks): they fit no other cut. A clock or a loss window is not
+    // shaped by the ranks: every rank takes rank 0's, as before.
+    bool shards = by_rank.contains("trains_shards") && by_rank.at("trains_shards").toBool();
+    bool tensors = false;
+    if (by_rank.contains("with_tensors")) {
+      const auto listed = by_rank.at("with_tensors").toList();
+      for (size_t j = 0; j < listed.size(); ++j) tensors = tensors || listed.get(j).toStringRef() == name;
+    }
+    if (!(shards && tensors)) return shared;
+  }
   if (saved != world)
     throw RunError(where + ": callback '" + name + "' saved a state of its own on each of the " + std::to_string(saved) +
                    " ranks that wrote it (its part of the strategy's shards), and this run has " + std::to_string(world) +

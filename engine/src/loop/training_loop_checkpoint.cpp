@@ -90,6 +90,12 @@ void TrainingLoop::check_saving_after_failure() const {
 void TrainingLoop::gather_rank_states(bool weights_only) {
   rank_states_ = c10::IValue();
   if (weights_only || runtime_->world_size() <= 1) return;
+  // Only where the strategy trains shards (or slices) of the parameters rather than whole ones.
+  bool trains_shards = false;
+  const auto trained = runtime_->state().trained_parameters();
+  const auto params = module().named_parameters();
+  for (size_t i = 0; i < trained.size() && i < params.size(); ++i) trains_shards = trains_shards || trained[i].tensor.sizes() != params[i].value().sizes();
+  if (!runtime_->any_rank(trains_shards || trained.size() != params.size())) return;  // rank 0's states stand for all (rank_states.h)
   std::vector<std::pair<std::string, c10::IValue>> states;
   for (const auto& c : plugins_.callbacks) states.emplace_back(c.name, c.object->state_dict());
   RankCollectives collectives;
@@ -98,12 +104,7 @@ void TrainingLoop::gather_rank_states(bool weights_only) {
   collectives.device = runtime_->root_device();
   collectives.reduce = [this](const at::Tensor& t, ReduceOp op) { return runtime_->reduce(t, op); };
   collectives.broadcast = [this](const at::Tensor& t, int64_t src) { return runtime_->broadcast(t, src); };
-  // Whether the strategy trains shards (or slices) of the parameters rather than whole ones.
-  bool trains_shards = false;
-  const auto trained = runtime_->state().trained_parameters();
-  const auto params = module().named_parameters();
-  for (size_t i = 0; i < trained.size() && i < params.size(); ++i) trains_shards = trains_shards || trained[i].tensor.sizes() != params[i].value().sizes();
-  rank_states_ = gather_differing_states(states, trains_shards || trained.size() != params.size(), collectives);
+  rank_states_ = gather_differing_states(states, /*trains_shards=*/true, collectives);
 }
 
 void TrainingLoop::save_checkpoint(const std::string& path, bool weights_only) {
