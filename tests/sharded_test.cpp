@@ -216,6 +216,9 @@ TEST_F(Sharded, WeightAveragingResumesEveryRanksOwnShards) {
   const auto ck = ember::engine::load_checkpoint_file(last_checkpoint(dir));
   EXPECT_EQ(ck.at("callbacks_by_rank").toGenericDict().at("world_size").toInt(), 2);
   EXPECT_EQ(ck.at("callbacks_by_rank").toGenericDict().at("states").toGenericDict().size(), 1u) << "only ema's state differs per rank";
+  const auto info = run_engine({"checkpoint", "info", last_checkpoint(dir).string()}, dir.path(), {}, 60);
+  EXPECT_NE(info.out.find("callback states per rank (2 ranks; a resume with as many ranks gives each its own): ema\n"), std::string::npos)
+      << info.out;
   write_run(dir);
   const auto r = run_engine({"--plugins", "sharded,ema,checkpoint", "run.toml", "--set", "sharded.timeout=30.0", "--set", "trainer.devices=3",
                              "--set", "data.batch_size=8", "--set", "trainer.max_epochs=2", "--resume", "last"},

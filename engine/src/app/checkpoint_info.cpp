@@ -183,6 +183,21 @@ int checkpoint_info(const std::string& checkpoint, std::ostream& out) {
   }
   print_states(out, "plugins", entry(d, "plugins"));
   print_states(out, "callbacks", entry(d, "callbacks"));
+  // States that differ between ranks (loop/rank_states.h): which, and for how many ranks.
+  if (const auto* by_rank = entry(d, "callbacks_by_rank"); by_rank != nullptr && by_rank->isGenericDict()) {
+    const auto r = by_rank->toGenericDict();
+    const auto* world = entry(r, "world_size");
+    const auto* states = entry(r, "states");
+    if (world != nullptr && world->isInt() && states != nullptr && states->isGenericDict()) {
+      out << "callback states per rank (" << world->toInt() << " ranks; a resume with as many ranks gives each its own):";
+      bool first = true;
+      for (const auto& e : states->toGenericDict()) {
+        out << (first ? " " : ", ") << scalar_text(e.key());
+        first = false;
+      }
+      out << "\n";
+    }
+  }
   print_states(out, "loggers", entry(d, "loggers"));
   if (const auto* versions = entry(d, "plugin_versions"); versions != nullptr && versions->isGenericDict()) {
     out << "plugin versions:";
