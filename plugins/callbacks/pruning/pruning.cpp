@@ -100,10 +100,14 @@ std::string thousands(int64_t n) {
   return out;
 }
 
-std::string percent(int64_t part, int64_t whole) {
+std::string percent_of(double fraction) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f%%", whole > 0 ? 100.0 * static_cast<double>(part) / static_cast<double>(whole) : 0.0);
+  std::snprintf(buf, sizeof buf, "%.2f%%", 100.0 * fraction);
   return buf;
+}
+
+std::string percent(int64_t part, int64_t whole) {
+  return percent_of(whole > 0 ? static_cast<double>(part) / static_cast<double>(whole) : 0.0);
 }
 
 std::string shape_text(at::IntArrayRef s) {
@@ -327,7 +331,7 @@ class Pruning final : public ember::Callback {
     const auto trained = weights(t).trained_parameters();
     if (trained.size() != params.size())
       throw ember::RunError(name_ + ": the strategy trains " + std::to_string(trained.size()) + " tensors for the model's " +
-                            std::to_string(params.size()) + " parameters; pruning needs one whole tensor per parameter (single_device, ddp)");
+                            std::to_string(params.size()) + " parameters; pruning needs one tensor (or this rank's shard of it) per parameter");
     std::vector<bool> module_used(modules_.size(), false);
     std::set<std::string> names_used;
     std::vector<std::string> all;
@@ -520,11 +524,6 @@ class Pruning final : public ember::Callback {
     return a;
   }
 
-  static std::string percent_of(double fraction) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.2f%%", 100.0 * fraction);
-    return buf;
-  }
 
   // Pruned entries of each chosen parameter, over all ranks' shards under a sharding strategy
   // (collective there).
