@@ -228,6 +228,54 @@ TEST_F(Sharded, WeightAveragingResumesEveryRanksOwnShards) {
                        "and this run has 3: resume with 2 ranks, or without 'ema'"),
             std::string::npos)
       << r.err;
+  // In a sharded directory each rank writes its own state into its part (rank 0 gathers none):
+  // meta.ckpt only names it. A background save does the same. `engine checkpoint consolidate`
+  // puts every rank's into the file, which resumes exactly too.
+  {
+    const std::vector<std::string> ema_dir = {"--plugins", "ema,checkpoint", "--set", "ema.decay=0.9",
+                                              "--set", "sharded.state_dict_type=\"sharded\"", "--set", "checkpoint.async=true"};
+    TempDir whole("sharded"), stopped("sharded"), from_file("sharded");
+    auto keys = ema_dir;
+    keys.insert(keys.end(), {"--set", "trainer.max_epochs=3"});
+    sharded(whole, 2, 2, keys);
+    auto first = ema_dir;
+    first.insert(first.end(), {"--set", "trainer.max_epochs=2"});
+    sharded(stopped, 2, 2, first);
+    const fs::path parts = last_checkpoint(stopped);
+    ASSERT_TRUE(ember::engine::is_sharded_checkpoint(parts)) << parts;
+    const auto meta = ember::engine::read_sharded_meta(parts);
+    const auto by_rank = meta.at("callbacks_by_rank").toGenericDict();
+    EXPECT_FALSE(by_rank.contains("states")) << "rank 0 gathered the ranks' states";
+    ASSERT_TRUE(by_rank.contains("in_parts"));
+    EXPECT_EQ(by_rank.at("in_parts").toList().size(), 1u);
+    EXPECT_EQ(by_rank.at("in_parts").toList().get(0).toStringRef(), "ema");
+    EXPECT_FALSE(meta.at("callbacks").toGenericDict().contains("ema")) << "rank 0's shards of the average are in its part already";
+    std::vector<at::Tensor> own;
+    for (int64_t k = 0; k < 2; ++k) {
+      const auto part = ember::engine::read_sharded_part_file(parts, k);
+      ASSERT_TRUE(part.callback_states.isGenericDict()) << "part " << k;
+      ASSERT_TRUE(part.callback_states.toGenericDict().contains("ema")) << "part " << k;
+      part.callback_states.toGenericDict().at("ema").visit([&](const c10::IValue& v) {
+        if (v.isTensor() && v.toTensor().numel() > 1) own.push_back(v.toTensor());
+        return false;
+      });
+    }
+    ASSERT_GE(own.size(), 2u);
+    EXPECT_FALSE(own.front().equal(own.at(own.size() / 2))) << "both parts hold the same state";
+    const auto info = run_engine({"checkpoint", "info", parts.string()}, stopped.path(), {}, 60);
+    EXPECT_NE(info.out.find("callback states per rank (2 ranks, each in its part; a resume with as many ranks gives each its own): ema\n"),
+              std::string::npos)
+        << info.out;
+    const fs::path file = from_file / "consolidated.ckpt";
+    const auto c = run_engine({"checkpoint", "consolidate", parts.string(), file.string()}, stopped.path(), {}, 120);
+    ASSERT_EQ(c.exit_code, 0) << c.err;
+    const auto ck = ember::engine::load_checkpoint_file(file);
+    EXPECT_EQ(ck.at("callbacks_by_rank").toGenericDict().at("states").toGenericDict().at("ema").toList().size(), 2u);
+    EXPECT_FALSE(ck.at("callbacks_by_rank").toGenericDict().contains("in_parts"));
+    keys.insert(keys.end(), {"--resume", file.string()});
+    sharded(from_file, 2, 2, keys);
+    expect_identical_weights(last_checkpoint(from_file), last_checkpoint(whole));
+  }
   // A state without tensors that differs per rank (a timer's clock) is not shaped by the ranks:
   // every rank of a run with another number of them takes rank 0's.
   TempDir clock("sharded");

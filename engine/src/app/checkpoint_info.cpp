@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <map>
 #include <sstream>
+#include <vector>
 
 #include <ember/error.h>
 
@@ -188,13 +189,16 @@ int checkpoint_info(const std::string& checkpoint, std::ostream& out) {
     const auto r = by_rank->toGenericDict();
     const auto* world = entry(r, "world_size");
     const auto* states = entry(r, "states");
-    if (world != nullptr && world->isInt() && states != nullptr && states->isGenericDict()) {
-      out << "callback states per rank (" << world->toInt() << " ranks; a resume with as many ranks gives each its own):";
-      bool first = true;
-      for (const auto& e : states->toGenericDict()) {
-        out << (first ? " " : ", ") << scalar_text(e.key());
-        first = false;
-      }
+    const auto* in_parts = entry(r, "in_parts");
+    std::vector<c10::IValue> names;
+    if (states != nullptr && states->isGenericDict())
+      for (const auto& e : states->toGenericDict()) names.push_back(e.key());
+    if (in_parts != nullptr && in_parts->isList())
+      for (const auto& n : in_parts->toListRef()) names.push_back(n);
+    if (world != nullptr && world->isInt() && !names.empty()) {
+      out << "callback states per rank (" << world->toInt() << " ranks" << (in_parts != nullptr ? ", each in its part" : "")
+          << "; a resume with as many ranks gives each its own):";
+      for (size_t i = 0; i < names.size(); ++i) out << (i ? ", " : " ") << scalar_text(names[i]);
       out << "\n";
     }
   }

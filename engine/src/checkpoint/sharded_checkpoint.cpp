@@ -87,12 +87,14 @@ void prepare_sharded_checkpoint(const fs::path& dir, const ShardedWrite& how) {
   agree(dir, error, how, "preparing the directory");
 }
 
-void write_sharded_part(const fs::path& dir, int64_t rank, const c10::IValue& part, const c10::IValue& meta) {
+void write_sharded_part(const fs::path& dir, int64_t rank, const c10::IValue& part, const c10::IValue& meta,
+                        const c10::IValue& callback_states) {
   const fs::path tmp = partial_dir(dir);
   c10::impl::GenericDict wrapped(c10::StringType::get(), c10::AnyType::get());
   wrapped.insert("format", std::string(kCheckpointFormat));
   wrapped.insert("format_version", kCheckpointFormatVersion);
   wrapped.insert("part", part);
+  if (!callback_states.isNone()) wrapped.insert("callbacks", callback_states);
   save_checkpoint_file(part_file(tmp, rank), wrapped);
   if (rank == 0) save_checkpoint_file(tmp / kMeta, meta);
 }
@@ -114,11 +116,12 @@ void commit_sharded_checkpoint(const fs::path& dir, const std::string& part_erro
   agree(dir, error, how, "committing the checkpoint");
 }
 
-void write_sharded_checkpoint(const fs::path& dir, const c10::IValue& part, const c10::IValue& meta, const ShardedWrite& how) {
+void write_sharded_checkpoint(const fs::path& dir, const c10::IValue& part, const c10::IValue& meta, const ShardedWrite& how,
+                              const c10::IValue& callback_states) {
   prepare_sharded_checkpoint(dir, how);
   std::string error;
   try {
-    write_sharded_part(dir, how.rank, part, meta);
+    write_sharded_part(dir, how.rank, part, meta, callback_states);
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -132,14 +135,16 @@ c10::impl::GenericDict read_sharded_meta(const fs::path& dir) {
   return meta;
 }
 
-c10::IValue read_sharded_part(const fs::path& dir, int64_t rank) {
+ShardedPartFile read_sharded_part_file(const fs::path& dir, int64_t rank) {
   const fs::path file = part_file(dir, rank);
   std::error_code ec;
   if (!fs::is_regular_file(file, ec))
     throw std::runtime_error("sharded checkpoint " + dir.string() + " lacks " + file.filename().string() + " (incomplete copy?)");
   auto d = load_checkpoint_file(file);
   if (!d.contains("part")) throw std::runtime_error("checkpoint part " + file.string() + " holds no part");
-  return d.at("part");
+  return {d.at("part"), d.contains("callbacks") ? d.at("callbacks") : c10::IValue()};
 }
+
+c10::IValue read_sharded_part(const fs::path& dir, int64_t rank) { return read_sharded_part_file(dir, rank).part; }
 
 }  // namespace ember::engine

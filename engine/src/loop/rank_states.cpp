@@ -28,9 +28,9 @@ void digest(const std::vector<char>& bytes, int64_t* out) {
 
 }  // namespace
 
-c10::impl::GenericDict gather_differing_states(const std::vector<std::pair<std::string, c10::IValue>>& states, bool trains_shards,
-                                               const RankCollectives& c) {
-  auto out = checkpoint_dict();
+RankStates gather_differing_states(const std::vector<std::pair<std::string, c10::IValue>>& states, bool trains_shards, StatesGo go,
+                                   const RankCollectives& c) {
+  RankStates out{checkpoint_dict(), checkpoint_dict()};
   if (c.world <= 1 || states.empty()) return out;
   const int64_t n = static_cast<int64_t>(states.size());
   std::vector<std::vector<char>> bytes;
@@ -51,11 +51,23 @@ c10::impl::GenericDict gather_differing_states(const std::vector<std::pair<std::
   const at::Tensor extremes = c.reduce(digests.to(c.device), ReduceOp::max).to(at::kCPU);
   auto e = extremes.accessor<int64_t, 2>();
   auto per_rank = checkpoint_dict();
-  c10::List<std::string> with_tensors;
+  c10::List<std::string> with_tensors, in_parts;
   for (int64_t i = 0; i < n; ++i) {
+    const auto& [name, state] = states[static_cast<size_t>(i)];
     bool differs = false;
     for (int64_t j = 0; j < kDigest; ++j) differs = differs || e[0][i * kDigest + j] != -e[1][i * kDigest + j];
     if (!differs) continue;
+    bool tensors = false;
+    state.visit([&](const c10::IValue& v) {
+      tensors = tensors || v.isTensor();
+      return tensors;
+    });
+    if (tensors) with_tensors.push_back(name);
+    if (go == StatesGo::into_own_part) {  // each rank writes its own; nothing travels
+      in_parts.push_back(name);
+      out.own.insert(name, state);
+      continue;
+    }
     // Every rank's bytes reach rank 0, one broadcast per rank: its length (8 bytes), then the bytes,
     // in a buffer of the largest length.
     const int64_t longest = e[0][i * kDigest];
@@ -73,46 +85,50 @@ c10::impl::GenericDict gather_differing_states(const std::vector<std::pair<std::
       const char* data = static_cast<const char*>(got.data_ptr()) + 8;
       list.push_back(size == 0 ? c10::IValue() : torch::jit::pickle_load(std::vector<char>(data, data + size)));
     }
-    if (c.rank != 0) continue;
-    per_rank.insert(states[static_cast<size_t>(i)].first, list);
-    bool tensors = false;
-    states[static_cast<size_t>(i)].second.visit([&](const c10::IValue& v) {
-      tensors = tensors || v.isTensor();
-      return tensors;
-    });
-    if (tensors) with_tensors.push_back(states[static_cast<size_t>(i)].first);
+    if (c.rank == 0) per_rank.insert(name, list);
   }
-  if (c.rank != 0 || per_rank.empty()) return out;
-  out.insert("world_size", c.world);
-  out.insert("trains_shards", trains_shards);
-  out.insert("with_tensors", with_tensors);
-  out.insert("states", per_rank);
+  if (c.rank != 0 || (per_rank.empty() && in_parts.empty())) return out;
+  out.record.insert("world_size", c.world);
+  out.record.insert("trains_shards", trains_shards);
+  out.record.insert("with_tensors", with_tensors);
+  if (go == StatesGo::into_own_part)
+    out.record.insert("in_parts", in_parts);
+  else
+    out.record.insert("states", per_rank);
   return out;
 }
 
-c10::IValue state_for_rank(const std::string& name, const c10::IValue& shared, const c10::impl::GenericDict& by_rank, int64_t rank,
-                           int64_t world, const std::string& where) {
-  if (!by_rank.contains("states")) return shared;
-  const auto states = by_rank.at("states").toGenericDict();
-  if (!states.contains(name)) return shared;
+bool states_in_parts(const c10::impl::GenericDict& by_rank) { return by_rank.contains("in_parts"); }
+
+c10::IValue state_for_rank(const std::string& name, const c10::IValue& shared, const c10::impl::GenericDict& by_rank,
+                           const c10::IValue& own_part, int64_t rank, int64_t world, const std::string& where) {
+  auto listed = [](const c10::impl::GenericDict& d, const char* key, const std::string& n) {
+    if (!d.contains(key)) return false;
+    const auto list = d.at(key).toList();
+    for (size_t j = 0; j < list.size(); ++j)
+      if (list.get(j).toStringRef() == n) return true;
+    return false;
+  };
+  const bool in_parts = listed(by_rank, "in_parts", name);
+  if (!in_parts && !(by_rank.contains("states") && by_rank.at("states").toGenericDict().contains(name))) return shared;
   const int64_t saved = by_rank.at("world_size").toInt();
   if (saved != world) {
     // Tensors in a state that differs per rank under a sharding strategy are that rank's shards
     // (weight averaging, pruning masks): they fit no other cut. A clock or a loss window is not
     // shaped by the ranks: every rank takes rank 0's, as before.
-    bool shards = by_rank.contains("trains_shards") && by_rank.at("trains_shards").toBool();
-    bool tensors = false;
-    if (by_rank.contains("with_tensors")) {
-      const auto listed = by_rank.at("with_tensors").toList();
-      for (size_t j = 0; j < listed.size(); ++j) tensors = tensors || listed.get(j).toStringRef() == name;
-    }
-    if (!(shards && tensors)) return shared;
-  }
-  if (saved != world)
+    const bool shards = by_rank.contains("trains_shards") && by_rank.at("trains_shards").toBool();
+    if (!(shards && listed(by_rank, "with_tensors", name))) return shared;
     throw RunError(where + ": callback '" + name + "' saved a state of its own on each of the " + std::to_string(saved) +
                    " ranks that wrote it (its part of the strategy's shards), and this run has " + std::to_string(world) +
                    ": resume with " + std::to_string(saved) + " ranks, or without '" + name + "'");
-  const auto list = states.at(name).toList();
+  }
+  if (in_parts) {
+    if (!own_part.isGenericDict() || !own_part.toGenericDict().contains(name))
+      throw RunError(where + ": rank " + std::to_string(rank) + "'s part holds no state of callback '" + name +
+                     "' though meta.ckpt says each part does (parts of another save mixed in?): resume from a whole directory");
+    return own_part.toGenericDict().at(name);
+  }
+  const auto list = by_rank.at("states").toGenericDict().at(name).toList();
   if (static_cast<int64_t>(list.size()) != saved) throw RunError(where + ": callback '" + name + "': the states per rank are incomplete");
   return list.get(static_cast<size_t>(rank));
 }

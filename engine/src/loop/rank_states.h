@@ -1,11 +1,12 @@
 // Callback states that differ between ranks. A checkpoint holds each plugin's state once, taken on
 // rank 0, which is right while every rank's state is the same. Under a sharding strategy weight
 // averaging (ema, swa) keeps this rank's shards of its averages and of the model's own weights, so
-// rank 0's state alone would give every rank rank 0's shards on resume. Such states are gathered
-// into the checkpoint as one per rank ("callbacks_by_rank") and a resume with as many ranks gives
-// each rank its own. With another number of ranks: refused in one line naming the callback when
-// the writing run's strategy trained shards and the state holds tensors (they would not fit the new
-// shards), else each rank takes rank 0's state as before (a timer's clock, a loss window).
+// rank 0's state alone would give every rank rank 0's shards on resume. Such states are kept one
+// per rank (in a file, gathered into "callbacks_by_rank"; in a sharded directory, each in its
+// rank's part) and a resume with as many ranks gives each rank its own. With another number of
+// ranks: refused in one line naming the callback when the writing run's strategy trained shards
+// and the state holds tensors (they would not fit the new shards), else each rank takes rank 0's
+// state as before (a timer's clock, a loss window).
 // Only runs whose strategy trains shards compare and gather: under a replicating strategy a large
 // state (ema of a big model) would otherwise be pickled on every rank at every save, for states that
 // only a clock or a loss window tells apart.
@@ -31,19 +32,38 @@ struct RankCollectives {
   std::function<at::Tensor(const at::Tensor&, int64_t)> broadcast;     // rank src's tensor on every rank
 };
 
-// Collective: every rank calls it with its callbacks' states (name, state_dict()) in the same
-// order. Returns, on rank 0, {"world_size": w, "trains_shards": bool, "with_tensors": [names whose
-// state holds tensors], "states": {name: [rank 0's state, ..., rank w-1's]}} for the callbacks
-// whose state differs between ranks; an empty dict on other ranks, on one process, and when every
-// state is the same everywhere.
-c10::impl::GenericDict gather_differing_states(const std::vector<std::pair<std::string, c10::IValue>>& states, bool trains_shards,
-                                               const RankCollectives& c);
+// Where the states that differ go. A checkpoint file is whole on rank 0, so every rank's state
+// travels there. A sharded directory has one part per rank, so each rank writes its own state into
+// its part and nothing travels: rank 0 would otherwise hold every rank's shards of a large average
+// while saving, which is what sharding the checkpoint avoids.
+enum class StatesGo { to_rank0, into_own_part };
 
-// The state callback `name` loads on `rank`: its own from `by_rank` (a checkpoint's
-// "callbacks_by_rank") when that holds one for it and was written by `world` ranks, else `shared`.
-// Throws RunError (`where` names the checkpoint) when by_rank holds one, was written by another
-// number of ranks, its strategy trained shards and the state holds tensors.
-c10::IValue state_for_rank(const std::string& name, const c10::IValue& shared, const c10::impl::GenericDict& by_rank, int64_t rank,
-                           int64_t world, const std::string& where);
+struct RankStates {
+  // The checkpoint's "callbacks_by_rank" (meta.ckpt for a directory), on rank 0: {"world_size": w,
+  // "trains_shards": bool, "with_tensors": [names whose state holds tensors], and either
+  // "states": {name: [rank 0's state, ..., rank w-1's]} (to_rank0) or "in_parts": [names]
+  // (into_own_part)} for the callbacks whose state differs between ranks. Empty on other ranks, on
+  // one process, and when every state is the same everywhere.
+  c10::impl::GenericDict record{c10::StringType::get(), c10::AnyType::get()};
+  // into_own_part: this rank's states of those callbacks, by name (written into its part).
+  c10::impl::GenericDict own{c10::StringType::get(), c10::AnyType::get()};
+};
+
+// Collective: every rank calls it with its callbacks' states (name, state_dict()) in the same
+// order.
+RankStates gather_differing_states(const std::vector<std::pair<std::string, c10::IValue>>& states, bool trains_shards, StatesGo go,
+                                   const RankCollectives& c);
+
+// The state callback `name` loads on `rank`: its own, from `by_rank` (a checkpoint's
+// "callbacks_by_rank" with "states") or from `own_part` (the callback states of this rank's part of
+// a sharded directory, when by_rank lists the name "in_parts"), when it was written by `world`
+// ranks; else `shared`. Throws RunError (`where` names the checkpoint) when by_rank holds one, was
+// written by another number of ranks, its strategy trained shards and the state holds tensors, or
+// when this rank's part lacks a state by_rank says it holds.
+c10::IValue state_for_rank(const std::string& name, const c10::IValue& shared, const c10::impl::GenericDict& by_rank,
+                           const c10::IValue& own_part, int64_t rank, int64_t world, const std::string& where);
+
+// Whether by_rank says callback `name`'s states per rank lie in the parts of a sharded directory.
+bool states_in_parts(const c10::impl::GenericDict& by_rank);
 
 }  // namespace ember::engine

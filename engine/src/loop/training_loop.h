@@ -31,6 +31,7 @@
 #include "loop/generation.h"
 #include "loop/metrics.h"
 #include "loop/progress.h"
+#include "loop/rank_states.h"
 #include "loop/step_runner.h"
 #include "loop/training_state.h"
 #include "registry/named.h"
@@ -108,9 +109,9 @@ class TrainingLoop final : public ITrainer,
   void finalize(const std::string& status);
   // Tells callbacks and the model that the run failed (on_exception); never throws.
   void notify_exception();
-  // Writes the single-file checkpoint of the state restored from a sharded directory: `meta` (its
-  // meta.ckpt) with the whole model and optimizer state.
-  void write_consolidated(const std::string& path, c10::impl::GenericDict meta);
+  // Writes the single-file checkpoint of the state restored from sharded directory `dir`: its
+  // meta.ckpt with the whole model and optimizer state, and the callback states its parts hold.
+  void write_consolidated(const std::string& path, const std::filesystem::path& dir);
   // Starts the loggers (after restore, so they know the step a resumed run continues from).
   void setup_loggers(bool resuming);
   // True when fit() would train nothing more: the position (a restored one included) already
@@ -211,6 +212,8 @@ class TrainingLoop final : public ITrainer,
   // Throws when a plugin saves during on_exception a state that cannot resume exactly.
   void check_saving_after_failure() const;
   void gather_rank_states(bool weights_only);
+  void forget_rank_states();
+  c10::IValue own_rank_states() const;  // rank_states_.own, None when empty
   // Throws when the data's class names are not the ones `ck` was trained on, in their order.
   void check_class_names(const c10::impl::GenericDict& ck, const std::string& where) const;
 
@@ -248,9 +251,12 @@ class TrainingLoop final : public ITrainer,
   // checkpoint). A save during on_exception is refused when false, or with several ranks
   // (failing_: the others may be stuck in a collective).
   bool resumable_ = true, failing_ = false;
-  // During a save: the callback states that differ between ranks (loop/rank_states.h), for
-  // checkpoint_meta on rank 0; None otherwise.
-  c10::IValue rank_states_;
+  // During a save under a strategy that trains shards (loop/rank_states.h): the callback states
+  // that differ between ranks (record: for checkpoint_meta on rank 0; own: this rank's, for its
+  // part of a sharded directory), and every callback's state as the comparison took it, so
+  // checkpoint_meta does not ask for (copy) them again. Empty otherwise.
+  RankStates rank_states_;
+  std::vector<std::pair<std::string, c10::IValue>> taken_states_;
   int64_t batches_skipped_ = 0;
   std::string rollback_path_;
   bool attached_ = false;

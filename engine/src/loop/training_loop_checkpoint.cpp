@@ -14,6 +14,7 @@
 
 #include "checkpoint/checkpoint_document.h"
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint/sharded_checkpoint.h"
 #include "config/engine_schema.h"
 #include "common/log.h"
 #include "loop/rank_states.h"
@@ -56,14 +57,22 @@ c10::impl::GenericDict TrainingLoop::checkpoint_meta(bool weights_only) const {
   ck.insert("loops", pos_.to_ivalue());
   ck.insert("rng", rng_state());
   ck.insert("plugins", plugin_states());
+  // States that differ between ranks (rank_states.h), compared by the save that asked for this. Those
+  // each rank writes into its part of a sharded directory are not repeated here when they hold
+  // tensors: they are the rank's shards, which no other number of ranks can take.
+  const auto& by_rank = rank_states_.record;
+  std::vector<std::string> only_in_parts;
+  if (states_in_parts(by_rank))
+    for (const auto& name : by_rank.at("with_tensors").toList()) only_in_parts.push_back(c10::IValue(name).toStringRef());
   auto callbacks = checkpoint_dict();
-  for (const auto& c : plugins_.callbacks) {
-    auto s = c.object->state_dict();
+  for (size_t i = 0; i < plugins_.callbacks.size(); ++i) {
+    const auto& c = plugins_.callbacks[i];
+    if (std::find(only_in_parts.begin(), only_in_parts.end(), c.name) != only_in_parts.end()) continue;
+    auto s = i < taken_states_.size() ? taken_states_[i].second : c.object->state_dict();
     if (!s.isNone()) callbacks.insert(c.name, s);
   }
   ck.insert("callbacks", callbacks);
-  // States that differ between ranks (rank_states.h), gathered by the save that asked for this.
-  if (rank_states_.isGenericDict() && !rank_states_.toGenericDict().empty()) ck.insert("callbacks_by_rank", rank_states_);
+  if (!by_rank.empty()) ck.insert("callbacks_by_rank", by_rank);
   auto loggers = checkpoint_dict();
   for (const auto& l : plugins_.loggers) {
     auto s = l.object->state_dict();
@@ -86,9 +95,9 @@ void TrainingLoop::check_saving_after_failure() const {
 }
 
 // Collective, after on_save_checkpoint (weight averaging swaps its states there): the callback
-// states that differ between ranks, for checkpoint_meta on rank 0.
+// states that differ between ranks, for checkpoint_meta on rank 0 and this rank's part.
 void TrainingLoop::gather_rank_states(bool weights_only) {
-  rank_states_ = c10::IValue();
+  forget_rank_states();
   if (weights_only || runtime_->world_size() <= 1) return;
   // Only where the strategy trains shards (or slices) of the parameters rather than whole ones.
   bool trains_shards = false;
@@ -96,15 +105,25 @@ void TrainingLoop::gather_rank_states(bool weights_only) {
   const auto params = module().named_parameters();
   for (size_t i = 0; i < trained.size() && i < params.size(); ++i) trains_shards = trains_shards || trained[i].tensor.sizes() != params[i].value().sizes();
   if (!runtime_->any_rank(trains_shards || trained.size() != params.size())) return;  // rank 0's states stand for all (rank_states.h)
-  std::vector<std::pair<std::string, c10::IValue>> states;
-  for (const auto& c : plugins_.callbacks) states.emplace_back(c.name, c.object->state_dict());
+  for (const auto& c : plugins_.callbacks) taken_states_.emplace_back(c.name, c.object->state_dict());
   RankCollectives collectives;
   collectives.rank = runtime_->rank();
   collectives.world = runtime_->world_size();
   collectives.device = runtime_->root_device();
   collectives.reduce = [this](const at::Tensor& t, ReduceOp op) { return runtime_->reduce(t, op); };
   collectives.broadcast = [this](const at::Tensor& t, int64_t src) { return runtime_->broadcast(t, src); };
-  rank_states_ = gather_differing_states(states, /*trains_shards=*/true, collectives);
+  // The same condition as the runtime's choice of a directory (the model and optimizer both saved).
+  const StatesGo go = runtime_->writes_sharded_checkpoints() ? StatesGo::into_own_part : StatesGo::to_rank0;
+  rank_states_ = gather_differing_states(taken_states_, /*trains_shards=*/true, go, collectives);
+}
+
+void TrainingLoop::forget_rank_states() {
+  rank_states_ = RankStates{};
+  taken_states_.clear();
+}
+
+c10::IValue TrainingLoop::own_rank_states() const {
+  return rank_states_.own.empty() ? c10::IValue() : c10::IValue(rank_states_.own);
 }
 
 void TrainingLoop::save_checkpoint(const std::string& path, bool weights_only) {
@@ -112,8 +131,9 @@ void TrainingLoop::save_checkpoint(const std::string& path, bool weights_only) {
   call_hook(Hook::on_save_checkpoint);
   gather_rank_states(weights_only);
   // A file gathered on rank 0, or one part per rank when the strategy's checkpoints are sharded.
-  runtime_->save_checkpoint(path, /*with_model=*/true, /*with_optimizer=*/!weights_only, [&] { return checkpoint_meta(weights_only); });
-  rank_states_ = c10::IValue();
+  runtime_->save_checkpoint(path, /*with_model=*/true, /*with_optimizer=*/!weights_only, [&] { return checkpoint_meta(weights_only); },
+                            own_rank_states());
+  forget_rank_states();
 }
 
 void TrainingLoop::save_checkpoint_async(const std::vector<std::string>& paths, bool weights_only, std::function<void()> committed) {
@@ -121,18 +141,40 @@ void TrainingLoop::save_checkpoint_async(const std::vector<std::string>& paths, 
   call_hook(Hook::on_save_checkpoint);
   gather_rank_states(weights_only);
   runtime_->save_checkpoint_async(paths, /*with_model=*/true, /*with_optimizer=*/!weights_only,
-                                  [&] { return checkpoint_meta(weights_only); }, std::move(committed));
-  rank_states_ = c10::IValue();
+                                  [&] { return checkpoint_meta(weights_only); }, std::move(committed), own_rank_states());
+  forget_rank_states();
 }
 
 void TrainingLoop::finish_checkpoints() { runtime_->finish_background_save(); }
 
-void TrainingLoop::write_consolidated(const std::string& path, c10::impl::GenericDict meta) {
+void TrainingLoop::write_consolidated(const std::string& path, const std::filesystem::path& dir) {
+  const auto meta = read_sharded_meta(dir);
   auto model_state = runtime_->state().full_model_state(/*rank0_only=*/true);
   const std::string optimizer_state = runtime_->state().full_optimizer_state(/*rank0_only=*/true);
   auto ck = checkpoint_dict();
   for (const auto& e : meta)
     if (e.key().toStringRef() != "sharded") ck.insert(e.key(), e.value());
+  // Callback states the ranks wrote into their parts (rank_states.h) go into the file's record, as a
+  // file holds them: one list per callback, a state per saving rank.
+  if (ck.contains("callbacks_by_rank") && states_in_parts(ck.at("callbacks_by_rank").toGenericDict())) {
+    auto by_rank = ck.at("callbacks_by_rank").toGenericDict().copy();
+    const int64_t world = by_rank.at("world_size").toInt();
+    auto states = checkpoint_dict();
+    for (const auto& name : by_rank.at("in_parts").toList()) states.insert(c10::IValue(name).toStringRef(), c10::impl::GenericList(c10::AnyType::get()));
+    for (int64_t k = 0; k < world; ++k) {
+      const c10::IValue part = runtime_->part_callback_states(dir, k);
+      for (const auto& e : states) {
+        const std::string& name = e.key().toStringRef();
+        if (!part.isGenericDict() || !part.toGenericDict().contains(name))
+          throw RunError("checkpoint " + dir.string() + ": rank " + std::to_string(k) + "'s part holds no state of callback '" + name +
+                         "' though meta.ckpt says each part does (parts of another save mixed in?)");
+        e.value().toList().push_back(part.toGenericDict().at(name));
+      }
+    }
+    (void)by_rank.erase("in_parts");
+    by_rank.insert("states", states);
+    ck.insert_or_assign("callbacks_by_rank", by_rank);
+  }
   ck.insert("state_dict", model_state);
   ck.insert("optimizer", bytes_tensor(optimizer_state));
   save_checkpoint_file(path, ck);
@@ -238,9 +280,13 @@ void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only,
   restore_one("data", *plugins_.data.object);
   auto callbacks = ck.at("callbacks").toGenericDict();
   const auto by_rank = ck.contains("callbacks_by_rank") ? ck.at("callbacks_by_rank").toGenericDict() : checkpoint_dict();
+  // This rank's own states in its part of a sharded directory (rank_states.h), when the ranks match.
+  c10::IValue own_part;
+  if (states_in_parts(by_rank) && by_rank.at("world_size").toInt() == runtime_->world_size())
+    own_part = runtime_->part_callback_states(file, runtime_->rank());
   for (auto& c : plugins_.callbacks) {
     const c10::IValue shared = callbacks.contains(c.name) ? callbacks.at(c.name) : c10::IValue();
-    const c10::IValue state = state_for_rank(c.name, shared, by_rank, runtime_->rank(), runtime_->world_size(), where);
+    const c10::IValue state = state_for_rank(c.name, shared, by_rank, own_part, runtime_->rank(), runtime_->world_size(), where);
     if (!state.isNone()) c.object->load_state_dict(state);
   }
   auto loggers = ck.at("loggers").toGenericDict();

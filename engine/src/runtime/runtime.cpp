@@ -271,13 +271,14 @@ ShardedWrite Runtime::sharded_write() {
   return how;
 }
 
-void Runtime::save_checkpoint(const std::string& path, bool with_model, bool with_optimizer, const CheckpointMeta& meta) {
+void Runtime::save_checkpoint(const std::string& path, bool with_model, bool with_optimizer, const CheckpointMeta& meta,
+                              const c10::IValue& own_states) {
   finish_background_save();  // at most one write in flight, and in order
   if (writes_sharded_checkpoints() && with_model && with_optimizer) {
     // One part per rank, nothing gathered (sharded_checkpoint.h has the layout and the commit).
     const c10::IValue part = strategy_.object->sharded_state();
     const c10::IValue doc = rank() == 0 ? c10::IValue(sharded_meta(meta)) : c10::IValue();
-    write_sharded_checkpoint(path, part, doc, sharded_write());
+    write_sharded_checkpoint(path, part, doc, sharded_write(), own_states);
     return;
   }
   save_full(with_model, with_optimizer, [&](const c10::Dict<std::string, at::Tensor>& model, const std::string& optimizer) {
@@ -308,6 +309,20 @@ c10::Dict<std::string, at::Tensor> Runtime::model_state_of(const c10::impl::Gene
     }, where);
   }
   return state;
+}
+
+c10::IValue Runtime::part_callback_states(const std::filesystem::path& dir, int64_t k) {
+  if (dir == states_dir_)
+    if (auto it = part_callback_states_.find(k); it != part_callback_states_.end()) {
+      c10::IValue states = std::move(it->second);  // asked for once: not kept beside the callbacks' copies
+      part_callback_states_.erase(it);
+      return states;
+    }
+  try {
+    return read_sharded_part_file(dir, k).callback_states;
+  } catch (const std::exception& e) {
+    throw RunError(e.what());
+  }
 }
 
 c10::impl::GenericDict Runtime::load_initial_weights(const std::filesystem::path& path, const std::function<bool(const std::string&)>& keep_own) {
@@ -363,7 +378,13 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
                      layout.at("strategy").toStringRef() + "'); resume it with that strategy, or make one file of it first: engine checkpoint consolidate " +
                      path.string() + " OUT.ckpt");
     try {
-      strategy_.object->load_sharded_state(saved_world, [&](int64_t k) { return read_sharded_part(path, k); });
+      states_dir_ = path;
+      part_callback_states_.clear();
+      strategy_.object->load_sharded_state(saved_world, [&](int64_t k) {
+        auto file = read_sharded_part_file(path, k);
+        part_callback_states_[k] = file.callback_states;
+        return file.part;
+      });
     } catch (const RunError& e) {
       throw RunError(where + ": " + e.what());
     } catch (const c10::Error& e) {
@@ -400,7 +421,7 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
 }
 
 void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool with_model, bool with_optimizer,
-                                    const CheckpointMeta& meta, std::function<void()> committed) {
+                                    const CheckpointMeta& meta, std::function<void()> committed, const c10::IValue& own_states) {
   finish_background_save();
   if (paths.empty()) return;
   const auto started = std::chrono::steady_clock::now();
@@ -420,17 +441,18 @@ void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool 
   IDeviceModelState* live = nullptr;
   int64_t taken_bytes = 0;  // of the strategy's own host copies, handed to the writer without another
   if (pending->sharded) {
-    c10::IValue part, doc;
+    c10::IValue part, doc, states;
     try {
       part = take_host_snapshot(strategy_.object->sharded_state(), &taken_bytes);
+      if (!own_states.isNone()) states = host_snapshot(own_states);
       if (rank() == 0) doc = host_snapshot(c10::IValue(sharded_meta(meta)));
     } catch (...) {
       error = std::current_exception();
     }
     agree("another rank");
     for (const auto& path : paths) prepare_sharded_checkpoint(path, sharded_write());
-    writer_->start([paths, r = rank(), part = std::move(part), doc = std::move(doc)] {
-      for (const auto& path : paths) write_sharded_part(path, r, part, doc);
+    writer_->start([paths, r = rank(), part = std::move(part), doc = std::move(doc), states = std::move(states)] {
+      for (const auto& path : paths) write_sharded_part(path, r, part, doc, states);
     });
   } else {
     // The gathers are collective; rank 0 alone copies and writes. A strategy whose rank 0 holds the

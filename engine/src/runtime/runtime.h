@@ -21,6 +21,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -152,8 +153,11 @@ class Runtime {
   // optimizer's (when with_optimizer), gathered on rank 0. `meta` builds the rest of the document
   // (header, loop position, RNG, plugin states); it runs on rank 0 only. Atomic either way: a
   // failed or killed save leaves the previous `path` whole, and every rank throws when one failed.
+  // `own_states`: this rank's own callback states (loop/rank_states.h), written into its part of a
+  // sharded directory; None, or a file, writes none.
   using CheckpointMeta = std::function<c10::impl::GenericDict()>;
-  void save_checkpoint(const std::string& path, bool with_model, bool with_optimizer, const CheckpointMeta& meta);
+  void save_checkpoint(const std::string& path, bool with_model, bool with_optimizer, const CheckpointMeta& meta,
+                       const c10::IValue& own_states = c10::IValue());
   // The same written in the background (ITrainerAsyncCheckpoints, docs/checkpoint.md): the state
   // is gathered and copied to the host here (host_snapshot), then a thread of this rank writes it
   // (rank 0 the file; every rank its part of a sharded directory) while training goes on. First
@@ -161,7 +165,7 @@ class Runtime {
   // settles it: `committed` runs then, on every rank at the same step.
   // The same state goes to each of `paths`, in order.
   void save_checkpoint_async(const std::vector<std::string>& paths, bool with_model, bool with_optimizer, const CheckpointMeta& meta,
-                             std::function<void()> committed);
+                             std::function<void()> committed, const c10::IValue& own_states = c10::IValue());
   // This rank's part of the stop vote for the pending background save: 0 none, or written here;
   // 1 still writing; 2 failed here. Never blocks.
   double background_save_vote();
@@ -188,6 +192,9 @@ class Runtime {
   // [optimizer] settings" for the engine's runs).
   c10::impl::GenericDict load_checkpoint(const std::filesystem::path& path, Part model, Part optimizer,
                                          const std::string& optimizer_fix = "resume with the same [optimizer] settings");
+  // The callback states rank `k` of the saving run wrote into its part of sharded directory `dir`
+  // (None when it wrote none): kept from load_checkpoint's read of that part, else read now.
+  c10::IValue part_callback_states(const std::filesystem::path& dir, int64_t k);
   // [model] init_checkpoint: the model's state from checkpoint file `path` (full or weights only;
   // its optimizer, loop and plugin states are not read), except the tensors `keep_own` selects,
   // which keep this run's own initial values. Returns the document's other tables. Throws RunError
@@ -242,6 +249,9 @@ class Runtime {
     std::string error;          // what it threw
   };
   std::unique_ptr<PendingSave> pending_save_;
+  // The callback states of the parts the last load of a sharded directory read, by saved rank.
+  std::filesystem::path states_dir_;
+  std::map<int64_t, c10::IValue> part_callback_states_;
   std::unique_ptr<BackgroundWrite> writer_;
   ShardedWrite sharded_write();
   c10::impl::GenericDict sharded_meta(const CheckpointMeta& meta);

@@ -389,7 +389,7 @@ MetricValues RunSession::validate(const std::string& checkpoint) { return evalua
 MetricValues RunSession::test(const std::string& checkpoint) { return evaluate(Split::test, checkpoint); }
 
 void RunSession::write_consolidated(const std::string& path) {
-  guarded([&] { loop_->write_consolidated(path, read_sharded_meta(folder_.checkpoint)); });
+  guarded([&] { loop_->write_consolidated(path, folder_.checkpoint); });
 }
 
 void RunSession::finish(const std::string& status) {
