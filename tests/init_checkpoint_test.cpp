@@ -154,3 +154,54 @@ TEST(InitCheckpointRanks, ShardedStage3StartsFromTheWholeWeights) {
                      "sharded.stage=3", "--set", "sharded.timeout=60.0", "--set", "trainer.devices=2", "--set", "data.batch_size=8"});
   EXPECT_LE(max_weight_difference(last_checkpoint(pretrain), last_checkpoint(sharded)), 1e-12);
 }
+
+// A sharded directory under sharded: each rank reads its shards of the weights from the parts (here
+// on 3 ranks from a 2-rank directory) and the optimizer stays this run's own, of another kind than
+// the directory's: the run ends bit for bit where the same run from the consolidated file does.
+// Under a strategy that cannot read the parts, and with init_exclude, it is one line naming
+// `engine checkpoint consolidate`.
+TEST(InitCheckpointRanks, ShardedDirectoryStartsLikeItsConsolidatedFile) {
+  EMBER_SKIP_WITHOUT_MPI();
+  TempDir pretrain("init_ckpt"), from_dir("init_ckpt"), from_file("init_ckpt");
+  const std::vector<std::string> sharded = {"--plugins", "sharded", "--set", "sharded.stage=3", "--set", "sharded.timeout=60.0",
+                                            "--set", "data.batch_size=8"};
+  write_file(pretrain / "run.toml", mlp_run(4) + "momentum = 0.9\n");
+  auto args = sharded;
+  args.insert(args.end(), {"run.toml", "--set", "trainer.devices=2", "--set", "sharded.state_dict_type=\"sharded\""});
+  run_engine_ok(pretrain, args, 240);
+  const fs::path dir = last_checkpoint(pretrain);
+  ASSERT_TRUE(ember::engine::is_sharded_checkpoint(dir)) << dir;
+  const fs::path file = from_file / "pretrained.ckpt";
+  const auto c = run_engine({"checkpoint", "consolidate", dir.string(), file.string()}, pretrain.path(), {}, 120);
+  ASSERT_EQ(c.exit_code, 0) << c.err;
+  auto finetune = [&](const TempDir& where, const fs::path& from) {
+    write_file(where / "run.toml", mlp_run(4));
+    auto a = sharded;
+    a.insert(a.end(), {"run.toml", "--set", "trainer.devices=3", "--set", "trainer.max_epochs=1", "--set", "optimizer.name=\"adam\"",
+                       "--set", "optimizer.lr=0.01", "--set", "model.init_checkpoint=\"" + from.string() + "\""});
+    return run_engine_ok(where, a, 240);
+  };
+  const auto r = finetune(from_dir, dir);
+  EXPECT_NE(r.err.find("read the model's part of"), std::string::npos) << r.err;
+  finetune(from_file, file);
+  expect_identical_weights(last_checkpoint(from_dir), last_checkpoint(from_file));
+  EXPECT_GT(max_weight_difference(last_checkpoint(pretrain), last_checkpoint(from_dir)), 1e-4) << "the fine-tuning trained";
+
+  TempDir single("init_ckpt");
+  write_file(single / "run.toml", mlp_run(4));
+  auto e = run_engine({"run.toml", "--set", "model.init_checkpoint=\"" + dir.string() + "\""}, single.path(), {}, 120);
+  EXPECT_NE(e.exit_code, 0);
+  EXPECT_NE(e.err.find("is a sharded checkpoint directory, which strategy 'single_device' cannot start from: start under one that can "
+                       "(--plugins sharded or offload), or make one file of it first (engine checkpoint consolidate " + dir.string() +
+                       " OUT.ckpt)"),
+            std::string::npos)
+      << e.err;
+  e = run_engine({"--plugins", "sharded", "run.toml", "--set", "model.init_checkpoint=\"" + dir.string() + "\"", "--set",
+                  "model.init_exclude=[\"head\"]"},
+                 single.path(), {}, 120);
+  EXPECT_NE(e.exit_code, 0);
+  EXPECT_NE(e.err.find("--set model.init_exclude=[\"head\"]: model.init_exclude needs a checkpoint file, and " + dir.string() +
+                       " is a sharded directory: make one file of it (engine checkpoint consolidate"),
+            std::string::npos)
+      << e.err;
+}

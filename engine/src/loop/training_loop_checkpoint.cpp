@@ -196,6 +196,12 @@ void TrainingLoop::load_init_checkpoint() {
   if (!std::filesystem::exists(file, ec))
     throw UsageError(where + ": no such file (give the path of a .ckpt an earlier run wrote, e.g. runs/NAME/version_0/checkpoints/last.ckpt)");
   const NamePatterns exclude(m.get_string_list("init_exclude"), NameRule::module);
+  // A sharded directory's parts are read by the strategy as they are, with no whole tensors to pick
+  // from (and a kept tensor may have another shape there).
+  if (exclude.size() > 0 && is_sharded_checkpoint(file))
+    throw UsageError(m.where("init_exclude") + ": model.init_exclude needs a checkpoint file, and " + file.string() +
+                     " is a sharded directory: make one file of it (engine checkpoint consolidate " + file.string() +
+                     " OUT.ckpt) and start from that, or remove init_exclude");
   std::vector<std::string> names;
   for (const auto& p : module().named_parameters()) names.push_back(p.key());
   for (const auto& b : module().named_buffers()) names.push_back(b.key());

@@ -327,9 +327,28 @@ c10::IValue Runtime::part_callback_states(const std::filesystem::path& dir, int6
 
 c10::impl::GenericDict Runtime::load_initial_weights(const std::filesystem::path& path, const std::function<bool(const std::string&)>& keep_own) {
   const std::string where = "checkpoint " + path.string();
-  if (is_sharded_checkpoint(path))
-    throw RunError(where + " is a sharded checkpoint directory: make one file of it first (engine checkpoint consolidate " + path.string() +
-                   " OUT.ckpt) and start from that file");
+  if (is_sharded_checkpoint(path)) {
+    // Each rank reads the parts holding its own shards of the weights; the optimizer stays fresh.
+    auto* model_parts = static_cast<IShardedModelState*>(strategy_.object->query_interface(kShardedModelStateIid));
+    if (model_parts == nullptr)
+      throw RunError(where + " is a sharded checkpoint directory, which strategy '" + strategy_.name +
+                     "' cannot start from: start under one that can (--plugins sharded or offload), or make one file of it first "
+                     "(engine checkpoint consolidate " + path.string() + " OUT.ckpt) and start from that file");
+    c10::impl::GenericDict ck = checkpoint_dict();
+    try {
+      ck = read_sharded_meta(path);
+      model_parts->load_sharded_model_state(ck.at("sharded").toGenericDict().at("world_size").toInt(),
+                                            [&](int64_t k) { return read_sharded_part(path, k); });
+    } catch (const RunError& e) {
+      throw RunError(where + ": " + e.what());
+    } catch (const c10::Error& e) {
+      throw RunError(where + ": its weights do not fit this model (" + std::string(e.what_without_backtrace()).substr(0, 160) +
+                     "); start from a checkpoint of this model");
+    } catch (const std::runtime_error& e) {
+      throw RunError(e.what());
+    }
+    return ck;
+  }
   auto ck = load_checkpoint_file(path);
   if (!ck.contains("state_dict")) throw RunError(where + " has no state_dict");
   auto saved = model_state_of(ck, where);

@@ -197,9 +197,12 @@ class Runtime {
   c10::IValue part_callback_states(const std::filesystem::path& dir, int64_t k);
   // [model] init_checkpoint: the model's state from checkpoint file `path` (full or weights only;
   // its optimizer, loop and plugin states are not read), except the tensors `keep_own` selects,
-  // which keep this run's own initial values. Returns the document's other tables. Throws RunError
-  // starting with "checkpoint PATH" for a sharded directory (consolidate it first), a file without
-  // a model state, or a state that lacks or misfits a tensor that is not kept.
+  // which keep this run's own initial values. Or from a sharded directory, under a strategy that
+  // answers IShardedModelState (each rank reads its shards; `keep_own` must select nothing: the
+  // caller refuses init_exclude with a directory). Returns the document's other tables. Throws
+  // RunError starting with "checkpoint PATH" for a sharded directory another strategy cannot read
+  // (naming consolidate), a file without a model state, or a state that lacks or misfits a tensor
+  // that is not kept.
   c10::impl::GenericDict load_initial_weights(const std::filesystem::path& path, const std::function<bool(const std::string&)>& keep_own);
   // Checkpoint files written from here on leave out these (frozen) parameters, recording them
   // (omitted_parameters.h); loading such a file takes them from this run's model. Sharded

@@ -334,7 +334,7 @@ at::Tensor whole_indices(const Slice& s, const std::vector<int64_t>& whole_shape
 // only one read. Otherwise the first part (world rank 0's) follows, whose list of every part's
 // layout says which others hold something still missing.
 int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
-                                           const std::function<c10::IValue(int64_t)>& read_part) {
+                                           const std::function<c10::IValue(int64_t)>& read_part, bool with_optimizer) {
   if (saved_world < 1) throw ember::RunError("the sharded checkpoint says it was written by " + std::to_string(saved_world) + " ranks");
   const int64_t me = c_.comm.rank();
   int64_t start = me < saved_world ? me : 0;
@@ -346,7 +346,7 @@ int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::opt
   // Groups, options and step counts from the serialization of the part read first (every rank
   // writes the same groups: its shards of every parameter, or the whole model's groups when it ran
   // pipeline stages); per-element fields refilled below.
-  {
+  if (with_optimizer) {
     at::Tensor blob = head.at("optimizer").toTensor().contiguous();
     const std::string bytes(static_cast<const char*>(blob.data_ptr()), static_cast<size_t>(blob.numel()));
     optimizer.state().clear();
@@ -381,6 +381,7 @@ int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::opt
   }
   for (auto& group : optimizer.param_groups())
     for (auto& t : group.params()) {
+      if (!with_optimizer) continue;  // (its fields stay as they are)
       auto it = optimizer.state().find(t.unsafeGetTensorImpl());
       if (it == optimizer.state().end()) continue;
       auto& n = needs[t_.param_of_shard.at(t.unsafeGetTensorImpl())];

@@ -39,9 +39,10 @@ class ShardedStateIO {
   c10::IValue sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer);
   // Reads the parts this rank needs, its own first (on the mesh that saved them, the only one), and
   // returns how many it read (until nothing is missing when the first part lists no layouts:
-  // directories written before parts recorded them).
+  // directories written before parts recorded them). Without `with_optimizer` the parameters and
+  // buffers alone: the optimizer and its state stay as they are.
   int64_t load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
-                             const std::function<c10::IValue(int64_t)>& read_part);
+                             const std::function<c10::IValue(int64_t)>& read_part, bool with_optimizer = true);
 
   // Tensor parallelism (zero_setup.cpp): the whole tensor of a parameter (or of its optimizer
   // state) from this rank's tensor-parallel slice, collective over the tensor-parallel ranks, and

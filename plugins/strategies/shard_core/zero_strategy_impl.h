@@ -47,7 +47,8 @@ class ZeroStrategy final : public ember::IStrategy,
                            public ember::IDeviceMesh,
                            public ember::IDeferredInit,
                            public ember::IDeferredInitPlan,
-                           public ember::IPipelineParallel {
+                           public ember::IPipelineParallel,
+                           public ember::IShardedModelState {
  public:
   ZeroStrategy(ember::IHost& host, const ember::IConfig& cfg, ZeroOptions o)
       : host_(host),
@@ -183,6 +184,13 @@ class ZeroStrategy final : public ember::IStrategy,
     const int64_t read = io_.load_sharded_state(*module_, *optimizer_, saved_world, read_part);
     host_.log(ember::LogLevel::info, o_.name + ": read " + std::to_string(read) + " of the " + std::to_string(saved_world) +
                                          " parts of the sharded checkpoint (the others hold nothing this rank needs)");
+    parameters_changed();
+  }
+  // IShardedModelState: the model alone ([model] init_checkpoint of a sharded directory).
+  void load_sharded_model_state(int64_t saved_world, const std::function<c10::IValue(int64_t)>& read_part) override {
+    const int64_t read = io_.load_sharded_state(*module_, *optimizer_, saved_world, read_part, /*with_optimizer=*/false);
+    host_.log(ember::LogLevel::info, o_.name + ": read the model's part of " + std::to_string(read) + " of the " +
+                                         std::to_string(saved_world) + " parts of the sharded checkpoint");
     parameters_changed();
   }
 

@@ -186,6 +186,23 @@ class EMBER_SDK_API IDeviceModelState {
 };
 inline constexpr const char* kDeviceModelStateIid = "ember.IDeviceModelState/1";
 
+// Optional interface (IStrategy::query_interface(kShardedModelStateIid), since SDK 2.23): a strategy
+// that reads sharded checkpoint directories restores the model's parameters and buffers alone from
+// one, leaving its optimizer as it is. `[model] init_checkpoint` of a sharded directory: a
+// pretraining run's weights under this run's fresh optimizer (of any kind and settings), each rank
+// reading only the parts it needs, with the whole model gathered nowhere.
+class EMBER_SDK_API IShardedModelState {
+ public:
+  // IStrategy::load_sharded_state's restore without the optimizer: the parts' optimizer state is
+  // not read. Collective. Throws ember::RunError naming the first tensor that does not fit the
+  // model.
+  virtual void load_sharded_model_state(int64_t saved_world, const std::function<c10::IValue(int64_t)>& read_part) = 0;
+
+ protected:
+  ~IShardedModelState() = default;
+};
+inline constexpr const char* kShardedModelStateIid = "ember.IShardedModelState/1";
+
 // Capability: IStrategy::query_interface(kCapturableStepIid) != nullptr says that this
 // strategy's backward and optimizer step, on the process count it runs with, do no host work and
 // no collective between forward and the optimizer step (no gradient hooks that leave the device,
