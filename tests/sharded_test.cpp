@@ -372,8 +372,10 @@ TEST_F(Sharded, BestShardedCheckpointIsTestedAndResumed) {
 }
 
 // state_dict_type = "sharded": a directory of one part per rank, nothing gathered. Saved by 2
-// ranks, it resumes on 3 (each rank reading only the parts that hold its shards) and on 1 exactly; `engine checkpoint consolidate` makes the single file
-// that single_device resumes from; single_device refuses the directory with one line saying so.
+// ranks, it resumes on 3 (each rank reading only the parts that hold its shards) and on 1 exactly;
+// `engine checkpoint consolidate` makes the single file that single_device resumes from (and with
+// --weights-only the weights alone); single_device refuses the directory with one line saying so;
+// `engine validate --ckpt DIR` reads the weights alone.
 TEST_F(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
   TempDir single("sharded"), dir("sharded");
   reference(single, {}, kAdam);
@@ -414,6 +416,28 @@ TEST_F(Sharded, ShardedCheckpointDirectoryReshardsAndConsolidates) {
   write_run(from_whole, kAdam);
   run_engine_ok(from_whole, {"run.toml", "--resume", (keep / "whole.ckpt").string()});
   EXPECT_LE(max_weight_difference(last_checkpoint(single), last_checkpoint(from_whole)), 1e-5);
+  // The weights alone: --weights-only leaves the optimizer's state unread (only the model's part of
+  // each part is read) and writes what save_weights_only writes, the same weights bit for bit.
+  c = run_engine({"checkpoint", "consolidate", (keep / "two_ranks.ckpt").string(), (keep / "weights.ckpt").string(), "--weights-only"},
+                 keep.path(), {}, 120);
+  ASSERT_EQ(c.exit_code, 0) << c.err;
+  EXPECT_NE(c.err.find("read the model's part of 2 of the 2 parts"), std::string::npos) << c.err;
+  EXPECT_NE(c.err.find("(the model's weights alone)"), std::string::npos) << c.err;
+  const auto only = ember::engine::load_checkpoint_file(keep / "weights.ckpt");
+  EXPECT_TRUE(only.at("weights_only").toBool());
+  for (const char* absent : {"optimizer", "loops", "callbacks"}) EXPECT_FALSE(only.contains(absent)) << absent;
+  expect_identical_weights(keep / "weights.ckpt", keep / "whole.ckpt");
+  // Evaluating the directory reads the weights alone, and scores what the file scores.
+  auto metric = [](const std::string& out, const std::string& name) {
+    std::smatch m;
+    if (!std::regex_search(out, m, std::regex("(^|\\n)" + name + "\\s+(\\S+)"))) return std::string("nan");
+    return m[2].str();
+  };
+  auto parts = run_engine_ok(plain, {"validate", "--ckpt", (keep / "two_ranks.ckpt").string(), "run.toml", "--plugins", "sharded", "--set",
+                                     "trainer.devices=2", "--set", "sharded.timeout=30.0", "--set", "data.batch_size=12"});
+  EXPECT_NE(parts.err.find("read the model's part of 1 of the 2 parts"), std::string::npos) << parts.err;
+  auto file = run_engine_ok(plain, {"validate", "--ckpt", (keep / "weights.ckpt").string(), "run.toml"});
+  EXPECT_NEAR(std::stod(metric(parts.out, "val_loss")), std::stod(metric(file.out, "val_loss")), 1e-6) << parts.out << file.out;
 }
 
 // Resumed on the mesh that saved it, each rank reads its own part and no other (the part holds its

@@ -97,7 +97,7 @@ int generate_text(const RunRequest& req, const std::string& checkpoint, const Ge
   return 0;
 }
 
-int consolidate_checkpoint(const RunRequest& base, const std::string& dir, const std::string& out) {
+int consolidate_checkpoint(const RunRequest& base, const std::string& dir, const std::string& out, bool weights_only) {
   if (!is_sharded_checkpoint(dir))
     throw UsageError(dir + " is not a sharded checkpoint directory (a folder with meta.ckpt and rank<k>.ckpt parts)");
   auto meta = read_sharded_meta(dir);
@@ -111,6 +111,7 @@ int consolidate_checkpoint(const RunRequest& base, const std::string& dir, const
   req.plugins = {strategy};
   req.resume = dir;
   req.consolidate_to = out;
+  req.consolidate_weights_only = weights_only;
   // One rank holds the whole model, whatever mesh wrote the parts (they load onto any other).
   for (const char* s : {"trainer.devices=1", "trainer.num_nodes=1", "trainer.accelerator=\"cpu\"", "trainer.test_after_fit=false",
                         "trainer.enable_progress_bar=false", "parallelism.data_parallel_replicate=1", "parallelism.data_parallel_shard=-1",
@@ -125,8 +126,8 @@ int consolidate_checkpoint(const RunRequest& base, const std::string& dir, const
     session.write_consolidated(out);
     session.finish("success");
   }
-  if (code == 0) log::info("wrote " + out + " from the " + std::to_string(meta.at("sharded").toGenericDict().at("world_size").toInt()) +
-                           " parts of " + dir);
+  if (code == 0) log::info("wrote " + out + (weights_only ? " (the model's weights alone)" : "") + " from the " +
+                           std::to_string(meta.at("sharded").toGenericDict().at("world_size").toInt()) + " parts of " + dir);
   return code;
 }
 

@@ -24,10 +24,10 @@ EMBER_API int evaluate_checkpoint(const RunRequest& request, Split split, const 
 // `engine generate [--ckpt best|last|PATH] [--prompt TEXT] run.toml`: text from a language model
 // (the prompt, then the sampled tokens streamed to stdout). Returns the exit code.
 EMBER_API int generate_text(const RunRequest& request, const std::string& checkpoint, const GenerationOptions& options);
-// `engine checkpoint consolidate DIR OUT.ckpt`: the single-file checkpoint of a sharded checkpoint
-// directory (what single_device and Python read), made by restoring DIR into the run's own
-// configuration on one process.
-EMBER_API int consolidate_checkpoint(const RunRequest& request, const std::string& dir, const std::string& out);
+// `engine checkpoint consolidate DIR OUT.ckpt [--weights-only]`: the single-file checkpoint of a
+// sharded checkpoint directory (what single_device and Python read), made by restoring DIR into the
+// run's own configuration on one process; `weights_only`: the model's weights alone.
+EMBER_API int consolidate_checkpoint(const RunRequest& request, const std::string& dir, const std::string& out, bool weights_only = false);
 // `engine checkpoint info CKPT` (checkpoint_info.cpp): what a checkpoint file or sharded directory
 // holds, read from its pickle alone (no tensor data).
 EMBER_API int checkpoint_info(const std::string& checkpoint, std::ostream& out);

@@ -42,7 +42,9 @@ const char* kUsage =
     "  engine config [--plugins ...] [--set ...] run.toml   print the resolved configuration as TOML\n"
     "  engine plugins list                                   list the plugins found\n"
     "  engine plugins info NAME                              a plugin's kind, version, file and config keys\n"
-    "  engine checkpoint consolidate DIR OUT.ckpt            one checkpoint file from a sharded checkpoint directory\n"
+    "  engine checkpoint consolidate DIR OUT.ckpt [--weights-only]\n"
+    "      one checkpoint file from a sharded checkpoint directory (--weights-only: the model's weights alone, for\n"
+    "      testing, exporting or [model] init_checkpoint; the optimizer state is neither read nor gathered)\n"
     "  engine checkpoint info CKPT                           what a checkpoint holds (step, model tensors, plugin states)\n"
     "  engine checkpoint verify CKPT                         whether a checkpoint (or each file of a sharded one) is intact:\n"
     "      every record against its CRC32C, read in chunks; exit 1 naming what is damaged\n"
@@ -107,6 +109,7 @@ int run(int argc, char** argv) {
       ("max-mb", po::value<double>()->default_value(1024), "engine data pack: megabytes per shard at most")
       ("no-shuffle", "engine data pack: keep the source's order (torchvision's) instead of shuffling the samples")
       ("prefix", po::value<std::string>(), "engine data pack: the shards' file name prefix (default: the source's name)")
+      ("weights-only", "engine checkpoint consolidate: write the model's weights alone (what save_weights_only writes), not the optimizer's state or the training position")
       ("no-kv-cache", "engine generate: run the whole sequence again for every token instead of caching keys and values (slow; a check)")
       ("quiet,q", "only warnings and errors")
       ("verbose,v", "debug output");
@@ -153,10 +156,10 @@ int run(int argc, char** argv) {
     throw UsageError("expected `engine plugins list` or `engine plugins info NAME`");
   }
   if (args[0] == "checkpoint") {
-    if (args.size() == 4 && args[1] == "consolidate") return consolidate_checkpoint(req, args[2], args[3]);
+    if (args.size() == 4 && args[1] == "consolidate") return consolidate_checkpoint(req, args[2], args[3], vm.count("weights-only") > 0);
     if (args.size() == 3 && args[1] == "info") return checkpoint_info(args[2], std::cout);
     if (args.size() == 3 && args[1] == "verify") return checkpoint_verify(args[2], std::cout);
-    throw UsageError("expected `engine checkpoint consolidate DIR OUT.ckpt`, `engine checkpoint info CKPT` or `engine checkpoint verify CKPT`");
+    throw UsageError("expected `engine checkpoint consolidate DIR OUT.ckpt [--weights-only]`, `engine checkpoint info CKPT` or `engine checkpoint verify CKPT`");
   }
   if (args[0] == "export") {
     if (args.size() != 3) throw UsageError("expected `engine export CKPT --format safetensors OUT` (OUT: a folder, or a file ending in .safetensors)");

@@ -251,10 +251,12 @@ int export_weights(const RunRequest& base, const std::string& checkpoint, const 
   std::error_code ec;
   if (fs::is_regular_file(checkpoint, ec)) return export_file(base, checkpoint, out, peft);
   if (!is_sharded_checkpoint(checkpoint)) throw UsageError(checkpoint + ": no such checkpoint file or sharded checkpoint folder");
-  // A sharded checkpoint: one file first, in a scratch folder, as `engine checkpoint consolidate` makes it.
+  // A sharded checkpoint: one file of its weights first, in a scratch folder, as `engine checkpoint
+  // consolidate --weights-only` makes it (the optimizer state, twice the weights under Adam, is
+  // neither read nor written).
   const ScratchDir scratch("ember-export");
   const std::string whole = (scratch.path() / "consolidated.ckpt").string();
-  if (const int code = consolidate_checkpoint(base, checkpoint, whole); code != 0) return code;
+  if (const int code = consolidate_checkpoint(base, checkpoint, whole, /*weights_only=*/true); code != 0) return code;
   return export_file(base, whole, out, peft);
 }
 

@@ -30,8 +30,11 @@ struct RunRequest {
   std::vector<std::string> plugin_paths;  // --plugin-path
   std::string resume;                     // --resume last|best|PATH
   std::vector<std::string> argv;          // the program's own command line (launchers re-run it)
-  // `engine checkpoint consolidate`: restore `resume` (a sharded directory), write this file, stop.
+  // `engine checkpoint consolidate`: restore `resume` (a sharded directory), write this file, stop;
+  // with consolidate_weights_only, the model's weights alone (the optimizer is neither read nor
+  // gathered).
   std::string consolidate_to;
+  bool consolidate_weights_only = false;
   // `engine validate|test|predict|generate --ckpt`: the weights come from that checkpoint, so
   // [model] init_checkpoint is not read.
   bool weights_from_ckpt = false;

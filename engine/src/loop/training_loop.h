@@ -110,8 +110,9 @@ class TrainingLoop final : public ITrainer,
   // Tells callbacks and the model that the run failed (on_exception); never throws.
   void notify_exception();
   // Writes the single-file checkpoint of the state restored from sharded directory `dir`: its
-  // meta.ckpt with the whole model and optimizer state, and the callback states its parts hold.
-  void write_consolidated(const std::string& path, const std::filesystem::path& dir);
+  // meta.ckpt with the whole model and optimizer state, and the callback states its parts hold; or,
+  // `weights_only` (restored so), a weights-only file: the header and the whole model state.
+  void write_consolidated(const std::string& path, const std::filesystem::path& dir, bool weights_only);
   // Starts the loggers (after restore, so they know the step a resumed run continues from).
   void setup_loggers(bool resuming);
   // True when fit() would train nothing more: the position (a restored one included) already

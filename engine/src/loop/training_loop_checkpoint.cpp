@@ -147,9 +147,18 @@ void TrainingLoop::save_checkpoint_async(const std::vector<std::string>& paths, 
 
 void TrainingLoop::finish_checkpoints() { runtime_->finish_background_save(); }
 
-void TrainingLoop::write_consolidated(const std::string& path, const std::filesystem::path& dir) {
+void TrainingLoop::write_consolidated(const std::string& path, const std::filesystem::path& dir, bool weights_only) {
   const auto meta = read_sharded_meta(dir);
   auto model_state = runtime_->state().full_model_state(/*rank0_only=*/true);
+  if (weights_only) {  // what save_weights_only writes: the header, the versions, the class names
+    auto ck = checkpoint_header(meta.at("epoch").toInt(), meta.at("global_step").toInt(), /*weights_only=*/true,
+                                meta.at("config").toStringRef());
+    for (const char* key : {"plugin_versions", "class_names"})
+      if (meta.contains(key)) ck.insert(key, meta.at(key));
+    ck.insert("state_dict", model_state);
+    save_checkpoint_file(path, ck);
+    return;
+  }
   const std::string optimizer_state = runtime_->state().full_optimizer_state(/*rank0_only=*/true);
   auto ck = checkpoint_dict();
   for (const auto& e : meta)

@@ -396,14 +396,22 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
       throw RunError(where + " is a sharded checkpoint directory (" + std::to_string(saved_world) + " parts, written by '" +
                      layout.at("strategy").toStringRef() + "'); resume it with that strategy, or make one file of it first: engine checkpoint consolidate " +
                      path.string() + " OUT.ckpt");
+    // Weights only (validate, test, predict, generate, a weights-only consolidation): the parts'
+    // optimizer state is not read, where the strategy can leave it out (IShardedModelState).
+    auto* model_alone = optimizer == Part::skip ? static_cast<IShardedModelState*>(strategy_.object->query_interface(kShardedModelStateIid))
+                                                : nullptr;
     try {
       states_dir_ = path;
       part_callback_states_.clear();
-      strategy_.object->load_sharded_state(saved_world, [&](int64_t k) {
+      auto read_part = [&](int64_t k) {
         auto file = read_sharded_part_file(path, k);
         part_callback_states_[k] = file.callback_states;
         return file.part;
-      });
+      };
+      if (model_alone != nullptr)
+        model_alone->load_sharded_model_state(saved_world, read_part);
+      else
+        strategy_.object->load_sharded_state(saved_world, read_part);
     } catch (const RunError& e) {
       throw RunError(where + ": " + e.what());
     } catch (const c10::Error& e) {

@@ -184,7 +184,8 @@ class Runtime {
   // What load_checkpoint restores besides the run's own tables, which stay the caller's.
   enum class Part { required, if_present, skip };
   // Restores the model's state (`model`) and the optimizer's (`optimizer`) from a checkpoint file
-  // or a sharded directory (re-sharded onto this run's ranks; it always carries both). Returns the
+  // or a sharded directory (re-sharded onto this run's ranks; it always carries both, and with
+  // `optimizer` skip only the model's part is read where the strategy answers IShardedModelState). Returns the
   // document's other tables (header, loops, rng, plugins, ...). Throws RunError starting with
   // "checkpoint PATH" for a missing required part, a state that does not fit, or a sharded
   // directory under a strategy that cannot read one (naming `engine checkpoint consolidate`).

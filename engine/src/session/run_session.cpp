@@ -193,7 +193,7 @@ RunSession::RunSession(const RunRequest& req) : plan_(make_plan(req)), request_(
   guarded([&] {
     loop_->setup();
     log_setup_memory();
-    if (!folder_.checkpoint.empty()) loop_->restore(folder_.checkpoint, /*weights_only=*/false);
+    if (!folder_.checkpoint.empty()) loop_->restore(folder_.checkpoint, /*weights_only=*/req.consolidate_weights_only);
     // A resumed run's own state already holds what it started from; --ckpt brings its own weights.
     else if (!req.weights_from_ckpt) loop_->load_init_checkpoint();
   });
@@ -389,7 +389,7 @@ MetricValues RunSession::validate(const std::string& checkpoint) { return evalua
 MetricValues RunSession::test(const std::string& checkpoint) { return evaluate(Split::test, checkpoint); }
 
 void RunSession::write_consolidated(const std::string& path) {
-  guarded([&] { loop_->write_consolidated(path, folder_.checkpoint); });
+  guarded([&] { loop_->write_consolidated(path, folder_.checkpoint, request_.consolidate_weights_only); });
 }
 
 void RunSession::finish(const std::string& status) {

@@ -50,7 +50,7 @@ class RunSession {
   // the run folder keeps config.toml and generated.txt.
   std::string generate(const std::string& checkpoint, const GenerationOptions& options, std::ostream& out);
   // `engine checkpoint consolidate`: writes the single-file checkpoint of the restored state.
-  void write_consolidated(const std::string& path);
+  void write_consolidated(const std::string& path);  // request's consolidate_to, weights only when it says so
   void finish(const std::string& status = "success");
 
   TrainingLoop& loop() { return *loop_; }
