@@ -317,6 +317,35 @@ TEST_F(TensorParallel, CheckpointsResumeAcrossMeshShapes) {
   for (int version : {1, 2}) EXPECT_LE(max_weight_difference(last_checkpoint(one), last_checkpoint(dirs, version)), 1e-5) << version;
 }
 
+// Weight averaging under a 2 (data parallel) x 2 (tensor parallel) sharded mesh keeps each rank's
+// shards of its tensor-parallel slices, cut for that mesh. Resumed on the same mesh it ends bit for
+// bit where the whole run does; on as many ranks with another tensor-parallel degree (whose shards
+// may have the same sizes and other elements) it is one line on every rank, before any step.
+TEST_F(TensorParallel, WeightAveragingResumesOnItsOwnMeshOnly) {
+  const std::vector<std::string> ema = {"--plugins", "ema,checkpoint", "--set", "ema.decay=0.9", "--set", "sharded.stage=3"};
+  TempDir whole("tensor_parallel"), stopped("tensor_parallel");
+  auto keys = ema;
+  keys.insert(keys.end(), {"--set", "trainer.max_epochs=2"});
+  mesh(whole, 4, 2, keys, "sharded");
+  auto first = ema;
+  first.insert(first.end(), {"--set", "trainer.max_epochs=1"});
+  mesh(stopped, 4, 2, first, "sharded");
+  std::vector<std::string> other = {"--plugins", "sharded,ema,checkpoint", "run.toml", "--set", "sharded.timeout=60.0", "--set",
+                                    "trainer.devices=4", "--set", "parallelism.tensor_parallel=1", "--set", "data.batch_size=3",
+                                    "--set", "ema.decay=0.9", "--set", "sharded.stage=3", "--set", "trainer.max_epochs=2", "--resume", "last"};
+  const auto r = run_engine(other, stopped.path(), {}, 180);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("callback 'ema' saved a state of its own on each of the 4 ranks that wrote it (its part of the strategy's shards), "
+                       "cut for another mesh than this run's (its tensor-parallel degree or pipeline stages): resume with the "
+                       "[parallelism] that wrote it, or without 'ema'"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("The size of tensor"), std::string::npos) << r.err;
+  keys.insert(keys.end(), {"--resume", "last"});
+  mesh(stopped, 4, 2, keys, "sharded");
+  expect_identical_weights(last_checkpoint(stopped), last_checkpoint(whole));
+}
+
 // The gpt language model's plan: GPT-2 (fused c_attn split in three blocks, Conv1D weights) under
 // ddp and Llama (grouped-query attention: 4 heads and 2 key/value heads over 2 ranks; an untied
 // lm_head) under sharded, each 2 (data parallel) x 2 (tensor parallel), end where single_device

@@ -87,10 +87,21 @@ RankStates gather_differing_states(const std::vector<std::pair<std::string, c10:
     }
     if (c.rank == 0) per_rank.insert(name, list);
   }
-  if (c.rank != 0 || (per_rank.empty() && in_parts.empty())) return out;
+  // Whether any state differs is known on every rank (the same extremes): then every rank's layout
+  // goes into the record (one all-reduce; each rank fills its own slot, the others 0; a MAX, which
+  // spans every rank where a SUM under a mesh spans the data-parallel ones).
+  bool any = !in_parts.empty();
+  for (int64_t i = 0; i < n && !any; ++i)
+    for (int64_t j = 0; j < kDigest; ++j) any = any || e[0][i * kDigest + j] != -e[1][i * kDigest + j];
+  if (!any) return out;
+  at::Tensor layouts = at::zeros({c.world}, at::kLong);
+  layouts[c.rank] = c.layout;
+  layouts = c.reduce(layouts.to(c.device), ReduceOp::max).to(at::kCPU);
+  if (c.rank != 0) return out;
   out.record.insert("world_size", c.world);
   out.record.insert("trains_shards", trains_shards);
   out.record.insert("with_tensors", with_tensors);
+  out.record.insert("layouts", c10::List<int64_t>(std::vector<int64_t>(layouts.data_ptr<int64_t>(), layouts.data_ptr<int64_t>() + c.world)));
   if (go == StatesGo::into_own_part)
     out.record.insert("in_parts", in_parts);
   else
@@ -100,8 +111,16 @@ RankStates gather_differing_states(const std::vector<std::pair<std::string, c10:
 
 bool states_in_parts(const c10::impl::GenericDict& by_rank) { return by_rank.contains("in_parts"); }
 
+bool shards_cut_otherwise(const c10::impl::GenericDict& by_rank, int64_t rank, int64_t world, int64_t layout,
+                          const std::function<bool(bool)>& any_rank) {
+  if (!by_rank.contains("layouts") || !by_rank.contains("world_size") || by_rank.at("world_size").toInt() != world) return false;
+  const auto layouts = by_rank.at("layouts").toIntVector();
+  const bool mine = rank >= static_cast<int64_t>(layouts.size()) || layouts[static_cast<size_t>(rank)] != layout;
+  return any_rank(mine);
+}
+
 c10::IValue state_for_rank(const std::string& name, const c10::IValue& shared, const c10::impl::GenericDict& by_rank,
-                           const c10::IValue& own_part, int64_t rank, int64_t world, const std::string& where) {
+                           const c10::IValue& own_part, int64_t rank, int64_t world, bool other_cut, const std::string& where) {
   auto listed = [](const c10::impl::GenericDict& d, const char* key, const std::string& n) {
     if (!d.contains(key)) return false;
     const auto list = d.at(key).toList();
@@ -112,12 +131,16 @@ c10::IValue state_for_rank(const std::string& name, const c10::IValue& shared, c
   const bool in_parts = listed(by_rank, "in_parts", name);
   if (!in_parts && !(by_rank.contains("states") && by_rank.at("states").toGenericDict().contains(name))) return shared;
   const int64_t saved = by_rank.at("world_size").toInt();
-  if (saved != world) {
+  if (saved != world || other_cut) {
     // Tensors in a state that differs per rank under a sharding strategy are that rank's shards
     // (weight averaging, pruning masks): they fit no other cut. A clock or a loss window is not
     // shaped by the ranks: every rank takes rank 0's, as before.
     const bool shards = by_rank.contains("trains_shards") && by_rank.at("trains_shards").toBool();
     if (!(shards && listed(by_rank, "with_tensors", name))) return shared;
+    if (saved == world)
+      throw RunError(where + ": callback '" + name + "' saved a state of its own on each of the " + std::to_string(saved) +
+                     " ranks that wrote it (its part of the strategy's shards), cut for another mesh than this run's (its "
+                     "tensor-parallel degree or pipeline stages): resume with the [parallelism] that wrote it, or without '" + name + "'");
     throw RunError(where + ": callback '" + name + "' saved a state of its own on each of the " + std::to_string(saved) +
                    " ranks that wrote it (its part of the strategy's shards), and this run has " + std::to_string(world) +
                    ": resume with " + std::to_string(saved) + " ranks, or without '" + name + "'");

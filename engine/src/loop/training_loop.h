@@ -214,6 +214,7 @@ class TrainingLoop final : public ITrainer,
   void check_saving_after_failure() const;
   void gather_rank_states(bool weights_only);
   void forget_rank_states();
+  int64_t shard_layout();  // RankCollectives::layout of this rank
   c10::IValue own_rank_states() const;  // rank_states_.own, None when empty
   // Throws when the data's class names are not the ones `ck` was trained on, in their order.
   void check_class_names(const c10::impl::GenericDict& ck, const std::string& where) const;

@@ -11,6 +11,7 @@
 
 #include <ember/predict.h>
 #include <ember/support/name_patterns.h>
+#include <ember/tensor_parallel.h>
 
 #include "checkpoint/checkpoint_document.h"
 #include "checkpoint/checkpoint_io.h"
@@ -112,9 +113,21 @@ void TrainingLoop::gather_rank_states(bool weights_only) {
   collectives.device = runtime_->root_device();
   collectives.reduce = [this](const at::Tensor& t, ReduceOp op) { return runtime_->reduce(t, op); };
   collectives.broadcast = [this](const at::Tensor& t, int64_t src) { return runtime_->broadcast(t, src); };
+  collectives.layout = shard_layout();
   // The same condition as the runtime's choice of a directory (the model and optimizer both saved).
   const StatesGo go = runtime_->writes_sharded_checkpoints() ? StatesGo::into_own_part : StatesGo::to_rank0;
   rank_states_ = gather_differing_states(taken_states_, /*trains_shards=*/true, go, collectives);
+}
+
+// What this rank trains (names and shard shapes) and its place in the mesh, as one number below 2^31
+// (exact through every reduction path, as the digests of rank_states.cpp).
+int64_t TrainingLoop::shard_layout() {
+  std::string text;
+  for (const auto& t : runtime_->state().trained_parameters()) text += t.name + c10::str(t.tensor.sizes()) + ";";
+  text += "dp " + std::to_string(runtime_->data_parallel_rank()) + "/" + std::to_string(runtime_->data_parallel_size());
+  if (const auto* mesh = static_cast<IDeviceMesh*>(runtime_->strategy_object().query_interface(kDeviceMeshIid)))
+    text += " tp " + std::to_string(mesh->tensor_parallel_rank()) + "/" + std::to_string(mesh->tensor_parallel_size());
+  return static_cast<int64_t>(std::hash<std::string>{}(text) & 0x7fffffffu);
 }
 
 void TrainingLoop::forget_rank_states() {
@@ -295,13 +308,17 @@ void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only,
   restore_one("data", *plugins_.data.object);
   auto callbacks = ck.at("callbacks").toGenericDict();
   const auto by_rank = ck.contains("callbacks_by_rank") ? ck.at("callbacks_by_rank").toGenericDict() : checkpoint_dict();
+  // Shards cut for another mesh fit no rank's state (rank_states.h); collective.
+  const bool other_cut = shards_cut_otherwise(by_rank, runtime_->rank(), runtime_->world_size(), shard_layout(),
+                                              [this](bool mine) { return runtime_->any_rank(mine); });
   // This rank's own states in its part of a sharded directory (rank_states.h), when the ranks match.
   c10::IValue own_part;
-  if (states_in_parts(by_rank) && by_rank.at("world_size").toInt() == runtime_->world_size())
+  if (states_in_parts(by_rank) && by_rank.at("world_size").toInt() == runtime_->world_size() && !other_cut)
     own_part = runtime_->part_callback_states(file, runtime_->rank());
   for (auto& c : plugins_.callbacks) {
     const c10::IValue shared = callbacks.contains(c.name) ? callbacks.at(c.name) : c10::IValue();
-    const c10::IValue state = state_for_rank(c.name, shared, by_rank, own_part, runtime_->rank(), runtime_->world_size(), where);
+    const c10::IValue state =
+        state_for_rank(c.name, shared, by_rank, own_part, runtime_->rank(), runtime_->world_size(), other_cut, where);
     if (!state.isNone()) c.object->load_state_dict(state);
   }
   auto loggers = ck.at("loggers").toGenericDict();
