@@ -52,11 +52,13 @@ RankStates gather_differing_states(const std::vector<std::pair<std::string, c10:
   auto e = extremes.accessor<int64_t, 2>();
   auto per_rank = checkpoint_dict();
   c10::List<std::string> with_tensors, in_parts;
+  bool any = false;  // known alike on every rank: the extremes are the same everywhere
   for (int64_t i = 0; i < n; ++i) {
     const auto& [name, state] = states[static_cast<size_t>(i)];
     bool differs = false;
     for (int64_t j = 0; j < kDigest; ++j) differs = differs || e[0][i * kDigest + j] != -e[1][i * kDigest + j];
     if (!differs) continue;
+    any = true;
     bool tensors = false;
     state.visit([&](const c10::IValue& v) {
       tensors = tensors || v.isTensor();
@@ -87,12 +89,9 @@ RankStates gather_differing_states(const std::vector<std::pair<std::string, c10:
     }
     if (c.rank == 0) per_rank.insert(name, list);
   }
-  // Whether any state differs is known on every rank (the same extremes): then every rank's layout
-  // goes into the record (one all-reduce; each rank fills its own slot, the others 0; a MAX, which
-  // spans every rank where a SUM under a mesh spans the data-parallel ones).
-  bool any = !in_parts.empty();
-  for (int64_t i = 0; i < n && !any; ++i)
-    for (int64_t j = 0; j < kDigest; ++j) any = any || e[0][i * kDigest + j] != -e[1][i * kDigest + j];
+  // When a state differs, every rank's layout goes into the record (one all-reduce; each rank fills
+  // its own slot, the others 0; a MAX, which spans every rank where a SUM under a mesh spans the
+  // data-parallel ones).
   if (!any) return out;
   at::Tensor layouts = at::zeros({c.world}, at::kLong);
   layouts[c.rank] = c.layout;

@@ -309,7 +309,8 @@ void TrainingLoop::restore(const std::filesystem::path& file, bool weights_only,
   auto callbacks = ck.at("callbacks").toGenericDict();
   const auto by_rank = ck.contains("callbacks_by_rank") ? ck.at("callbacks_by_rank").toGenericDict() : checkpoint_dict();
   // Shards cut for another mesh fit no rank's state (rank_states.h); collective.
-  const bool other_cut = shards_cut_otherwise(by_rank, runtime_->rank(), runtime_->world_size(), shard_layout(),
+  const bool other_cut = by_rank.contains("layouts") &&
+                         shards_cut_otherwise(by_rank, runtime_->rank(), runtime_->world_size(), shard_layout(),
                                               [this](bool mine) { return runtime_->any_rank(mine); });
   // This rank's own states in its part of a sharded directory (rank_states.h), when the ranks match.
   c10::IValue own_part;
