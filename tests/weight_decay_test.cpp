@@ -224,6 +224,31 @@ TEST(WeightDecay, BadSettingsAreOneLineWithTheirPlace) {
   EXPECT_EQ(factory_error("name = \"adamw\"\nno_weight_decay_1d = true\n"), "no error");
 }
 
+// A plugin that froze every parameter with fewer than 2 dimensions (lora: only the adapter matrices
+// train) leaves no_weight_decay_1d nothing to do in that run: one group, said in the summary, not
+// an error (a config shared with full fine-tuning keeps the key). A model with no such parameter
+// at all is still refused.
+TEST(WeightDecay, OneDimensionalParametersAllFrozenLeaveTheKeyMoot) {
+  const auto rc = optimizer_config("name = \"adamw\"\nweight_decay = 0.1\nno_weight_decay_1d = true\n");
+  NetModel model(false);
+  for (auto& p : model.module().named_parameters())
+    if (p.value().dim() < 2) p.value().set_requires_grad(false);
+  OptimizerFactory factory(model, "net", rc.section("optimizer"));
+  std::vector<ember::NamedTensor> trained;
+  for (const auto& p : model.named())
+    if (p.tensor.requires_grad()) trained.push_back(p);
+  const auto optimizer = factory.build(trained);
+  EXPECT_EQ(optimizer->param_groups().size(), 1u);
+  EXPECT_NE(factory.weight_decay_summary().find("on all 2 trained parameters (no_weight_decay_1d: the model's 3 parameters with fewer than 2 "
+                                                "dimensions are frozen here)"),
+            std::string::npos)
+      << factory.weight_decay_summary();
+  // Frozen matrices are no excuse: with the 1-D ones trained, the key splits as always.
+  for (auto& p : model.module().named_parameters()) p.value().set_requires_grad(p.key() != "wte.weight");
+  OptimizerFactory other(model, "net", rc.section("optimizer"));
+  EXPECT_NE(other.weight_decay_summary().find("on 1 parameters (16 elements), none on 3"), std::string::npos) << other.weight_decay_summary();
+}
+
 namespace {
 
 const std::string kRun = transformer_mesh_toml(2);

@@ -116,9 +116,12 @@ void OptimizerFactory::resolve_weight_decay() {
   const NamePatterns patterns(entries);
   std::vector<bool> matched(entries.size(), false);
   std::vector<std::string> names;
-  int64_t decayed_elements = 0, undecayed_elements = 0;
+  int64_t decayed_elements = 0, undecayed_elements = 0, frozen_1d = 0;
   for (const auto& p : model_.module().named_parameters()) {
-    if (!p.value().requires_grad()) continue;  // frozen (lora): not trained, not in the optimizer
+    if (!p.value().requires_grad()) {  // frozen (lora): not trained, not in the optimizer
+      frozen_1d += p.value().dim() < 2 ? 1 : 0;
+      continue;
+    }
     names.push_back(p.key());
     bool out = by_dimensions && p.value().dim() < 2;
     for (size_t i = 0; i < entries.size(); ++i)
@@ -132,6 +135,14 @@ void OptimizerFactory::resolve_weight_decay() {
       throw UsageError(section_.where("no_weight_decay") + ": optimizer.no_weight_decay entry \"" + entries[i] + "\" matches none of model '" +
                        model_name_ + "''s " + std::to_string(names.size()) + " trained parameters (" + examples() +
                        "): give the end of a name after a '.', or a regular expression matching whole names");
+  if (no_decay_.empty() && entries.empty() && frozen_1d > 0) {
+    // The model has such parameters, but a plugin froze them (lora: only the adapter matrices
+    // train): the key holds for the model and is simply moot for this run.
+    summary_ = "optimizer: weight decay " + decayed_weight(section_) + " on all " + std::to_string(names.size()) +
+               " trained parameters (no_weight_decay_1d: the model's " + std::to_string(frozen_1d) +
+               " parameters with fewer than 2 dimensions are frozen here)";
+    return;
+  }
   if (no_decay_.empty())
     throw UsageError(where + ": model '" + model_name_ + "' trains no parameter with fewer than 2 dimensions (" + examples() +
                      "), so every one keeps its weight decay: remove optimizer.no_weight_decay_1d");
