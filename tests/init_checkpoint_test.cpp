@@ -158,7 +158,9 @@ TEST(InitCheckpointRanks, ShardedStage3StartsFromTheWholeWeights) {
 // A sharded directory under sharded: each rank reads its shards of the weights from the parts (here
 // on 3 ranks from a 2-rank directory) and the optimizer stays this run's own, of another kind than
 // the directory's: the run ends bit for bit where the same run from the consolidated file does.
-// Under a strategy that cannot read the parts, and with init_exclude, it is one line naming
+// With init_exclude, a head for other classes keeps this run's initial values (the parts hold it in
+// another shape) and the body comes from the parts; without it, the head's shape is one line naming
+// init_exclude. Under a strategy that cannot read the parts it is one line naming
 // `engine checkpoint consolidate`.
 TEST(InitCheckpointRanks, ShardedDirectoryStartsLikeItsConsolidatedFile) {
   EMBER_SKIP_WITHOUT_MPI();
@@ -196,12 +198,27 @@ TEST(InitCheckpointRanks, ShardedDirectoryStartsLikeItsConsolidatedFile) {
                        " OUT.ckpt)"),
             std::string::npos)
       << e.err;
-  e = run_engine({"--plugins", "sharded", "run.toml", "--set", "model.init_checkpoint=\"" + dir.string() + "\"", "--set",
-                  "model.init_exclude=[\"head\"]"},
-                 single.path(), {}, 120);
-  EXPECT_NE(e.exit_code, 0);
-  EXPECT_NE(e.err.find("--set model.init_exclude=[\"head\"]: model.init_exclude needs a checkpoint file, and " + dir.string() +
-                       " is a sharded directory: make one file of it (engine checkpoint consolidate"),
+
+  // A 3-class head on the 4-class body, on 3 ranks; steps that cannot move a weight (start()).
+  TempDir headed("init_ckpt"), fresh("init_ckpt"), refused("init_ckpt");
+  auto on_three = sharded;
+  on_three.insert(on_three.end(), {"--set", "trainer.devices=3"});
+  auto with_init = on_three;
+  with_init.insert(with_init.end(), {"--set", "model.init_checkpoint=\"" + dir.string() + "\""});
+  auto excluding = with_init;
+  excluding.insert(excluding.end(), {"--set", "model.init_exclude=[\"head\"]"});
+  const auto h = start(headed, 3, excluding);
+  EXPECT_NE(h.err.find("except 2 tensors that keep their initial values here (e.g. 'head."), std::string::npos) << h.err;
+  start(fresh, 3, on_three);
+  EXPECT_LE(part_difference(file, last_checkpoint(headed), "fc1."), 1e-12);
+  EXPECT_LE(part_difference(last_checkpoint(fresh), last_checkpoint(headed), "head."), 1e-12);
+  EXPECT_GT(part_difference(last_checkpoint(fresh), last_checkpoint(headed), "fc1."), 1e-3);
+  write_file(refused / "run.toml", mlp_run(3));
+  with_init.push_back("run.toml");
+  e = run_engine(with_init, refused.path(), {}, 240);
+  EXPECT_EQ(e.exit_code, 1) << e.err;
+  EXPECT_NE(e.err.find("checkpoint " + dir.string() + ": 'head.weight' has shape [4, 8] but the model's is [3, 8] (was it saved from a "
+                       "model with other settings?); list what this model has anew (a head for other classes) in [model] init_exclude"),
             std::string::npos)
       << e.err;
 }

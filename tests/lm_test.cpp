@@ -265,20 +265,40 @@ TEST(LanguageModel, MidEpochResumeIsExact) {
 
 #ifdef EMBER_TEST_PYTHON
 // `engine export` writes a folder that transformers' AutoModelForCausalLM loads, for both layouts,
-// and it gives Ember's logits.
+// and it gives Ember's logits. A gpt2 built without biases (nanoGPT's bias = False, the Austen
+// config's) exports zero biases, which GPT2LMHeadModel always has: the same logits.
 TEST(LanguageModel, ExportLoadsInTransformersWithTheSameLogits) {
   TempDir dir("lm_export");
   write_lm_run(dir);
-  for (const std::string flavour : {"gpt2", "llama"}) {
-    run_engine_ok(dir, {"run.toml", "--set", "trainer.max_steps=5", "--set", "model.flavour=\"" + flavour + "\"", "--set",
-                        "trainer.version=" + std::string(flavour == "gpt2" ? "0" : "1")},
+  struct Case {
+    std::string flavour;
+    bool bias;
+  };
+  int version = 0;
+  for (const Case c : {Case{"gpt2", true}, Case{"llama", true}, Case{"gpt2", false}}) {
+    const std::string name = c.flavour + (c.bias ? "" : "_nobias");
+    run_engine_ok(dir, {"run.toml", "--set", "trainer.max_steps=5", "--set", "model.flavour=\"" + c.flavour + "\"", "--set",
+                        "trainer.version=" + std::to_string(version), "--set", std::string("model.bias=") + (c.bias ? "true" : "false")},
                   600);
-    const fs::path ckpt = dir / ("runs/run/version_" + std::string(flavour == "gpt2" ? "0" : "1") + "/checkpoints/last.ckpt");
-    const fs::path out = dir / ("export_" + flavour);
+    const fs::path ckpt = dir / ("runs/run/version_" + std::to_string(version++) + "/checkpoints/last.ckpt");
+    const fs::path out = dir / ("export_" + name);
     run_engine_ok(dir, {"export", ckpt.string(), out.string()});
-    const auto shape = ember_gpt::GptShape::from_hf_config((out / "config.json").string());
+    auto shape = ember_gpt::GptShape::from_hf_config((out / "config.json").string());
+    // The model as trained (without biases where it had none): the export's biases are zeros and
+    // nothing else.
+    shape.bias = c.bias;
     ember_gpt::GptNet net(shape);
-    ASSERT_TRUE(net.load_safetensors((out / "model.safetensors").string()).empty());
+    const auto unused = net.load_safetensors((out / "model.safetensors").string());
+    if (c.bias) {
+      EXPECT_TRUE(unused.empty()) << unused.front();
+    } else {
+      EXPECT_EQ(unused.size(), 2u * 6 + 1) << "per block ln_1, c_attn, c_proj, ln_2, c_fc, mlp.c_proj; and ln_f";
+      ember::support::SafetensorsFile exported((out / "model.safetensors").string());
+      for (const auto& u : unused) {
+        EXPECT_NE(u.find(".bias"), std::string::npos) << u;
+        EXPECT_EQ(exported.tensor(u).abs().max().item<double>(), 0.0) << u;
+      }
+    }
     net.eval();
     torch::NoGradGuard no_grad;
     const at::Tensor ids = at::randint(0, 34, {2, 9}, at::kLong);
@@ -289,8 +309,8 @@ TEST(LanguageModel, ExportLoadsInTransformersWithTheSameLogits) {
     ASSERT_EQ(r.exit_code, 0) << r.err;
     std::ifstream f(dir / "hf.json");
     const auto hf = nlohmann::json::parse(f);
-    EXPECT_EQ(hf["architecture"], flavour == "gpt2" ? "GPT2LMHeadModel" : "LlamaForCausalLM");
-    EXPECT_LT((net.forward(ids).to(at::kDouble) - tensor_from_json(hf["logits"])).abs().max().item<double>(), 1e-5) << flavour;
+    EXPECT_EQ(hf["architecture"], c.flavour == "gpt2" ? "GPT2LMHeadModel" : "LlamaForCausalLM");
+    EXPECT_LT((net.forward(ids).to(at::kDouble) - tensor_from_json(hf["logits"])).abs().max().item<double>(), 1e-5) << name;
   }
 }
 #endif

@@ -215,3 +215,94 @@ TEST(LanguageModel, LoraCheckpointsHoldTheAdaptersOnly) {
     EXPECT_LE(max_weight_difference(last("adapters"), last("sharded")), 1e-5);
   }
 }
+
+// A LoRA fine-tune starts from a pretraining run's checkpoint ([model] init_checkpoint), which has
+// no adapters: the base takes the pretrained weights and the adapters keep their initial values
+// (lora_B zero: the model starts as the pretrained one), said in the log; from a LoRA run's
+// checkpoint the adapters are its own. The same from a sharded directory under sharded stage 3.
+TEST(LanguageModel, LoraStartsFromAPretrainingCheckpoint) {
+  TempDir dir("lm_lora_init");
+  write_lm_run(dir);
+  auto run = [&](const std::string& name, std::vector<std::string> extra) {
+    std::vector<std::string> args = {"run.toml", "--set", "trainer.accelerator=\"cpu\"", "--set", "data.shuffle=false", "--set",
+                                     "trainer.val_check_interval=3", "--set", "trainer.name=\"" + name + "\""};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_engine_ok(dir, args, 600);
+  };
+  auto last = [&](const std::string& name) { return dir / ("runs/" + name + "/version_0/checkpoints/last.ckpt"); };
+  const std::vector<std::string> lora = {"--plugins", "lora", "--set", "lora.rank=4", "--set", "lora.alpha=8.0"};
+  // Steps that cannot move a float32 weight: the checkpoint holds what the run started from.
+  auto frozen_run = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), {"--set", "optimizer.lr=1e-30", "--set", "trainer.max_steps=1", "--set", "lora.save_frozen=true"});
+    extra.insert(extra.begin(), lora.begin(), lora.end());
+    return extra;
+  };
+  run("pre", {"--set", "trainer.max_steps=3"});
+  const std::string from_pre = "model.init_checkpoint=\"" + last("pre").string() + "\"";
+  const auto r = run("from_pre", frozen_run({"--set", from_pre}));
+  EXPECT_NE(r.err.find("except the 4 tensors 'lora' added, which it does not hold (e.g. 'transformer.h.0.attn.c_attn.lora_A'): they keep "
+                       "their initial values; the optimizer and the schedule start afresh"),
+            std::string::npos)
+      << r.err;
+  run("fresh", frozen_run({}));
+  const auto pre = weights(last("pre")), started = weights(last("from_pre")), fresh = weights(last("fresh"));
+  int base = 0, adapters = 0;
+  for (const auto& [name, t] : started) {
+    if (name.find(".lora_") != std::string::npos) {
+      ++adapters;
+      EXPECT_LE((t - fresh.at(name)).abs().max().item<double>(), 1e-12) << name << ": not the adapter's own initial value";
+    } else {
+      ++base;
+      ASSERT_TRUE(pre.count(name)) << name;
+      EXPECT_LE((t - pre.at(name)).abs().max().item<double>(), 1e-12) << name << ": not the pretrained weight";
+    }
+  }
+  EXPECT_EQ(adapters, 4);
+  EXPECT_EQ(base, static_cast<int>(pre.size()));
+  EXPECT_GT((pre.at("transformer.h.0.attn.c_attn.weight") - fresh.at("transformer.h.0.attn.c_attn.weight")).abs().max().item<double>(), 1e-4)
+      << "the pretraining moved the weights";
+
+  // The LoRA run's checkpoints keep the frozen base, whose values came from init_checkpoint: a
+  // resume (which does not read init_checkpoint) goes on from them.
+
+  // A LoRA run's checkpoint (adapters trained, the frozen base left out): its adapters are taken.
+  auto trained = lora;
+  trained.insert(trained.end(), {"--set", from_pre});
+  auto first = trained;
+  first.insert(first.end(), {"--set", "trainer.max_steps=3"});
+  const auto l = run("lora", first);
+  EXPECT_NE(l.err.find("checkpoints keep the 28 frozen parameters (28032 elements) that 'lora' would leave out: their values come from "
+                       "model.init_checkpoint"),
+            std::string::npos)
+      << l.err;
+  trained.insert(trained.end(), {"--set", "trainer.max_steps=5", "--resume", "last"});
+  const auto resumed = run("lora", trained);
+  EXPECT_NE(resumed.err.find("resumed from"), std::string::npos) << resumed.err;
+  const auto again = run("from_lora", frozen_run({"--set", "model.init_checkpoint=\"" + last("lora").string() + "\""}));
+  EXPECT_EQ(again.err.find("which it does not hold"), std::string::npos) << again.err;
+  const auto lora_trained = weights(last("lora")), from_lora = weights(last("from_lora"));
+  for (const auto& [name, t] : lora_trained) EXPECT_LE((t - from_lora.at(name)).abs().max().item<double>(), 1e-12) << name;
+  EXPECT_GT(from_lora.at("transformer.h.0.attn.c_attn.lora_B").abs().max().item<double>(), 0.0);
+
+  if (EMBER_TEST_WITH_MPI) {
+    const std::vector<std::string> sharded = {"--plugins", "sharded", "--set", "sharded.stage=3", "--set", "trainer.devices=2", "--set",
+                                              "data.batch_size=4", "--set", "sharded.timeout=60.0"};
+    auto pre_dir = sharded;
+    pre_dir.insert(pre_dir.end(), {"--set", "trainer.max_steps=3", "--set", "sharded.state_dict_type=\"sharded\""});
+    run("pre_dir", pre_dir);
+    const fs::path consolidated = dir / "pre_dir.ckpt";
+    const auto c = run_engine({"checkpoint", "consolidate", last("pre_dir").string(), consolidated.string()}, dir.path(), {}, 120);
+    ASSERT_EQ(c.exit_code, 0) << c.err;
+    auto from_dir = frozen_run({"--set", "model.init_checkpoint=\"" + last("pre_dir").string() + "\""});
+    from_dir.insert(from_dir.end(), sharded.begin(), sharded.end());
+    const auto d = run("from_dir", from_dir);
+    EXPECT_NE(d.err.find("(4 tensors it lacks keep their own values)"), std::string::npos) << d.err;
+    const auto whole = weights(consolidated), started_dir = weights(last("from_dir"));
+    for (const auto& [name, t] : started_dir) {
+      if (name.find(".lora_") != std::string::npos)
+        EXPECT_LE((t - fresh.at(name)).abs().max().item<double>(), 1e-12) << name << ": not the adapter's own initial value";
+      else
+        EXPECT_LE((t - whole.at(name)).abs().max().item<double>(), 1e-12) << name << ": not the pretrained weight";
+    }
+  }
+}

@@ -48,7 +48,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("kv_heads", "0", "llama: key/value heads (grouped-query attention), dividing heads; 0 = heads.").at_least(0),
     ember::key::Int("width", "768", "Model width (n_embd / hidden_size).").at_least(1),
     ember::key::Int("ff_width", "0", "The MLP's inner width; 0 = 4 x width (gpt2) or 8/3 x width rounded up to a multiple of 64 (llama).").at_least(0),
-    ember::key::Bool("bias", "true", "gpt2: biases in the linear layers and LayerNorms (nanoGPT's bias; false is faster, but transformers' GPT-2 cannot load it)."),
+    ember::key::Bool("bias", "true", "gpt2: biases in the linear layers and LayerNorms (nanoGPT's bias; false is faster, and engine export writes zeros for them, which transformers' GPT-2 always has)."),
     ember::key::Bool("tied", "true", "The output layer is the token embedding (GPT-2's tie_word_embeddings)."),
     ember::key::Float("dropout", "0.0", "Dropout on embeddings, attention and residual branches, in [0, 1).").at_least(0.0).below(1.0),
     ember::key::Float("norm_eps", "1e-5", "Epsilon of LayerNorm (gpt2) or RMSNorm (llama).").above(0.0),
@@ -97,6 +97,7 @@ class Gpt final : public ember::IModel,
                   public ember::ICausalLanguageModel,
                   public ember::ILinearLayers,
                   public ember::IExportableModel2,
+                  public ember::IExportedExtraTensors,
                   public ember::ITensorParallelModel,
                   public ember::IPipelineModel {
  public:
@@ -148,6 +149,7 @@ class Gpt final : public ember::IModel,
     if (std::strcmp(iid, ember::kExportableModel2Iid) == 0) return static_cast<ember::IExportableModel2*>(this);
     if (std::strcmp(iid, ember::kLinearLayersIid) == 0) return static_cast<ember::ILinearLayers*>(this);
     if (std::strcmp(iid, ember::kExportableModelIid) == 0) return static_cast<ember::IExportableModel*>(this);
+    if (std::strcmp(iid, ember::kExportedExtraTensorsIid) == 0) return static_cast<ember::IExportedExtraTensors*>(this);
     if (std::strcmp(iid, ember::kTensorParallelModelIid) == 0) return static_cast<ember::ITensorParallelModel*>(this);
     if (std::strcmp(iid, ember::kPipelineModelIid) == 0) return static_cast<ember::IPipelineModel*>(this);
     return unit_model_interface(iid);
@@ -226,10 +228,26 @@ class Gpt final : public ember::IModel,
   std::string exported_name(const std::string& name) const override { return name; }
   std::vector<std::pair<std::string, std::string>> exported_files() const override { return exported_files_with_classes({}); }
   std::vector<std::pair<std::string, std::string>> exported_files_with_classes(const std::vector<std::string>&) const override {
-    const auto& s = net_->shape();
-    if (s.flavour == Flavour::gpt2 && !s.bias)
-      throw ember::RunError("gpt: a gpt2 model without biases (model.bias = false) has no transformers layout: GPT2LMHeadModel always has them");
-    return {{"config.json", s.hf_config_json()}};
+    return {{"config.json", net_->shape().hf_config_json()}};
+  }
+  // IExportedExtraTensors: GPT2LMHeadModel always has biases (its Conv1D layers and LayerNorms); a
+  // gpt2 built without them (model.bias = false) exports zeros there, which compute the same.
+  std::vector<ember::NamedTensor> exported_extra_tensors() const override {
+    std::vector<ember::NamedTensor> zeros;
+    if (net_->shape().flavour != Flavour::gpt2 || net_->shape().bias) return zeros;
+    for (const auto& item : net_->named_modules("", /*include_self=*/false)) {
+      const at::Tensor* weight = nullptr;
+      int64_t size = 0;
+      if (const auto* conv = dynamic_cast<const ember_gpt::Conv1DImpl*>(item.value().get()); conv && !conv->bias.defined()) {
+        weight = &conv->weight;
+        size = conv->weight.size(1);  // [in, out]
+      } else if (const auto* norm = dynamic_cast<const ember_gpt::NormImpl*>(item.value().get()); norm && !norm->bias.defined()) {
+        weight = &norm->weight;
+        size = norm->weight.size(0);
+      }
+      if (weight != nullptr) zeros.push_back({item.key() + ".bias", at::zeros({size}, weight->options().device(at::kCPU))});
+    }
+    return zeros;
   }
   std::string export_note() const override {
     return c10::str("transformers: AutoModelForCausalLM.from_pretrained(folder) (",

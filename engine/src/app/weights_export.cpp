@@ -191,6 +191,13 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
           if (!to.empty()) renamed.emplace_back(std::move(to), t);
         }
         state = std::move(renamed);
+        if (auto* extra = static_cast<IExportedExtraTensors*>(model.object->query_interface(kExportedExtraTensorsIid)))
+          for (auto& t : extra->exported_extra_tensors()) {
+            for (const auto& [name, _] : state)
+              if (name == t.name)
+                throw RunError("model '" + model.name + "' asks to export an extra tensor '" + t.name + "', which its weights hold already");
+            state.emplace_back(t.name, t.tensor);
+          }
         files = exportable2 ? exportable2->exported_files_with_classes(class_names(checkpoint, ckpt)) : exportable->exported_files();
         note = exportable->export_note();
       }

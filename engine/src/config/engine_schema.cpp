@@ -92,7 +92,7 @@ constexpr EmberConfigKey kOptimizerKeys[] = {
 
 constexpr EmberConfigKey kModelBaseKeys[] = {
     String("name", nullptr, "Model plugin to train (e.g. cnn, mlp)."),
-    String("init_checkpoint", nullptr, "An Ember checkpoint file (full or weights only) whose model weights the run starts from, with a fresh optimizer, schedule and position (Lightning's load_from_checkpoint, then fit): pretraining then fine-tuning, a linear probe then full fine-tuning. A run that resumes (--resume, a restarted job) takes its own checkpoint instead. A sharded checkpoint directory works under sharded and offload (each rank reads only its shards of the weights); under another strategy, or with init_exclude, make one file of it first: engine checkpoint consolidate."),
+    String("init_checkpoint", nullptr, "An Ember checkpoint file (full or weights only) whose model weights the run starts from, with a fresh optimizer, schedule and position (Lightning's load_from_checkpoint, then fit): pretraining then fine-tuning, a linear probe then full fine-tuning. A run that resumes (--resume, a restarted job) takes its own checkpoint instead. A sharded checkpoint directory works under sharded and offload (each rank reads only its shards of the weights, init_exclude too); under another strategy, make one file of it first: engine checkpoint consolidate."),
     StringList("init_exclude", "[]", "Parameters and buffers that keep this run's own initial values instead of init_checkpoint's: a module's name (\"head\" takes head.*), a tensor's whole name, or a regular expression matching whole names; e.g. the head when the number of classes changed. Every entry must match a tensor of the model."),
 };
 

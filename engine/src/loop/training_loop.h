@@ -263,6 +263,10 @@ class TrainingLoop final : public ITrainer,
   std::string rollback_path_;
   bool attached_ = false;
   BackboneFreeze backbone_freeze_;  // optimizer.backbone_unfreeze_at_epoch
+  // The tensors plugins added to the model (IModelTransform: LoRA's adapters), by name, and which
+  // plugins added them: a pretraining run's checkpoint does not hold them, so init_checkpoint
+  // takes them from it only where it does.
+  std::vector<std::string> added_by_transforms_, transforming_plugins_;
   // How a step runs (micro-batches, the optimizer step, the CUDA graph, a step's logging); last:
   // it refers to the runtime, the model, the metric stores and the settings above.
   std::unique_ptr<StepRunner> steps_;

@@ -4,6 +4,8 @@
 #include "loop/training_loop.h"
 
 #include <algorithm>
+#include <functional>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -218,12 +220,6 @@ void TrainingLoop::load_init_checkpoint() {
   if (!std::filesystem::exists(file, ec))
     throw UsageError(where + ": no such file (give the path of a .ckpt an earlier run wrote, e.g. runs/NAME/version_0/checkpoints/last.ckpt)");
   const NamePatterns exclude(m.get_string_list("init_exclude"), NameRule::module);
-  // A sharded directory's parts are read by the strategy as they are, with no whole tensors to pick
-  // from (and a kept tensor may have another shape there).
-  if (exclude.size() > 0 && is_sharded_checkpoint(file))
-    throw UsageError(m.where("init_exclude") + ": model.init_exclude needs a checkpoint file, and " + file.string() +
-                     " is a sharded directory: make one file of it (engine checkpoint consolidate " + file.string() +
-                     " OUT.ckpt) and start from that, or remove init_exclude");
   std::vector<std::string> names;
   for (const auto& p : module().named_parameters()) names.push_back(p.key());
   for (const auto& b : module().named_buffers()) names.push_back(b.key());
@@ -233,15 +229,29 @@ void TrainingLoop::load_init_checkpoint() {
                        plugins_.model.name + "' (e.g. '" + (names.empty() ? std::string("none") : names.front()) +
                        "'): give a module's name (\"head\" takes head.*), or a regular expression matching whole names");
   std::vector<std::string> kept;
-  runtime_->load_initial_weights(file, [&](const std::string& name) {
-    if (!exclude.matches(name)) return false;
-    kept.push_back(name);
-    return true;
-  });
+  for (const auto& name : names)
+    if (exclude.matches(name)) kept.push_back(name);
+  // What plugins added (LoRA's adapters) comes from the checkpoint where it holds it (a LoRA run's)
+  // and keeps its own initial values where it does not (a pretraining run's).
+  const std::set<std::string> added(added_by_transforms_.begin(), added_by_transforms_.end());
+  std::function<InitialTensor(const std::string&)> pick;  // (none: every tensor from the checkpoint)
+  if (exclude.size() > 0 || !added.empty())
+    pick = [&](const std::string& name) {
+      if (exclude.matches(name)) return InitialTensor::own;
+      return added.count(name) ? InitialTensor::from_checkpoint_if_saved : InitialTensor::from_checkpoint;
+    };
+  std::vector<std::string> absent;
+  runtime_->load_initial_weights(file, pick, &absent);
   if (rank() != 0) return;
   std::string line = "model: weights from " + file.string();
   if (!kept.empty())
     line += " except " + std::to_string(kept.size()) + " tensors that keep their initial values here (e.g. '" + kept.front() + "')";
+  if (!absent.empty()) {
+    std::string by;
+    for (size_t i = 0; i < transforming_plugins_.size(); ++i) by += (i ? ", '" : "'") + transforming_plugins_[i] + "'";
+    line += std::string(kept.empty() ? " except" : ", and") + " the " + std::to_string(absent.size()) + " tensors " + by +
+            " added, which it does not hold (e.g. '" + absent.front() + "'): they keep their initial values";
+  }
   log::info(line + "; the optimizer and the schedule start afresh");
 }
 

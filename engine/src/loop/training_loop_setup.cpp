@@ -3,6 +3,7 @@
 // on the device, the CUDA graph, the plugins handed the trainer; the loggers started; the run's
 // end reported to loggers and the runtime torn down.
 #include <filesystem>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -42,9 +43,26 @@ void TrainingLoop::setup() {
   // memory format.
   if (feed_options_.channels_last) to_channels_last(model.module());
   // Plugins that change the model (LoRA) do it before anything converts, places or shards it.
+  auto tensor_names = [&] {
+    std::set<std::string> names;
+    for (const auto& p : model.module().named_parameters()) names.insert(p.key());
+    for (const auto& b : model.module().named_buffers()) names.insert(b.key());
+    return names;
+  };
+  std::set<std::string> before = tensor_names();
   for (auto& c : plugins_.callbacks)
-    if (auto* transform = static_cast<IModelTransform*>(c.object->query_interface(kModelTransformIid)))
+    if (auto* transform = static_cast<IModelTransform*>(c.object->query_interface(kModelTransformIid))) {
       transform->transform_model(model, plugins_.model.name);
+      std::set<std::string> after = tensor_names();
+      size_t added = 0;
+      for (const auto& name : after)
+        if (!before.count(name)) {
+          added_by_transforms_.push_back(name);
+          ++added;
+        }
+      if (added > 0) transforming_plugins_.push_back(c.name);
+      before = std::move(after);
+    }
   omit_frozen_from_checkpoints(model);
   // A language model must know every token id its data makes (else the first batch fails deep
   // inside an embedding lookup).
@@ -87,6 +105,16 @@ void TrainingLoop::omit_frozen_from_checkpoints(IModel& model) {
       elements += item.value().numel();
     }
   if (names.empty()) return;
+  // Weights from [model] init_checkpoint are not how the model is built: a resume, generate or
+  // export of a checkpoint without them would rebuild other frozen values (and refuse it).
+  const auto& m = config_.section("model");
+  if (m.has("init_checkpoint") && !m.get_string("init_checkpoint").empty()) {
+    if (rank() == 0)
+      log::info("checkpoints keep the " + std::to_string(names.size()) + " frozen parameters (" + std::to_string(elements) +
+                " elements) that '" + asked + "' would leave out: their values come from model.init_checkpoint, which loading a "
+                "checkpoint (a resume, generate, export) does not read");
+    return;
+  }
   if (rank() == 0)
     log::info("checkpoints leave out the " + std::to_string(names.size()) + " frozen parameters (" + std::to_string(elements) +
               " elements), as '" + asked + "' asks: loading one takes them from the model as it is built");

@@ -325,22 +325,40 @@ c10::IValue Runtime::part_callback_states(const std::filesystem::path& dir, int6
   }
 }
 
-c10::impl::GenericDict Runtime::load_initial_weights(const std::filesystem::path& path, const std::function<bool(const std::string&)>& keep_own) {
+c10::impl::GenericDict Runtime::load_initial_weights(const std::filesystem::path& path, const std::function<InitialTensor(const std::string&)>& pick,
+                                                     std::vector<std::string>* kept_absent) {
   const std::string where = "checkpoint " + path.string();
+  auto source = [&](const std::string& name) { return pick ? pick(name) : InitialTensor::from_checkpoint; };
   if (is_sharded_checkpoint(path)) {
     // Each rank reads the parts holding its own shards of the weights; the optimizer stays fresh.
     auto* model_parts = static_cast<IShardedModelState*>(strategy_.object->query_interface(kShardedModelStateIid));
-    if (model_parts == nullptr)
+    auto* selective = static_cast<IShardedModelStateSelective*>(strategy_.object->query_interface(kShardedModelStateSelectiveIid));
+    if (model_parts == nullptr && selective == nullptr)
       throw RunError(where + " is a sharded checkpoint directory, which strategy '" + strategy_.name +
                      "' cannot start from: start under one that can (--plugins sharded or offload), or make one file of it first "
                      "(engine checkpoint consolidate " + path.string() + " OUT.ckpt) and start from that file");
+    if (pick && selective == nullptr)  // (built against SDK 2.23)
+      throw RunError(where + " is a sharded checkpoint directory, from which strategy '" + strategy_.name +
+                     "' cannot leave out tensors ([model] init_exclude, or what a plugin added to the model): make one file of it "
+                     "first (engine checkpoint consolidate " + path.string() +
+                     " OUT.ckpt) and start from that file, or rebuild the strategy against Ember SDK 2.24");
     c10::impl::GenericDict ck = checkpoint_dict();
     try {
       ck = read_sharded_meta(path);
-      model_parts->load_sharded_model_state(ck.at("sharded").toGenericDict().at("world_size").toInt(),
-                                            [&](int64_t k) { return read_sharded_part(path, k); });
+      const int64_t saved_world = ck.at("sharded").toGenericDict().at("world_size").toInt();
+      auto read_part = [&](int64_t k) { return read_sharded_part(path, k); };
+      if (selective != nullptr)
+        selective->load_sharded_model_state_selective(saved_world, read_part, source);
+      else
+        model_parts->load_sharded_model_state(saved_world, read_part);
     } catch (const RunError& e) {
-      throw RunError(where + ": " + e.what());
+      // A tensor the parts lack or hold in another shape: the model's new parts, if it has some.
+      const std::string what = e.what();
+      const bool model_differs = what.find("' has shape ") != std::string::npos || what.find("lacks ") != std::string::npos;
+      throw RunError(where + ": " + what +
+                     (model_differs ? "; list what this model has anew (a head for other classes) in [model] init_exclude to keep its own "
+                                      "initial values, or start from a checkpoint of this model"
+                                    : ""));
     } catch (const c10::Error& e) {
       throw RunError(where + ": its weights do not fit this model (" + std::string(e.what_without_backtrace()).substr(0, 160) +
                      "); start from a checkpoint of this model");
@@ -357,11 +375,13 @@ c10::impl::GenericDict Runtime::load_initial_weights(const std::filesystem::path
   c10::Dict<std::string, at::Tensor> state;
   for (const auto& e : own) {
     const std::string& name = e.key();
-    if (keep_own(name)) {
+    const InitialTensor from = source(name);
+    auto it = saved.find(name);
+    if (from == InitialTensor::own || (from == InitialTensor::from_checkpoint_if_saved && it == saved.end())) {
+      if (from != InitialTensor::own && kept_absent != nullptr) kept_absent->push_back(name);
       state.insert(name, e.value());
       continue;
     }
-    auto it = saved.find(name);
     if (it == saved.end()) continue;  // reported below, with every other one
     if (it->value().sizes() != e.value().sizes())
       throw RunError(where + ": '" + name + "' has shape " + c10::str(it->value().sizes()) + " there and " + c10::str(e.value().sizes()) +

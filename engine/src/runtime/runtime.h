@@ -197,14 +197,17 @@ class Runtime {
   // (None when it wrote none): kept from load_checkpoint's read of that part, else read now.
   c10::IValue part_callback_states(const std::filesystem::path& dir, int64_t k);
   // [model] init_checkpoint: the model's state from checkpoint file `path` (full or weights only;
-  // its optimizer, loop and plugin states are not read), except the tensors `keep_own` selects,
-  // which keep this run's own initial values. Or from a sharded directory, under a strategy that
-  // answers IShardedModelState (each rank reads its shards; `keep_own` must select nothing: the
-  // caller refuses init_exclude with a directory). Returns the document's other tables. Throws
+  // its optimizer, loop and plugin states are not read), each tensor from where `pick` says (all
+  // from the checkpoint where `pick` is empty): init_exclude's keep this run's own initial values,
+  // and what a plugin added to the model (LoRA's adapters) comes from the checkpoint where it holds
+  // it (the names that kept their values because it does not go to `kept_absent`; a directory's
+  // strategy logs their count). Or from a sharded directory, under a strategy that answers
+  // IShardedModelState(Selective) (each rank reads its shards). Returns the document's other tables. Throws
   // RunError starting with "checkpoint PATH" for a sharded directory another strategy cannot read
   // (naming consolidate), a file without a model state, or a state that lacks or misfits a tensor
-  // that is not kept.
-  c10::impl::GenericDict load_initial_weights(const std::filesystem::path& path, const std::function<bool(const std::string&)>& keep_own);
+  // that must come from it.
+  c10::impl::GenericDict load_initial_weights(const std::filesystem::path& path, const std::function<InitialTensor(const std::string&)>& pick,
+                                              std::vector<std::string>* kept_absent = nullptr);
   // Checkpoint files written from here on leave out these (frozen) parameters, recording them
   // (omitted_parameters.h); loading such a file takes them from this run's model. Sharded
   // directories and `engine checkpoint consolidate` keep everything.

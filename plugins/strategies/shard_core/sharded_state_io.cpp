@@ -334,7 +334,10 @@ at::Tensor whole_indices(const Slice& s, const std::vector<int64_t>& whole_shape
 // only one read. Otherwise the first part (world rank 0's) follows, whose list of every part's
 // layout says which others hold something still missing.
 int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
-                                           const std::function<c10::IValue(int64_t)>& read_part, bool with_optimizer) {
+                                           const std::function<c10::IValue(int64_t)>& read_part, bool with_optimizer,
+                                           const Pick& pick, int64_t* kept) {
+  if (with_optimizer && pick) throw std::logic_error("load_sharded_state: pick is for the model alone");
+  auto source = [&](const std::string& name) { return pick ? pick(name) : ember::InitialTensor::from_checkpoint; };
   if (saved_world < 1) throw ember::RunError("the sharded checkpoint says it was written by " + std::to_string(saved_world) + " ranks");
   const int64_t me = c_.comm.rank();
   int64_t start = me < saved_world ? me : 0;
@@ -365,6 +368,7 @@ int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::opt
     std::vector<std::pair<std::string, at::Tensor*>> fields;  // the optimizer state to fill
     at::Tensor filled;                                         // which of the valid elements arrived
     at::Tensor sorted, order;                                  // their whole indices, sorted (across degrees)
+    ember::InitialTensor source = ember::InitialTensor::from_checkpoint;
   };
   std::vector<Need> needs(t_.params.size());
   std::map<std::string, size_t> by_name;
@@ -377,6 +381,11 @@ int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::opt
       n.whole_shape[it->second.dim] *= tp_.size;
     }
     n.filled = at::zeros({n.p->valid}, at::kBool);
+    n.source = source(n.p->name);
+    if (n.source == ember::InitialTensor::own) {
+      n.filled.fill_(true);  // (its own value stays: the parts' entry, of any shape, is not looked at)
+      continue;
+    }
     by_name.emplace(n.p->name, i);
   }
   for (auto& group : optimizer.param_groups())
@@ -391,7 +400,12 @@ int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::opt
       });
     }
   std::map<std::string, bool> buffer_found;
-  for (const auto& b : module.named_buffers()) buffer_found[b.key()] = false;
+  std::map<std::string, bool> buffer_optional;  // from_checkpoint_if_saved
+  for (const auto& b : module.named_buffers()) {
+    const auto from = source(b.key());
+    buffer_found[b.key()] = from == ember::InitialTensor::own;
+    if (from == ember::InitialTensor::from_checkpoint_if_saved) buffer_optional[b.key()] = true;
+  }
 
   at::NoGradGuard no_grad;
   const int64_t rank = c_.rank();  // this rank's place among the shards (of its replica)
@@ -550,15 +564,27 @@ int64_t ShardedStateIO::load_sharded_state(torch::nn::Module& module, torch::opt
       take(read_part(k).toGenericDict(), k);
     }
   }
+  int64_t absent = 0;
   for (const auto& n : needs) {
     const int64_t got = n.filled.sum().item<int64_t>();
     if (got == n.p->valid) continue;
+    if (got == 0 && n.source == ember::InitialTensor::from_checkpoint_if_saved) {
+      ++absent;  // not saved there: it keeps its value
+      continue;
+    }
     if (got == 0) throw ember::RunError("lacks parameter '" + n.p->name + "' (was it saved from another model?)");
     throw ember::RunError("holds " + std::to_string(got) + " of the " + std::to_string(n.p->valid) + " elements of '" + n.p->name +
                           "' this rank needs (a damaged checkpoint?)");
   }
-  for (const auto& [name, found] : buffer_found)
-    if (!found) throw ember::RunError("lacks buffer '" + name + "' (was it saved from another model?)");
+  for (const auto& [name, found] : buffer_found) {
+    if (found) continue;
+    if (buffer_optional.count(name)) {
+      ++absent;
+      continue;
+    }
+    throw ember::RunError("lacks buffer '" + name + "' (was it saved from another model?)");
+  }
+  if (kept != nullptr) *kept = absent;
   return parts_read;
 }
 

@@ -7,6 +7,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <ember/strategy.h>
 #include <ember/tensor_parallel.h>
 
 #include <functional>
@@ -40,9 +41,13 @@ class ShardedStateIO {
   // Reads the parts this rank needs, its own first (on the mesh that saved them, the only one), and
   // returns how many it read (until nothing is missing when the first part lists no layouts:
   // directories written before parts recorded them). Without `with_optimizer` the parameters and
-  // buffers alone: the optimizer and its state stay as they are.
+  // buffers alone: the optimizer and its state stay as they are, and `pick` (only then) may say
+  // where each tensor comes from (ember::IShardedModelStateSelective); `kept`, when given, counts
+  // the tensors that kept their own values because the parts lack them (from_checkpoint_if_saved).
+  using Pick = std::function<ember::InitialTensor(const std::string&)>;
   int64_t load_sharded_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, int64_t saved_world,
-                             const std::function<c10::IValue(int64_t)>& read_part, bool with_optimizer = true);
+                             const std::function<c10::IValue(int64_t)>& read_part, bool with_optimizer = true,
+                             const Pick& pick = {}, int64_t* kept = nullptr);
 
   // Tensor parallelism (zero_setup.cpp): the whole tensor of a parameter (or of its optimizer
   // state) from this rank's tensor-parallel slice, collective over the tensor-parallel ranks, and

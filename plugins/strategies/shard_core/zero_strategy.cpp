@@ -42,6 +42,7 @@ using namespace ember_dist;
 void* ZeroStrategy::query_interface(const char* iid) {
   if (std::strcmp(iid, ember::kShardedCheckpointsIid) == 0) return this;
   if (std::strcmp(iid, ember::kShardedModelStateIid) == 0) return static_cast<ember::IShardedModelState*>(this);
+  if (std::strcmp(iid, ember::kShardedModelStateSelectiveIid) == 0) return static_cast<ember::IShardedModelStateSelective*>(this);
   if (std::strcmp(iid, ember::kDeviceMeshIid) == 0) return static_cast<ember::IDeviceMesh*>(this);
   if (std::strcmp(iid, ember::kDeferredInitIid) == 0) return static_cast<ember::IDeferredInit*>(this);
   if (std::strcmp(iid, ember::kDeferredInitPlanIid) == 0) return static_cast<ember::IDeferredInitPlan*>(this);

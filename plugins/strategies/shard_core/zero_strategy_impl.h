@@ -48,7 +48,8 @@ class ZeroStrategy final : public ember::IStrategy,
                            public ember::IDeferredInit,
                            public ember::IDeferredInitPlan,
                            public ember::IPipelineParallel,
-                           public ember::IShardedModelState {
+                           public ember::IShardedModelState,
+                           public ember::IShardedModelStateSelective {
  public:
   ZeroStrategy(ember::IHost& host, const ember::IConfig& cfg, ZeroOptions o)
       : host_(host),
@@ -188,9 +189,17 @@ class ZeroStrategy final : public ember::IStrategy,
   }
   // IShardedModelState: the model alone ([model] init_checkpoint of a sharded directory).
   void load_sharded_model_state(int64_t saved_world, const std::function<c10::IValue(int64_t)>& read_part) override {
-    const int64_t read = io_.load_sharded_state(*module_, *optimizer_, saved_world, read_part, /*with_optimizer=*/false);
+    load_sharded_model_state_selective(saved_world, read_part, {});
+  }
+  // IShardedModelStateSelective: the same with [model] init_exclude's tensors keeping their values,
+  // and what a plugin added to the model (LoRA) taken only where the parts hold it.
+  void load_sharded_model_state_selective(int64_t saved_world, const std::function<c10::IValue(int64_t)>& read_part,
+                                          const std::function<ember::InitialTensor(const std::string&)>& pick) override {
+    int64_t kept = 0;
+    const int64_t read = io_.load_sharded_state(*module_, *optimizer_, saved_world, read_part, /*with_optimizer=*/false, pick, &kept);
     host_.log(ember::LogLevel::info, o_.name + ": read the model's part of " + std::to_string(read) + " of the " +
-                                         std::to_string(saved_world) + " parts of the sharded checkpoint");
+                                         std::to_string(saved_world) + " parts of the sharded checkpoint" +
+                                         (kept > 0 ? " (" + std::to_string(kept) + " tensors it lacks keep their own values)" : std::string()));
     parameters_changed();
   }
 

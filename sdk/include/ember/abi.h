@@ -16,7 +16,7 @@
 #include <stdint.h>
 
 #define EMBER_SDK_ABI_MAJOR 2
-#define EMBER_SDK_ABI_MINOR 23
+#define EMBER_SDK_ABI_MINOR 24
 #define EMBER_PLUGIN_MAGIC 0x454D4252u /* "EMBR" */
 #define EMBER_PLUGIN_ENTRY_SYMBOL "ember_plugin_descriptor"
 

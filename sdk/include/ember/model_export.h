@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ember/export.h"
+#include "ember/types.h"
 
 namespace ember {
 
@@ -40,6 +41,18 @@ class EMBER_SDK_API IExportableModel2 : public IExportableModel {
   // when the data named none or the checkpoint predates them.
   virtual std::vector<std::pair<std::string, std::string>> exported_files_with_classes(
       const std::vector<std::string>& class_names) const = 0;
+};
+
+// IModel::query_interface(kExportedExtraTensorsIid) (SDK 2.24): tensors the other library's layout
+// has and this model does not, written into the export after the model's own, under the names
+// given: zero biases for a GPT-2 built without them (nanoGPT's bias = False), which
+// GPT2LMHeadModel always has; zeros give the same logits. A name the export already holds is
+// refused by the engine in one line.
+inline constexpr const char* kExportedExtraTensorsIid = "ember.IExportedExtraTensors/1";
+class EMBER_SDK_API IExportedExtraTensors {
+ public:
+  virtual ~IExportedExtraTensors() = default;
+  virtual std::vector<NamedTensor> exported_extra_tensors() const = 0;
 };
 
 }  // namespace ember

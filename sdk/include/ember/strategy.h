@@ -203,6 +203,33 @@ class EMBER_SDK_API IShardedModelState {
 };
 inline constexpr const char* kShardedModelStateIid = "ember.IShardedModelState/1";
 
+// Where a tensor of the model takes its value from in IShardedModelStateSelective.
+enum class InitialTensor : int32_t {
+  from_checkpoint = 0,          // the parts hold it with the model's shape, else the load fails
+  own = 1,                      // not read or checked: it keeps its value ([model] init_exclude)
+  from_checkpoint_if_saved = 2, // read where the parts hold it, else it keeps its value (what a
+                                // plugin added to the model, LoRA's adapters: absent from a
+                                // pretraining run's checkpoint, present in a LoRA run's)
+};
+
+// Optional interface (IStrategy::query_interface(kShardedModelStateSelectiveIid), since SDK 2.24):
+// IShardedModelState's restore with each tensor's source chosen. `[model] init_checkpoint` of a
+// sharded directory with `init_exclude` (a new head for other classes keeps this run's initial
+// values) or with a plugin that added tensors (LoRA's adapters, which a pretraining run never had).
+class EMBER_SDK_API IShardedModelStateSelective {
+ public:
+  // load_sharded_model_state, with `pick(name)` (a parameter's or buffer's name as
+  // full_model_state names it) saying where each tensor's value comes from. Collective; every rank
+  // passes the same choice. Throws ember::RunError naming the first tensor that does not fit the
+  // model or that the parts lack where it must come from them.
+  virtual void load_sharded_model_state_selective(int64_t saved_world, const std::function<c10::IValue(int64_t)>& read_part,
+                                                  const std::function<InitialTensor(const std::string&)>& pick) = 0;
+
+ protected:
+  ~IShardedModelStateSelective() = default;
+};
+inline constexpr const char* kShardedModelStateSelectiveIid = "ember.IShardedModelStateSelective/1";
+
 // Capability: IStrategy::query_interface(kCapturableStepIid) != nullptr says that this
 // strategy's backward and optimizer step, on the process count it runs with, do no host work and
 // no collective between forward and the optimizer step (no gradient hooks that leave the device,
