@@ -262,27 +262,100 @@ TEST(LanguageModel, LoraStartsFromAPretrainingCheckpoint) {
   EXPECT_GT((pre.at("transformer.h.0.attn.c_attn.weight") - fresh.at("transformer.h.0.attn.c_attn.weight")).abs().max().item<double>(), 1e-4)
       << "the pretraining moved the weights";
 
-  // The LoRA run's checkpoints keep the frozen base, whose values came from init_checkpoint: a
-  // resume (which does not read init_checkpoint) goes on from them.
-
-  // A LoRA run's checkpoint (adapters trained, the frozen base left out): its adapters are taken.
+  // A LoRA run from init_checkpoint: its checkpoints leave the frozen base out too, recording that
+  // its values came from init_checkpoint, and every load (a resume, which does not read
+  // init_checkpoint; a start from it; export) reads them from there. Resumed, the run goes on
+  // exactly as one that never stopped (the adapters' gradients depend on the base).
   auto trained = lora;
   trained.insert(trained.end(), {"--set", from_pre});
-  auto first = trained;
+  auto first = trained, straight = trained;
   first.insert(first.end(), {"--set", "trainer.max_steps=3"});
   const auto l = run("lora", first);
-  EXPECT_NE(l.err.find("checkpoints keep the 28 frozen parameters (28032 elements) that 'lora' would leave out: their values come from "
-                       "model.init_checkpoint"),
+  EXPECT_NE(l.err.find("checkpoints leave out the 28 frozen parameters (28032 elements), as 'lora' asks: loading one reads them from "
+                       "model.init_checkpoint (" + last("pre").string() + "), which must stay there"),
             std::string::npos)
       << l.err;
+  EXPECT_EQ(weights(last("lora")).count("transformer.h.0.attn.c_attn.weight"), 0u) << "the frozen base was saved";
+  EXPECT_LT(fs::file_size(last("lora")) * 4, fs::file_size(last("pre"))) << "the checkpoint holds more than the adapters";
+  const auto info = run_engine_ok(dir, {"checkpoint", "info", last("lora").string()});
+  EXPECT_NE(info.out.find("frozen weights left out: 28 (loading reads 28 of them from " + last("pre").string() +
+                          ", its run's model.init_checkpoint)\n"),
+            std::string::npos)
+      << info.out;
   trained.insert(trained.end(), {"--set", "trainer.max_steps=5", "--resume", "last"});
   const auto resumed = run("lora", trained);
   EXPECT_NE(resumed.err.find("resumed from"), std::string::npos) << resumed.err;
+  // Without lora the model lacks the adapters: refused, not evaluated as the bare base.
+  const auto bare = run_engine({"validate", "--ckpt", last("lora").string(), "--set", "trainer.accelerator=\"cpu\"", "run.toml"}, dir.path(), {}, 600);
+  EXPECT_EQ(bare.exit_code, 1) << bare.err;
+  EXPECT_NE(bare.err.find("holds 4 tensors this model does not have, e.g. 'transformer.h.0.attn.c_attn.lora_A'"), std::string::npos) << bare.err;
+  straight.insert(straight.end(), {"--set", "trainer.max_steps=5"});
+  run("lora_straight", straight);
+  expect_identical_weights(last("lora"), last("lora_straight"));
+
+  // What init_exclude kept as built is not read from the base: a resume takes it from the model.
+  auto excluded = lora;
+  excluded.insert(excluded.end(), {"--set", from_pre, "--set", "model.init_exclude=[\"transformer.h.1.mlp\"]", "--set", "trainer.max_steps=2"});
+  run("excluded", excluded);
+  const auto excluded_info = run_engine_ok(dir, {"checkpoint", "info", last("excluded").string()});
+  EXPECT_NE(excluded_info.out.find("frozen weights left out: 28 (loading reads 24 of them from " + last("pre").string() +
+                                   ", its run's model.init_checkpoint, the others from the model as it is built)"),
+            std::string::npos)
+      << excluded_info.out;
+  excluded.insert(excluded.end(), {"--set", "trainer.max_steps=3", "--resume", "last"});
+  EXPECT_NE(run("excluded", excluded).err.find("resumed from"), std::string::npos);
+
+  // A LoRA run's checkpoint (adapters trained, the frozen base left out): its adapters are taken,
+  // and the base read from its own base.
   const auto again = run("from_lora", frozen_run({"--set", "model.init_checkpoint=\"" + last("lora").string() + "\""}));
   EXPECT_EQ(again.err.find("which it does not hold"), std::string::npos) << again.err;
   const auto lora_trained = weights(last("lora")), from_lora = weights(last("from_lora"));
   for (const auto& [name, t] : lora_trained) EXPECT_LE((t - from_lora.at(name)).abs().max().item<double>(), 1e-12) << name;
+  for (const auto& [name, t] : pre) EXPECT_LE((t - from_lora.at(name)).abs().max().item<double>(), 1e-12) << name << ": not the pretrained weight";
   EXPECT_GT(from_lora.at("transformer.h.0.attn.c_attn.lora_B").abs().max().item<double>(), 0.0);
+
+  // Two deep: a run from that LoRA checkpoint leaving its base out names the LoRA checkpoint,
+  // whose base is the pretraining run's. Its export (base folded with the adapters) is the one of
+  // the same run that kept the base, tensor for tensor; verify checks the whole chain.
+  auto chain = frozen_run({"--set", "model.init_checkpoint=\"" + last("lora").string() + "\""});
+  chain.insert(chain.end(), {"--set", "lora.save_frozen=false"});
+  run("chain", chain);
+  run_engine_ok(dir, {"export", last("chain").string(), (dir / "chain.safetensors").string()});
+  run_engine_ok(dir, {"export", last("from_lora").string(), (dir / "from_lora.safetensors").string()});
+  {
+    ember::support::SafetensorsFile a((dir / "chain.safetensors").string()), b((dir / "from_lora.safetensors").string());
+    ASSERT_EQ(a.names(), b.names());
+    for (const auto& name : a.names()) EXPECT_TRUE(at::equal(a.tensor(name), b.tensor(name))) << name;
+  }
+  const auto verified = run_engine_ok(dir, {"checkpoint", "verify", last("chain").string()});
+  EXPECT_NE(verified.out.find(last("chain").string() + ": its frozen weights come from " + last("lora").string() + ", checked next"),
+            std::string::npos) << verified.out;
+  EXPECT_NE(verified.out.find(last("lora").string() + ": its frozen weights come from " + last("pre").string() + ", checked next"),
+            std::string::npos) << verified.out;
+
+  // The base gone, or another checkpoint in its place: one line, from every kind of load.
+  const fs::path aside = dir / "pre_aside.ckpt";
+  fs::rename(last("pre"), aside);
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"export", last("chain").string(), (dir / "gone.safetensors").string()},
+           {"checkpoint", "verify", last("lora").string()},
+           {"run.toml", "--set", "trainer.accelerator=\"cpu\"", "--set", "data.shuffle=false", "--set", "trainer.name=\"lora\"", "--plugins",
+            "lora", "--set", "lora.rank=4", "--set", "lora.alpha=8.0", "--set", "trainer.max_steps=6", "--resume", "last"}}) {
+    const auto gone = run_engine(args, dir.path(), {}, 600);
+    EXPECT_NE(gone.exit_code, 0) << args.front();
+    EXPECT_NE(gone.err.find("frozen parameters whose values come from " + last("pre").string() +
+                            " (model.init_checkpoint of the run that wrote it), and that is gone: put it (or a link to it) back there"),
+              std::string::npos)
+        << args.front() << ": " << gone.err;
+  }
+  fs::copy_file(last("fresh"), last("pre"));
+  const auto other = run_engine({"export", last("lora").string(), (dir / "other.safetensors").string()}, dir.path(), {}, 600);
+  EXPECT_NE(other.exit_code, 0);
+  EXPECT_NE(other.err.find("frozen parameters differ in this run from the ones it was trained on"), std::string::npos) << other.err;
+  EXPECT_NE(other.err.find("28 of them come from " + last("pre").string() + ", its run's model.init_checkpoint): put that checkpoint back"),
+            std::string::npos) << other.err;
+  fs::remove(last("pre"));
+  fs::rename(aside, last("pre"));
 
   if (EMBER_TEST_WITH_MPI) {
     const std::vector<std::string> sharded = {"--plugins", "sharded", "--set", "sharded.stage=3", "--set", "trainer.devices=2", "--set",
@@ -293,6 +366,19 @@ TEST(LanguageModel, LoraStartsFromAPretrainingCheckpoint) {
     const fs::path consolidated = dir / "pre_dir.ckpt";
     const auto c = run_engine({"checkpoint", "consolidate", last("pre_dir").string(), consolidated.string()}, dir.path(), {}, 120);
     ASSERT_EQ(c.exit_code, 0) << c.err;
+    // A directory of a bigger model: refused from the names its meta.ckpt keeps, by a start from
+    // it and by a resume alike.
+    for (const std::string& how : {"model.init_checkpoint=\"" + last("pre_dir").string() + "\"", std::string()}) {
+      std::vector<std::string> smaller = {"run.toml", "--set", "trainer.accelerator=\"cpu\"", "--set", "model.layers=1", "--set",
+                                          "trainer.max_steps=4", "--set", "trainer.name=\"smaller\""};
+      smaller.insert(smaller.end(), sharded.begin(), sharded.end());
+      if (how.empty()) smaller.insert(smaller.end(), {"--resume", last("pre_dir").string()});
+      else smaller.insert(smaller.end(), {"--set", how});
+      const auto r = run_engine(smaller, dir.path(), {}, 120);
+      EXPECT_EQ(r.exit_code, 1) << r.err;
+      EXPECT_NE(r.err.find("checkpoint " + last("pre_dir").string()), std::string::npos) << how << ": " << r.err;
+      EXPECT_NE(r.err.find(" tensors this model does not have, e.g. 'transformer.h.1."), std::string::npos) << how << ": " << r.err;
+    }
     auto from_dir = frozen_run({"--set", "model.init_checkpoint=\"" + last("pre_dir").string() + "\""});
     from_dir.insert(from_dir.end(), sharded.begin(), sharded.end());
     const auto d = run("from_dir", from_dir);
@@ -304,5 +390,18 @@ TEST(LanguageModel, LoraStartsFromAPretrainingCheckpoint) {
       else
         EXPECT_LE((t - whole.at(name)).abs().max().item<double>(), 1e-12) << name << ": not the pretrained weight";
     }
+    // A LoRA run from the directory writing files (state_dict_type "full") leaves the base out
+    // too: its resume reads it from the directory (each rank its shards), its export through a
+    // consolidated copy; the fingerprint refuses any other values.
+    auto dir_lora = lora;
+    dir_lora.insert(dir_lora.end(), sharded.begin(), sharded.end());
+    dir_lora.insert(dir_lora.end(), {"--set", "model.init_checkpoint=\"" + last("pre_dir").string() + "\""});
+    auto dir_first = dir_lora;
+    dir_first.insert(dir_first.end(), {"--set", "trainer.max_steps=2"});
+    run("dir_lora", dir_first);
+    EXPECT_EQ(weights(last("dir_lora")).count("transformer.h.0.attn.c_attn.weight"), 0u) << "the frozen base was saved";
+    dir_lora.insert(dir_lora.end(), {"--set", "trainer.max_steps=4", "--resume", "last"});
+    EXPECT_NE(run("dir_lora", dir_lora).err.find("resumed from"), std::string::npos);
+    run_engine_ok(dir, {"export", last("dir_lora").string(), (dir / "dir_lora.safetensors").string()}, 600);
   }
 }

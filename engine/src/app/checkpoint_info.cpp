@@ -171,8 +171,16 @@ int checkpoint_info(const std::string& checkpoint, std::ostream& out) {
     out << "model: in the parts, sharded (`engine checkpoint consolidate` makes one file)\n";
   }
   if (const auto* omitted = entry(d, "omitted_parameters"); omitted != nullptr && omitted->isGenericDict())
-    if (const auto* names = entry(omitted->toGenericDict(), "names"); names != nullptr && names->isList())
-      out << "frozen weights left out: " << names->toList().size() << " (taken from the model when it loads)\n";
+    if (const auto* names = entry(omitted->toGenericDict(), "names"); names != nullptr && names->isList()) {
+      const auto* base = entry(omitted->toGenericDict(), "base");
+      const auto* from_base = entry(omitted->toGenericDict(), "from_base");
+      out << "frozen weights left out: " << names->toList().size();
+      if (base != nullptr && base->isString() && from_base != nullptr && from_base->isList())
+        out << " (loading reads " << from_base->toList().size() << " of them from " << base->toStringRef() << ", its run's model.init_checkpoint"
+            << (from_base->toList().size() == names->toList().size() ? "" : ", the others from the model as it is built") << ")\n";
+      else
+        out << " (taken from the model when it loads)\n";
+    }
   if (const auto* classes = entry(d, "class_names"); classes != nullptr && classes->isList()) {
     const auto names = classes->toList();
     out << "classes (" << names.size() << ", in output order): [";

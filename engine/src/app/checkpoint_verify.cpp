@@ -3,6 +3,8 @@
 // reads as a checkpoint. For a copy between machines or a file left on a scratch disk, checked on
 // a login node without a GPU and in a few MB of memory, before a job is queued to resume from it.
 #include <filesystem>
+#include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -30,9 +32,30 @@ int64_t sharded_world_size(const c10::IValue& meta, const fs::path& file) {
   throw std::runtime_error(file.string() + " has no sharded layout (world_size): not an Ember sharded checkpoint's meta.ckpt");
 }
 
+// The checkpoint a file took the frozen weights it left out from (omitted_parameters' `base`, its
+// run's init_checkpoint), with how many; none for a file that holds them or builds them.
+std::optional<std::pair<std::string, size_t>> base_of(const c10::IValue& skeleton) {
+  if (!skeleton.isGenericDict()) return std::nullopt;
+  const auto d = skeleton.toGenericDict();
+  const auto omitted = d.find(c10::IValue(std::string("omitted_parameters")));
+  if (omitted == d.end() || !omitted->value().isGenericDict()) return std::nullopt;
+  const auto o = omitted->value().toGenericDict();
+  const auto base = o.find(c10::IValue(std::string("base")));
+  const auto from = o.find(c10::IValue(std::string("from_base")));
+  if (base == o.end() || !base->value().isString() || from == o.end() || !from->value().isList() || from->value().toList().empty())
+    return std::nullopt;
+  return std::make_pair(base->value().toStringRef(), from->value().toList().size());
+}
+
+int verify(const std::string& checkpoint, std::ostream& out, int depth);
+
 }  // namespace
 
-int checkpoint_verify(const std::string& checkpoint, std::ostream& out) {
+int checkpoint_verify(const std::string& checkpoint, std::ostream& out) { return verify(checkpoint, out, 0); }
+
+namespace {
+
+int verify(const std::string& checkpoint, std::ostream& out, int depth) {
   std::error_code ec;
   if (!fs::exists(checkpoint, ec))
     throw RunError("engine checkpoint verify: " + checkpoint + " does not exist: name a checkpoint file or a sharded checkpoint directory");
@@ -45,6 +68,7 @@ int checkpoint_verify(const std::string& checkpoint, std::ostream& out) {
   size_t damaged = 0;
   std::string first_problem;
   uint64_t total = 0;
+  std::optional<std::pair<std::string, size_t>> base;
   for (size_t i = 0; i < files.size(); ++i) {
     const fs::path file = files[i];
     try {
@@ -54,6 +78,7 @@ int checkpoint_verify(const std::string& checkpoint, std::ostream& out) {
       if (sharded && i == 0)
         for (int64_t rank = 0, world = sharded_world_size(v.skeleton, file); rank < world; ++rank)
           files.push_back(fs::path(checkpoint) / ("rank" + std::to_string(rank) + ".ckpt"));
+      if (!sharded) base = base_of(v.skeleton);
       total += v.payload_bytes;
       out << file.string() << ": good: " << v.records << " records, " << size_text(v.payload_bytes)
           << ", every CRC32C matches its manifest and the pickle reads"
@@ -71,11 +96,20 @@ int checkpoint_verify(const std::string& checkpoint, std::ostream& out) {
   }
   if (damaged == 0) {
     if (files.size() > 1) out << checkpoint << ": good: all " << files.size() << " files, " << size_text(total) << "\n";
-    return 0;
+    if (!base) return 0;
+    // Loading it reads its base too: that must be there and whole as well.
+    const std::string whose = checkpoint + " leaves out " + std::to_string(base->second) + " frozen parameters whose values come from " +
+                              base->first + " (model.init_checkpoint of the run that wrote it)";
+    if (!fs::exists(base->first, ec))
+      throw RunError("engine checkpoint verify: " + whose + ", and that is gone: put it (or a link to it) back there before loading this one");
+    if (depth >= 8) throw RunError("engine checkpoint verify: " + whose + ", one of more than 8 checkpoints each taking them from the next");
+    out << checkpoint << ": its frozen weights come from " << base->first << ", checked next\n";
+    return verify(base->first, out, depth + 1);
   }
   if (files.size() == 1) throw RunError("engine checkpoint verify: " + first_problem);
   throw RunError("engine checkpoint verify: " + std::to_string(damaged) + " of the " + std::to_string(files.size()) + " files of " +
                  checkpoint + " are bad (listed above); the first: " + first_problem);
 }
 
+}  // namespace
 }  // namespace ember::engine

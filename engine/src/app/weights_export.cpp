@@ -68,17 +68,64 @@ std::vector<std::string> class_names(const c10::impl::GenericDict& checkpoint, c
   return names;
 }
 
-// `state` (a checkpoint's, which left `omitted` out) completed with the model's own values, in the
-// module's order.
-void fill_from_model(std::vector<std::pair<std::string, at::Tensor>>& state, const OmittedParameters& omitted, torch::nn::Module& module,
-                     const std::string& ckpt) {
-  c10::Dict<std::string, at::Tensor> partial;
-  for (const auto& [name, t] : state) partial.insert(name, t);
+void complete_omitted(c10::Dict<std::string, at::Tensor>& state, const OmittedParameters& omitted, torch::nn::Module& module,
+                      const std::string& where, const RunRequest& req, int depth);
+
+// The values of what a checkpoint left out that its record says came from its run's
+// init_checkpoint: read from that checkpoint (a sharded directory made one file first), itself
+// completed where it left some out. A name it does not hold stays the model's own, as its run kept it.
+std::map<std::string, at::Tensor> base_values(const OmittedParameters& omitted, torch::nn::Module& module, const std::string& where,
+                                              const RunRequest& req, int depth) {
+  std::map<std::string, at::Tensor> out;
+  if (omitted.base.empty() || omitted.from_base.empty()) return out;
+  const std::string whose = where + " leaves out " + std::to_string(omitted.from_base.size()) + " frozen parameters whose values come from " +
+                            omitted.base + " (model.init_checkpoint of the run that wrote it)";
+  std::error_code ec;
+  if (!fs::exists(omitted.base, ec))
+    throw UsageError(whose + ", and that is gone: put it (or a link to it) back there; checkpoints that stand alone are written with the "
+                     "frozen weights kept (lora.save_frozen = true)");
+  if (depth >= 8)
+    throw UsageError(whose + ", which takes them from yet another checkpoint, more than 8 deep (does a checkpoint name itself as its base?)");
+  std::optional<ScratchDir> scratch;
+  std::string file = omitted.base;
+  if (!fs::is_regular_file(file, ec)) {
+    if (!is_sharded_checkpoint(file)) throw UsageError(whose + ", which is neither a checkpoint file nor a sharded checkpoint folder");
+    scratch.emplace("ember-export-base" + std::to_string(depth));
+    file = (scratch->path() / "base.ckpt").string();
+    if (consolidate_checkpoint(req, omitted.base, file, /*weights_only=*/true) != 0)
+      throw UsageError(whose + ", a sharded folder that could not be made one file (see above)");
+  }
+  const auto ck = load_checkpoint_file(file);
+  if (!ck.contains("state_dict") || !ck.at("state_dict").isGenericDict()) throw UsageError(whose + ", which holds no model weights");
+  auto state = c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict());
+  if (ck.contains("omitted_parameters"))
+    complete_omitted(state, OmittedParameters::from_ivalue(ck.at("omitted_parameters"), omitted.base), module, omitted.base, req, depth + 1);
+  for (const auto& name : omitted.from_base)
+    if (state.contains(name)) out.emplace(name, state.at(name));
+  return out;
+}
+
+// `state` (a checkpoint's, which left `omitted` out) completed: from its base checkpoint what came
+// from there, the rest from the model as built here; the fingerprint says whether they are the
+// values it was trained with.
+void complete_omitted(c10::Dict<std::string, at::Tensor>& state, const OmittedParameters& omitted, torch::nn::Module& module,
+                      const std::string& where, const RunRequest& req, int depth) {
+  const auto base = base_values(omitted, module, where, req, depth);
   const auto own = module.named_parameters();
-  fill_omitted(partial, omitted, [&](const std::string& name) -> std::optional<at::Tensor> {
+  fill_omitted(state, omitted, [&](const std::string& name) -> std::optional<at::Tensor> {
+    if (auto it = base.find(name); it != base.end()) return it->second;
     if (const auto* t = own.find(name)) return *t;
     return std::nullopt;
-  }, ckpt);
+  }, where);
+}
+
+// `state` (a checkpoint's, which left `omitted` out) completed, in the module's order.
+void fill_from_model(std::vector<std::pair<std::string, at::Tensor>>& state, const OmittedParameters& omitted, torch::nn::Module& module,
+                     const std::string& ckpt, const RunRequest& req) {
+  c10::Dict<std::string, at::Tensor> partial;
+  for (const auto& [name, t] : state) partial.insert(name, t);
+  complete_omitted(partial, omitted, module, ckpt, req, 0);
+  const auto own = module.named_parameters();
   std::vector<std::pair<std::string, at::Tensor>> ordered;
   for (const auto& item : module.named_parameters())
     if (partial.contains(item.key())) ordered.emplace_back(item.key(), partial.at(item.key()));
@@ -156,7 +203,7 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
       for (auto& n : adapters) state.emplace_back(std::move(n.name), std::move(n.tensor));
       note = "peft: PeftModel.from_pretrained(base_model, folder), the base being the model the adapters were trained on";
     }
-    if (omitted && !peft) fill_from_model(state, *omitted, model.object->module(), ckpt);
+    if (omitted && !peft) fill_from_model(state, *omitted, model.object->module(), ckpt, base);
     // The checkpoint must be this module's: same names, same shapes (a changed config or model
     // folder would otherwise export names that do not fit the tensors).
     if (!peft) {

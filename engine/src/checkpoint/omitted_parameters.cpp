@@ -19,7 +19,15 @@ c10::IValue OmittedParameters::to_ivalue() const {
   d.insert("names", n);
   d.insert("dtypes", t);
   d.insert("fingerprint", fingerprint);
-  d.insert("why", std::string("frozen parameters the model builds itself (ember::IFrozenParameters); loading takes them from the model"));
+  if (!base.empty()) {
+    c10::List<std::string> b;
+    for (const auto& name : from_base) b.push_back(name);
+    d.insert("base", base);
+    d.insert("from_base", b);
+  }
+  d.insert("why", std::string(base.empty() ? "frozen parameters the model builds itself (ember::IFrozenParameters); loading takes them from the model"
+                                            : "frozen parameters (ember::IFrozenParameters) whose values came from the run's model.init_checkpoint "
+                                              "('base'); loading reads them from it, and the others from the model as it is built"));
   return d;
 }
 
@@ -41,6 +49,15 @@ OmittedParameters OmittedParameters::from_ivalue(const c10::IValue& v, const std
   }
   if (o.names.size() != o.dtypes.size()) throw RunError(bad);
   o.fingerprint = d.at("fingerprint").toInt();
+  if (d.contains("base")) {
+    if (!d.at("base").isString() || !d.contains("from_base") || !d.at("from_base").isList()) throw RunError(bad);
+    o.base = d.at("base").toStringRef();
+    const std::set<std::string> named(o.names.begin(), o.names.end());
+    for (const auto& e : d.at("from_base").toListRef()) {
+      if (!e.isString() || !named.count(e.toStringRef())) throw RunError(bad);
+      o.from_base.push_back(e.toStringRef());
+    }
+  }
   return o;
 }
 
@@ -90,7 +107,11 @@ void fill_omitted(c10::Dict<std::string, at::Tensor>& state, const OmittedParame
     throw RunError(where + " holds only what was trained (" + std::to_string(state.size()) + " tensors) and its " +
                    std::to_string(omitted.names.size()) + " frozen parameters differ in this run from the ones it was trained on " +
                    "(fingerprint " + hex32(static_cast<uint32_t>(here)) + ", saved " + hex32(static_cast<uint32_t>(omitted.fingerprint)) +
-                   "): use the same base model (model_dir, seed, precision), or train with the frozen weights saved (lora.save_frozen = true)");
+                   (omitted.base.empty()
+                        ? "): use the same base model (model_dir, seed, precision), or train with the frozen weights saved (lora.save_frozen = true)"
+                        : "; " + std::to_string(omitted.from_base.size()) + " of them come from " + omitted.base +
+                              ", its run's model.init_checkpoint): put that checkpoint back as it was, and build the model as that run did "
+                              "(model_dir, seed, precision)"));
   for (const auto& e : mine) state.insert(e.key(), e.value());
 }
 

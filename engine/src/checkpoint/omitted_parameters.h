@@ -1,7 +1,9 @@
 // Checkpoints that leave out frozen parameters (a transform such as LoRA says so:
 // ember::IFrozenParameters): the file's "omitted_parameters" record names them, with their dtypes
 // and one fingerprint of their values, and loading takes them from the model as the loading run
-// built it, refusing a model whose values differ (another base, seed or precision).
+// built it, refusing a model whose values differ (another base, seed or precision). A run that
+// started from [model] init_checkpoint records that checkpoint as their source too (`base`), and
+// loading reads them from it (LitGPT's way: a fine-tune's checkpoints never copy the base).
 #pragma once
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
@@ -19,6 +21,10 @@ struct OmittedParameters {
   std::vector<std::string> names;
   std::vector<c10::ScalarType> dtypes;  // as the saving run held them (its precision's)
   int64_t fingerprint = 0;
+  // Where the values of `from_base` (a subset of `names`) came from: the run's init_checkpoint,
+  // an absolute path. Empty: every one from the model as it is built.
+  std::string base;
+  std::vector<std::string> from_base;
 
   c10::IValue to_ivalue() const;
   // Throws RunError naming `where` for a record that is not one.

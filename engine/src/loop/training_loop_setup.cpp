@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <ember/support/name_patterns.h>
+
 #include "common/log.h"
 #include "loop/training_loop.h"
 #include "runtime/accelerator.h"
@@ -105,20 +107,31 @@ void TrainingLoop::omit_frozen_from_checkpoints(IModel& model) {
       elements += item.value().numel();
     }
   if (names.empty()) return;
-  // Weights from [model] init_checkpoint are not how the model is built: a resume, generate or
-  // export of a checkpoint without them would rebuild other frozen values (and refuse it).
+  // Weights from [model] init_checkpoint are not how the model is built: loading a checkpoint
+  // reads them from that checkpoint (recorded), except those init_exclude kept as built.
   const auto& m = config_.section("model");
-  if (m.has("init_checkpoint") && !m.get_string("init_checkpoint").empty()) {
+  const std::string base = m.has("init_checkpoint") ? m.get_string("init_checkpoint") : std::string();
+  if (base.empty()) {
     if (rank() == 0)
-      log::info("checkpoints keep the " + std::to_string(names.size()) + " frozen parameters (" + std::to_string(elements) +
-                " elements) that '" + asked + "' would leave out: their values come from model.init_checkpoint, which loading a "
-                "checkpoint (a resume, generate, export) does not read");
+      log::info("checkpoints leave out the " + std::to_string(names.size()) + " frozen parameters (" + std::to_string(elements) +
+                " elements), as '" + asked + "' asks: loading one takes them from the model as it is built");
+    runtime_->omit_from_checkpoints(std::move(names));
     return;
   }
+  const NamePatterns exclude(m.get_string_list("init_exclude"), NameRule::module);
+  std::vector<std::string> from_base;
+  for (const auto& name : names)
+    if (!exclude.matches(name)) from_base.push_back(name);
+  std::error_code ec;
+  std::filesystem::path where = std::filesystem::absolute(base, ec);
+  if (ec) where = base;
   if (rank() == 0)
     log::info("checkpoints leave out the " + std::to_string(names.size()) + " frozen parameters (" + std::to_string(elements) +
-              " elements), as '" + asked + "' asks: loading one takes them from the model as it is built");
-  runtime_->omit_from_checkpoints(std::move(names));
+              " elements), as '" + asked + "' asks: loading one reads " +
+              (from_base.size() == names.size() ? std::string("them") : std::to_string(from_base.size()) + " of them") +
+              " from model.init_checkpoint (" + where.lexically_normal().string() + "), which must stay there" +
+              (from_base.size() == names.size() ? "" : ", and the others (init_exclude) from the model as it is built"));
+  runtime_->omit_from_checkpoints(std::move(names), where.lexically_normal().string(), std::move(from_base));
 }
 
 // trainer.activation_checkpointing: handed to the model's units before the first forward; a model

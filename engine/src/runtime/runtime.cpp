@@ -138,6 +138,10 @@ std::shared_ptr<torch::optim::Optimizer> Runtime::setup(IModel& model, IOptimize
   if (!precision_.object) throw RunError("Runtime::setup before set_precision (an engine bug)");
   if (optimizer_) throw RunError("Runtime::setup called twice (an engine bug)");
   auto& strategy = *strategy_.object;
+  // Its tensors' names, whole (before a strategy splits it into stages): what a checkpoint may hold.
+  model_tensors_.clear();
+  for (const auto& p : model.module().named_parameters()) model_tensors_.insert(p.key());
+  for (const auto& b : model.module().named_buffers()) model_tensors_.insert(b.key());
   precision_.object->setup(model.module(), strategy.root_device());
   strategy.setup_module(model);
   auto optimizer = strategy.setup_optimizer(factory);

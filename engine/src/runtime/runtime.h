@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,8 @@ class IConfig;
 }
 
 namespace ember::engine {
+
+struct OmittedParameters;
 
 class Runtime {
  public:
@@ -209,9 +212,15 @@ class Runtime {
   c10::impl::GenericDict load_initial_weights(const std::filesystem::path& path, const std::function<InitialTensor(const std::string&)>& pick,
                                               std::vector<std::string>* kept_absent = nullptr);
   // Checkpoint files written from here on leave out these (frozen) parameters, recording them
-  // (omitted_parameters.h); loading such a file takes them from this run's model. Sharded
-  // directories and `engine checkpoint consolidate` keep everything.
-  void omit_from_checkpoints(std::vector<std::string> names) { omitted_ = std::move(names); }
+  // (omitted_parameters.h); loading such a file takes them from this run's model, or those of
+  // `from_base` from `base` (the run's init_checkpoint, absolute). Sharded directories and
+  // `engine checkpoint consolidate` keep everything. Loading a checkpoint file that left out the
+  // same parameters takes its record's source instead (a resume goes on from what it held).
+  void omit_from_checkpoints(std::vector<std::string> names, std::string base = {}, std::vector<std::string> from_base = {}) {
+    omitted_ = std::move(names);
+    omitted_base_ = std::move(base);
+    omitted_from_base_ = std::move(from_base);
+  }
 
   // ---- identity
   int64_t rank() const { return strategy_.object->rank(); }
@@ -231,8 +240,17 @@ class Runtime {
 
  private:
   // A checkpoint document's model state, with the parameters it left out (omitted_parameters)
-  // filled from this run's own model.
+  // filled from this run's own model, after those its record says came from a base checkpoint
+  // were read from that into the model.
   c10::Dict<std::string, at::Tensor> model_state_of(const c10::impl::GenericDict& ck, const std::string& where);
+  void load_omitted_from_base(const OmittedParameters& omitted, const std::string& where);
+  // Throws RunError naming `where` (if not empty) when `state` holds tensors the model does not have: another
+  // model's (more layers, a plugin's additions), which loading what fits would silently cut down.
+  void refuse_foreign_tensors(const c10::Dict<std::string, at::Tensor>& state, const std::string& where) const;
+  // The same for a sharded directory, from the names its meta.ckpt records.
+  void refuse_foreign_tensors(const c10::impl::GenericDict& sharded_meta, const std::string& where) const;
+  std::set<std::string> model_tensors_;  // the whole model's parameter and buffer names (setup)
+  int base_depth_ = 0;  // bases read within bases (a LoRA run started from another's checkpoint)
   // Declaration order is destruction order reversed: the strategy outlives the precision handler
   // and the optimizer it placed.
   Named<IStrategy> strategy_;
@@ -244,6 +262,8 @@ class Runtime {
   // Frozen parameters checkpoint files leave out, and their fingerprint (computed at the first save).
   std::vector<std::string> omitted_;
   std::optional<int64_t> omitted_fingerprint_;
+  std::string omitted_base_;
+  std::vector<std::string> omitted_from_base_;
   // Rank 0's model state as a checkpoint file holds it: without the omitted parameters, recorded in `ck`.
   c10::Dict<std::string, at::Tensor> saved_model_state(const c10::Dict<std::string, at::Tensor>& state, c10::impl::GenericDict& ck);
   bool launched_ = false, torn_down_ = false;

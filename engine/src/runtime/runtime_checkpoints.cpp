@@ -9,6 +9,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <chrono>
+#include <set>
 
 #include "checkpoint/checkpoint_document.h"
 #include "checkpoint/checkpoint_io.h"
@@ -45,8 +46,22 @@ c10::impl::GenericDict Runtime::sharded_meta(const CheckpointMeta& meta) {
   auto layout = checkpoint_dict();
   layout.insert("world_size", world_size());
   layout.insert("strategy", strategy_.name);
+  // The model's tensor names: a load checks that the parts hold no other model's (the parts'
+  // layouts are the strategy's own).
+  c10::List<std::string> names;
+  for (const auto& name : model_tensors_) names.push_back(name);
+  layout.insert("model_tensors", names);
   ck.insert("sharded", layout);
   return ck;
+}
+
+void Runtime::refuse_foreign_tensors(const c10::impl::GenericDict& sharded_meta, const std::string& where) const {
+  const auto layout = sharded_meta.at("sharded").toGenericDict();
+  if (!layout.contains("model_tensors") || !layout.at("model_tensors").isList()) return;  // (a directory written before the names were kept)
+  c10::Dict<std::string, at::Tensor> names;
+  for (const auto& name : layout.at("model_tensors").toListRef())
+    if (name.isString()) names.insert(name.toStringRef(), at::Tensor());
+  refuse_foreign_tensors(names, where);
 }
 
 ShardedWrite Runtime::sharded_write() {
@@ -79,6 +94,8 @@ c10::Dict<std::string, at::Tensor> Runtime::saved_model_state(const c10::Dict<st
   if (omitted_.empty()) return state;
   OmittedParameters record;
   auto kept = without_omitted(state, omitted_, omitted_fingerprint_, record);
+  record.base = omitted_base_;
+  record.from_base = omitted_from_base_;
   ck.insert("omitted_parameters", record.to_ivalue());
   return kept;
 }
@@ -88,6 +105,7 @@ c10::Dict<std::string, at::Tensor> Runtime::model_state_of(const c10::impl::Gene
   if (ck.contains("omitted_parameters")) {
     // Left out when it was saved (frozen: LoRA's base): this run's own values, gathered.
     const auto omitted = OmittedParameters::from_ivalue(ck.at("omitted_parameters"), where);
+    if (!omitted.base.empty() && !omitted.from_base.empty()) load_omitted_from_base(omitted, where);
     const auto own = strategy_.object->full_model_state(/*rank0_only=*/false);
     fill_omitted(state, omitted, [&](const std::string& name) -> std::optional<at::Tensor> {
       if (!own.contains(name)) return std::nullopt;
@@ -95,6 +113,42 @@ c10::Dict<std::string, at::Tensor> Runtime::model_state_of(const c10::impl::Gene
     }, where);
   }
   return state;
+}
+
+void Runtime::refuse_foreign_tensors(const c10::Dict<std::string, at::Tensor>& state, const std::string& where) const {
+  if (model_tensors_.empty()) return;  // (before setup: nothing to compare with)
+  std::vector<std::string> foreign;
+  for (const auto& e : state)
+    if (!model_tensors_.count(e.key())) foreign.push_back(e.key());
+  if (foreign.empty()) return;
+  throw RunError((where.empty() ? "" : where + " ") + "holds " + std::to_string(foreign.size()) + " tensor" + (foreign.size() == 1 ? "" : "s") +
+                 " this model does not have, e.g. '" + foreign.front() + "': it was saved from another model (other [model] settings, "
+                 "or a plugin that changed the model, such as lora): load it with the settings and plugins it was trained with");
+}
+
+// The frozen values a checkpoint left out because they came from its run's init_checkpoint: that
+// checkpoint (file or sharded directory) is read into the model, those tensors alone (any it left
+// out in turn come from its own base), before they are taken from the model and fingerprinted.
+void Runtime::load_omitted_from_base(const OmittedParameters& omitted, const std::string& where) {
+  const std::string whose = where + " leaves out " + std::to_string(omitted.from_base.size()) + " frozen parameters whose values come from " +
+                            omitted.base + " (model.init_checkpoint of the run that wrote it)";
+  std::error_code ec;
+  if (!std::filesystem::exists(omitted.base, ec))
+    throw RunError(whose + ", and that is gone: put it (or a link to it) back there; checkpoints that stand alone are written with the "
+                   "frozen weights kept (lora.save_frozen = true)");
+  if (base_depth_ >= 8)
+    throw RunError(whose + ", which takes them from yet another checkpoint, more than 8 deep (does a checkpoint name itself as its base?)");
+  const std::set<std::string> from(omitted.from_base.begin(), omitted.from_base.end());
+  ++base_depth_;
+  try {
+    load_initial_weights(omitted.base, [&](const std::string& name) {
+      return from.count(name) ? InitialTensor::from_checkpoint_if_saved : InitialTensor::own;
+    });
+  } catch (const RunError& e) {
+    --base_depth_;
+    throw RunError(whose + ": " + e.what());
+  }
+  --base_depth_;
 }
 
 c10::IValue Runtime::part_callback_states(const std::filesystem::path& dir, int64_t k) {
@@ -131,6 +185,7 @@ c10::impl::GenericDict Runtime::load_initial_weights(const std::filesystem::path
     c10::impl::GenericDict ck = checkpoint_dict();
     try {
       ck = read_sharded_meta(path);
+      refuse_foreign_tensors(ck, "");  // (the catch below names the directory)
       const int64_t saved_world = ck.at("sharded").toGenericDict().at("world_size").toInt();
       auto read_part = [&](int64_t k) { return read_sharded_part(path, k); };
       if (selective != nullptr)
@@ -156,6 +211,7 @@ c10::impl::GenericDict Runtime::load_initial_weights(const std::filesystem::path
   auto ck = load_checkpoint_file(path);
   if (!ck.contains("state_dict")) throw RunError(where + " has no state_dict");
   auto saved = model_state_of(ck, where);
+  refuse_foreign_tensors(saved, where);
   // Every rank takes the same whole state; the strategy keeps its part of it.
   const auto own = strategy_.object->full_model_state(/*rank0_only=*/false);
   c10::Dict<std::string, at::Tensor> state;
@@ -196,6 +252,7 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
   const std::string where = "checkpoint " + path.string();
   if (is_sharded_checkpoint(path)) {
     auto ck = read_sharded_meta(path);
+    refuse_foreign_tensors(ck, where);
     auto layout = ck.at("sharded").toGenericDict();
     const int64_t saved_world = layout.at("world_size").toInt();
     if (!sharded_)
@@ -229,6 +286,15 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
   auto ck = load_checkpoint_file(path);
   if (model != Part::skip && ck.contains("state_dict")) {
     auto state = model_state_of(ck, where);
+    refuse_foreign_tensors(state, where);
+    // A resume's checkpoints go on leaving out what this one left out, from where it took them.
+    if (!omitted_.empty() && ck.contains("omitted_parameters")) {
+      auto record = OmittedParameters::from_ivalue(ck.at("omitted_parameters"), where);
+      if (std::set<std::string>(record.names.begin(), record.names.end()) == std::set<std::string>(omitted_.begin(), omitted_.end())) {
+        omitted_base_ = std::move(record.base);
+        omitted_from_base_ = std::move(record.from_base);
+      }
+    }
     try {
       strategy_.object->load_full_model_state(state);
     } catch (const RunError& e) {

@@ -35,7 +35,7 @@ constexpr EmberConfigKey kKeys[] = {
     ember::key::Int("rank", "8", "Rank r of the update B A.").at_least(1),
     ember::key::Float("alpha", "16.0", "Scale: the update is multiplied by alpha / rank (PEFT's lora_alpha).").above(0.0),
     ember::key::Float("dropout", "0.0", "Dropout on the branch's input while training, in [0, 1) (PEFT's lora_dropout).").at_least(0.0).below(1.0),
-    ember::key::Bool("save_frozen", "false", "Checkpoints also hold the frozen base weights. False: they hold the adapters (and what else trains) only, a fraction of the size; the base comes from the model as it is built (model_dir or the seed), checked by a fingerprint when a checkpoint is loaded."),
+    ember::key::Bool("save_frozen", "false", "Checkpoints also hold the frozen base weights. False: they hold the adapters (and what else trains) only, a fraction of the size; the base comes from the model as it is built (model_dir or the seed), or from [model] init_checkpoint when the run started from one (recorded in the checkpoint, which must stay there), checked by a fingerprint when a checkpoint is loaded."),
     ember::key::StringList("target_modules", "[\"c_attn\", \"q_proj\", \"v_proj\"]", "Layers to adapt: a layer whose name ends with an entry (\"c_attn\", \"mlp.c_fc\", \"q_proj\") or matches it as a regular expression (\"layers\\\\.[0-3]\\\\..*_proj\"). The defaults are PEFT's for GPT-2 (c_attn) and Llama (q_proj, v_proj)."),
 };
 
