@@ -638,4 +638,39 @@ TEST(LanguageModel, BadInputIsOneLineWithTheFix) {
       << too_long.err;
   auto bad_p = run_engine({"generate", "--top-p", "0", "--prompt", "a", "run.toml"}, dir.path());
   EXPECT_EQ(bad_p.exit_code, 2) << bad_p.err;
+  // text_lm holds no test split out by default: `engine test` names the key that would.
+  auto no_test = run_engine({"test", "--ckpt", "last", "run.toml"}, dir.path());
+  EXPECT_EQ(no_test.exit_code, 1) << no_test.err;
+  EXPECT_NE(no_test.err.find("data 'text_lm' has no test batches: its test split is empty; hold one out with data.test_fraction = 0.0 (default)"),
+            std::string::npos)
+      << no_test.err;
+  auto no_limit = run_engine({"test", "--ckpt", "last", "--set", "data.test_fraction=0.1", "--set", "trainer.limit_test_batches=0", "run.toml"},
+                             dir.path());
+  EXPECT_NE(no_limit.err.find("--set trainer.limit_test_batches=0: trainer.limit_test_batches = 0 leaves no test batches: remove it"),
+            std::string::npos)
+      << no_limit.err;
+  run_engine_ok(dir, {"test", "--ckpt", "last", "--set", "data.test_fraction=0.1", "run.toml"});
+  // A checkpoint of a bigger model (or one a plugin added to) is another model's: loading only
+  // what fits would evaluate, resume or start from a model silently cut down.
+  std::string last;  // the 2-step run's (failed runs before it may have taken version numbers)
+  for (const auto& e : fs::directory_iterator(dir / "runs/run"))
+    if (fs::exists(e.path() / "checkpoints/last.ckpt")) last = (e.path() / "checkpoints/last.ckpt").string();
+  ASSERT_FALSE(last.empty());
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"validate", "--ckpt", "last", "--set", "model.layers=1", "run.toml"},
+           {"run.toml", "--set", "model.layers=1", "--set", "trainer.max_steps=3", "--resume", last},
+           {"run.toml", "--set", "model.layers=1", "--set", "trainer.max_steps=1", "--set", "model.init_checkpoint=\"" + last + "\""}}) {
+    auto smaller = run_engine(args, dir.path());
+    EXPECT_EQ(smaller.exit_code, 1) << args.front() << ": " << smaller.err;
+    EXPECT_NE(smaller.err.find("tensors this model does not have, e.g. 'transformer.h.1."), std::string::npos) << smaller.err;
+    EXPECT_NE(smaller.err.find("it was saved from another model (other [model] settings, or a plugin that changed the model, such as lora): "
+                               "load it with the settings and plugins it was trained with"),
+              std::string::npos)
+        << smaller.err;
+  }
+  // A language model does not predict classes: the line names the command that writes its text.
+  auto predict = run_engine({"predict", "--ckpt", "last", "run.toml"}, dir.path());
+  EXPECT_EQ(predict.exit_code, 2) << predict.err;
+  EXPECT_NE(predict.err.find("it is a language model: engine generate --ckpt CKPT --prompt TEXT run.toml writes its text"), std::string::npos)
+      << predict.err;
 }

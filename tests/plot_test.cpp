@@ -98,5 +98,9 @@ TEST(Plot, ExplainsWhatItCannotPlot) {
   r = run_engine({"plot", "ok"}, dir.path());
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("--output FILE.png is required"), std::string::npos) << r.err;
+  r = run_engine({"plot", "ok", "--output", "x.jpg"}, dir.path());
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("plot: --output x.jpg: engine plot writes PNG images: give a file name ending in .png"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(dir / "x.jpg"));
   EXPECT_FALSE(fs::exists(dir / "x.png"));
 }

@@ -136,6 +136,9 @@ bool is_step(const std::string& m) { return m.size() > 5 && m.compare(m.size() -
 int plot_runs(const std::vector<std::string>& run_dirs, const std::string& output, std::ostream& out) {
   if (run_dirs.empty()) throw UsageError("expected `engine plot RUN_DIR... --output FILE.png`");
   if (output.empty()) throw UsageError("plot: --output FILE.png is required");
+  // It draws PNG only: another extension would get PNG bytes under a misleading name.
+  if (!output.ends_with(".png") && !output.ends_with(".PNG"))
+    throw UsageError("plot: --output " + output + ": engine plot writes PNG images: give a file name ending in .png");
   std::vector<Run> runs;
   for (const auto& d : run_dirs) runs.push_back(read_run(d));
   // Two runs with the same name/version_n (from different roots): label them by the path given.

@@ -430,13 +430,35 @@ void TrainingLoop::end_stage() {
   stage_ = Stage::none;
 }
 
+// Why `split` (test or validation) has no batches, with what to change: the trainer's limit where
+// it is 0 or a fraction that rounds to none; else the data's own keys that name that split (a data
+// plugin that holds none out by default: text_lm's test_fraction), with their values and places.
+std::string TrainingLoop::no_batches_error(Split split) const {
+  const bool test = split == Split::test;
+  const std::string what = test ? "test" : "validation", limit = test ? "limit_test_batches" : "limit_val_batches";
+  const auto& t = config_.section("trainer");
+  const double fraction = t.get_float(limit);
+  const std::string head = "data '" + plugins_.data.name + "' has no " + what + " batches";
+  if (fraction == 0.0) return t.where(limit) + ": trainer." + limit + " = 0 leaves no " + what + " batches: remove it, or give a count or fraction above 0";
+  std::string keys;
+  for (const auto& [key, entry] : config_.section("data").entries()) {
+    if (key.find(test ? "test" : "val") == std::string::npos || !entry.value) continue;
+    std::ostringstream value;
+    entry.value->visit([&](const auto& v) { value << v; });
+    keys += (keys.empty() ? "" : ", ") + ("data." + key) + " = " + value.str() + " (" + entry.where + ")";
+  }
+  const std::string split_empty = keys.empty() ? ": its " + what + " split is empty (docs/plugins.md has the data's keys)"
+                                               : ": its " + what + " split is empty; hold one out with " + keys;
+  if (!t.is_integer(limit) && fraction < 1.0)
+    return head + split_empty + ", or trainer." + limit + " = " + std::to_string(fraction) + " (" + t.where(limit) + ") rounds it to none";
+  return head + split_empty;
+}
+
 // One pass over `split` on its own (engine test / validate), returning the metrics it published.
 std::vector<std::pair<std::string, double>> TrainingLoop::evaluate_split(Split split) {
   const bool test = split == Split::test;
   const int64_t batches = plan_->num_batches(split);
-  if (batches == 0)
-    throw RunError("data '" + plugins_.data.name + "' has no " + (test ? "test batches (test split empty, or limit_test_batches = 0)"
-                                                                        : "validation batches (validation split empty, or limit_val_batches = 0)"));
+  if (batches == 0) throw RunError(no_batches_error(split));
   evaluate(split, test ? Stage::test : Stage::validate, batches);
   const std::string prefix = test ? "test" : "val";
   std::vector<std::pair<std::string, double>> out;

@@ -193,6 +193,7 @@ class TrainingLoop final : public ITrainer,
   void validate_during_fit();
   void evaluate(Split split, Stage stage, int64_t max_batches);
   std::vector<std::pair<std::string, double>> evaluate_split(Split split);
+  std::string no_batches_error(Split split) const;
   void setup_cuda_graph();
   void omit_frozen_from_checkpoints(IModel& model);
   void apply_activation_checkpointing(IModel& model);

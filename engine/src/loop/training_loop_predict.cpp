@@ -1,5 +1,6 @@
 // The predict loop (Lightning's trainer.predict): the model's outputs for every sample of a split,
 // written as one CSV row per sample (docs/predict in README's "Using the engine").
+#include <ember/language_model.h>
 #include <ember/predict.h>
 
 #include <ATen/ATen.h>
@@ -36,9 +37,13 @@ int64_t TrainingLoop::predict(Split split, const std::filesystem::path& csv) {
     throw UsageError("engine predict runs on one process, so that every sample is written once and in order: set "
                      "trainer.devices = 1 and trainer.num_nodes = 1");
   auto* predicting = static_cast<IPredictingModel*>(model.query_interface(kPredictingModelIid));
-  if (!predicting)
-    throw RunError("model '" + plugins_.model.name + "' cannot predict: it does not implement ember::IPredictingModel "
-                   "(sdk/include/ember/predict.h)");
+  if (!predicting) {
+    // A language model writes text instead: say which command does.
+    const bool lm = model.query_interface(kCausalLanguageModelIid) != nullptr;
+    throw UsageError("model '" + plugins_.model.name + "' cannot predict: it does not implement ember::IPredictingModel "
+                     "(sdk/include/ember/predict.h)" +
+                     (lm ? std::string("; it is a language model: engine generate --ckpt CKPT --prompt TEXT run.toml writes its text") : ""));
+  }
   const auto* names = static_cast<IPredictionNames*>(data.query_interface(kPredictionNamesIid));
   if (data.size(split) == 0)
     throw RunError("data '" + plugins_.data.name + "' has no " + split_name(split) + " samples to predict (data.predict_split)");
