@@ -12,6 +12,7 @@
 
 #include "app/commands.h"
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint/omitted_parameters.h"
 
 namespace fs = std::filesystem;
 
@@ -98,11 +99,8 @@ int verify(const std::string& checkpoint, std::ostream& out, int depth) {
     if (files.size() > 1) out << checkpoint << ": good: all " << files.size() << " files, " << size_text(total) << "\n";
     if (!base) return 0;
     // Loading it reads its base too: that must be there and whole as well.
-    const std::string whose = checkpoint + " leaves out " + std::to_string(base->second) + " frozen parameters whose values come from " +
-                              base->first + " (model.init_checkpoint of the run that wrote it)";
-    if (!fs::exists(base->first, ec))
-      throw RunError("engine checkpoint verify: " + whose + ", and that is gone: put it (or a link to it) back there before loading this one");
-    if (depth >= 8) throw RunError("engine checkpoint verify: " + whose + ", one of more than 8 checkpoints each taking them from the next");
+    if (const auto why = unreadable_base(checkpoint, base->second, base->first, depth); !why.empty())
+      throw RunError("engine checkpoint verify: " + why);
     out << checkpoint << ": its frozen weights come from " << base->first << ", checked next\n";
     return verify(base->first, out, depth + 1);
   }

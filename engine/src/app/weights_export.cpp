@@ -78,14 +78,9 @@ std::map<std::string, at::Tensor> base_values(const OmittedParameters& omitted, 
                                               const RunRequest& req, int depth) {
   std::map<std::string, at::Tensor> out;
   if (omitted.base.empty() || omitted.from_base.empty()) return out;
-  const std::string whose = where + " leaves out " + std::to_string(omitted.from_base.size()) + " frozen parameters whose values come from " +
-                            omitted.base + " (model.init_checkpoint of the run that wrote it)";
+  if (const auto why = unreadable_base(where, omitted.from_base.size(), omitted.base, depth); !why.empty()) throw UsageError(why);
+  const std::string whose = from_base_text(where, omitted.from_base.size(), omitted.base);
   std::error_code ec;
-  if (!fs::exists(omitted.base, ec))
-    throw UsageError(whose + ", and that is gone: put it (or a link to it) back there; checkpoints that stand alone are written with the "
-                     "frozen weights kept (lora.save_frozen = true)");
-  if (depth >= 8)
-    throw UsageError(whose + ", which takes them from yet another checkpoint, more than 8 deep (does a checkpoint name itself as its base?)");
   std::optional<ScratchDir> scratch;
   std::string file = omitted.base;
   if (!fs::is_regular_file(file, ec)) {

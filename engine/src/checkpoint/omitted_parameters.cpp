@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ember/error.h>
 
+#include <filesystem>
 #include <set>
 
 #include "checkpoint/checkpoint_document.h"
@@ -89,6 +90,22 @@ c10::Dict<std::string, at::Tensor> without_omitted(const c10::Dict<std::string, 
   if (!fingerprint) fingerprint = fingerprint_of(record.names, [&](const std::string& n) { return state.at(n); });
   record.fingerprint = *fingerprint;
   return kept;
+}
+
+std::string from_base_text(const std::string& where, size_t count, const std::string& base) {
+  return where + " leaves out " + std::to_string(count) + " frozen parameters whose values come from " + base +
+         " (model.init_checkpoint of the run that wrote it)";
+}
+
+std::string unreadable_base(const std::string& where, size_t count, const std::string& base, int depth) {
+  std::error_code ec;
+  if (!std::filesystem::exists(base, ec))
+    return from_base_text(where, count, base) + ", and that is gone: put it (or a link to it) back there; checkpoints that stand alone "
+                                                "are written with the frozen weights kept (lora.save_frozen = true)";
+  if (depth >= 8)
+    return from_base_text(where, count, base) +
+           ", which takes them from yet another checkpoint, more than 8 deep (does a checkpoint name itself as its base?)";
+  return {};
 }
 
 void fill_omitted(c10::Dict<std::string, at::Tensor>& state, const OmittedParameters& omitted,

@@ -39,6 +39,13 @@ int64_t fingerprint_of(const std::vector<std::string>& names, const std::functio
 c10::Dict<std::string, at::Tensor> without_omitted(const c10::Dict<std::string, at::Tensor>& state, const std::vector<std::string>& names,
                                                    std::optional<int64_t>& fingerprint, OmittedParameters& record);
 
+// "WHERE leaves out N frozen parameters whose values come from BASE (model.init_checkpoint of the
+// run that wrote it)": how every line about a checkpoint's base starts.
+std::string from_base_text(const std::string& where, size_t count, const std::string& base);
+// Why that base cannot be read `depth` bases deep (it is gone, or the chain of bases is longer than
+// 8: a checkpoint naming itself), as a whole line; empty when it can.
+std::string unreadable_base(const std::string& where, size_t count, const std::string& base, int depth);
+
 // Fills `state` (read from a file that left `omitted` out) with this run's own values, converted
 // to the dtypes the saving run held; `own` returns nothing for a name the model lacks. Throws
 // RunError naming `where` when a name is missing or the values differ from the ones trained on.

@@ -130,14 +130,8 @@ void Runtime::refuse_foreign_tensors(const c10::Dict<std::string, at::Tensor>& s
 // checkpoint (file or sharded directory) is read into the model, those tensors alone (any it left
 // out in turn come from its own base), before they are taken from the model and fingerprinted.
 void Runtime::load_omitted_from_base(const OmittedParameters& omitted, const std::string& where) {
-  const std::string whose = where + " leaves out " + std::to_string(omitted.from_base.size()) + " frozen parameters whose values come from " +
-                            omitted.base + " (model.init_checkpoint of the run that wrote it)";
-  std::error_code ec;
-  if (!std::filesystem::exists(omitted.base, ec))
-    throw RunError(whose + ", and that is gone: put it (or a link to it) back there; checkpoints that stand alone are written with the "
-                   "frozen weights kept (lora.save_frozen = true)");
-  if (base_depth_ >= 8)
-    throw RunError(whose + ", which takes them from yet another checkpoint, more than 8 deep (does a checkpoint name itself as its base?)");
+  if (const auto why = unreadable_base(where, omitted.from_base.size(), omitted.base, base_depth_); !why.empty()) throw RunError(why);
+  const std::string whose = from_base_text(where, omitted.from_base.size(), omitted.base);
   const std::set<std::string> from(omitted.from_base.begin(), omitted.from_base.end());
   ++base_depth_;
   try {
