@@ -357,6 +357,52 @@ TEST(LanguageModel, LoraStartsFromAPretrainingCheckpoint) {
   fs::remove(last("pre"));
   fs::rename(aside, last("pre"));
 
+  // The whole project folder moved (the runs in the same places relative to each other): every
+  // base is found relative to the checkpoint that names it, two deep too, and a resume records
+  // the new place.
+  const fs::path moved = dir / "moved";
+  fs::create_directories(moved);
+  fs::rename(dir / "runs", moved / "runs");
+  // (canonical: the engine resolves a relative base so, whatever links the temporary folder holds)
+  auto now = [&](const std::string& name) { return fs::weakly_canonical(moved / ("runs/" + name + "/version_0/checkpoints/last.ckpt")); };
+  const auto moved_info = run_engine_ok(dir, {"checkpoint", "info", now("lora").string()});
+  EXPECT_NE(moved_info.out.find("frozen weights left out: 28 (loading reads 28 of them from " + now("pre").string() +
+                                ", its run's model.init_checkpoint, found relative to this checkpoint: the folders moved since it was written)"),
+            std::string::npos)
+      << moved_info.out;
+  run_engine_ok(dir, {"export", now("chain").string(), (dir / "chain_moved.safetensors").string()});
+  {
+    ember::support::SafetensorsFile a((dir / "chain.safetensors").string()), b((dir / "chain_moved.safetensors").string());
+    ASSERT_EQ(a.names(), b.names());
+    for (const auto& name : a.names()) EXPECT_TRUE(at::equal(a.tensor(name), b.tensor(name))) << name;
+  }
+  const auto moved_verified = run_engine_ok(dir, {"checkpoint", "verify", now("chain").string()});
+  EXPECT_NE(moved_verified.out.find(now("lora").string() + ": its frozen weights come from " + now("pre").string() +
+                                    " (where it lies relative to it: the folders moved since it was written), checked next"),
+            std::string::npos)
+      << moved_verified.out;
+  auto moved_resume = lora;
+  moved_resume.insert(moved_resume.end(), {"--set", "trainer.max_steps=6", "--resume", now("lora").string()});
+  const auto mr = run("lora_moved", moved_resume);
+  EXPECT_NE(mr.err.find("checkpoint " + now("lora").string() + ": its base is no longer where it was recorded; read from " + now("pre").string()),
+            std::string::npos)
+      << mr.err;
+  const auto resumed_info = run_engine_ok(dir, {"checkpoint", "info", last("lora_moved").string()});
+  EXPECT_NE(resumed_info.out.find("(loading reads 28 of them from " + now("pre").string() + ", its run's model.init_checkpoint)\n"),
+            std::string::npos)
+      << resumed_info.out;
+  // Gone from both places: the line names both.
+  fs::rename(now("pre"), aside);
+  const auto both = run_engine({"checkpoint", "verify", now("lora").string()}, dir.path(), {}, 600);
+  EXPECT_NE(both.exit_code, 0);
+  EXPECT_NE(both.err.find("whose values come from " + last("pre").string() + " (model.init_checkpoint of the run that wrote it), and that is gone "
+                          "(nor is it at " + now("pre").string() + ", where it lay relative to this checkpoint): put it"),
+            std::string::npos)
+      << both.err;
+  fs::rename(aside, now("pre"));
+  fs::rename(dir / "runs", dir / "runs_of_the_moved_resume");
+  fs::rename(moved / "runs", dir / "runs");
+
   if (EMBER_TEST_WITH_MPI) {
     const std::vector<std::string> sharded = {"--plugins", "sharded", "--set", "sharded.stage=3", "--set", "trainer.devices=2", "--set",
                                               "data.batch_size=4", "--set", "sharded.timeout=60.0"};

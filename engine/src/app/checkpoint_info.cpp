@@ -17,6 +17,7 @@
 
 #include "app/commands.h"
 #include "checkpoint/checkpoint_io.h"
+#include "checkpoint/omitted_parameters.h"
 
 namespace fs = std::filesystem;
 
@@ -170,17 +171,20 @@ int checkpoint_info(const std::string& checkpoint, std::ostream& out) {
   } else if (sharded) {
     out << "model: in the parts, sharded (`engine checkpoint consolidate` makes one file)\n";
   }
-  if (const auto* omitted = entry(d, "omitted_parameters"); omitted != nullptr && omitted->isGenericDict())
-    if (const auto* names = entry(omitted->toGenericDict(), "names"); names != nullptr && names->isList()) {
-      const auto* base = entry(omitted->toGenericDict(), "base");
-      const auto* from_base = entry(omitted->toGenericDict(), "from_base");
-      out << "frozen weights left out: " << names->toList().size();
-      if (base != nullptr && base->isString() && from_base != nullptr && from_base->isList())
-        out << " (loading reads " << from_base->toList().size() << " of them from " << base->toStringRef() << ", its run's model.init_checkpoint"
-            << (from_base->toList().size() == names->toList().size() ? "" : ", the others from the model as it is built") << ")\n";
+  if (const auto* omitted = entry(d, "omitted_parameters"); omitted != nullptr) {
+    try {
+      const auto o = OmittedParameters::from_ivalue(*omitted, checkpoint, file);
+      out << "frozen weights left out: " << o.names.size();
+      if (!o.base.empty() && !o.from_base.empty())
+        out << " (loading reads " << o.from_base.size() << " of them from " << o.base << ", its run's model.init_checkpoint"
+            << (o.moved ? ", found relative to this checkpoint: the folders moved since it was written" : "")
+            << (o.from_base.size() == o.names.size() ? "" : ", the others from the model as it is built") << ")\n";
       else
         out << " (taken from the model when it loads)\n";
+    } catch (const RunError& e) {
+      out << "frozen weights left out: ? (" << e.what() << ")\n";
     }
+  }
   if (const auto* classes = entry(d, "class_names"); classes != nullptr && classes->isList()) {
     const auto names = classes->toList();
     out << "classes (" << names.size() << ", in output order): [";

@@ -33,19 +33,21 @@ int64_t sharded_world_size(const c10::IValue& meta, const fs::path& file) {
   throw std::runtime_error(file.string() + " has no sharded layout (world_size): not an Ember sharded checkpoint's meta.ckpt");
 }
 
-// The checkpoint a file took the frozen weights it left out from (omitted_parameters' `base`, its
-// run's init_checkpoint), with how many; none for a file that holds them or builds them.
-std::optional<std::pair<std::string, size_t>> base_of(const c10::IValue& skeleton) {
+// The omitted_parameters record of a file that took the frozen weights it left out from a base
+// (its run's init_checkpoint), that base found from `file`; none for a file that holds them or
+// builds them (or whose record is not one: loading it says so).
+std::optional<OmittedParameters> base_of(const c10::IValue& skeleton, const fs::path& file) {
   if (!skeleton.isGenericDict()) return std::nullopt;
   const auto d = skeleton.toGenericDict();
   const auto omitted = d.find(c10::IValue(std::string("omitted_parameters")));
-  if (omitted == d.end() || !omitted->value().isGenericDict()) return std::nullopt;
-  const auto o = omitted->value().toGenericDict();
-  const auto base = o.find(c10::IValue(std::string("base")));
-  const auto from = o.find(c10::IValue(std::string("from_base")));
-  if (base == o.end() || !base->value().isString() || from == o.end() || !from->value().isList() || from->value().toList().empty())
+  if (omitted == d.end()) return std::nullopt;
+  try {
+    auto o = OmittedParameters::from_ivalue(omitted->value(), file.string(), file);
+    if (o.base.empty() || o.from_base.empty()) return std::nullopt;
+    return o;
+  } catch (const RunError&) {
     return std::nullopt;
-  return std::make_pair(base->value().toStringRef(), from->value().toList().size());
+  }
 }
 
 int verify(const std::string& checkpoint, std::ostream& out, int depth);
@@ -69,7 +71,7 @@ int verify(const std::string& checkpoint, std::ostream& out, int depth) {
   size_t damaged = 0;
   std::string first_problem;
   uint64_t total = 0;
-  std::optional<std::pair<std::string, size_t>> base;
+  std::optional<OmittedParameters> base;
   for (size_t i = 0; i < files.size(); ++i) {
     const fs::path file = files[i];
     try {
@@ -79,7 +81,7 @@ int verify(const std::string& checkpoint, std::ostream& out, int depth) {
       if (sharded && i == 0)
         for (int64_t rank = 0, world = sharded_world_size(v.skeleton, file); rank < world; ++rank)
           files.push_back(fs::path(checkpoint) / ("rank" + std::to_string(rank) + ".ckpt"));
-      if (!sharded) base = base_of(v.skeleton);
+      if (!sharded) base = base_of(v.skeleton, file);
       total += v.payload_bytes;
       out << file.string() << ": good: " << v.records << " records, " << size_text(v.payload_bytes)
           << ", every CRC32C matches its manifest and the pickle reads"
@@ -99,10 +101,10 @@ int verify(const std::string& checkpoint, std::ostream& out, int depth) {
     if (files.size() > 1) out << checkpoint << ": good: all " << files.size() << " files, " << size_text(total) << "\n";
     if (!base) return 0;
     // Loading it reads its base too: that must be there and whole as well.
-    if (const auto why = unreadable_base(checkpoint, base->second, base->first, depth); !why.empty())
-      throw RunError("engine checkpoint verify: " + why);
-    out << checkpoint << ": its frozen weights come from " << base->first << ", checked next\n";
-    return verify(base->first, out, depth + 1);
+    if (const auto why = unreadable_base(checkpoint, *base, depth); !why.empty()) throw RunError("engine checkpoint verify: " + why);
+    out << checkpoint << ": its frozen weights come from " << base->base
+        << (base->moved ? " (where it lies relative to it: the folders moved since it was written)" : "") << ", checked next\n";
+    return verify(base->base, out, depth + 1);
   }
   if (files.size() == 1) throw RunError("engine checkpoint verify: " + first_problem);
   throw RunError("engine checkpoint verify: " + std::to_string(damaged) + " of the " + std::to_string(files.size()) + " files of " +

@@ -78,7 +78,7 @@ std::map<std::string, at::Tensor> base_values(const OmittedParameters& omitted, 
                                               const RunRequest& req, int depth) {
   std::map<std::string, at::Tensor> out;
   if (omitted.base.empty() || omitted.from_base.empty()) return out;
-  if (const auto why = unreadable_base(where, omitted.from_base.size(), omitted.base, depth); !why.empty()) throw UsageError(why);
+  if (const auto why = unreadable_base(where, omitted, depth); !why.empty()) throw UsageError(why);
   const std::string whose = from_base_text(where, omitted.from_base.size(), omitted.base);
   std::error_code ec;
   std::optional<ScratchDir> scratch;
@@ -94,7 +94,8 @@ std::map<std::string, at::Tensor> base_values(const OmittedParameters& omitted, 
   if (!ck.contains("state_dict") || !ck.at("state_dict").isGenericDict()) throw UsageError(whose + ", which holds no model weights");
   auto state = c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict());
   if (ck.contains("omitted_parameters"))
-    complete_omitted(state, OmittedParameters::from_ivalue(ck.at("omitted_parameters"), omitted.base), module, omitted.base, req, depth + 1);
+    complete_omitted(state, OmittedParameters::from_ivalue(ck.at("omitted_parameters"), omitted.base, omitted.base), module, omitted.base,
+                     req, depth + 1);
   for (const auto& name : omitted.from_base)
     if (state.contains(name)) out.emplace(name, state.at(name));
   return out;
@@ -141,7 +142,7 @@ int export_file(const RunRequest& base, const std::string& ckpt, const std::stri
     state.emplace_back(e.key().toStringRef(), e.value().toTensor());
   }
   std::optional<OmittedParameters> omitted;
-  if (checkpoint.contains("omitted_parameters")) omitted = OmittedParameters::from_ivalue(checkpoint.at("omitted_parameters"), ckpt);
+  if (checkpoint.contains("omitted_parameters")) omitted = OmittedParameters::from_ivalue(checkpoint.at("omitted_parameters"), ckpt, ckpt);
 
   // The model, made from the configuration the checkpoint was trained with (--set may change it,
   // e.g. a model folder that moved). A checkpoint of a program's own loop has no model plugin.

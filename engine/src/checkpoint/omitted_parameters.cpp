@@ -25,6 +25,7 @@ c10::IValue OmittedParameters::to_ivalue() const {
     for (const auto& name : from_base) b.push_back(name);
     d.insert("base", base);
     d.insert("from_base", b);
+    if (!base_relative.empty()) d.insert("base_relative", base_relative);
   }
   d.insert("why", std::string(base.empty() ? "frozen parameters the model builds itself (ember::IFrozenParameters); loading takes them from the model"
                                             : "frozen parameters (ember::IFrozenParameters) whose values came from the run's model.init_checkpoint "
@@ -32,7 +33,7 @@ c10::IValue OmittedParameters::to_ivalue() const {
   return d;
 }
 
-OmittedParameters OmittedParameters::from_ivalue(const c10::IValue& v, const std::string& where) {
+OmittedParameters OmittedParameters::from_ivalue(const c10::IValue& v, const std::string& where, const std::filesystem::path& holder) {
   const std::string bad = where + ": its omitted_parameters record is damaged (a foreign or broken checkpoint)";
   if (!v.isGenericDict()) throw RunError(bad);
   const auto d = v.toGenericDict();
@@ -58,8 +59,33 @@ OmittedParameters OmittedParameters::from_ivalue(const c10::IValue& v, const std
       if (!e.isString() || !named.count(e.toStringRef())) throw RunError(bad);
       o.from_base.push_back(e.toStringRef());
     }
+    if (d.contains("base_relative")) {
+      if (!d.at("base_relative").isString()) throw RunError(bad);
+      o.base_relative = d.at("base_relative").toStringRef();
+    }
+    if (!o.base_relative.empty() && !holder.empty()) {
+      std::error_code ec;
+      const auto found = std::filesystem::weakly_canonical(std::filesystem::absolute(holder, ec).parent_path() / o.base_relative, ec);
+      if (!ec) o.beside = found.string();
+      if (!o.beside.empty() && !std::filesystem::exists(o.base, ec) && std::filesystem::exists(o.beside, ec)) {
+        o.base = o.beside;
+        o.moved = true;
+      }
+    }
   }
   return o;
+}
+
+std::string base_relative_to(const std::string& base, const std::vector<std::string>& checkpoints) {
+  if (base.empty() || checkpoints.empty()) return {};
+  std::error_code ec;
+  const auto folder = std::filesystem::absolute(checkpoints.front(), ec).parent_path();
+  if (ec) return {};
+  for (const auto& c : checkpoints)
+    if (std::filesystem::absolute(c, ec).parent_path() != folder) return {};
+  // (weakly_canonical on both sides: `..` then means the same on disk as the path the OS resolves)
+  const auto relative = std::filesystem::relative(base, folder, ec);
+  return ec ? std::string() : relative.string();
 }
 
 int64_t fingerprint_of(const std::vector<std::string>& names, const std::function<at::Tensor(const std::string&)>& tensor_of) {
@@ -97,13 +123,18 @@ std::string from_base_text(const std::string& where, size_t count, const std::st
          " (model.init_checkpoint of the run that wrote it)";
 }
 
-std::string unreadable_base(const std::string& where, size_t count, const std::string& base, int depth) {
+std::string unreadable_base(const std::string& where, const OmittedParameters& omitted, int depth) {
   std::error_code ec;
-  if (!std::filesystem::exists(base, ec))
-    return from_base_text(where, count, base) + ", and that is gone: put it (or a link to it) back there; checkpoints that stand alone "
-                                                "are written with the frozen weights kept (lora.save_frozen = true)";
+  const size_t count = omitted.from_base.size();
+  if (!std::filesystem::exists(omitted.base, ec))
+    return from_base_text(where, count, omitted.base) + ", and that is gone" +
+           (omitted.beside.empty() || omitted.beside == omitted.base
+                ? std::string()
+                : " (nor is it at " + omitted.beside + ", where it lay relative to this checkpoint)") +
+           ": put it (or a link to it) back there; checkpoints that stand alone are written with the frozen weights kept "
+           "(lora.save_frozen = true)";
   if (depth >= 8)
-    return from_base_text(where, count, base) +
+    return from_base_text(where, count, omitted.base) +
            ", which takes them from yet another checkpoint, more than 8 deep (does a checkpoint name itself as its base?)";
   return {};
 }

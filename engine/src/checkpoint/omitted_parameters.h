@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <optional>
 #include <string>
@@ -25,11 +26,24 @@ struct OmittedParameters {
   // an absolute path. Empty: every one from the model as it is built.
   std::string base;
   std::vector<std::string> from_base;
+  // The same checkpoint relative to the folder of the checkpoint holding the record (written when
+  // both are known): a project folder that moved or was copied elsewhere whole, its checkpoints in
+  // the same places relative to each other, still finds its base.
+  std::string base_relative;
+  // Read back with the holder's path: `base_relative` resolved against its folder, and whether
+  // `base` was replaced by it because the recorded path is gone and this one is there.
+  std::string beside;
+  bool moved = false;
 
   c10::IValue to_ivalue() const;
-  // Throws RunError naming `where` for a record that is not one.
-  static OmittedParameters from_ivalue(const c10::IValue& v, const std::string& where);
+  // Throws RunError naming `where` for a record that is not one. `holder`: the checkpoint file the
+  // record came from, against which a relative base is found when the recorded one is gone.
+  static OmittedParameters from_ivalue(const c10::IValue& v, const std::string& where, const std::filesystem::path& holder = {});
 };
+
+// `base` relative to the folder every one of `checkpoints` is written in (empty when they are in
+// different folders, or no relative path leads there).
+std::string base_relative_to(const std::string& base, const std::vector<std::string>& checkpoints);
 
 // A CRC32C over the names, shapes and float32 values of `names`, each from `tensor_of`.
 int64_t fingerprint_of(const std::vector<std::string>& names, const std::function<at::Tensor(const std::string&)>& tensor_of);
@@ -42,9 +56,10 @@ c10::Dict<std::string, at::Tensor> without_omitted(const c10::Dict<std::string, 
 // "WHERE leaves out N frozen parameters whose values come from BASE (model.init_checkpoint of the
 // run that wrote it)": how every line about a checkpoint's base starts.
 std::string from_base_text(const std::string& where, size_t count, const std::string& base);
-// Why that base cannot be read `depth` bases deep (it is gone, or the chain of bases is longer than
-// 8: a checkpoint naming itself), as a whole line; empty when it can.
-std::string unreadable_base(const std::string& where, size_t count, const std::string& base, int depth);
+// Why the record's base cannot be read `depth` bases deep (it is gone, from where it was recorded
+// and from beside its holder alike, or the chain of bases is longer than 8: a checkpoint naming
+// itself), as a whole line; empty when it can.
+std::string unreadable_base(const std::string& where, const OmittedParameters& omitted, int depth);
 
 // Fills `state` (read from a file that left `omitted` out) with this run's own values, converted
 // to the dtypes the saving run held; `own` returns nothing for a name the model lacks. Throws

@@ -129,7 +129,7 @@ void TrainingLoop::omit_frozen_from_checkpoints(IModel& model) {
     log::info("checkpoints leave out the " + std::to_string(names.size()) + " frozen parameters (" + std::to_string(elements) +
               " elements), as '" + asked + "' asks: loading one reads " +
               (from_base.size() == names.size() ? std::string("them") : std::to_string(from_base.size()) + " of them") +
-              " from model.init_checkpoint (" + where.lexically_normal().string() + "), which must stay there" +
+              " from model.init_checkpoint (" + where.lexically_normal().string() + "), which must stay there (or move together with these checkpoints)" +
               (from_base.size() == names.size() ? "" : ", and the others (init_exclude) from the model as it is built"));
   runtime_->omit_from_checkpoints(std::move(names), where.lexically_normal().string(), std::move(from_base));
 }

@@ -242,11 +242,14 @@ class Runtime {
   // A checkpoint document's model state, with the parameters it left out (omitted_parameters)
   // filled from this run's own model, after those its record says came from a base checkpoint
   // were read from that into the model.
-  c10::Dict<std::string, at::Tensor> model_state_of(const c10::impl::GenericDict& ck, const std::string& where);
+  // `record`, when asked for: the file's omitted_parameters record (its base found from `path`).
+  c10::Dict<std::string, at::Tensor> model_state_of(const c10::impl::GenericDict& ck, const std::filesystem::path& path,
+                                                    std::optional<OmittedParameters>* record = nullptr);
   void load_omitted_from_base(const OmittedParameters& omitted, const std::string& where);
   // Throws RunError naming `where` (if not empty) when `state` holds tensors the model does not have: another
   // model's (more layers, a plugin's additions), which loading what fits would silently cut down.
   void refuse_foreign_tensors(const c10::Dict<std::string, at::Tensor>& state, const std::string& where) const;
+  void refuse_foreign_tensors(const std::vector<std::string>& names, const std::string& where) const;
   // The same for a sharded directory, from the names its meta.ckpt records.
   void refuse_foreign_tensors(const c10::impl::GenericDict& sharded_meta, const std::string& where) const;
   std::set<std::string> model_tensors_;  // the whole model's parameter and buffer names (setup)
@@ -264,8 +267,10 @@ class Runtime {
   std::optional<int64_t> omitted_fingerprint_;
   std::string omitted_base_;
   std::vector<std::string> omitted_from_base_;
-  // Rank 0's model state as a checkpoint file holds it: without the omitted parameters, recorded in `ck`.
-  c10::Dict<std::string, at::Tensor> saved_model_state(const c10::Dict<std::string, at::Tensor>& state, c10::impl::GenericDict& ck);
+  // Rank 0's model state as a checkpoint file holds it: without the omitted parameters, recorded in
+  // `ck` (the base also relative to the folder of `paths`, the files it is written to).
+  c10::Dict<std::string, at::Tensor> saved_model_state(const c10::Dict<std::string, at::Tensor>& state, c10::impl::GenericDict& ck,
+                                                       const std::vector<std::string>& paths);
   bool launched_ = false, torn_down_ = false;
   // The background save started and not yet settled (the same on every rank).
   struct PendingSave {

@@ -58,9 +58,9 @@ c10::impl::GenericDict Runtime::sharded_meta(const CheckpointMeta& meta) {
 void Runtime::refuse_foreign_tensors(const c10::impl::GenericDict& sharded_meta, const std::string& where) const {
   const auto layout = sharded_meta.at("sharded").toGenericDict();
   if (!layout.contains("model_tensors") || !layout.at("model_tensors").isList()) return;  // (a directory written before the names were kept)
-  c10::Dict<std::string, at::Tensor> names;
+  std::vector<std::string> names;
   for (const auto& name : layout.at("model_tensors").toListRef())
-    if (name.isString()) names.insert(name.toStringRef(), at::Tensor());
+    if (name.isString()) names.push_back(name.toStringRef());
   refuse_foreign_tensors(names, where);
 }
 
@@ -84,27 +84,32 @@ void Runtime::save_checkpoint(const std::string& path, bool with_model, bool wit
   }
   save_full(with_model, with_optimizer, [&](const c10::Dict<std::string, at::Tensor>& model, const std::string& optimizer) {
     auto ck = meta();
-    if (with_model) ck.insert("state_dict", saved_model_state(model, ck));
+    if (with_model) ck.insert("state_dict", saved_model_state(model, ck, {path}));
     if (with_optimizer) ck.insert("optimizer", bytes_tensor(optimizer));
     save_checkpoint_file(path, ck);
   }, "checkpoint " + path);
 }
 
-c10::Dict<std::string, at::Tensor> Runtime::saved_model_state(const c10::Dict<std::string, at::Tensor>& state, c10::impl::GenericDict& ck) {
+c10::Dict<std::string, at::Tensor> Runtime::saved_model_state(const c10::Dict<std::string, at::Tensor>& state, c10::impl::GenericDict& ck,
+                                                              const std::vector<std::string>& paths) {
   if (omitted_.empty()) return state;
   OmittedParameters record;
   auto kept = without_omitted(state, omitted_, omitted_fingerprint_, record);
   record.base = omitted_base_;
   record.from_base = omitted_from_base_;
+  record.base_relative = base_relative_to(omitted_base_, paths);
   ck.insert("omitted_parameters", record.to_ivalue());
   return kept;
 }
 
-c10::Dict<std::string, at::Tensor> Runtime::model_state_of(const c10::impl::GenericDict& ck, const std::string& where) {
+c10::Dict<std::string, at::Tensor> Runtime::model_state_of(const c10::impl::GenericDict& ck, const std::filesystem::path& path,
+                                                           std::optional<OmittedParameters>* record) {
+  const std::string where = "checkpoint " + path.string();
   auto state = c10::impl::toTypedDict<std::string, at::Tensor>(ck.at("state_dict").toGenericDict());
   if (ck.contains("omitted_parameters")) {
     // Left out when it was saved (frozen: LoRA's base): this run's own values, gathered.
-    const auto omitted = OmittedParameters::from_ivalue(ck.at("omitted_parameters"), where);
+    const auto omitted = OmittedParameters::from_ivalue(ck.at("omitted_parameters"), where, path);
+    if (record != nullptr) *record = omitted;
     if (!omitted.base.empty() && !omitted.from_base.empty()) load_omitted_from_base(omitted, where);
     const auto own = strategy_.object->full_model_state(/*rank0_only=*/false);
     fill_omitted(state, omitted, [&](const std::string& name) -> std::optional<at::Tensor> {
@@ -116,10 +121,16 @@ c10::Dict<std::string, at::Tensor> Runtime::model_state_of(const c10::impl::Gene
 }
 
 void Runtime::refuse_foreign_tensors(const c10::Dict<std::string, at::Tensor>& state, const std::string& where) const {
+  std::vector<std::string> names;
+  for (const auto& e : state) names.push_back(e.key());
+  refuse_foreign_tensors(names, where);
+}
+
+void Runtime::refuse_foreign_tensors(const std::vector<std::string>& names, const std::string& where) const {
   if (model_tensors_.empty()) return;  // (before setup: nothing to compare with)
   std::vector<std::string> foreign;
-  for (const auto& e : state)
-    if (!model_tensors_.count(e.key())) foreign.push_back(e.key());
+  for (const auto& name : names)
+    if (!model_tensors_.count(name)) foreign.push_back(name);
   if (foreign.empty()) return;
   throw RunError((where.empty() ? "" : where + " ") + "holds " + std::to_string(foreign.size()) + " tensor" + (foreign.size() == 1 ? "" : "s") +
                  " this model does not have, e.g. '" + foreign.front() + "': it was saved from another model (other [model] settings, "
@@ -130,8 +141,11 @@ void Runtime::refuse_foreign_tensors(const c10::Dict<std::string, at::Tensor>& s
 // checkpoint (file or sharded directory) is read into the model, those tensors alone (any it left
 // out in turn come from its own base), before they are taken from the model and fingerprinted.
 void Runtime::load_omitted_from_base(const OmittedParameters& omitted, const std::string& where) {
-  if (const auto why = unreadable_base(where, omitted.from_base.size(), omitted.base, base_depth_); !why.empty()) throw RunError(why);
+  if (const auto why = unreadable_base(where, omitted, base_depth_); !why.empty()) throw RunError(why);
   const std::string whose = from_base_text(where, omitted.from_base.size(), omitted.base);
+  if (omitted.moved && rank() == 0)
+    log::info(where + ": its base is no longer where it was recorded; read from " + omitted.base +
+              ", where it lies relative to this checkpoint as it did (the folders moved together)");
   const std::set<std::string> from(omitted.from_base.begin(), omitted.from_base.end());
   ++base_depth_;
   try {
@@ -204,7 +218,7 @@ c10::impl::GenericDict Runtime::load_initial_weights(const std::filesystem::path
   }
   auto ck = load_checkpoint_file(path);
   if (!ck.contains("state_dict")) throw RunError(where + " has no state_dict");
-  auto saved = model_state_of(ck, where);
+  auto saved = model_state_of(ck, path);
   refuse_foreign_tensors(saved, where);
   // Every rank takes the same whole state; the strategy keeps its part of it.
   const auto own = strategy_.object->full_model_state(/*rank0_only=*/false);
@@ -279,15 +293,15 @@ c10::impl::GenericDict Runtime::load_checkpoint(const std::filesystem::path& pat
   }
   auto ck = load_checkpoint_file(path);
   if (model != Part::skip && ck.contains("state_dict")) {
-    auto state = model_state_of(ck, where);
+    std::optional<OmittedParameters> record;
+    auto state = model_state_of(ck, path, &record);
     refuse_foreign_tensors(state, where);
-    // A resume's checkpoints go on leaving out what this one left out, from where it took them.
-    if (!omitted_.empty() && ck.contains("omitted_parameters")) {
-      auto record = OmittedParameters::from_ivalue(ck.at("omitted_parameters"), where);
-      if (std::set<std::string>(record.names.begin(), record.names.end()) == std::set<std::string>(omitted_.begin(), omitted_.end())) {
-        omitted_base_ = std::move(record.base);
-        omitted_from_base_ = std::move(record.from_base);
-      }
+    // A resume's checkpoints go on leaving out what this one left out, from where it took them
+    // (where it lies now, if the folders moved).
+    if (!omitted_.empty() && record &&
+        std::set<std::string>(record->names.begin(), record->names.end()) == std::set<std::string>(omitted_.begin(), omitted_.end())) {
+      omitted_base_ = std::move(record->base);
+      omitted_from_base_ = std::move(record->from_base);
     }
     try {
       strategy_.object->load_full_model_state(state);
@@ -360,7 +374,7 @@ void Runtime::save_checkpoint_async(const std::vector<std::string>& paths, bool 
       try {
         auto ck = host_snapshot(c10::IValue(meta())).toGenericDict();
         if (with_model) {
-          c10::IValue state(saved_model_state(model_state, ck));
+          c10::IValue state(saved_model_state(model_state, ck, paths));
           model_state = c10::Dict<std::string, at::Tensor>();  // `state` alone holds the gathered copies now
           ck.insert("state_dict", live != nullptr ? host_snapshot(state) : take_host_snapshot(std::move(state), &taken_bytes));
         }
